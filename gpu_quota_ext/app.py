@@ -1,0 +1,153 @@
+"""The server extension: configuration traits and wiring, nothing else.
+
+Every setting can come from an environment variable (what JupyterHub spawners set per user); config
+files and the command line override it. Invalid values stop the server at start with one line naming
+the setting and the value: a quota extension that failed to load would let kernels start uncapped.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Any as AnyTrait
+from traitlets import TraitError, Type, Unicode, default
+
+from .devices import DeviceInventory, NvmlInventory
+from .handlers import HANDLERS
+from .policy import PolicyError, build_policy
+from .provisioner import SETTINGS_KEY
+from .service import QuotaService
+
+PROVISIONER_NAME = "gpu-quota-provisioner"
+
+
+def _env(name: str, fallback):
+    return os.environ.get(name, fallback)
+
+
+class GpuQuota(ExtensionApp):
+    """GPU memory caps for every kernel of this server (config section `c.GpuQuota`)."""
+
+    name = "gpu_quota_ext"
+    load_other_extensions = True
+
+    default_cap = Unicode(
+        help="""Cap every kernel gets at start, on each GPU it is given: a fraction of the device
+        ("0.25"), a percentage ("25%"), a size ("12GiB", "12GB") or bytes. Default: $GPU_QUOTA_DEFAULT_CAP or "0.25".""",
+    ).tag(config=True)
+
+    @default("default_cap")
+    def _default_cap(self):
+        return _env("GPU_QUOTA_DEFAULT_CAP", "0.25")
+
+    max_cap = Unicode(
+        help="""The most a kernel may ask for later with %gpucap or the API, same forms as default_cap.
+        Default: $GPU_QUOTA_MAX_CAP or "1.0" (users may opt into the whole device).""",
+    ).tag(config=True)
+
+    @default("max_cap")
+    def _default_max_cap(self):
+        return _env("GPU_QUOTA_MAX_CAP", "1.0")
+
+    caps = AnyTrait(
+        default_value=[],
+        help="""Rules that give some kernels another cap, first match wins: a list of dicts with keys
+        'user' and 'kernelspec' (glob patterns, default '*'), 'cap', and optional 'max_cap' and 'devices'
+        (how many GPUs the kernel gets, default 1). Or a callable (user, kernelspec) -> cap, rule dict or None.""",
+    ).tag(config=True)
+
+    overcommit = AnyTrait(
+        help="""Admission control: each device's budget is its memory x overcommit; a kernel whose cap does
+        not fit on any device is handled by on_full. None = no admission control (never blocks a start).
+        Default: $GPU_QUOTA_OVERCOMMIT or None.""",
+    ).tag(config=True)
+
+    @default("overcommit")
+    def _default_overcommit(self):
+        return _env("GPU_QUOTA_OVERCOMMIT", None)
+
+    placement = Unicode(
+        help="""Which GPU a kernel is put on (through CUDA_VISIBLE_DEVICES): "spread" (the least granted),
+        "pack" (fill GPU 0 first) or "none" (the kernel sees every GPU, capped on each). Default: $GPU_QUOTA_PLACEMENT or "spread".""",
+    ).tag(config=True)
+
+    @default("placement")
+    def _default_placement(self):
+        return _env("GPU_QUOTA_PLACEMENT", "spread")
+
+    on_full = Unicode(
+        help="""When no device has budget left: "refuse" (the start fails with a clear message) or
+        "cpu-only" (the kernel starts with no GPU visible). Default: $GPU_QUOTA_ON_FULL or "cpu-only".""",
+    ).tag(config=True)
+
+    @default("on_full")
+    def _default_on_full(self):
+        return _env("GPU_QUOTA_ON_FULL", "cpu-only")
+
+    on_over_max = Unicode(
+        help="""A cap request above max_cap or the device's budget: "clamp" (grant the most allowed) or
+        "refuse". Default: $GPU_QUOTA_ON_OVER_MAX or "clamp".""",
+    ).tag(config=True)
+
+    @default("on_over_max")
+    def _default_on_over_max(self):
+        return _env("GPU_QUOTA_ON_OVER_MAX", "clamp")
+
+    inventory_class = Type(
+        default_value=NvmlInventory,
+        klass=DeviceInventory,
+        help="""Where the list of GPUs comes from: NVML (default) or
+        gpu_quota_ext.devices.StaticInventory with c.StaticInventory.devices (tests, demos without a GPU).""",
+    ).tag(config=True)
+
+    def _link_jupyter_server_extension(self, serverapp):
+        try:
+            super()._link_jupyter_server_extension(serverapp)
+        except TraitError as error:
+            self._stop_server(str(error))
+
+    def initialize_settings(self):
+        try:
+            policy = build_policy(
+                self.default_cap,
+                self.max_cap,
+                self.caps,
+                self.overcommit,
+                self.placement,
+                self.on_full,
+                self.on_over_max,
+            )
+            inventory = self.inventory_class(parent=self)
+            devices = inventory.list_devices()
+        except (PolicyError, TraitError) as error:
+            self._stop_server(str(error))
+        service = QuotaService(
+            policy,
+            devices,
+            api_url=self._api_url,
+            no_gpu_reason=inventory.problem,
+        )
+        self.settings[SETTINGS_KEY] = service
+        # Every kernelspec without a provisioner stanza of its own now starts through our hook.
+        KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
+        self.log.info(
+            "gpu-quota-ext: default_cap %s, max_cap %s, placement %s, on_full %s, overcommit %s, %d GPU(s)",
+            policy.default_cap, policy.max_cap, policy.placement, policy.on_full, policy.overcommit, len(devices),
+        )
+
+    def initialize_handlers(self):
+        self.handlers.extend(HANDLERS)
+
+    def _api_url(self):
+        # Kernels run on this machine: they reach the server on loopback even when it listens elsewhere.
+        app = self.serverapp
+        if app is None or getattr(app, "sock", ""):
+            return None
+        return f"{'https' if app.certfile else 'http'}://127.0.0.1:{app.port}{app.base_url}"
+
+    def _stop_server(self, message: str) -> None:
+        # SystemExit is the one exception jupyter_server does not swallow while loading extensions;
+        # Python prints its message, one line, on stderr and exits with status 1.
+        raise SystemExit(f"gpu-quota-ext: invalid configuration: {message}")

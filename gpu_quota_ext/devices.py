@@ -1,0 +1,207 @@
+"""GPU inventory: which devices this server may place kernels on, and how big each is.
+
+Two backends behind one small interface: NVML (the real machine) and a static list from config (tests,
+demos on machines without a GPU). `CUDA_VISIBLE_DEVICES` of the server narrows what NVML reports, the
+way CUDA itself would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from traitlets import List as ListTrait
+from traitlets.config import LoggingConfigurable
+
+from .policy import PolicyError, parse_cap
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU as the server sees it. `index` is its position in the server's visible list."""
+
+    index: int
+    name: str
+    uuid: str
+    total: int  # bytes, as NVML (or the static config) reports
+    nvml_index: Optional[int] = None
+
+    @property
+    def cuda_id(self) -> str:
+        """What to write into a kernel's CUDA_VISIBLE_DEVICES: the UUID when known (order-proof)."""
+        return self.uuid if self.uuid.startswith(("GPU-", "MIG-")) else str(self.nvml_index if self.nvml_index is not None else self.index)
+
+
+def parse_cuda_visible_devices(value: Optional[str]) -> Optional[List[str]]:
+    """`CUDA_VISIBLE_DEVICES` as CUDA reads it: None when unset (all devices), else the entries it keeps.
+
+    CUDA stops at the first invalid entry ("0,1,-1,2" is "0,1"); an empty string hides every device.
+    Entries are indexes ("1"), UUIDs ("GPU-8f3c…", prefixes allowed) or MIG instances ("MIG-…").
+    """
+    if value is None:
+        return None
+    entries: List[str] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not entry:
+            break
+        if entry.isdigit() or entry.startswith(("GPU-", "MIG-")):
+            entries.append(entry)
+            continue
+        break  # "-1", "none", garbage: CUDA ignores it and everything after it
+    return entries
+
+
+def select_visible(devices: Sequence[Device], visible: Optional[List[str]]) -> List[Device]:
+    """The devices that `visible` (from parse_cuda_visible_devices) keeps, in its order, re-indexed."""
+    if visible is None:
+        chosen = list(devices)
+    else:
+        chosen = []
+        for entry in visible:
+            match = _match_entry(devices, entry)
+            if match is None:
+                break  # CUDA: an entry that names no device ends the list
+            if match not in chosen:
+                chosen.append(match)
+    return [
+        Device(index=i, name=d.name, uuid=d.uuid, total=d.total, nvml_index=d.nvml_index)
+        for i, d in enumerate(chosen)
+    ]
+
+
+def _match_entry(devices: Sequence[Device], entry: str) -> Optional[Device]:
+    if entry.isdigit():
+        wanted = int(entry)
+        for device in devices:
+            if (device.nvml_index if device.nvml_index is not None else device.index) == wanted:
+                return device
+        return None
+    prefix_matches = [d for d in devices if d.uuid.startswith(entry)]
+    return prefix_matches[0] if len(prefix_matches) == 1 else None
+
+
+class DeviceInventory(LoggingConfigurable):
+    """The interface: `list_devices()` lists the GPUs this server may use; [] means "no GPU"."""
+
+    def list_devices(self) -> List[Device]:
+        raise NotImplementedError
+
+    @property
+    def problem(self) -> Optional[str]:
+        """Why there are no devices, in one line, or None."""
+        return None
+
+
+class StaticInventory(DeviceInventory):
+    """Devices written in config, for tests and GPU-less demos:
+
+        c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+        c.StaticInventory.devices = [{"name": "Demo GPU", "total": "80GiB"}, {"total": "80GiB"}]
+    """
+
+    devices = ListTrait(
+        default_value=[],
+        help="Devices of this static inventory: dicts with 'total' (bytes or '80GiB'), optional 'name', 'uuid'.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._devices = parse_static_devices(self.devices)
+
+    def list_devices(self) -> List[Device]:
+        return list(self._devices)
+
+    @property
+    def problem(self) -> Optional[str]:
+        return None if self._devices else "no GPU: the static inventory lists no devices"
+
+
+def parse_static_devices(entries) -> List[Device]:
+    if not isinstance(entries, (list, tuple)):
+        raise PolicyError(f"c.StaticInventory.devices = {entries!r}: must be a list of dicts")
+    devices = []
+    for i, entry in enumerate(entries):
+        where = f"c.StaticInventory.devices[{i}]"
+        if not isinstance(entry, dict) or "total" not in entry:
+            raise PolicyError(f"{where} = {entry!r}: must be a dict with 'total', e.g. {{'total': '80GiB'}}")
+        try:
+            spec = parse_cap(entry["total"])
+        except PolicyError as error:
+            raise PolicyError(f"{where}['total']: {error}") from None
+        if spec.nbytes is None:
+            raise PolicyError(f"{where}['total'] = {entry['total']!r}: a device's memory is a size, not a fraction")
+        # No "GPU-" prefix by default: a static device is named by index in CUDA_VISIBLE_DEVICES.
+        uuid = str(entry.get("uuid", f"static-{i}"))
+        devices.append(Device(index=i, name=str(entry.get("name", "Static GPU")), uuid=uuid, total=spec.nbytes, nvml_index=i))
+    return devices
+
+
+class NvmlInventory(DeviceInventory):
+    """The machine's GPUs through NVML (nvidia-ml-py). No library, no driver: no devices, said once."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._devices: Optional[List[Device]] = None
+        self._problem: Optional[str] = None
+
+    @property
+    def problem(self) -> Optional[str]:
+        self.list_devices()
+        return self._problem
+
+    def list_devices(self) -> List[Device]:
+        # Device totals do not change while the server runs: read NVML once.
+        if self._devices is None:
+            found, self._problem = read_nvml_devices()
+            visible = parse_cuda_visible_devices(_server_env("CUDA_VISIBLE_DEVICES"))
+            self._devices = select_visible(found, visible)
+            if self._problem:
+                self.log.warning("gpu-quota-ext: %s; kernels start without GPU caps", self._problem)
+            elif not self._devices:
+                self._problem = "no GPU: CUDA_VISIBLE_DEVICES of the server hides every device"
+                self.log.warning("gpu-quota-ext: %s", self._problem)
+            else:
+                self.log.info(
+                    "gpu-quota-ext: %d GPU(s): %s",
+                    len(self._devices),
+                    ", ".join(f"{d.index}: {d.name} ({d.total} bytes)" for d in self._devices),
+                )
+        return list(self._devices)
+
+
+def _server_env(name: str) -> Optional[str]:
+    import os
+
+    return os.environ.get(name)
+
+
+def read_nvml_devices():
+    """(devices, problem): every GPU NVML reports, or [] and one line saying why not."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "no GPU: nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return [], f"no GPU: NVML could not start ({error.__class__.__name__}: {error})"
+    try:
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            devices.append(
+                Device(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    total=int(total),
+                    nvml_index=i,
+                )
+            )
+        return devices, None
+    except pynvml.NVMLError as error:
+        return [], f"no GPU: NVML failed listing devices ({error})"

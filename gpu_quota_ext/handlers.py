@@ -1,0 +1,166 @@
+"""REST API under /api/gpu-quota. Every route needs jupyter_server's authentication and authorization,
+except that a kernel may change (and report on) itself with its own secret, sent in a header.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from .ledger import UnknownKernel
+from .policy import PolicyError, parse_cap
+from .provisioner import SETTINGS_KEY
+
+try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
+    from jupyter_server.auth.decorator import allow_unauthenticated
+except ImportError:  # pragma: no cover
+    def allow_unauthenticated(method):
+        return method
+
+AUTH_RESOURCE = "gpu_quota"
+KERNEL_TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
+KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
+
+
+class GpuQuotaHandler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def service(self):
+        return self.settings[SETTINGS_KEY]
+
+    def kernel_token(self) -> Optional[str]:
+        return self.request.headers.get(KERNEL_TOKEN_HEADER)
+
+    def check_xsrf_cookie(self):
+        # A kernel's secret travels in a header, never in a cookie: a browser cannot forge it cross-site.
+        if self.kernel_token() is not None:
+            return None
+        return super().check_xsrf_cookie()
+
+    def require_user(self, action: str) -> None:
+        """What @web.authenticated and @authorized do, for routes that also accept a kernel's secret."""
+        if not self.current_user:
+            raise web.HTTPError(403)
+        if not self.authorizer.is_authorized(self, self.current_user, action, self.auth_resource):
+            raise web.HTTPError(403, f"not authorized to {action} GPU quotas")
+
+    def require_user_or_kernel(self, kernel_id: str, action: str) -> str:
+        """The server's user, or kernel `kernel_id` itself with its own secret. Returns who asked."""
+        token = self.kernel_token()
+        if token is None:
+            self.require_user(action)
+            return "user"
+        if not self.service.token_matches(kernel_id, token):
+            raise web.HTTPError(403, f"this secret does not belong to kernel {kernel_id}")
+        return "kernel"
+
+    def session_paths(self) -> dict:
+        """kernel id -> notebook path, in one read of jupyter_server's (in-memory sqlite) session table."""
+        sessions = self.settings.get("session_manager")
+        try:
+            return dict(sessions.cursor.execute("SELECT kernel_id, path FROM session").fetchall())
+        except Exception:  # no session manager, or another implementation of it: paths are optional
+            return {}
+
+    def kernel_json(self, grant, paths: dict) -> dict:
+        data = grant.to_json()
+        data["id"] = data.pop("kernel_id")
+        data["path"] = paths.get(grant.kernel_id)
+        return data
+
+    def read_json_body(self) -> Any:
+        try:
+            return json.loads(self.request.body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            raise web.HTTPError(400, "the body is not JSON") from None
+
+
+class StatusHandler(GpuQuotaHandler):
+    @web.authenticated
+    def get(self):
+        self.require_user("read")
+        service = self.service
+        paths = self.session_paths()
+        self.finish(
+            json.dumps(
+                {
+                    "gpu": bool(service.devices),
+                    "message": service.no_gpu_reason,
+                    "user": service.user,
+                    "devices": service.ledger.usage(),
+                    "kernels": [self.kernel_json(g, paths) for g in service.ledger.grants()],
+                    "policy": service.policy.describe(),
+                }
+            )
+        )
+
+
+class KernelHandler(GpuQuotaHandler):
+    @web.authenticated
+    def get(self, kernel_id: str):
+        self.require_user("read")
+        grant = self.service.ledger.get(kernel_id)
+        if grant is None:
+            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}")
+        self.finish(json.dumps(self.kernel_json(grant, self.session_paths())))
+
+    @allow_unauthenticated
+    def put(self, kernel_id: str):
+        """Body: {"cap": "0.3" | "30%" | "12GiB" | bytes, "device": optional server device index}
+        or {"reset": true}. Answers 200 with the outcome ("granted" / "clamped"), 409 when refused."""
+        self.require_user_or_kernel(kernel_id, "write")
+        body = self.read_json_body()
+        request = parse_cap_request(body)
+        ledger = self.service.ledger
+        try:
+            if request == "reset":
+                grant = ledger.reset(kernel_id)
+                outcome, message = "granted", "cap reset to what policy gives this kernel"
+            else:
+                cap, device = request
+                result = ledger.change(kernel_id, cap, device)
+                if result.status == "refused":
+                    self.set_status(409)
+                grant, outcome, message = result.grant, result.status, result.message
+        except UnknownKernel:
+            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}") from None
+        except PolicyError as error:
+            raise web.HTTPError(400, str(error)) from None
+        self.log.info("gpu-quota-ext: kernel %s cap request: %s (%s)", kernel_id, outcome, message)
+        self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": self.kernel_json(grant, self.session_paths())}))
+
+
+def parse_cap_request(body: Any):
+    """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
+    if not isinstance(body, dict):
+        raise web.HTTPError(400, 'the body must be a JSON object like {"cap": "0.3"} or {"reset": true}')
+    unknown = sorted(set(body) - {"cap", "device", "reset"})
+    if unknown:
+        raise web.HTTPError(400, f"unknown fields {unknown}; known: cap, device, reset")
+    if body.get("reset") is True and set(body) == {"reset"}:
+        return "reset"
+    if "reset" in body:
+        raise web.HTTPError(400, '"reset" must be true and alone')
+    if "cap" not in body:
+        raise web.HTTPError(400, 'missing "cap"')
+    try:
+        cap = parse_cap(body["cap"])
+    except PolicyError as error:
+        raise web.HTTPError(400, f"cap: {error}") from None
+    device = body.get("device")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise web.HTTPError(400, '"device" must be a device index (a whole number from 0)')
+    return cap, device
+
+
+# Relative to the server's base_url (ExtensionApp prepends it).
+API_PREFIX = "/api/gpu-quota"
+HANDLERS = [
+    (url_path_join(API_PREFIX, "status"), StatusHandler),
+    (url_path_join(API_PREFIX, "kernels", KERNEL_ID_PATTERN), KernelHandler),
+]

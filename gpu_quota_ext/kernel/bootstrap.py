@@ -1,0 +1,103 @@
+"""Runs once at kernel start (from startup.py): caps torch lazily, loads `%gpucap`, chains the user's
+own PYTHONSTARTUP. Nothing here may break the kernel: every problem becomes one line on the kernel's
+stderr (the server's log) and in `%gpucap`'s output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import state as state_module
+from .torch_cap import (
+    TorchImportWatcher,
+    alloc_conf_variable,
+    apply_exact_caps,
+    installed_torch_version,
+    merge_alloc_conf,
+    reads_fraction_from_alloc_conf,
+)
+
+
+def log(message: str) -> None:
+    print(f"[gpu-quota-ext] {message}", file=sys.__stderr__, flush=True)
+
+
+def run(user_namespace: dict) -> None:
+    state = state_module.from_environment()
+    state_module.STATE = state
+    for problem in state.problems:
+        log(problem)
+    if state.cpu_only_reason:
+        log(f"this kernel runs without a GPU: {state.cpu_only_reason}")
+    try:
+        if state.devices:
+            cap_torch(state)
+    except Exception as error:
+        state.problems.append(f"torch cap not applied: {error!r}")
+        log(state.problems[-1])
+    load_magic()
+    chain_user_startup(user_namespace)
+
+
+def cap_torch(state: state_module.KernelCapState, env=os.environ) -> None:
+    caps = [d.cap for d in sorted(state.devices, key=lambda d: d.ordinal)]
+    version = installed_torch_version()
+    routes = []
+    if reads_fraction_from_alloc_conf(version):
+        # One fraction for every device and every child process: the tightest one.
+        fraction = min(d.cap / d.total for d in state.devices)
+        name = alloc_conf_variable(env)
+        env[name] = merge_alloc_conf(env.get(name), fraction)
+        routes.append(f"{name} (torch {version}, inherited by child processes)")
+
+    def on_torch_import(torch) -> None:
+        def apply() -> None:
+            try:
+                apply_exact_caps(torch, caps)
+            except Exception as error:
+                state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
+                log(state.problems[-1])
+
+        if torch.cuda.is_initialized():
+            apply()
+        else:
+            torch.cuda._lazy_call(apply)
+
+    if "torch" in sys.modules:
+        on_torch_import(sys.modules["torch"])
+    else:
+        TorchImportWatcher(on_torch_import).install()
+    routes.append("set_per_process_memory_fraction at first CUDA use")
+    state.torch_route = " + ".join(routes)
+
+
+def load_magic() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    try:
+        shell.extension_manager.load_extension("gpu_quota_ext")
+    except Exception as error:
+        log(f"%gpucap not loaded: {error!r}")
+
+
+def chain_user_startup(user_namespace: dict) -> None:
+    from ..names import USER_STARTUP
+
+    user_startup = os.environ.pop(USER_STARTUP, None)
+    if user_startup:
+        # Child Pythons see the user's own startup file again, not ours.
+        os.environ["PYTHONSTARTUP"] = user_startup
+        try:
+            with open(user_startup, encoding="utf-8") as source:
+                code = compile(source.read(), user_startup, "exec")
+            exec(code, user_namespace)
+        except Exception as error:
+            log(f"your PYTHONSTARTUP {user_startup} failed: {error!r}")
+    else:
+        os.environ.pop("PYTHONSTARTUP", None)

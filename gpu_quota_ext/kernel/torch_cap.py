@@ -1,0 +1,145 @@
+"""Applying the torch cap inside a kernel without creating a CUDA context.
+
+Two routes, both lazy (measured on an H200, see FACTS.md):
+- torch >= 2.10 reads `per_process_memory_fraction:F` from PYTORCH_CUDA_ALLOC_CONF when CUDA starts.
+  Child processes (DataLoader workers, subprocesses) inherit it. Older torch fails on the unknown key,
+  so it is only written when the installed torch is known to read it.
+- For every torch: when `torch` is imported, `torch.cuda._lazy_call` queues a call that runs at CUDA's
+  first initialisation and sets each device's exact fraction from torch's own `total_memory`
+  (NVML's total is about 615 MiB larger, so a fraction computed from it would be slightly off).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.abc
+import importlib.util
+import os
+import re
+import sys
+from typing import Callable, List, Optional, Sequence
+
+FRACTION_KEY = "per_process_memory_fraction"
+
+
+def parse_version(text: str) -> Optional[tuple]:
+    """"2.11.0+cu130" -> (2, 11); anything unreadable -> None."""
+    match = re.match(r"^\s*(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def reads_fraction_from_alloc_conf(version: Optional[str]) -> bool:
+    parsed = parse_version(version or "")
+    return parsed is not None and parsed >= (2, 10)
+
+
+def alloc_conf_variable(env) -> str:
+    """torch >= 2.9 prefers PYTORCH_ALLOC_CONF when it is set; otherwise the CUDA-specific name."""
+    return "PYTORCH_ALLOC_CONF" if env.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def merge_alloc_conf(existing: Optional[str], fraction: float) -> str:
+    """Add (or tighten) per_process_memory_fraction in an allocator config, keeping every other option.
+
+    A smaller fraction the user set stays; a larger one is lowered to the cap.
+    """
+    options: List[str] = []
+    for part in (existing or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, _, value = part.partition(":")
+        if key.strip() == FRACTION_KEY:
+            try:
+                fraction = min(fraction, float(value))
+            except ValueError:
+                pass
+            continue
+        options.append(part)
+    options.append(f"{FRACTION_KEY}:{_floor(fraction)}")
+    return ",".join(options)
+
+
+def _floor(fraction: float) -> str:
+    # Written with 6 decimals, rounded down so the written value never allows more than the cap.
+    return f"{int(max(fraction, 0.0) * 1_000_000) / 1_000_000:.6f}"
+
+
+def installed_torch_version() -> Optional[str]:
+    """The installed torch's version without importing torch (import costs seconds and memory)."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    site = os.path.dirname(list(spec.submodule_search_locations)[0])
+    for path in glob.glob(os.path.join(site, "torch-*.dist-info")):
+        match = re.match(r"torch-([^-]+)\.dist-info$", os.path.basename(path))
+        if match:
+            return match.group(1)
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:
+        return None
+
+
+def apply_exact_caps(torch, caps_by_ordinal: Sequence[int]) -> List[float]:
+    """Set each visible device's fraction from torch's own total. Runs inside CUDA's lazy init."""
+    fractions = []
+    for ordinal, cap in enumerate(caps_by_ordinal):
+        if ordinal >= torch.cuda.device_count():
+            break
+        total = torch.cuda.get_device_properties(ordinal).total_memory
+        fraction = min(1.0, cap / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, ordinal)
+        fractions.append(fraction)
+    return fractions
+
+
+class TorchImportWatcher(importlib.abc.MetaPathFinder):
+    """Calls `on_import(torch)` right after `import torch` finishes, wherever that import happens."""
+
+    def __init__(self, on_import: Callable[[object], None]):
+        self._on_import = on_import
+        self._searching = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch" or self._searching:
+            return None
+        self._searching = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        original = spec.loader.exec_module
+        watcher = self
+
+        def exec_module(module):
+            original(module)
+            watcher.uninstall()
+            try:
+                watcher._on_import(module)
+            except Exception as error:  # never break the user's import
+                print(f"[gpu-quota-ext] could not queue the torch cap: {error!r}", file=sys.__stderr__)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)

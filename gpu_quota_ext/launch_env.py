@@ -1,0 +1,112 @@
+"""Pure: a grant becomes the environment a kernel starts with.
+
+What each framework reads (measured, see FACTS.md):
+- CUDA_VISIBLE_DEVICES: which GPUs the kernel sees (UUIDs, so the order cannot be misread);
+- CUPY_GPU_MEMORY_LIMIT: bytes, CuPy's memory pool limit per device;
+- XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_CLIENT_MEM_FRACTION: JAX's limit (older and newer name);
+- TF_FORCE_GPU_ALLOW_GROWTH: TensorFlow has no cap by environment; this stops it grabbing the GPU.
+torch is capped by the bootstrap inside the kernel (gpu_quota_ext/kernel), which knows the kernel's
+torch version; it reads GPU_QUOTA_DEVICES (names.py lists our own variables).
+
+Values the kernelspec or the user already set are merged, never loosened: the smaller limit wins.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+from .devices import Device
+from .ledger import Grant
+from .names import API_URL, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
+
+STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
+
+
+def launch_env(
+    grant: Grant,
+    devices: Mapping[int, Device],
+    env: Mapping[str, str],
+    *,
+    api_url: Optional[str] = None,
+    token: Optional[str] = None,
+    python_kernel: bool = True,
+) -> Dict[str, str]:
+    """The variables to add to (or replace in) `env`, the kernel's environment as it stands."""
+    out: Dict[str, str] = {KERNEL_ID: grant.kernel_id}
+    if api_url:
+        out[API_URL] = api_url
+    if token:
+        out[TOKEN] = token
+
+    if grant.placed:
+        # An empty CUDA_VISIBLE_DEVICES hides every GPU: that is what "cpu-only" means.
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i].cuda_id for i in grant.devices)
+    if grant.cpu_only_reason:
+        out[CPU_ONLY_REASON] = grant.cpu_only_reason
+    if grant.devices:
+        granted = [devices[i] for i in grant.devices]
+        out[DEVICES] = json.dumps(
+            [
+                {
+                    "ordinal": ordinal,
+                    "index": d.index,
+                    "uuid": d.uuid,
+                    "cap": grant.caps[d.index],
+                    "max_cap": grant.max_caps[d.index],
+                    "total": d.total,
+                }
+                for ordinal, d in enumerate(granted)
+            ],
+            separators=(",", ":"),
+        )
+        if not grant.placed:
+            # The kernel sees the server's devices; make CUDA number them the way NVML (and we) do.
+            out.setdefault("CUDA_DEVICE_ORDER", env.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"))
+        # One value per variable, so a kernel on several devices gets the tightest of its caps.
+        smallest_cap = min(grant.caps[d.index] for d in granted)
+        smallest_fraction = min(grant.caps[d.index] / d.total for d in granted)
+        out["CUPY_GPU_MEMORY_LIMIT"] = str(_tighter_bytes(env.get("CUPY_GPU_MEMORY_LIMIT"), smallest_cap))
+        fraction = _fraction_text(smallest_fraction)
+        for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+            out[name] = _tighter_fraction(env.get(name), fraction)
+        out["TF_FORCE_GPU_ALLOW_GROWTH"] = env.get("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+
+    if python_kernel:
+        # ipykernel runs PYTHONSTARTUP at start; ours applies the torch cap and then runs the user's own.
+        user_startup = env.get("PYTHONSTARTUP")
+        if user_startup and Path(user_startup) != STARTUP_FILE:
+            out[USER_STARTUP] = user_startup
+        out["PYTHONSTARTUP"] = str(STARTUP_FILE)
+    return out
+
+
+def _fraction_text(fraction: float) -> str:
+    # Round down so the written fraction never allows more than the cap.
+    return f"{int(fraction * 10000) / 10000:.4f}"
+
+
+def _tighter_bytes(existing: Optional[str], cap: int) -> int:
+    """CuPy accepts bytes or "N%"; a percentage set by the user is kept out of the comparison (kept as ours)."""
+    if existing and existing.strip().isdigit():
+        return min(int(existing.strip()), cap)
+    return cap
+
+
+def _tighter_fraction(existing: Optional[str], ours: str) -> str:
+    try:
+        if existing is not None and 0 < float(existing) < float(ours):
+            return existing
+    except ValueError:
+        pass
+    return ours
+
+
+def is_python_kernel(argv) -> bool:
+    """ipykernel-style kernelspecs: argv[0] is a python and `-m ipykernel...` or a *python* launcher."""
+    if not argv:
+        return False
+    program = Path(str(argv[0])).name.lower()
+    joined = " ".join(str(a) for a in argv).lower()
+    return program.startswith("python") or "ipykernel" in joined

@@ -1,0 +1,271 @@
+"""The ledger: the single record of grants. Admission (budget per device) and placement happen here.
+
+A grant says "kernel K may use `cap` bytes on device D". Every change of a cap goes through the ledger,
+so the ledger's answer is the truth the launch hook, the magic, the API and the sidebar all show.
+
+No I/O here. One lock makes each operation atomic, so concurrent kernel starts (from the event loop or
+threads) can never over-commit a device. `Ledger` is the interface a hub-wide ledger will implement too.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .devices import Device
+from .policy import CapSpec, Policy, PolicyError, Resolved, format_bytes
+
+
+class AdmissionRefused(Exception):
+    """No device has budget left for this kernel and policy says refuse (`on_full = "refuse"`)."""
+
+
+class UnknownKernel(KeyError):
+    """The ledger holds no grant for this kernel id."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A kernel's caps. `caps` maps device index -> bytes; empty `devices` means the kernel runs on CPU."""
+
+    kernel_id: str
+    user: str
+    kernelspec: str
+    devices: Tuple[int, ...]
+    caps: Mapping[int, int]
+    policy_caps: Mapping[int, int]  # what policy gave at start: `%gpucap reset` returns here
+    max_caps: Mapping[int, int]
+    source: str  # who set the current cap: "default", "rule 0 (user=alice)", "kernel request", ...
+    placed: bool  # True when the launch hook chose the devices through CUDA_VISIBLE_DEVICES
+    cpu_only_reason: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {
+            "kernel_id": self.kernel_id,
+            "user": self.user,
+            "kernelspec": self.kernelspec,
+            "source": self.source,
+            "placed": self.placed,
+            "cpu_only_reason": self.cpu_only_reason,
+            "devices": [
+                {"index": d, "cap": self.caps[d], "max_cap": self.max_caps[d], "policy_cap": self.policy_caps[d]}
+                for d in self.devices
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class ChangeOutcome:
+    """The ledger's answer to a cap request: "granted", "clamped" (to what) or "refused" (why)."""
+
+    status: str
+    grant: Grant
+    message: str
+
+
+@dataclass
+class _DeviceBook:
+    device: Device
+    budget: Optional[int]  # None: no admission control on this device
+    granted: Dict[str, int] = field(default_factory=dict)  # kernel id -> cap bytes
+
+    @property
+    def granted_total(self) -> int:
+        return sum(self.granted.values())
+
+    def room(self) -> Optional[int]:
+        return None if self.budget is None else self.budget - self.granted_total
+
+
+def budget_of(device: Device, overcommit: Optional[float]) -> Optional[int]:
+    return None if overcommit is None else int(device.total * overcommit)
+
+
+def choose_devices(
+    books: Sequence[_DeviceBook], caps: Mapping[int, int], count: int, strategy: str
+) -> Optional[List[int]]:
+    """Pick `count` devices that each have room for their cap, or None.
+
+    spread: least granted first (kernels spread out, each gets the emptiest GPU);
+    pack: lowest index first (fill GPU 0 up to its budget, keep the others free for big jobs).
+    """
+    fitting = [b for b in books if b.room() is None or b.room() >= caps[b.device.index]]
+    if len(fitting) < count:
+        return None
+    if strategy == "pack":
+        fitting.sort(key=lambda b: b.device.index)
+    else:
+        fitting.sort(key=lambda b: (b.granted_total / b.device.total, len(b.granted), b.device.index))
+    return sorted(b.device.index for b in fitting[:count])
+
+
+class Ledger:
+    """In-memory ledger for one server. Interface: grant, change, reset, release, get, grants, usage."""
+
+    def __init__(self, devices: Sequence[Device], policy: Policy):
+        self._policy = policy
+        self._books = {d.index: _DeviceBook(d, budget_of(d, policy.overcommit)) for d in devices}
+        self._grants: Dict[str, Grant] = {}
+        self._lock = threading.Lock()
+
+    # --- the interface ------------------------------------------------------------------------
+
+    def grant(
+        self,
+        kernel_id: str,
+        user: str,
+        kernelspec: str,
+        resolved: Resolved,
+        allowed: Optional[Sequence[int]] = None,
+    ) -> Grant:
+        """Admit a starting kernel. A kernel that already holds a grant (a restart) keeps it as it is.
+
+        `allowed` narrows placement to these device indexes (a kernelspec that pins its own GPUs).
+        Raises AdmissionRefused when nothing fits and policy says refuse.
+        """
+        with self._lock:
+            existing = self._grants.get(kernel_id)
+            if existing is not None:
+                return existing
+            books = [b for i, b in sorted(self._books.items()) if allowed is None or i in allowed]
+            new = self._admit(kernel_id, user, kernelspec, resolved, books)
+            self._grants[kernel_id] = new
+            for index in new.devices:
+                self._books[index].granted[kernel_id] = new.caps[index]
+            return new
+
+    def change(self, kernel_id: str, requested: CapSpec, device: Optional[int] = None) -> ChangeOutcome:
+        """Ask for a new cap on one granted device (or all). Checks max_cap, then the device budget."""
+        with self._lock:
+            current = self._get(kernel_id)
+            targets = self._targets(current, device)
+            caps = dict(current.caps)
+            notes = []
+            status = "granted"
+            for index in targets:
+                book = self._books[index]
+                wanted = requested.to_bytes(book.device.total)
+                if requested.nbytes is not None and requested.nbytes > book.device.total:
+                    notes.append(f"device {index} has only {format_bytes(book.device.total)}")
+                    status = "clamped"
+                limit = current.max_caps[index]
+                if wanted > limit:
+                    if self._policy.on_over_max == "refuse":
+                        return ChangeOutcome(
+                            "refused",
+                            current,
+                            f"{format_bytes(wanted)} on device {index} is above your max_cap of {format_bytes(limit)}",
+                        )
+                    notes.append(f"clamped to max_cap {format_bytes(limit)} on device {index}")
+                    wanted, status = limit, "clamped"
+                room = book.room()
+                if room is not None and wanted - current.caps[index] > room:
+                    most = current.caps[index] + max(room, 0)
+                    if self._policy.on_over_max == "refuse" or most <= current.caps[index]:
+                        return ChangeOutcome(
+                            "refused",
+                            current,
+                            f"device {index} has {format_bytes(max(room, 0))} of budget left; "
+                            f"{format_bytes(wanted)} does not fit",
+                        )
+                    notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
+                    wanted, status = most, "clamped"
+                caps[index] = wanted
+            updated = replace(current, caps=caps, source="kernel request")
+            self._store(updated)
+            message = "; ".join(notes) or "cap set to " + ", ".join(
+                f"{format_bytes(caps[i])} on device {i}" for i in targets
+            )
+            return ChangeOutcome(status, updated, message)
+
+    def reset(self, kernel_id: str) -> Grant:
+        """Back to what policy gave the kernel at start (always fits: it fitted then, and caps only moved)."""
+        with self._lock:
+            current = self._get(kernel_id)
+            updated = replace(current, caps=dict(current.policy_caps), source=current.source if current.source != "kernel request" else "policy")
+            self._store(updated)
+            return updated
+
+    def release(self, kernel_id: str) -> Optional[Grant]:
+        """The kernel was shut down, culled or died: its budget is free again. Idempotent."""
+        with self._lock:
+            gone = self._grants.pop(kernel_id, None)
+            for book in self._books.values():
+                book.granted.pop(kernel_id, None)
+            return gone
+
+    def get(self, kernel_id: str) -> Optional[Grant]:
+        with self._lock:
+            return self._grants.get(kernel_id)
+
+    def grants(self) -> List[Grant]:
+        with self._lock:
+            return list(self._grants.values())
+
+    def usage(self) -> List[dict]:
+        """Per device: total, budget and granted bytes (what the status API shows)."""
+        with self._lock:
+            return [
+                {
+                    "index": b.device.index,
+                    "name": b.device.name,
+                    "uuid": b.device.uuid,
+                    "total": b.device.total,
+                    "budget": b.budget,
+                    "granted": b.granted_total,
+                    "kernels": len(b.granted),
+                }
+                for _, b in sorted(self._books.items())
+            ]
+
+    @property
+    def devices(self) -> List[Device]:
+        return [b.device for _, b in sorted(self._books.items())]
+
+    # --- inside the lock ----------------------------------------------------------------------
+
+    def _admit(self, kernel_id: str, user: str, kernelspec: str, resolved: Resolved, books) -> Grant:
+        def grant_on(indexes: Sequence[int], placed: bool, reason: Optional[str] = None) -> Grant:
+            caps = {i: resolved.cap.to_bytes(self._books[i].device.total) for i in indexes}
+            max_caps = {i: max(caps[i], resolved.max_cap.to_bytes(self._books[i].device.total)) for i in indexes}
+            return Grant(kernel_id, user, kernelspec, tuple(indexes), caps, dict(caps), max_caps, resolved.source, placed, reason)
+
+        if not books:
+            return grant_on((), placed=False)  # no GPU on this server: nothing to cap
+        wanted = {b.device.index: resolved.cap.to_bytes(b.device.total) for b in books}
+        if self._policy.placement == "none":
+            # The kernel sees every device: it needs room on all of them.
+            if all(b.room() is None or b.room() >= wanted[b.device.index] for b in books):
+                return grant_on([b.device.index for b in books], placed=False)
+        else:
+            chosen = choose_devices(books, wanted, min(resolved.devices, len(books)), self._policy.placement)
+            if chosen is not None:
+                return grant_on(chosen, placed=True)
+        reason = (
+            f"no GPU has {resolved.cap} of budget left for kernelspec {kernelspec!r} "
+            f"(overcommit {self._policy.overcommit})"
+        )
+        if self._policy.on_full == "refuse":
+            raise AdmissionRefused(reason)
+        return grant_on((), placed=True, reason=reason)
+
+    def _get(self, kernel_id: str) -> Grant:
+        try:
+            return self._grants[kernel_id]
+        except KeyError:
+            raise UnknownKernel(kernel_id) from None
+
+    def _targets(self, grant: Grant, device: Optional[int]) -> Tuple[int, ...]:
+        if not grant.devices:
+            raise PolicyError("this kernel holds no GPU (it runs on CPU), so it has no cap to change")
+        if device is None:
+            return grant.devices
+        if device not in grant.devices:
+            raise PolicyError(f"device {device} is not one of this kernel's devices {list(grant.devices)}")
+        return (device,)
+
+    def _store(self, grant: Grant) -> None:
+        self._grants[grant.kernel_id] = grant
+        for index in grant.devices:
+            self._books[index].granted[grant.kernel_id] = grant.caps[index]

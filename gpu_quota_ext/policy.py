@@ -1,0 +1,305 @@
+"""Who gets which cap: parsing sizes and rules, resolving a kernel's cap.
+
+Pure: no I/O, no Jupyter imports, stdlib only. This module is also imported inside kernels (by the
+`%gpucap` magic), whose Python environment may have nothing but the standard library and IPython.
+
+Sizes are `int` bytes everywhere in the code. The strings users write ("0.25", "25%", "12GiB",
+"12GB", "1073741824") exist only at the edges and become a `CapSpec` here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "kib": KiB, "ki": KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": MiB, "mi": MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": GiB, "gi": GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": TiB, "ti": TiB,
+}
+_SIZE_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)$")
+
+PLACEMENTS = ("spread", "pack", "none")
+ON_FULL = ("refuse", "cpu-only")
+ON_OVER_MAX = ("clamp", "refuse")
+RULE_KEYS = ("user", "kernelspec", "cap", "max_cap", "devices")
+
+
+class PolicyError(ValueError):
+    """A value a person wrote (config, magic argument, API body) that cannot be used, and why."""
+
+
+@dataclass(frozen=True)
+class CapSpec:
+    """A cap as written: a fraction of each device's memory, or a fixed number of bytes."""
+
+    fraction: Optional[float] = None
+    nbytes: Optional[int] = None
+    text: str = ""
+
+    def to_bytes(self, device_total: int) -> int:
+        """The cap in bytes on a device of `device_total` bytes (never more than the device)."""
+        if self.fraction is not None:
+            return int(self.fraction * device_total)
+        assert self.nbytes is not None
+        return min(self.nbytes, device_total)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_cap(value: Union[str, int, float, CapSpec]) -> CapSpec:
+    """Parse a cap: "0.25" or 0.25 (fraction, 0 < f <= 1), "25%", "12GiB", "12GB", or bytes (int >= 2).
+
+    Raises PolicyError with a message that says what is accepted. Never anything else.
+    """
+    if isinstance(value, CapSpec):
+        return value
+    if isinstance(value, bool):
+        raise PolicyError(f"{value!r} is not a cap; use a fraction like 0.25, 25%, 12GiB or bytes")
+    if isinstance(value, int):
+        return _bytes_spec(value, str(value))
+    if isinstance(value, float):
+        return _fraction_spec(value, repr(value))
+    if not isinstance(value, str):
+        raise PolicyError(f"{value!r} is not a cap; use a fraction like 0.25, 25%, 12GiB or bytes")
+    text = value.strip()
+    low = text.lower().replace("_", "")
+    if low.endswith("%"):
+        number = _number(low[:-1].strip(), text)
+        return _fraction_spec(number / 100.0, text)
+    match = _SIZE_RE.match(low)
+    if not match:
+        raise PolicyError(
+            f"{text!r} is not a cap; use a fraction like 0.25, a percentage like 25%, "
+            "a size like 12GiB or 12GB, or a number of bytes"
+        )
+    number_text, unit = match.groups()
+    if unit not in _UNITS:
+        raise PolicyError(f"{text!r}: unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+    number = _number(number_text, text)
+    if unit == "" and "." not in number_text and number > 1:
+        return _bytes_spec(int(number_text), text)
+    if unit == "":
+        return _fraction_spec(number, text)
+    nbytes = number * _UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes > 64 * TiB:
+        raise PolicyError(f"{text!r} is larger than any GPU")
+    return _bytes_spec(int(nbytes), text)
+
+
+def _number(text: str, original: str) -> float:
+    try:
+        number = float(text)
+    except ValueError:
+        raise PolicyError(f"{original!r} is not a number") from None
+    if not math.isfinite(number):
+        raise PolicyError(f"{original!r} is not a finite number")
+    return number
+
+
+def _fraction_spec(fraction: float, text: str) -> CapSpec:
+    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
+        raise PolicyError(f"{text!r}: a fraction of the device must be above 0 and at most 1 (100%)")
+    return CapSpec(fraction=fraction, text=text)
+
+
+def _bytes_spec(nbytes: int, text: str) -> CapSpec:
+    if nbytes < MiB:
+        raise PolicyError(f"{text!r}: a cap in bytes must be at least 1 MiB; write a fraction as 0.3 or 30%")
+    if nbytes > 64 * TiB:
+        raise PolicyError(f"{text!r} is larger than any GPU")
+    return CapSpec(nbytes=nbytes, text=text)
+
+
+def format_bytes(nbytes: Optional[int]) -> str:
+    """12884901888 -> '12.0 GiB'; None -> '-'."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover
+
+
+# --- rules -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of `c.GpuQuota.caps`: the first rule whose patterns match a kernel gives its cap."""
+
+    cap: CapSpec
+    max_cap: Optional[CapSpec] = None
+    user: str = "*"
+    kernelspec: str = "*"
+    devices: int = 1
+    label: str = "rule"
+
+    def matches(self, user: str, kernelspec: str) -> bool:
+        return fnmatch.fnmatchcase(user, self.user) and fnmatch.fnmatchcase(kernelspec, self.kernelspec)
+
+
+def parse_rule(entry: Any, position: int) -> Rule:
+    """One rule from config, e.g. {"kernelspec": "big-*", "cap": "0.5", "max_cap": "0.8", "devices": 2}."""
+    where = f"caps[{position}]"
+    if not isinstance(entry, Mapping):
+        raise PolicyError(f"{where} must be a dict like {{'user': 'alice', 'cap': '0.5'}}, not {entry!r}")
+    unknown = sorted(set(entry) - set(RULE_KEYS))
+    if unknown:
+        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(RULE_KEYS)}")
+    if "cap" not in entry:
+        raise PolicyError(f"{where} needs a 'cap'")
+    for key in ("user", "kernelspec"):
+        if key in entry and not isinstance(entry[key], str):
+            raise PolicyError(f"{where}['{key}'] must be a string (a name or a glob pattern)")
+    devices = entry.get("devices", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= 64:
+        raise PolicyError(f"{where}['devices'] must be a whole number from 1 to 64, not {devices!r}")
+    try:
+        cap = parse_cap(entry["cap"])
+        max_cap = parse_cap(entry["max_cap"]) if entry.get("max_cap") is not None else None
+    except PolicyError as error:
+        raise PolicyError(f"{where}: {error}") from None
+    label_parts = [f"{key}={entry[key]}" for key in ("user", "kernelspec") if key in entry]
+    return Rule(
+        cap=cap,
+        max_cap=max_cap,
+        user=entry.get("user", "*"),
+        kernelspec=entry.get("kernelspec", "*"),
+        devices=devices,
+        label=f"rule {position}" + (f" ({', '.join(label_parts)})" if label_parts else ""),
+    )
+
+
+RuleSource = Union[Sequence[Any], Callable[[str, str], Any]]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The admin's whole configuration, validated. Built once at server start."""
+
+    default_cap: CapSpec
+    max_cap: CapSpec
+    rules: Union[tuple, Callable[[str, str], Any]] = ()
+    overcommit: Optional[float] = None
+    placement: str = "spread"
+    on_full: str = "cpu-only"
+    on_over_max: str = "clamp"
+
+    def describe(self) -> dict:
+        """What the status API and the magic show of the policy (JSON-ready)."""
+        return {
+            "default_cap": str(self.default_cap),
+            "max_cap": str(self.max_cap),
+            "rules": "callable" if callable(self.rules) else len(self.rules),
+            "overcommit": self.overcommit,
+            "placement": self.placement,
+            "on_full": self.on_full,
+            "on_over_max": self.on_over_max,
+        }
+
+
+def build_policy(
+    default_cap: Any,
+    max_cap: Any,
+    caps: RuleSource = (),
+    overcommit: Any = None,
+    placement: str = "spread",
+    on_full: str = "cpu-only",
+    on_over_max: str = "clamp",
+) -> Policy:
+    """Validate every setting; raise PolicyError naming the first bad one and its value."""
+
+    def setting(name: str, parse: Callable[[Any], Any], value: Any) -> Any:
+        try:
+            return parse(value)
+        except PolicyError as error:
+            raise PolicyError(f"c.GpuQuota.{name} = {value!r}: {error}") from None
+
+    default = setting("default_cap", parse_cap, default_cap)
+    maximum = setting("max_cap", parse_cap, max_cap)
+    _check_not_above("default_cap", default, maximum)
+    if callable(caps):
+        rules: Union[tuple, Callable[[str, str], Any]] = caps
+    else:
+        if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
+            raise PolicyError(f"c.GpuQuota.caps = {caps!r}: must be a list of rules or a callable")
+        rules = tuple(setting("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(caps))
+        for rule in rules:
+            _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or maximum)
+    return Policy(
+        default_cap=default,
+        max_cap=maximum,
+        rules=rules,
+        overcommit=setting("overcommit", parse_overcommit, overcommit),
+        placement=setting("placement", lambda v: _choice(v, PLACEMENTS), placement),
+        on_full=setting("on_full", lambda v: _choice(v, ON_FULL), on_full),
+        on_over_max=setting("on_over_max", lambda v: _choice(v, ON_OVER_MAX), on_over_max),
+    )
+
+
+def _check_not_above(name: str, cap: CapSpec, maximum: CapSpec) -> None:
+    # Comparable only when both are written the same way; mixed kinds are checked per device later.
+    if cap.fraction is not None and maximum.fraction is not None and cap.fraction > maximum.fraction:
+        raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
+    if cap.nbytes is not None and maximum.nbytes is not None and cap.nbytes > maximum.nbytes:
+        raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
+
+
+def parse_overcommit(value: Any) -> Optional[float]:
+    """None / "" / "none" = no admission control; else a positive factor (1.0 = grant at most the device)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, bool):
+        raise PolicyError("must be a positive number (1.0 = never grant more than the device) or None")
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError("must be a positive number (1.0 = never grant more than the device) or None") from None
+    if not math.isfinite(factor) or factor <= 0 or factor > 1000:
+        raise PolicyError("must be a positive number up to 1000 (1.0 = never grant more than the device) or None")
+    return factor
+
+
+def _choice(value: Any, allowed: Sequence[str]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in allowed:
+        raise PolicyError(f"must be one of {', '.join(repr(a) for a in allowed)}")
+    return value.strip().lower()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What policy gives one kernel: its cap and the most it may ask for, on how many devices, and why."""
+
+    cap: CapSpec
+    max_cap: CapSpec
+    devices: int
+    source: str
+
+
+def resolve(policy: Policy, user: str, kernelspec: str) -> Resolved:
+    """The first matching rule wins; a callable rule returns a cap, a rule dict, or None (= default)."""
+    if callable(policy.rules):
+        try:
+            answer = policy.rules(user, kernelspec)
+        except Exception as error:  # the admin's code: a bug there must not stop a kernel
+            raise PolicyError(f"c.GpuQuota.caps callable failed for user {user!r}, kernelspec {kernelspec!r}: {error!r}")
+        if answer is None:
+            return Resolved(policy.default_cap, policy.max_cap, 1, "default")
+        rule = parse_rule(answer if isinstance(answer, Mapping) else {"cap": answer}, 0)
+        return Resolved(rule.cap, rule.max_cap or policy.max_cap, rule.devices, "caps callable")
+    for rule in policy.rules:
+        if rule.matches(user, kernelspec):
+            return Resolved(rule.cap, rule.max_cap or policy.max_cap, rule.devices, rule.label)
+    return Resolved(policy.default_cap, policy.max_cap, 1, "default")
