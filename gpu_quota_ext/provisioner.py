@@ -43,8 +43,10 @@ class GpuQuotaProvisioner(LocalProvisioner):
         try:
             updates = service.admit(self.kernel_id, self._kernelspec_name(), kwargs.get("cmd") or self.kernel_spec.argv, env)
         except AdmissionRefused as refusal:
+            self._forget_failed_start()
             raise web.HTTPError(503, f"GPU quota: kernel not started: {refusal}", reason="GPU budget full") from None
         except PolicyError as error:
+            self._forget_failed_start()
             raise web.HTTPError(500, f"GPU quota: {error}", reason="GPU quota policy error") from None
         env.update(updates)
         kwargs["env"] = env
@@ -56,12 +58,22 @@ class GpuQuotaProvisioner(LocalProvisioner):
         except Exception:
             # The process never started: its grant must not hold budget.
             self._release()
+            self._forget_failed_start()
             raise
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
         if not restart:
             self._release()
+
+    def _forget_failed_start(self) -> None:
+        # jupyter_client (8.10) keeps the id of a kernel whose start failed in its pending table for
+        # good; the server's shutdown_all then fails with "Kernel does not exist". A refusal is a
+        # normal event for a quota, so we drop that entry ourselves.
+        multi = getattr(self.parent, "parent", None)
+        pending = getattr(multi, "_pending_kernels", None)
+        if isinstance(pending, dict):
+            pending.pop(self.kernel_id, None)
 
     def _release(self) -> None:
         service = self._service()

@@ -1,0 +1,60 @@
+"""Invalid settings stop a real server at start with one line naming the setting and the value."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"]
+
+
+def start_server(tmp_path, args, env_extra=None, config=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_")}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), **(env_extra or {}))
+    if config is not None:
+        (tmp_path / "config").mkdir(exist_ok=True)
+        (tmp_path / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--port=0",
+               "--IdentityProvider.token=", f"--ServerApp.root_dir={tmp_path}", *args]
+    # Read the log until the server exits or says it is serving; (None, log) means it is serving.
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if "is running at" in line:
+                return None, "".join(lines)
+        return process.wait(timeout=30), "".join(lines)
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    "args, env_extra, config, expected",
+    [
+        (["--GpuQuota.default_cap=abc"], None, None, "c.GpuQuota.default_cap = 'abc'"),
+        (["--GpuQuota.max_cap=150%"], None, None, "c.GpuQuota.max_cap = '150%'"),
+        (["--GpuQuota.placement=random"], None, None, "c.GpuQuota.placement = 'random'"),
+        ([], {"GPU_QUOTA_OVERCOMMIT": "lots"}, None, "c.GpuQuota.overcommit = 'lots'"),
+        ([], {"GPU_QUOTA_ON_FULL": "wait"}, None, "c.GpuQuota.on_full = 'wait'"),
+        ([], None, {"GpuQuota": {"caps": [{"user": "alice", "cap": "2.0"}]}}, "c.GpuQuota.caps"),
+        ([], None, {"StaticInventory": {"devices": [{"total": "half"}]}}, "c.StaticInventory.devices[0]['total']"),
+        (["--GpuQuota.inventory_class=os.path"], None, None, "inventory_class"),
+    ],
+)
+def test_invalid_setting_stops_the_server_with_one_clear_line(tmp_path, args, env_extra, config, expected):
+    returncode, stderr = start_server(tmp_path, STATIC + args if "inventory_class" not in str(args) else args, env_extra, config)
+    assert returncode not in (None, 0), "the server kept running with an invalid setting"
+    ours = [line for line in stderr.splitlines() if "gpu-quota-ext: invalid configuration" in line]
+    assert len(ours) == 1, stderr
+    assert expected in ours[0]
+    assert "Traceback" not in stderr
+
+
+def test_valid_settings_start_the_server(tmp_path):
+    returncode, stderr = start_server(tmp_path, STATIC + ["--GpuQuota.default_cap=12GiB", "--GpuQuota.placement=pack"])
+    assert returncode is None, stderr  # still serving when the timeout hit
+    assert "gpu-quota-ext: default_cap 12GiB" in stderr

@@ -1,0 +1,196 @@
+"""Issue 2: every kernel started through the server gets its cap at launch (real server, real kernels)."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tornado.httpclient import HTTPClientError
+from traitlets.config import Config
+
+from gpu_quota_ext.launch_env import STARTUP_FILE
+from gpu_quota_ext.policy import GiB
+
+from .kernels import execute, kernel_env, restart_kernel, shutdown_kernel, start_kernel, static_devices_config
+
+CAP_VARIABLES = [
+    "CUDA_VISIBLE_DEVICES",
+    "CUPY_GPU_MEMORY_LIMIT",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_CLIENT_MEM_FRACTION",
+    "TF_FORCE_GPU_ALLOW_GROWTH",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "GPU_QUOTA_DEVICES",
+    "GPU_QUOTA_KERNEL_ID",
+    "PYTHONSTARTUP",
+]
+
+
+@pytest.fixture
+def jp_server_config():
+    return Config(static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5"))
+
+
+async def grants(jp_fetch) -> dict:
+    status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+    return {k["id"]: k for k in status["kernels"]}
+
+
+async def test_kernel_environment_carries_the_cap_and_placement_spreads(jp_fetch, jp_serverapp):
+    first = await start_kernel(jp_fetch)
+    second = await start_kernel(jp_fetch)
+    env1 = await kernel_env(jp_serverapp, first, CAP_VARIABLES)
+    env2 = await kernel_env(jp_serverapp, second, CAP_VARIABLES)
+
+    assert {env1["CUDA_VISIBLE_DEVICES"], env2["CUDA_VISIBLE_DEVICES"]} == {"0", "1"}  # one per GPU
+    for kernel_id, env in ((first, env1), (second, env2)):
+        assert env["GPU_QUOTA_KERNEL_ID"] == kernel_id
+        assert env["CUPY_GPU_MEMORY_LIMIT"] == str(20 * GiB)
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["XLA_CLIENT_MEM_FRACTION"] == "0.2500"
+        assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+        # torch 2.13 reads the fraction from the allocator config: the bootstrap wrote it.
+        assert env["PYTORCH_CUDA_ALLOC_CONF"] == "per_process_memory_fraction:0.250000"
+        (device,) = json.loads(env["GPU_QUOTA_DEVICES"])
+        assert (device["ordinal"], device["cap"], device["max_cap"]) == (0, 20 * GiB, 40 * GiB)
+        # The bootstrap hands PYTHONSTARTUP back (unset: the user had none), so child Pythons skip ours.
+        assert env["PYTHONSTARTUP"] is None
+
+    recorded = await grants(jp_fetch)
+    assert recorded[first]["devices"][0]["cap"] == 20 * GiB
+    assert sorted(k["devices"][0]["index"] for k in recorded.values()) == [0, 1]
+
+
+async def test_torch_is_not_imported_and_is_capped_when_it_is(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(
+        jp_serverapp,
+        kernel_id,
+        "import sys\n"
+        "print('torch' in sys.modules)\n"
+        "from gpu_quota_ext.kernel.state import STATE\n"
+        "print(STATE.torch_route)\n"
+        "import torch\n"
+        "print(torch.cuda.is_initialized(), len(torch.cuda._queued_calls) >= 1)\n",
+    )
+    before, route, after = out.strip().splitlines()
+    assert before == "False"
+    assert "PYTORCH_CUDA_ALLOC_CONF" in route and "first CUDA use" in route
+    assert after == "False True"  # CUDA untouched (no context); the exact cap waits for its first use
+
+
+async def test_child_processes_inherit_the_torch_cap(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(
+        jp_serverapp,
+        kernel_id,
+        "import subprocess, sys\n"
+        "print(subprocess.run([sys.executable, '-c', "
+        "'import os; print(os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"], os.environ[\"CUPY_GPU_MEMORY_LIMIT\"])'],"
+        " capture_output=True, text=True).stdout)",
+    )
+    assert out.split() == ["per_process_memory_fraction:0.250000", str(20 * GiB)]
+
+
+async def test_restart_keeps_the_grant_and_shutdown_releases_it(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": "0.4"}))
+    before = (await grants(jp_fetch))[kernel_id]
+    await restart_kernel(jp_fetch, kernel_id)
+    after = (await grants(jp_fetch))[kernel_id]
+    assert after["devices"] == before["devices"] and after["devices"][0]["cap"] == int(0.4 * 80 * GiB)
+    env = await kernel_env(jp_serverapp, kernel_id, CAP_VARIABLES)
+    assert json.loads(env["GPU_QUOTA_DEVICES"])[0]["cap"] == int(0.4 * 80 * GiB)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "per_process_memory_fraction:0.400000"
+
+    await shutdown_kernel(jp_fetch, kernel_id)
+    assert kernel_id not in await grants(jp_fetch)
+    status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+    assert sum(d["granted"] for d in status["devices"]) == 0
+
+
+async def test_user_pythonstartup_still_runs(jp_fetch, jp_serverapp, tmp_path, monkeypatch):
+    startup = tmp_path / "startup.py"
+    startup.write_text("FROM_MY_STARTUP = 42\n")
+    monkeypatch.setenv("PYTHONSTARTUP", str(startup))
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(jp_serverapp, kernel_id, "import os; print(FROM_MY_STARTUP, os.environ['PYTHONSTARTUP'])")
+    assert out.split() == ["42", str(startup)]
+
+
+@pytest.fixture
+def tiny_kernelspec(jp_kernel_dir):
+    spec_dir = Path(jp_kernel_dir) / "tiny"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    script = Path(__file__).with_name("tiny_kernel.py")
+    spec = {
+        "argv": ["/bin/sh", "-c", 'exec "$0" "$1" -f "$2"', sys.executable, str(script), "{connection_file}"],
+        "display_name": "Tiny (not Python)",
+        "language": "text",
+        "env": {"TINY_OWN": "kept"},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return "tiny"
+
+
+async def test_a_non_python_kernel_gets_the_environment_and_starts(jp_fetch, jp_serverapp, tiny_kernelspec):
+    kernel_id = await start_kernel(jp_fetch, tiny_kernelspec)
+    out = await execute(jp_serverapp, kernel_id, "CUPY_GPU_MEMORY_LIMIT GPU_QUOTA_KERNEL_ID PYTHONSTARTUP TINY_OWN")
+    assert out.split() == [
+        f"CUPY_GPU_MEMORY_LIMIT={20 * GiB}",
+        f"GPU_QUOTA_KERNEL_ID={kernel_id}",
+        "PYTHONSTARTUP=None",
+        "TINY_OWN=kept",
+    ]
+
+
+class TestConcurrentStarts:
+    @pytest.fixture
+    def jp_server_config(self):
+        # 2 x 80 GiB, budget 1.0 x device, 20 GiB caps: room for exactly 8 kernels.
+        return Config(static_devices_config("80GiB", "80GiB", default_cap="0.25", overcommit=1.0, on_full="cpu-only"))
+
+    async def test_twenty_concurrent_starts_never_overcommit(self, jp_fetch, jp_serverapp):
+        ids = await asyncio.gather(*(start_kernel(jp_fetch) for _ in range(20)))
+        status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+        assert len(status["kernels"]) == 20
+        on_gpu = [k for k in status["kernels"] if k["devices"]]
+        assert len(on_gpu) == 8
+        assert all(d["granted"] <= d["budget"] for d in status["devices"])
+        assert [d["granted"] for d in status["devices"]] == [80 * GiB, 80 * GiB]
+        cpu_only = next(k for k in status["kernels"] if not k["devices"])
+        env = await kernel_env(jp_serverapp, cpu_only["id"], ["CUDA_VISIBLE_DEVICES", "GPU_QUOTA_CPU_ONLY_REASON"])
+        assert env["CUDA_VISIBLE_DEVICES"] == "" and "budget" in env["GPU_QUOTA_CPU_ONLY_REASON"]
+        assert set(ids) == {k["id"] for k in status["kernels"]}
+
+
+class TestRefuseWhenFull:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("80GiB", default_cap="0.5", max_cap="0.5", overcommit=1.0, on_full="refuse"))
+
+    async def test_a_full_gpu_refuses_the_start_with_a_reason(self, jp_fetch, jp_serverapp):
+        await start_kernel(jp_fetch)
+        await start_kernel(jp_fetch)
+        with pytest.raises(HTTPClientError) as refused:
+            await start_kernel(jp_fetch)
+        assert refused.value.code == 503
+        assert "no GPU has 0.5 of budget left" in refused.value.response.body.decode()
+        kernels = json.loads((await jp_fetch("api", "kernels")).body)
+        assert len(kernels) == 2  # the refused one left nothing behind
+        status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+        assert len(status["kernels"]) == 2
+
+
+class TestNoGpu:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config())
+
+    async def test_a_server_without_gpus_starts_kernels_normally(self, jp_fetch, jp_serverapp):
+        kernel_id = await start_kernel(jp_fetch)
+        env = await kernel_env(jp_serverapp, kernel_id, CAP_VARIABLES)
+        assert env["GPU_QUOTA_KERNEL_ID"] == kernel_id
+        assert env["CUDA_VISIBLE_DEVICES"] is None and env["GPU_QUOTA_DEVICES"] is None
+        status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+        assert status["gpu"] is False and "no GPU" in status["message"]

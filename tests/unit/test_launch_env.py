@@ -1,0 +1,76 @@
+"""Grant -> kernel environment: pure, no server."""
+
+import json
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.launch_env import STARTUP_FILE, is_python_kernel, launch_env
+from gpu_quota_ext.ledger import Grant
+from gpu_quota_ext.policy import GiB
+
+DEVICES = {0: Device(0, "H200", "GPU-aaaa", 140 * GiB, 0), 1: Device(1, "H200", "GPU-bbbb", 140 * GiB, 1)}
+
+
+def grant(devices=(1,), cap=35 * GiB, placed=True, reason=None):
+    caps = {d: cap for d in devices}
+    return Grant("kid", "u", "python3", tuple(devices), caps, dict(caps), {d: 70 * GiB for d in devices}, "default", placed, reason)
+
+
+def test_placed_grant_sets_every_framework_and_our_variables():
+    env = launch_env(grant(), DEVICES, {}, api_url="http://127.0.0.1:8888/", token="s3cret")
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
+    assert env["CUPY_GPU_MEMORY_LIMIT"] == str(35 * GiB)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["XLA_CLIENT_MEM_FRACTION"] == "0.2500"
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert env["GPU_QUOTA_KERNEL_ID"] == "kid"
+    assert env["GPU_QUOTA_KERNEL_TOKEN"] == "s3cret"
+    assert env["GPU_QUOTA_API_URL"] == "http://127.0.0.1:8888/"
+    assert json.loads(env["GPU_QUOTA_DEVICES"]) == [
+        {"ordinal": 0, "index": 1, "uuid": "GPU-bbbb", "cap": 35 * GiB, "max_cap": 70 * GiB, "total": 140 * GiB}
+    ]
+    assert env["PYTHONSTARTUP"] == str(STARTUP_FILE)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # the bootstrap decides, knowing the kernel's torch
+
+
+def test_user_limits_are_merged_never_loosened():
+    tighter = {"CUPY_GPU_MEMORY_LIMIT": str(GiB), "XLA_PYTHON_CLIENT_MEM_FRACTION": ".1", "XLA_CLIENT_MEM_FRACTION": "0.9"}
+    env = launch_env(grant(), DEVICES, tighter)
+    assert env["CUPY_GPU_MEMORY_LIMIT"] == str(GiB)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".1"
+    assert env["XLA_CLIENT_MEM_FRACTION"] == "0.2500"
+    assert launch_env(grant(), DEVICES, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"})["TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
+
+
+def test_user_pythonstartup_is_chained():
+    env = launch_env(grant(), DEVICES, {"PYTHONSTARTUP": "/home/u/.startup.py"})
+    assert env["GPU_QUOTA_USER_PYTHONSTARTUP"] == "/home/u/.startup.py"
+    assert env["PYTHONSTARTUP"] == str(STARTUP_FILE)
+    # A restart merges our own value back in: it must not chain itself.
+    again = launch_env(grant(), DEVICES, {"PYTHONSTARTUP": str(STARTUP_FILE)})
+    assert "GPU_QUOTA_USER_PYTHONSTARTUP" not in again
+
+
+def test_non_python_kernels_get_the_environment_only():
+    env = launch_env(grant(), DEVICES, {}, python_kernel=False)
+    assert "PYTHONSTARTUP" not in env and env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
+
+
+def test_cpu_only_grant_hides_the_gpus():
+    env = launch_env(grant(devices=(), reason="full"), DEVICES, {})
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["GPU_QUOTA_CPU_ONLY_REASON"] == "full"
+    assert "CUPY_GPU_MEMORY_LIMIT" not in env and "GPU_QUOTA_DEVICES" not in env
+
+
+def test_unplaced_grant_keeps_visibility_and_fixes_the_order():
+    env = launch_env(grant(devices=(0, 1), placed=False), DEVICES, {})
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert [d["ordinal"] for d in json.loads(env["GPU_QUOTA_DEVICES"])] == [0, 1]
+
+
+def test_is_python_kernel():
+    assert is_python_kernel(["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"])
+    assert is_python_kernel(["python", "-m", "ipykernel"])
+    assert not is_python_kernel(["R", "--slave", "-e", "IRkernel::main()"])
+    assert not is_python_kernel(["julia", "-i", "kernel.jl"])
+    assert not is_python_kernel([])

@@ -1,0 +1,152 @@
+"""Grants, admission, placement and cap changes: pure, no server."""
+
+import threading
+
+import pytest
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
+from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
+
+TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b", 80 * GiB, 1)]
+
+
+def make(devices=TWO_GPUS, **settings):
+    policy = build_policy(settings.pop("default_cap", "0.25"), settings.pop("max_cap", "0.5"), **settings)
+    return Ledger(devices, policy), policy
+
+
+def admit(ledger, policy, kernel_id, user="u", kernelspec="python3"):
+    return ledger.grant(kernel_id, user, kernelspec, resolve(policy, user, kernelspec))
+
+
+def test_spread_puts_each_new_kernel_on_the_least_granted_gpu():
+    ledger, policy = make()
+    placed = [admit(ledger, policy, f"k{i}").devices for i in range(4)]
+    assert placed == [(0,), (1,), (0,), (1,)]
+    assert [d["granted"] for d in ledger.usage()] == [40 * GiB, 40 * GiB]
+
+
+def test_pack_fills_gpu0_up_to_its_budget_first():
+    ledger, policy = make(overcommit=1.0, placement="pack")
+    placed = [admit(ledger, policy, f"k{i}").devices for i in range(6)]
+    assert placed == [(0,)] * 4 + [(1,)] * 2
+
+
+def test_placement_none_caps_every_device_and_sets_no_placement():
+    ledger, policy = make(placement="none")
+    grant = admit(ledger, policy, "k")
+    assert grant.devices == (0, 1) and not grant.placed
+    assert grant.caps == {0: 20 * GiB, 1: 20 * GiB}
+
+
+def test_a_restarted_kernel_keeps_its_grant_and_release_frees_budget():
+    ledger, policy = make(overcommit=1.0)
+    first = admit(ledger, policy, "k")
+    ledger.change("k", parse_cap("0.4"))
+    again = admit(ledger, policy, "k")  # what pre_launch does on restart
+    assert again.devices == first.devices and again.caps[first.devices[0]] == int(0.4 * 80 * GiB)
+    assert ledger.release("k") is not None
+    assert ledger.release("k") is None  # idempotent
+    assert ledger.get("k") is None
+    assert [d["granted"] for d in ledger.usage()] == [0, 0]
+
+
+@pytest.mark.parametrize("on_full", ["refuse", "cpu-only"])
+def test_a_full_machine_refuses_or_hides_the_gpus(on_full):
+    ledger, policy = make(overcommit=0.5, on_full=on_full)
+    for i in range(4):
+        assert admit(ledger, policy, f"k{i}").devices
+    if on_full == "refuse":
+        with pytest.raises(AdmissionRefused, match="no GPU has 0.25 of budget left"):
+            admit(ledger, policy, "k-late")
+        assert ledger.get("k-late") is None
+    else:
+        grant = admit(ledger, policy, "k-late")
+        assert grant.devices == () and grant.placed and "budget" in grant.cpu_only_reason
+    assert all(d["granted"] <= d["budget"] for d in ledger.usage())
+
+
+def test_concurrent_grants_never_overcommit():
+    ledger, policy = make(overcommit=1.0, on_full="cpu-only")
+    barrier = threading.Barrier(40)
+
+    def start(i):
+        barrier.wait()
+        admit(ledger, policy, f"k{i}")
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    on_gpu = [g for g in ledger.grants() if g.devices]
+    assert len(on_gpu) == 8  # 2 devices x budget 80 GiB / 20 GiB caps
+    assert all(d["granted"] <= d["budget"] for d in ledger.usage())
+
+
+def test_change_within_max_is_granted():
+    ledger, policy = make()
+    admit(ledger, policy, "k")
+    outcome = ledger.change("k", parse_cap("0.4"))
+    assert outcome.status == "granted"
+    assert outcome.grant.caps == {0: int(0.4 * 80 * GiB)}
+    assert outcome.grant.source == "kernel request"
+    assert ledger.get("k") == outcome.grant
+
+
+def test_change_above_max_is_clamped_or_refused_as_configured():
+    ledger, policy = make(on_over_max="clamp")
+    admit(ledger, policy, "k")
+    clamped = ledger.change("k", parse_cap("0.9"))
+    assert clamped.status == "clamped" and clamped.grant.caps == {0: 40 * GiB}
+    assert "max_cap" in clamped.message
+
+    ledger, policy = make(on_over_max="refuse")
+    before = admit(ledger, policy, "k")
+    refused = ledger.change("k", parse_cap("0.9"))
+    assert refused.status == "refused" and "max_cap" in refused.message
+    assert ledger.get("k") == before
+
+
+def test_change_is_bounded_by_the_device_budget():
+    ledger, policy = make(devices=TWO_GPUS[:1], overcommit=1.0, max_cap="1.0")
+    admit(ledger, policy, "a")
+    admit(ledger, policy, "b")  # 40 GiB granted, 40 GiB left
+    outcome = ledger.change("a", parse_cap("1.0"))
+    assert outcome.status == "clamped" and outcome.grant.caps == {0: 60 * GiB}
+    assert ledger.usage()[0]["granted"] == 80 * GiB
+    assert ledger.change("b", parse_cap("0.5")).status == "refused"
+
+
+def test_reset_returns_to_the_policy_cap():
+    ledger, policy = make()
+    admit(ledger, policy, "k")
+    ledger.change("k", parse_cap("0.4"))
+    grant = ledger.reset("k")
+    assert grant.caps == grant.policy_caps == {0: 20 * GiB}
+
+
+def test_change_errors():
+    ledger, policy = make()
+    with pytest.raises(UnknownKernel):
+        ledger.change("nope", parse_cap("0.3"))
+    admit(ledger, policy, "k")
+    with pytest.raises(PolicyError, match="not one of this kernel's devices"):
+        ledger.change("k", parse_cap("0.3"), device=1)
+    ledger, policy = make(devices=[])
+    admit(ledger, policy, "cpu")
+    with pytest.raises(PolicyError, match="runs on CPU"):
+        ledger.change("cpu", parse_cap("0.3"))
+
+
+def test_rule_asking_for_two_devices_gets_a_cap_on_each():
+    ledger, policy = make(caps=[{"kernelspec": "multi", "cap": "0.25", "devices": 2}])
+    grant = admit(ledger, policy, "k", kernelspec="multi")
+    assert grant.devices == (0, 1) and grant.caps == {0: 20 * GiB, 1: 20 * GiB}
+
+
+def test_allowed_devices_narrow_placement():
+    ledger, policy = make()
+    grant = ledger.grant("k", "u", "python3", resolve(policy, "u", "python3"), allowed=[1])
+    assert grant.devices == (1,)

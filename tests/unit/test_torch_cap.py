@@ -1,0 +1,79 @@
+"""The kernel-side torch cap helpers: pure parts, and the import watcher with a stand-in module."""
+
+import sys
+import types
+
+from gpu_quota_ext.kernel.torch_cap import (
+    TorchImportWatcher,
+    alloc_conf_variable,
+    merge_alloc_conf,
+    reads_fraction_from_alloc_conf,
+)
+
+
+def test_alloc_conf_fraction_only_from_torch_2_10():
+    assert reads_fraction_from_alloc_conf("2.10.0")
+    assert reads_fraction_from_alloc_conf("2.11.0+cu130")
+    assert reads_fraction_from_alloc_conf("3.0.0a0")
+    assert not reads_fraction_from_alloc_conf("2.9.1")
+    assert not reads_fraction_from_alloc_conf("1.13.1")
+    assert not reads_fraction_from_alloc_conf(None)
+    assert not reads_fraction_from_alloc_conf("garbage")
+
+
+def test_merge_alloc_conf_keeps_other_options_and_the_tighter_fraction():
+    assert merge_alloc_conf(None, 0.25) == "per_process_memory_fraction:0.250000"
+    assert merge_alloc_conf("expandable_segments:True", 0.2) == "expandable_segments:True,per_process_memory_fraction:0.200000"
+    assert merge_alloc_conf("per_process_memory_fraction:0.1,max_split_size_mb:128", 0.5) == (
+        "max_split_size_mb:128,per_process_memory_fraction:0.100000"
+    )
+    assert merge_alloc_conf("per_process_memory_fraction:0.9", 0.5) == "per_process_memory_fraction:0.500000"
+    # Rounded down: never more than the cap.
+    assert merge_alloc_conf("", 0.3333339) == "per_process_memory_fraction:0.333333"
+
+
+def test_alloc_conf_variable_follows_the_users_choice():
+    assert alloc_conf_variable({}) == "PYTORCH_CUDA_ALLOC_CONF"
+    assert alloc_conf_variable({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == "PYTORCH_ALLOC_CONF"
+
+
+def test_import_watcher_calls_back_after_the_module_is_executed(tmp_path, monkeypatch):
+    # A stand-in "torch" package on sys.path: the watcher must see it fully imported, once.
+    package = tmp_path / "torch"
+    package.mkdir()
+    (package / "__init__.py").write_text("READY = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    seen = []
+    watcher = TorchImportWatcher(lambda module: seen.append(getattr(module, "READY", False)))
+    watcher.install()
+    try:
+        import torch  # noqa: F401  (the stand-in)
+
+        assert seen == [True]
+        assert watcher not in sys.meta_path
+    finally:
+        watcher.uninstall()
+        sys.modules.pop("torch", None)
+
+
+def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch, capfd):
+    package = tmp_path / "torch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+
+    def boom(module):
+        raise RuntimeError("boom")
+
+    watcher = TorchImportWatcher(boom)
+    watcher.install()
+    try:
+        import torch
+
+        assert isinstance(torch, types.ModuleType)
+    finally:
+        watcher.uninstall()
+        sys.modules.pop("torch", None)
+    assert "could not queue the torch cap" in capfd.readouterr().err
