@@ -1,0 +1,107 @@
+"""Issue 2 on a real GPU: the cap the launch hook gives holds in torch, subprocesses, CuPy and JAX;
+kernels that never touch CUDA hold no device memory; a restart keeps the cap."""
+
+import json
+import time
+
+import pytest
+from traitlets.config import Config
+
+from ..integration.kernels import execute, restart_kernel, start_kernel
+from .conftest import kernel_pid, nvml_used_by_pid, record
+
+pytestmark = pytest.mark.gpu
+
+ALLOCATE = """
+import torch
+total = torch.cuda.get_device_properties(0).total_memory
+def try_alloc(fraction):
+    try:
+        x = torch.empty(int(fraction * total), dtype=torch.int8, device="cuda")
+        del x
+        torch.cuda.empty_cache()
+        return "ok"
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        return "OOM " + ("allowed;" in str(error) and "(cap)" or "(device)")
+print(try_alloc(0.19), "|", try_alloc(0.21))
+"""
+
+SUBPROCESS = '''
+import subprocess, sys
+code = """
+import torch
+total = torch.cuda.get_device_properties(0).total_memory
+ok = torch.empty(int(0.19 * total), dtype=torch.int8, device="cuda"); del ok; torch.cuda.empty_cache()
+try:
+    torch.empty(int(0.21 * total), dtype=torch.int8, device="cuda"); print("ok | ok")
+except torch.OutOfMemoryError as error:
+    print("ok | OOM", "allowed;" in str(error) and "(cap)" or "(device)")
+"""
+print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip())
+'''
+
+
+@pytest.fixture
+def jp_server_config():
+    return Config({"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": {"default_cap": "0.2"}})
+
+
+async def test_torch_cap_holds_in_the_kernel_and_its_subprocess_and_after_restart(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    started = time.perf_counter()
+    in_kernel = (await execute(jp_serverapp, kernel_id, ALLOCATE, timeout=180)).strip()
+    record("torch_first_cuda_use_and_two_allocations_s", round(time.perf_counter() - started, 3))
+    record("kernel 0.19 x total | 0.21 x total", in_kernel)
+    assert in_kernel == "ok | OOM (cap)"
+
+    in_child = (await execute(jp_serverapp, kernel_id, SUBPROCESS, timeout=180)).strip()
+    record("subprocess 0.19 x total | 0.21 x total", in_child)
+    assert in_child == "ok | OOM (cap)"
+
+    await restart_kernel(jp_fetch, kernel_id)
+    after_restart = (await execute(jp_serverapp, kernel_id, ALLOCATE, timeout=180)).strip()
+    record("after restart 0.19 x total | 0.21 x total", after_restart)
+    assert after_restart == "ok | OOM (cap)"
+
+
+async def test_cupy_and_jax_limits_are_present(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(
+        jp_serverapp,
+        kernel_id,
+        "import json, os, cupy, jax\n"
+        "total = cupy.cuda.runtime.memGetInfo()[1]\n"
+        "limit = cupy.get_default_memory_pool().get_limit()\n"
+        "try:\n"
+        "    cupy.empty(int(0.3 * total), dtype=cupy.int8); cupy_big = 'ok'\n"
+        "except cupy.cuda.memory.OutOfMemoryError as e:\n"
+        "    cupy_big = 'OOM'\n"
+        "stats = jax.devices()[0].memory_stats()\n"
+        "print(json.dumps({'cupy_limit': limit, 'cupy_total': total, 'cupy_0.3': cupy_big,"
+        " 'jax_bytes_limit': stats.get('bytes_limit'), 'env': {k: os.environ.get(k) for k in"
+        " ['CUPY_GPU_MEMORY_LIMIT', 'XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION']}}))\n",
+        timeout=300,
+    )
+    found = json.loads(out.strip().splitlines()[-1])
+    record("cupy_and_jax", found)
+    cap = int(found["env"]["CUPY_GPU_MEMORY_LIMIT"])
+    assert found["cupy_limit"] == cap
+    assert found["cupy_0.3"] == "OOM"
+    assert found["jax_bytes_limit"] is not None and found["jax_bytes_limit"] <= 0.2 * found["cupy_total"] * 1.01
+
+
+async def test_a_kernel_that_never_uses_cuda_holds_no_device_memory(jp_fetch, jp_serverapp):
+    lazy = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, lazy, "import torch; x = torch.ones(10)  # CPU only", timeout=180)
+    eager = await start_kernel(jp_fetch)
+    # What a naive extension would do: apply the cap eagerly at start (creates a CUDA context).
+    await execute(jp_serverapp, eager, "import torch; torch.cuda.set_per_process_memory_fraction(0.2, 0)", timeout=180)
+    time.sleep(1)
+    used = nvml_used_by_pid()
+    lazy_bytes = used.get(kernel_pid(jp_serverapp, lazy), 0)
+    eager_bytes = used.get(kernel_pid(jp_serverapp, eager), 0)
+    record("lazy kernel (imported torch, no CUDA use): NVML bytes", lazy_bytes)
+    record("eager kernel (set_per_process_memory_fraction at start): NVML bytes", eager_bytes)
+    assert lazy_bytes == 0
+    assert eager_bytes > 100 * 2**20
