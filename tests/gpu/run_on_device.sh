@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every GPU check and GPU benchmark in one call on the device machine (see ../shared/device/README.md):
+#   device run, carry [".whl"], command: bash tests/gpu/run_on_device.sh [pytest -k expression]
+# .whl holds the wheelhouse (../shared/device/wheelhouse.sh .whl), pytest-jupyter's wheel and this
+# project's own wheel (pip wheel --no-deps -w .whl .). Results land in $OUT: the log, the measured
+# figures (JSON lines), nvidia-smi's view, and the benchmarks' JSON.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit 1
+export PYTHONUNBUFFERED=1 GPU_QUOTA_FIGURES="$OUT/figures.jsonl"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
+python3 -c 'import torch, cupy, jax; print("torch", torch.__version__, "cupy", cupy.__version__, "jax", jax.__version__)' | tee -a "$OUT/nvidia-smi.txt"
+
+status=0
+select=()
+[ $# -gt 0 ] && select=(-k "$*")
+timeout 420 python3 -m pytest tests/gpu -m gpu -s -v -p no:cacheprovider -o addopts="" "${select[@]}" 2>&1 \
+  | grep -v -E '^(DEBUG|INFO) ' | tee "$OUT/gpu-tests.log" || status=1
+
+if [ -z "${GPU_QUOTA_SKIP_BENCH:-}" ]; then
+  timeout 240 python3 benchmarks/kernel_start_bench.py --nvml --rounds 10 --out "$OUT/kernel_start_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  if [ -f benchmarks/monitor_bench.py ]; then
+    timeout 120 python3 benchmarks/monitor_bench.py --real 2>&1 | tee -a "$OUT/bench.log" || status=1
+  fi
+fi
+echo "== figures"
+cat "$OUT/figures.jsonl" 2>/dev/null
+grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
+exit $status
