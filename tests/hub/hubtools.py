@@ -1,0 +1,250 @@
+"""Driving a real JupyterHub from a test: start it on loopback, call its REST API, run code in a user's
+kernel through the hub's proxy (the websocket the browser uses). Stdlib + tornado only."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, Optional
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.websocket import websocket_connect
+
+HERE = Path(__file__).resolve().parent
+CHP = HERE / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
+
+
+def missing_setup() -> Optional[str]:
+    """Why the hub test cannot run here, or None. Both are installed by tests/hub/setup.sh."""
+    problems = []
+    try:
+        import jupyterhub  # noqa: F401
+    except ImportError:
+        problems.append(f"jupyterhub is not installed in {sys.prefix}")
+    if not os.access(CHP, os.X_OK):
+        problems.append(f"configurable-http-proxy is not installed at {CHP}")
+    return "; ".join(problems) or None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Hub:
+    """A JupyterHub process (and its proxy, and the servers it spawns) in a folder of its own."""
+
+    def __init__(self, folder: Path, config_text: str):
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_token = uuid.uuid4().hex
+        self.log_path = folder / "jupyterhub.log"
+        self.config_path = folder / "jupyterhub_config.py"
+        header = HUB_CONFIG_HEADER.format(
+            port=self.port,
+            hub_port=free_port(),
+            proxy_api_port=free_port(),
+            chp=str(CHP),
+            folder=str(folder),
+            python=sys.executable,
+            admin_token=self.admin_token,
+        )
+        self.config_path.write_text(header + "\n" + config_text)
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "JUPYTER_", "JPY_"))}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(self.config_path)],
+            cwd=self.folder,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the proxy and servers can be stopped with it
+        )
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no hub log)"
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # the hub stops its servers and its proxy
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # anything of this hub's group still left
+        except (ProcessLookupError, PermissionError):
+            pass
+        # The proxy runs in a session of its own; a hub stopped while starting may not have stopped it.
+        try:
+            proxy_pid = int((self.folder / "proxy.pid").read_text().strip())
+            if "configurable-http-proxy" in Path(f"/proc/{proxy_pid}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(proxy_pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+        self._log.close()
+
+    # --- HTTP -------------------------------------------------------------------------------------
+
+    async def api(self, method: str, path: str, body=None, token: Optional[str] = None, ok=(200, 201, 202, 204)):
+        """A request to the hub (or, through its proxy, a user's server); returns (status, JSON or None)."""
+        request = HTTPRequest(
+            self.url + path,
+            method=method,
+            headers={"Authorization": f"token {token or self.admin_token}"},
+            body=None if body is None and method in ("GET", "DELETE") else json.dumps(body if body is not None else {}),
+            request_timeout=60,
+            follow_redirects=False,
+        )
+        try:
+            response = await AsyncHTTPClient().fetch(request, raise_error=False)
+        except (ConnectionError, OSError) as error:
+            raise ConnectionError(f"{method} {path}: {error}") from None
+        try:
+            data = json.loads(response.body) if response.body else None
+        except ValueError:  # an HTML error page (the proxy before the hub has registered its route)
+            data = response.body.decode(errors="replace")
+        if response.code not in ok:
+            raise AssertionError(f"{method} {path} answered {response.code}: {response.body[:2000]!r}")
+        return response.code, data
+
+    async def wait_until_up(self, timeout: float = 40) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"jupyterhub exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                await self.api("GET", "/hub/api/")
+                return
+            except (ConnectionError, AssertionError, HTTPClientError):
+                await _sleep(0.3)
+        raise AssertionError(f"jupyterhub did not answer within {timeout} s:\n{self.log_tail()}")
+
+    async def start_server(self, user: str) -> None:
+        await self.api("POST", f"/hub/api/users/{user}/server")
+
+    async def wait_for_server(self, user: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, model = await self.api("GET", f"/hub/api/users/{user}")
+            server = (model.get("servers") or {}).get("")
+            if server and server.get("ready"):
+                return
+            await _sleep(0.3)
+        raise AssertionError(f"{user}'s server was not ready within {timeout} s:\n{self.log_tail()}")
+
+    async def user_token(self, user: str) -> str:
+        _, data = await self.api("POST", f"/hub/api/users/{user}/tokens", {"note": "gpu-quota-ext hub test", "expires_in": 600})
+        return data["token"]
+
+    # --- a kernel, through the proxy, the way the browser reaches it ---------------------------------
+
+    async def execute(self, user: str, token: str, kernel_id: str, code: str, timeout: float = 60) -> Dict[str, str]:
+        """Run `code` in the kernel over its websocket; returns {"stdout", "stderr", "error", "status"}."""
+        url = f"ws://127.0.0.1:{self.port}/user/{user}/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
+        connection = await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {token}"}, request_timeout=30))
+        try:
+            msg_id = uuid.uuid4().hex
+            connection.write_message(json.dumps(execute_request(msg_id, code)))
+            out = {"stdout": "", "stderr": "", "error": "", "status": ""}
+            idle = False
+            deadline = time.monotonic() + timeout
+            while not (idle and out["status"]):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"no reply from {user}'s kernel within {timeout} s to:\n{code}\nso far: {out}")
+                raw = await _with_timeout(connection.read_message(), remaining)
+                if raw is None:
+                    raise AssertionError(f"{user}'s kernel websocket closed; so far: {out}")
+                msg = json.loads(raw)
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                kind = msg["msg_type"] if "msg_type" in msg else msg["header"]["msg_type"]
+                content = msg["content"]
+                if kind == "stream":
+                    out[content["name"]] += content["text"]
+                elif kind == "error":
+                    out["error"] += "\n".join(content["traceback"])
+                elif kind == "execute_reply":
+                    out["status"] = content["status"]
+                elif kind == "status" and content["execution_state"] == "idle":
+                    idle = True
+            return out
+        finally:
+            connection.close()
+
+
+def execute_request(msg_id: str, code: str) -> dict:
+    """A Jupyter protocol execute_request as jupyter_server's JSON websocket protocol carries it."""
+    return {
+        "header": {
+            "msg_id": msg_id,
+            "msg_type": "execute_request",
+            "username": "hub-test",
+            "session": uuid.uuid4().hex,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "version": "5.3",
+        },
+        "parent_header": {},
+        "metadata": {},
+        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                    "allow_stdin": False, "stop_on_error": True},
+        "channel": "shell",
+        "buffers": [],
+    }
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def _with_timeout(awaitable, seconds: float):
+    return await asyncio.wait_for(awaitable, seconds)
+
+
+# Loopback only, free ports, every file in the test's own folder; servers are spawned as this OS user.
+HUB_CONFIG_HEADER = '''
+c.JupyterHub.ip = "127.0.0.1"
+c.JupyterHub.port = {port}
+c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_port = {hub_port}
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api_port}"
+c.ConfigurableHTTPProxy.command = [{chp!r}]
+c.ConfigurableHTTPProxy.pid_file = {folder!r} + "/proxy.pid"
+c.JupyterHub.db_url = "sqlite:///" + {folder!r} + "/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = {folder!r} + "/cookie_secret"
+c.JupyterHub.pid_file = {folder!r} + "/jupyterhub.pid"
+c.JupyterHub.authenticator_class = "jupyterhub.auth.NullAuthenticator"
+c.JupyterHub.spawner_class = "jupyterhub.spawner.SimpleLocalProcessSpawner"
+c.SimpleLocalProcessSpawner.home_dir_template = {folder!r} + "/home/{{username}}"
+c.Spawner.cmd = [{python!r}, "-m", "jupyterhub.singleuser"]
+c.Spawner.start_timeout = 60
+c.Spawner.http_timeout = 60
+c.JupyterHub.services = [{{"name": "hub-test-admin", "api_token": {admin_token!r}}}]
+c.JupyterHub.load_roles = [{{
+    "name": "hub-test-admin",
+    "scopes": ["admin:users", "admin:servers", "admin:groups", "tokens", "access:servers", "list:users", "read:users"],
+    "services": ["hub-test-admin"],
+}}]
+c.JupyterHub.log_level = "INFO"
+'''
