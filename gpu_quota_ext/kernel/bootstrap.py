@@ -12,7 +12,7 @@ from . import state as state_module
 from .torch_cap import (
     TorchImportWatcher,
     alloc_conf_variable,
-    apply_exact_caps,
+    apply_current_caps,
     installed_torch_version,
     merge_alloc_conf,
     reads_fraction_from_alloc_conf,
@@ -41,7 +41,6 @@ def run(user_namespace: dict) -> None:
 
 
 def cap_torch(state: state_module.KernelCapState, env=os.environ) -> None:
-    caps = [d.cap for d in sorted(state.devices, key=lambda d: d.ordinal)]
     version = installed_torch_version()
     routes = []
     if reads_fraction_from_alloc_conf(version):
@@ -50,11 +49,25 @@ def cap_torch(state: state_module.KernelCapState, env=os.environ) -> None:
         name = alloc_conf_variable(env)
         env[name] = merge_alloc_conf(env.get(name), fraction)
         routes.append(f"{name} (torch {version}, inherited by child processes)")
+    install_lazy_hook(state)
+    routes.append("set_per_process_memory_fraction at first CUDA use")
+    state.torch_route = " + ".join(routes)
+
+
+def install_lazy_hook(state: state_module.KernelCapState) -> None:
+    """Apply `state`'s caps when the kernel first uses CUDA (at once if it already does).
+
+    The hook reads the caps from `state` when it runs, not when it is installed: a `%gpucap` change made
+    before the first CUDA use is the cap applied then. Installed once per kernel.
+    """
+    if state.hook_installed:
+        return
+    state.hook_installed = True
 
     def on_torch_import(torch) -> None:
         def apply() -> None:
             try:
-                apply_exact_caps(torch, caps)
+                apply_current_caps(torch, state)
             except Exception as error:
                 state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
                 log(state.problems[-1])
@@ -68,8 +81,6 @@ def cap_torch(state: state_module.KernelCapState, env=os.environ) -> None:
         on_torch_import(sys.modules["torch"])
     else:
         TorchImportWatcher(on_torch_import).install()
-    routes.append("set_per_process_memory_fraction at first CUDA use")
-    state.torch_route = " + ".join(routes)
 
 
 def load_magic() -> None:

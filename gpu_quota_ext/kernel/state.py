@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -25,6 +25,20 @@ class KernelCapState:
     torch_route: str = "not applied"  # how the torch cap was set, in words
     problems: List[str] = field(default_factory=list)
     cpu_only_reason: Optional[str] = None
+    # Who set the caps now in force, in words (the server's grant source after a %gpucap request).
+    cap_source: str = "the server, at kernel start"
+    # Kernels no server started (`%load_ext gpu_quota_ext`): caps the user set with %gpucap, applied
+    # by this kernel alone. Key: torch ordinal, or None for every device. Values are policy.CapSpec.
+    local_caps: Dict[Optional[int], object] = field(default_factory=dict)
+    # True once bootstrap.cap_torch installed the lazy hook (import watcher or _lazy_call).
+    hook_installed: bool = False
+
+    def caps_by_ordinal(self) -> List[int]:
+        """The caps in force now, in torch's device order: what the lazy hook applies at CUDA start."""
+        return [d.cap for d in sorted(self.devices, key=lambda d: d.ordinal)]
+
+    def device(self, ordinal: int) -> Optional[DeviceCap]:
+        return next((d for d in self.devices if d.ordinal == ordinal), None)
 
     @property
     def managed(self) -> bool:

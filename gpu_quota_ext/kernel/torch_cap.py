@@ -38,10 +38,11 @@ def alloc_conf_variable(env) -> str:
     return "PYTORCH_ALLOC_CONF" if env.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def merge_alloc_conf(existing: Optional[str], fraction: float) -> str:
+def merge_alloc_conf(existing: Optional[str], fraction: float, tighten_only: bool = True) -> str:
     """Add (or tighten) per_process_memory_fraction in an allocator config, keeping every other option.
 
-    A smaller fraction the user set stays; a larger one is lowered to the cap.
+    A smaller fraction the user set stays; a larger one is lowered to the cap. With tighten_only=False
+    (a cap the server just granted through %gpucap) the fraction is replaced, so a raised cap is inherited too.
     """
     options: List[str] = []
     for part in (existing or "").split(","):
@@ -50,10 +51,11 @@ def merge_alloc_conf(existing: Optional[str], fraction: float) -> str:
             continue
         key, _, value = part.partition(":")
         if key.strip() == FRACTION_KEY:
-            try:
-                fraction = min(fraction, float(value))
-            except ValueError:
-                pass
+            if tighten_only:
+                try:
+                    fraction = min(fraction, float(value))
+                except ValueError:
+                    pass
             continue
         options.append(part)
     options.append(f"{FRACTION_KEY}:{_floor(fraction)}")
@@ -97,6 +99,88 @@ def apply_exact_caps(torch, caps_by_ordinal: Sequence[int]) -> List[float]:
         torch.cuda.set_per_process_memory_fraction(fraction, ordinal)
         fractions.append(fraction)
     return fractions
+
+
+def apply_current_caps(torch, state) -> List[float]:
+    """Apply the caps `state` (kernel/state.py) holds *now*. The lazy hook calls this at CUDA's first use,
+    so a %gpucap change made before then is the one applied, not the cap the kernel started with."""
+    if state.devices:
+        return apply_exact_caps(torch, state.caps_by_ordinal())
+    if state.local_caps:
+        return apply_local_caps(torch, state.local_caps)
+    return []
+
+
+def apply_local_caps(torch, local_caps) -> List[float]:
+    """Kernels no server started: caps the user set with %gpucap (CapSpec per ordinal, None = every device)."""
+    fractions = []
+    for ordinal in range(torch.cuda.device_count()):
+        spec = local_caps.get(ordinal, local_caps.get(None))
+        if spec is None:
+            continue
+        total = torch.cuda.get_device_properties(ordinal).total_memory
+        fraction = min(1.0, spec.to_bytes(total) / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, ordinal)
+        fractions.append(fraction)
+    return fractions
+
+
+def cuda_torch():
+    """The kernel's torch module when it is imported AND CUDA is initialized; else None.
+
+    Never imports torch and never calls anything that would create a CUDA context (FACTS.md): a kernel
+    that has not used the GPU yet must not start paying for it because we looked.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_initialized() else None
+    except Exception:  # a half-imported or unusual torch: treat as "not in use"
+        return None
+
+
+def apply_to_running_torch(torch, state) -> List[str]:
+    """Apply the caps in `state` to a torch whose CUDA is already running; return notes for the user.
+
+    Raising a cap works at once. Lowering it below what the allocator holds: the cache is emptied first;
+    if the kernel still holds more than the new cap, existing tensors stay and new allocations fail
+    until usage drops (measured, FACTS.md).
+    """
+    notes = []
+    caps = state.caps_by_ordinal() if state.devices else None
+    if caps is not None:
+        held_above = [o for o, cap in enumerate(caps) if o < torch.cuda.device_count() and torch.cuda.memory_reserved(o) > cap]
+        if held_above:
+            torch.cuda.empty_cache()
+    apply_current_caps(torch, state)
+    if caps is not None:
+        for ordinal, cap in enumerate(caps):
+            if ordinal >= torch.cuda.device_count():
+                break
+            reserved = torch.cuda.memory_reserved(ordinal)
+            if reserved > cap:
+                notes.append(
+                    f"cuda:{ordinal} still holds {_gib(reserved)} (above the new cap of {_gib(cap)}) after "
+                    "torch.cuda.empty_cache(): existing tensors are kept; new allocations fail until usage drops"
+                )
+    return notes
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB"
+
+
+def write_alloc_conf_fraction(state, env=os.environ) -> Optional[str]:
+    """Put the tightest granted fraction into PYTORCH_CUDA_ALLOC_CONF so child processes started from now
+    on (DataLoader workers, subprocesses) get the new cap. Only where the installed torch reads it
+    (older torch fails at CUDA start on the unknown key). Returns the variable written, or None."""
+    if not state.devices or not reads_fraction_from_alloc_conf(installed_torch_version()):
+        return None
+    fraction = min(d.cap / d.total for d in state.devices)
+    name = alloc_conf_variable(env)
+    env[name] = merge_alloc_conf(env.get(name), fraction, tighten_only=False)
+    return name
 
 
 class TorchImportWatcher(importlib.abc.MetaPathFinder):

@@ -9,6 +9,7 @@ Run on a machine with an NVIDIA GPU, CUDA torch and nvidia-ml-py (tests/gpu/run_
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -58,7 +59,7 @@ ALLOCATE_15 = "x = torch.empty(int(0.15 * total), dtype=torch.uint8, device='cud
 
 async def test_lowered_cap_gives_an_explained_oom_and_raising_it_lets_the_allocation_through(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
-    server_total = (await kernel_caps(jp_fetch, kernel_id))[0]
+    at_start = (await kernel_caps(jp_fetch, kernel_id))[0]
     await ok(jp_serverapp, kernel_id, "import torch\ntotal = torch.cuda.get_device_properties(0).total_memory")
     start_fraction = await ok(jp_serverapp, kernel_id, "print(torch.cuda.get_per_process_memory_fraction(0))")
     figure("fraction_at_first_cuda_use (default_cap 0.2)", start_fraction.stdout.strip())
@@ -67,7 +68,7 @@ async def test_lowered_cap_gives_an_explained_oom_and_raising_it_lets_the_alloca
     assert "gpu-quota: granted" in lowered.stdout
     cap_bytes = (await kernel_caps(jp_fetch, kernel_id))[0]["cap"]
     figure("cap_after_%gpucap_0.1_bytes", cap_bytes)
-    figure("device_caps_record", server_total)
+    figure("ledger_record_at_kernel_start", at_start)
 
     oom = await run_cell(jp_serverapp, kernel_id, ALLOCATE_15, timeout=120)
     assert [e["ename"] for e in oom.errors] == ["OutOfMemoryError"], (oom.stdout, oom.stderr)
@@ -103,9 +104,11 @@ async def test_request_over_max_cap_is_clamped(jp_fetch, jp_serverapp):
     assert "gpu-quota: clamped" in out.stdout
     device = (await kernel_caps(jp_fetch, kernel_id))[0]
     assert device["cap"] == device["max_cap"]
-    fraction = await ok(jp_serverapp, kernel_id, "print(torch.cuda.get_per_process_memory_fraction(0))")
-    figure("fraction_after_clamp_to_max_cap_0.5", fraction.stdout.strip())
-    assert 0.49 < float(fraction.stdout) <= 0.5 + 1e-3
+    fraction = await ok(jp_serverapp, kernel_id, "print(torch.cuda.get_per_process_memory_fraction(0), total)")
+    applied, torch_total = fraction.stdout.split()
+    figure("fraction_after_clamp_to_max_cap_0.5 (of torch's total; the cap is 0.5 of NVML's)", applied)
+    # The cap is bytes (0.5 of NVML's total); torch's total is ~615 MiB smaller, so its fraction is a bit above 0.5.
+    assert abs(float(applied) * int(torch_total) - device["cap"]) < (1 << 20)
     over = await run_cell(jp_serverapp, kernel_id, "y = torch.empty(int(0.6 * total), dtype=torch.uint8, device='cuda:0')")
     assert [e["ename"] for e in over.errors] == ["OutOfMemoryError"]
 
@@ -130,7 +133,7 @@ async def test_panel_numbers_equal_torchs_while_a_loop_allocates(jp_fetch, jp_se
         "print(pairs)\n"
         "panel.close()\n",
     )
-    pairs = eval(out.stdout.strip().splitlines()[-1])  # our own kernel's printed list of int tuples
+    pairs = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     for allocated, torch_allocated, reserved, torch_reserved, cap in pairs:
         assert allocated == torch_allocated and reserved == torch_reserved
     figure("panel_vs_torch (allocated, torch, reserved, torch, cap)", pairs)
@@ -143,3 +146,32 @@ async def test_panel_numbers_equal_torchs_while_a_loop_allocates(jp_fetch, jp_se
     ]
     figure("panel_updates_sent_during_the_cell", len(details))
     assert f"allocated {format_bytes(pairs[-1][0])}" in details[-1]
+
+
+async def test_allocator_usage_reaches_the_server(jp_fetch, jp_serverapp):
+    import asyncio
+
+    kernel_id = await start_kernel(jp_fetch)
+    out = await ok(
+        jp_serverapp,
+        kernel_id,
+        "import torch\nx = torch.empty(1 << 30, dtype=torch.uint8, device='cuda:0')\n"
+        "print(torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))",
+    )
+    allocated, reserved = map(int, out.stdout.split())
+    for _ in range(50):
+        device = (await kernel_caps(jp_fetch, kernel_id))[0]
+        if device.get("reported_at"):
+            break
+        await asyncio.sleep(0.1)
+    if not device.get("reported_at"):  # say why: the same report, sent in the foreground
+        probe = await ok(
+            jp_serverapp,
+            kernel_id,
+            "from gpu_quota_ext.kernel import magic, usage\nc = magic._loaded[0]\n"
+            "body = {'devices': usage.usage_report(c.state, usage.read_usage())}\n"
+            "print(body, c.client._send('POST', c.client.kernel_url('usage'), body, 5))",
+        )
+        figure("usage_probe", probe.stdout.strip())
+    figure("usage_record_on_the_server", device)
+    assert (device["allocated"], device["reserved"]) == (allocated, reserved)

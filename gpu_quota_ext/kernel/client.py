@@ -1,0 +1,142 @@
+"""The kernel's side of the REST API: ask the server for a cap, report allocator usage. Stdlib only.
+
+The kernel proves who it is with the secret the launch hook put in its environment (names.TOKEN). The
+secret travels in one header and nowhere else: it is never logged, printed or put in an error message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..names import API_URL, KERNEL_ID, TOKEN
+
+TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"  # handlers.KERNEL_TOKEN_HEADER (not imported: that module needs tornado)
+REQUEST_TIMEOUT_S = 10.0  # the user is waiting on %gpucap; the server answers in milliseconds
+USAGE_TIMEOUT_S = 2.0  # usage reports are best effort and must never pile up
+
+
+@dataclass
+class CapAnswer:
+    """The server's decision: "granted", "clamped", "refused", or "error" (bad request, no answer)."""
+
+    outcome: str
+    message: str
+    devices: List[dict] = field(default_factory=list)  # [{index, cap, max_cap, policy_cap}]
+    source: Optional[str] = None  # the grant's source after the change ("kernel request", "default", ...)
+    status: Optional[int] = None  # HTTP status, None when the server could not be reached
+
+    @property
+    def changed(self) -> bool:
+        return self.outcome in ("granted", "clamped")
+
+
+class QuotaClient:
+    def __init__(self, api_url: str, kernel_id: str, token: str):
+        self.api_url = api_url if api_url.endswith("/") else api_url + "/"
+        self.kernel_id = kernel_id
+        self._token = token
+        # Loopback only: a proxy from the user's environment (HTTP_PROXY) must never see the secret.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._usage_in_flight = threading.Lock()
+
+    def __repr__(self) -> str:  # never show the secret, even in a debugger
+        return f"QuotaClient({self.api_url!r}, kernel {self.kernel_id})"
+
+    @classmethod
+    def from_environment(cls, env=os.environ) -> Optional["QuotaClient"]:
+        """None when the launch hook gave this kernel no way to reach the server."""
+        api_url, kernel_id, token = env.get(API_URL), env.get(KERNEL_ID), env.get(TOKEN)
+        if not (api_url and kernel_id and token):
+            return None
+        return cls(api_url, kernel_id, token)
+
+    def kernel_url(self, *parts: str) -> str:
+        path = "/".join(urllib.parse.quote(p, safe="") for p in ("api", "gpu-quota", "kernels", self.kernel_id) + parts)
+        return self.api_url + path
+
+    # --- cap requests ---------------------------------------------------------------------------
+
+    def request_cap(self, cap_text: str, device_index: Optional[int] = None) -> CapAnswer:
+        body: dict = {"cap": cap_text}
+        if device_index is not None:
+            body["device"] = device_index
+        return self._put(body)
+
+    def reset(self) -> CapAnswer:
+        return self._put({"reset": True})
+
+    def _put(self, body: dict) -> CapAnswer:
+        try:
+            status, reply = self._send("PUT", self.kernel_url(), body, REQUEST_TIMEOUT_S)
+        except OSError as error:
+            return CapAnswer("error", f"cannot reach the GPU quota server at {self.api_url}: {_reason(error)}")
+        if status in (200, 409) and isinstance(reply, dict) and "outcome" in reply:
+            kernel = reply.get("kernel") or {}
+            return CapAnswer(
+                outcome=str(reply["outcome"]),
+                message=str(reply.get("message", "")),
+                devices=list(kernel.get("devices") or []),
+                source=kernel.get("source"),
+                status=status,
+            )
+        message = reply.get("message") if isinstance(reply, dict) else None
+        if status == 403:
+            message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
+        return CapAnswer("error", message or f"the server answered HTTP {status}", status=status)
+
+    # --- usage reports --------------------------------------------------------------------------
+
+    def report_usage(self, devices: List[dict]) -> None:
+        """POST allocator usage, fire-and-forget from a daemon thread; errors are swallowed (the endpoint
+        may not exist on this server). A report still in flight makes this one be skipped."""
+        if not devices or not self._usage_in_flight.acquire(blocking=False):
+            return
+
+        def send() -> None:
+            try:
+                self._send("POST", self.kernel_url("usage"), {"devices": devices}, USAGE_TIMEOUT_S)
+            except Exception:
+                pass
+            finally:
+                self._usage_in_flight.release()
+
+        try:
+            threading.Thread(target=send, name="gpu-quota-usage-report", daemon=True).start()
+        except Exception:
+            self._usage_in_flight.release()
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    def _send(self, method: str, url: str, body: dict, timeout: float):
+        """(status, parsed JSON or None). HTTP errors are answers, not exceptions; OSError = no answer."""
+        request = urllib.request.Request(
+            url,
+            data=json.dumps(body).encode(),
+            method=method,
+            headers={"Content-Type": "application/json", TOKEN_HEADER: self._token},
+        )
+        try:
+            with self._opener.open(request, timeout=timeout) as response:
+                return response.status, _json(response.read())
+        except urllib.error.HTTPError as error:
+            with error:
+                return error.code, _json(error.read())
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return None
+
+
+def _reason(error: OSError) -> str:
+    reason = getattr(error, "reason", None) or error
+    return str(reason)

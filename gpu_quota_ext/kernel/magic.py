@@ -1,0 +1,287 @@
+"""`%gpucap`: show this kernel's caps and usage, ask the server for another cap, open the usage panel.
+
+Loaded in every kernel the server starts (the bootstrap loads the extension) and by
+`%load_ext gpu_quota_ext` anywhere else; there, no server grants caps and the magic sets them locally.
+Also hooks the cell cycle: OOM explanations, the opt-in per-cell report, usage reports to the server.
+
+Stdlib only at import time (IPython is the caller; torch and ipywidgets are touched only when used).
+Nothing here may raise into the user's cell: every problem is one line of output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+from ..names import KERNEL_ID
+from ..policy import format_bytes
+from . import state as state_module
+from .cells import CellReporter
+from .client import CapAnswer, QuotaClient
+from .command import Command, CommandError, help_text, parse_command
+from .oom import explain_after_cell
+from .torch_cap import apply_local_caps, apply_to_running_torch, cuda_torch, write_alloc_conf_fraction
+from .usage import read_usage, report_to_server
+
+PREFIX = "gpu-quota:"
+NO_SERVER = (
+    f"{PREFIX} no server started this kernel, so there is no server to ask: "
+    "%gpucap sets caps locally here, and nobody checks them against a quota"
+)
+
+
+def format_table(state, readings: dict) -> str:
+    """`%gpucap` with no arguments: one row per device, then what the user may ask for."""
+    header = ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by")
+    rows = []
+    if state.devices:
+        for d in sorted(state.devices, key=lambda d: d.ordinal):
+            r = readings.get(d.ordinal)
+            rows.append(
+                (
+                    f"cuda:{d.ordinal} (server GPU {d.index})",
+                    format_bytes(d.cap),
+                    format_bytes(r.allocated if r else None),
+                    format_bytes(r.reserved if r else None),
+                    format_bytes(r.peak if r else None),
+                    format_bytes(d.total),
+                    state.cap_source,
+                )
+            )
+    else:
+        for ordinal, r in sorted(readings.items()):
+            spec = state.local_caps.get(ordinal, state.local_caps.get(None))
+            cap = spec.to_bytes(r.total) if spec is not None and r.total else None
+            rows.append(
+                (
+                    f"cuda:{ordinal}",
+                    format_bytes(cap) if cap else "none",
+                    format_bytes(r.allocated),
+                    format_bytes(r.reserved),
+                    format_bytes(r.peak),
+                    format_bytes(r.total),
+                    "this kernel (%gpucap)" if cap else "nobody",
+                )
+            )
+    lines = []
+    if not state.managed:
+        lines.append(NO_SERVER)
+    if state.cpu_only_reason:
+        lines.append(f"{PREFIX} this kernel runs without a GPU: {state.cpu_only_reason}")
+    if rows:
+        widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
+        for row in [header] + rows:
+            lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+    elif state.local_caps:
+        lines.append("caps set here: " + ", ".join(f"{'every device' if o is None else f'cuda:{o}'} {s}" for o, s in state.local_caps.items()))
+    elif state.managed:
+        lines.append("no GPU visible to this kernel")
+    else:
+        lines.append("torch has not started CUDA in this kernel: no device to show yet")
+    if state.devices:
+        if not readings:
+            lines.append("allocated/reserved/peak: '-' until this kernel's torch uses CUDA (the cap applies then)")
+        maxima = sorted({d.max_cap for d in state.devices})
+        lines.append("you may ask for up to " + ", ".join(format_bytes(m) for m in maxima) + " per device: %gpucap 0.3, %gpucap 12GiB")
+    for problem in state.problems:
+        lines.append(f"{PREFIX} problem: {problem}")
+    return "\n".join(lines)
+
+
+class GpuCap:
+    """The magic and the cell hooks of one kernel."""
+
+    def __init__(self, shell, state=None, client: Optional[QuotaClient] = None, env=None):
+        self.shell = shell
+        self.env = env if env is not None else os.environ  # where child processes inherit the cap from
+        self.state = state if state is not None else state_module.STATE
+        self.client = client if client is not None else (QuotaClient.from_environment() if self.state.managed else None)
+        self.cells = CellReporter(self.state)
+        self.panels: list = []
+
+    # --- %gpucap --------------------------------------------------------------------------------
+
+    def magic(self, line: str = "") -> None:
+        ordinals = [d.ordinal for d in self.state.devices] if self.state.managed else None
+        try:
+            command = parse_command(line, ordinals)
+        except CommandError as error:
+            self.error(str(error))
+            return None
+        try:
+            return self.run(command)
+        except Exception as error:  # a bug of ours must not become the user's traceback
+            self.error(f"%gpucap failed: {error!r}")
+            return None
+
+    def run(self, command: Command):
+        if command.action == "help":
+            print(help_text())
+        elif command.action == "show":
+            print(format_table(self.state, read_usage([d.ordinal for d in self.state.devices] or None)))
+        elif command.action == "cells":
+            self.cells.enabled = bool(command.cells)
+            print(f"{PREFIX} per-cell report {'on' if command.cells else 'off'}")
+        elif command.action == "panel":
+            return self.open_panel()
+        elif not self.state.managed:
+            self.change_locally(command)
+        else:
+            self.change_through_server(command)
+        return None
+
+    def open_panel(self):
+        try:
+            from .panel import GpuUsagePanel
+
+            panel = GpuUsagePanel(state=self.state, client=self.client)
+        except ImportError:
+            self.error("the usage panel needs ipywidgets in this kernel's environment: pip install ipywidgets")
+            return None
+        self.panels.append(panel)
+        from IPython.display import display
+
+        display(panel)
+        return None
+
+    # --- changes --------------------------------------------------------------------------------
+
+    def change_through_server(self, command: Command) -> None:
+        if not self.state.devices:
+            self.error("this kernel holds no GPU, so it has no cap to change")
+            return
+        if self.client is None:
+            self.error("the server gave this kernel no address to ask; the cap cannot be changed from here")
+            return
+        if command.action == "reset":
+            answer = self.client.reset()
+        else:
+            device = self.state.device(command.ordinal) if command.ordinal is not None else None
+            answer = self.client.request_cap(command.cap.text, device.index if device else None)
+        if not answer.changed:
+            what = "refused by the server" if answer.outcome == "refused" else "request failed"
+            self.error(f"{what}: {answer.message}; caps unchanged ({self.caps_text()})")
+            return
+        self.record(answer, command)
+        notes = self.apply()
+        print(f"{PREFIX} {answer.outcome}: {answer.message}; cap now {self.caps_text()}")
+        for note in notes:
+            print(f"{PREFIX} {note}")
+
+    def record(self, answer: CapAnswer, command: Command) -> None:
+        """The server's answer becomes this kernel's caps (state.STATE), device by device."""
+        by_index = {int(d["index"]): d for d in answer.devices if "index" in d}
+        for device in self.state.devices:
+            granted = by_index.get(device.index)
+            if granted is not None:
+                device.cap = int(granted["cap"])
+                device.max_cap = int(granted.get("max_cap", device.max_cap))
+        if command.action == "reset":
+            self.state.cap_source = f"server policy ({answer.source})" if answer.source else "server policy"
+        else:
+            self.state.cap_source = f"%gpucap, {answer.outcome} by the server"
+
+    def apply(self) -> List[str]:
+        """Put the recorded caps into force: now if CUDA runs, else at its first use (the lazy hook)."""
+        notes = []
+        written = write_alloc_conf_fraction(self.state, self.env)
+        torch = cuda_torch()
+        if torch is not None:
+            notes += apply_to_running_torch(torch, self.state)
+        else:
+            from .bootstrap import install_lazy_hook
+
+            install_lazy_hook(self.state)
+            notes.append("torch has not started CUDA in this kernel: the cap applies at its first use")
+        if written:
+            notes.append(f"{written} updated: processes started from now on get the new cap")
+        return notes
+
+    def change_locally(self, command: Command) -> None:
+        print(NO_SERVER)
+        torch = cuda_torch()
+        if command.action == "reset":
+            self.state.local_caps.clear()
+            if torch is not None:
+                for ordinal in range(torch.cuda.device_count()):
+                    torch.cuda.set_per_process_memory_fraction(1.0, ordinal)
+            print(f"{PREFIX} local caps removed")
+            return
+        if command.ordinal is None:
+            self.state.local_caps.clear()
+        self.state.local_caps[command.ordinal] = command.cap
+        where = "every device" if command.ordinal is None else f"cuda:{command.ordinal}"
+        if torch is not None:
+            apply_local_caps(torch, self.state.local_caps)
+            print(f"{PREFIX} cap {command.cap} set on {where}, applied now")
+        else:
+            from .bootstrap import install_lazy_hook
+
+            install_lazy_hook(self.state)
+            print(f"{PREFIX} cap {command.cap} recorded for {where}; it applies when torch first uses CUDA")
+
+    def caps_text(self) -> str:
+        return ", ".join(f"{format_bytes(d.cap)} on cuda:{d.ordinal}" for d in sorted(self.state.devices, key=lambda d: d.ordinal)) or "none"
+
+    # --- the cell cycle -------------------------------------------------------------------------
+
+    def pre_run_cell(self, info=None) -> None:
+        self.cells.pre_run_cell(info)
+
+    def post_run_cell(self, result=None) -> None:
+        explain_after_cell(result, self.state)
+        self.cells.post_run_cell(result)
+        try:
+            report_to_server(self.state, self.client)
+        except Exception:
+            pass
+
+    @staticmethod
+    def error(message: str) -> None:
+        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
+
+    # --- wiring ---------------------------------------------------------------------------------
+
+    def register(self) -> None:
+        self.shell.register_magic_function(self.magic, "line", "gpucap")
+        self.shell.events.register("pre_run_cell", self.pre_run_cell)
+        self.shell.events.register("post_run_cell", self.post_run_cell)
+
+    def unregister(self) -> None:
+        for event, callback in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
+            try:
+                self.shell.events.unregister(event, callback)
+            except ValueError:
+                pass
+        for panel in self.panels:
+            panel.close()
+
+
+_loaded: List[GpuCap] = []
+
+
+def load(ipython) -> GpuCap:
+    """Called by `%load_ext gpu_quota_ext` (and the bootstrap). Loading again replaces the hooks."""
+    state = state_module.STATE
+    if not state.managed and os.environ.get(KERNEL_ID):
+        # The server started this kernel but its bootstrap did not run (PYTHONSTARTUP replaced?).
+        state = state_module.from_environment()
+        state_module.STATE = state
+        if state.devices:
+            from .bootstrap import cap_torch
+
+            cap_torch(state)
+    while _loaded:
+        _loaded.pop().unregister()
+    controller = GpuCap(ipython, state)
+    controller.register()
+    _loaded.append(controller)
+    if not state.managed:
+        print(NO_SERVER)
+    return controller
+
+
+def unload(ipython) -> None:
+    while _loaded:
+        _loaded.pop().unregister()

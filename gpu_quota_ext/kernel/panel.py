@@ -1,0 +1,211 @@
+"""The usage panel: per device, bars of allocated and reserved memory against the cap, kept live.
+
+    from gpu_quota_ext.kernel.panel import GpuUsagePanel
+    GpuUsagePanel()              # or: %gpucap panel
+
+A background thread re-reads the allocator every `interval` seconds (default 1) and sets the widgets'
+traits, so the panel moves while a long cell runs. It stops when the panel is closed or the kernel exits.
+Readings come from torch.cuda.memory_stats() only while the kernel's own torch has CUDA running: the
+panel never imports torch and never starts CUDA (that would cost the kernel a context, FACTS.md).
+
+Module import is stdlib-only; ipywidgets is imported when a panel is made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from dataclasses import dataclass, field
+from html import escape
+from typing import List, Optional
+
+from ..policy import format_bytes
+from . import state as state_module
+from .usage import DeviceUsage, read_usage, report_to_server
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    label: str
+    cap: Optional[int]
+    allocated: Optional[int]  # None while CUDA is not started
+    reserved: Optional[int]
+    peak: Optional[int]
+    total: Optional[int]
+    source: str
+
+    def fill(self, amount: Optional[int]) -> float:
+        """Bar length in percent of the cap (0-100)."""
+        if not amount or not self.cap:
+            return 0.0
+        return min(100.0, 100.0 * amount / self.cap)
+
+    def details(self) -> str:
+        return (
+            f"allocated {format_bytes(self.allocated)} · reserved {format_bytes(self.reserved)} "
+            f"of {format_bytes(self.cap)} cap · peak {format_bytes(self.peak)} · "
+            f"device {format_bytes(self.total)} · cap set by {self.source}"
+        )
+
+
+@dataclass(frozen=True)
+class PanelView:
+    """What the panel shows, decided without widgets (tested on its own)."""
+
+    status: str
+    gpu_visible: bool
+    rows: List[DeviceRow] = field(default_factory=list)
+
+
+def torch_without_gpu_reason() -> Optional[str]:
+    """Why the kernel's (already imported) torch can see no GPU; None when it can or is not imported.
+
+    torch.cuda.is_available() asks the driver for a device count and creates no context."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if getattr(getattr(torch, "version", None), "cuda", None) is None and getattr(torch.version, "hip", None) is None:
+            return f"this kernel's torch {getattr(torch, '__version__', '')} is built without CUDA"
+        if not torch.cuda.is_available():
+            return "torch finds no CUDA device"
+    except Exception as error:
+        return f"torch cannot look for a GPU: {error!r}"
+    return None
+
+
+def panel_view(state, readings: dict, no_gpu_reason: Optional[str]) -> PanelView:
+    """Rows for the kernel's devices (managed) or for what torch uses (a kernel no server started)."""
+    if state.cpu_only_reason:
+        return PanelView(f"no GPU visible: {state.cpu_only_reason}", False)
+    if no_gpu_reason:
+        return PanelView(f"no GPU visible: {no_gpu_reason}", False)
+    rows = []
+    if state.devices:
+        for device in sorted(state.devices, key=lambda d: d.ordinal):
+            rows.append(_row(f"cuda:{device.ordinal} (server GPU {device.index})", device.cap, device.total, state.cap_source, readings.get(device.ordinal)))
+    else:
+        for ordinal, reading in sorted(readings.items()):
+            rows.append(_row(f"cuda:{ordinal}", None, reading.total, "not capped by a server", reading))
+    if not rows:
+        return PanelView("no GPU visible: this kernel was given no GPU", False)
+    if not readings:
+        return PanelView("GPU not in use yet: the cap applies at the first CUDA use", True, rows)
+    return PanelView("live", True, rows)
+
+
+def _row(label: str, cap: Optional[int], total: Optional[int], source: str, reading: Optional[DeviceUsage]) -> DeviceRow:
+    return DeviceRow(
+        label=label,
+        cap=cap,
+        allocated=reading.allocated if reading else None,
+        reserved=reading.reserved if reading else None,
+        peak=reading.peak if reading else None,
+        total=total if total is not None else (reading.total if reading else None),
+        source=source,
+    )
+
+
+class GpuUsagePanel:
+    """A live ipywidgets panel of this kernel's GPU memory. Display it (last expression of a cell)."""
+
+    def __init__(self, interval: float = 1.0, state=None, client=None, start: bool = True):
+        import ipywidgets as widgets  # only now: kernel code imports nothing but the stdlib up front
+
+        self._widgets = widgets
+        self.interval = float(interval)
+        self.state = state if state is not None else state_module.STATE
+        if client is None and self.state.managed:
+            from .client import QuotaClient
+
+            client = QuotaClient.from_environment()  # the panel's readings feed the server's sidebar too
+        self.client = client
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._no_gpu_reason: Optional[str] = None
+        self._torch_checked = False
+        self.title = widgets.HTML(value="<b>GPU memory</b>")
+        self.status = widgets.HTML(value="")
+        self.rows = widgets.VBox([])
+        self._row_widgets: list = []
+        self.widget = widgets.VBox([self.title, self.status, self.rows])
+        self.refresh()
+        if start:
+            self.start()
+
+    # --- what to show ---------------------------------------------------------------------------
+
+    def view(self) -> PanelView:
+        if not self._torch_checked and "torch" in sys.modules:
+            self._no_gpu_reason = torch_without_gpu_reason()  # fixed for the kernel's life: ask once
+            self._torch_checked = True
+        ordinals = [d.ordinal for d in self.state.devices] or None
+        return panel_view(self.state, read_usage(ordinals), self._no_gpu_reason)
+
+    def refresh(self) -> PanelView:
+        """Read once and set the widgets' traits (only changed values travel to the browser)."""
+        view = self.view()
+        self.status.value = f"<span class='gpu-quota-status'>{escape(view.status)}</span>"
+        while len(self._row_widgets) < len(view.rows):
+            self._row_widgets.append(self._make_row())
+        shown = self._row_widgets[: len(view.rows)]
+        if list(self.rows.children) != [r["box"] for r in shown]:
+            self.rows.children = tuple(r["box"] for r in shown)
+        for row, widgets in zip(view.rows, shown):
+            widgets["label"].value = f"<b>{escape(row.label)}</b>"
+            widgets["reserved"].value = row.fill(row.reserved)
+            widgets["allocated"].value = row.fill(row.allocated)
+            widgets["reserved"].bar_style = "danger" if row.fill(row.reserved) >= 90 else "info"
+            widgets["details"].value = escape(row.details())
+        return view
+
+    def _make_row(self) -> dict:
+        w = self._widgets
+        row = {
+            "label": w.HTML(),
+            "reserved": w.FloatProgress(min=0.0, max=100.0, description="reserved"),
+            "allocated": w.FloatProgress(min=0.0, max=100.0, description="allocated", bar_style="success"),
+            "details": w.HTML(),
+        }
+        row["box"] = w.VBox([row["label"], row["reserved"], row["allocated"], row["details"]])
+        return row
+
+    # --- the live part --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        atexit.register(self._stop.set)  # kernel shutdown: stop before the interpreter tears down
+        self._thread = threading.Thread(target=self._run, name="gpu-quota-panel", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if getattr(self.widget, "comm", None) is None:  # closed from the browser or by close()
+                break
+            try:
+                self.refresh()
+                report_to_server(self.state, self.client)
+            except Exception:
+                pass  # a failed reading must not kill the panel; the next tick tries again
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        for row in self._row_widgets:
+            for widget in row.values():
+                widget.close()
+        for widget in (self.title, self.status, self.rows, self.widget):
+            widget.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(2.0, 2 * self.interval))
+
+    # --- display --------------------------------------------------------------------------------
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)

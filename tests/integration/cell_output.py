@@ -1,0 +1,47 @@
+"""Run one cell in a kernel the server started and keep everything it sent on iopub: stdout, stderr,
+errors (tracebacks) and comm messages, the way a notebook receives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class CellOutput:
+    """Everything a cell sent on iopub, sorted the way a notebook shows it."""
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    errors: List[dict] = field(default_factory=list)  # error messages' content (ename, evalue, traceback)
+    messages: List[dict] = field(default_factory=list)  # every iopub message, for comm checks
+
+    def comm(self, kind: str) -> List[dict]:
+        return [m["content"] for m in self.messages if m["msg_type"] == kind]
+
+
+async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) -> CellOutput:
+    """Like kernels.execute, but keeps stderr, errors and comm messages instead of failing on them."""
+    client = serverapp.kernel_manager.get_kernel(kernel_id).client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=timeout)
+        out = CellOutput(status="")
+
+        def on_output(msg) -> None:
+            out.messages.append(msg)
+            kind = msg["msg_type"]
+            if kind == "stream":
+                if msg["content"]["name"] == "stdout":
+                    out.stdout += msg["content"]["text"]
+                else:
+                    out.stderr += msg["content"]["text"]
+            elif kind == "error":
+                out.errors.append(msg["content"])
+
+        reply = await client.execute_interactive(code, output_hook=on_output, timeout=timeout)
+        out.status = reply["content"]["status"]
+        return out
+    finally:
+        client.stop_channels()

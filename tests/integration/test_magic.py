@@ -1,0 +1,395 @@
+"""`%gpucap`, the usage panel, OOM explanations and the per-cell report, in real kernels started by a
+real jupyter_server (pytest-jupyter) through POST /api/kernels, as a notebook user would see them.
+
+CI has no GPU and a CPU-only torch: the static inventory gives each kernel an 80 GiB device on paper,
+so every cap decision is real (ledger, REST, kernel state, environment) while CUDA never starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+import pytest
+from tornado.httpclient import HTTPClientError
+from traitlets.config import Config
+
+from gpu_quota_ext.policy import GiB
+
+from .cell_output import CellOutput, run_cell
+from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
+
+TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
+DEVICE_TOTAL = 80 * GiB
+
+
+@pytest.fixture
+def jp_server_config():
+    return Config(static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5"))
+
+
+async def ledger_record(jp_fetch, kernel_id: str) -> dict:
+    response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id)
+    return json.loads(response.body)
+
+
+async def put_cap(jp_fetch, kernel_id: str, token: str, body: dict):
+    return await jp_fetch(
+        "api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body), headers={TOKEN_HEADER: token}
+    )
+
+
+def caps_of(record: dict) -> List[int]:
+    return [d["cap"] for d in record["devices"]]
+
+
+def assert_one_error_line(out: CellOutput) -> str:
+    """Bad input: the cell succeeds, no traceback, exactly one line on stderr, nothing on stdout."""
+    assert out.status == "ok", out
+    assert out.errors == []
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("gpu-quota: error: "), lines
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    return lines[0]
+
+
+# --- the magic is there, and shows the kernel's caps -----------------------------------------------
+
+
+async def test_gpucap_exists_without_load_ext_and_shows_the_table(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(jp_serverapp, kernel_id, "%gpucap")
+    header = out.splitlines()[0]
+    for column in ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by"):
+        assert column in header
+    row = out.splitlines()[1]
+    assert row.startswith("cuda:0 (server GPU ")
+    assert "20.0 GiB" in row  # 0.25 of 80 GiB
+    assert "80.0 GiB" in row
+    assert "the server, at kernel start" in row
+    assert "you may ask for up to 40.0 GiB" in out  # max_cap 0.5
+    assert "no server" not in out
+
+
+# --- cap changes go through the server's ledger ------------------------------------------------------
+
+
+async def test_granted_cap_is_recorded_applied_to_the_env_and_survives_restart(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    before = await ledger_record(jp_fetch, kernel_id)
+    assert caps_of(before) == [int(0.25 * DEVICE_TOTAL)]
+
+    out = await execute(jp_serverapp, kernel_id, "%gpucap 0.3")
+    assert "gpu-quota: granted" in out
+    assert "cap now 24.0 GiB on cuda:0" in out
+    # CUDA never started here, so the lazy hook applies the recorded cap later.
+    assert "applies at its first use" in out
+
+    record = await ledger_record(jp_fetch, kernel_id)
+    assert caps_of(record) == [int(0.3 * DEVICE_TOTAL)]
+    assert record["source"] == "kernel request"
+
+    # The kernel's own record (what the lazy hook applies at first CUDA use) and its child env.
+    state = await execute(
+        jp_serverapp,
+        kernel_id,
+        "from gpu_quota_ext.kernel import state; import os\n"
+        "print(state.STATE.caps_by_ordinal()); print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))",
+    )
+    caps_line, conf_line = state.strip().splitlines()[-2:]
+    assert caps_line == str([int(0.3 * DEVICE_TOTAL)])
+    assert "per_process_memory_fraction:0.299999" in conf_line or "per_process_memory_fraction:0.300000" in conf_line
+
+    await restart_kernel(jp_fetch, kernel_id)
+    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.3 * DEVICE_TOTAL)]
+    after_restart = await execute(jp_serverapp, kernel_id, "%gpucap")
+    assert "24.0 GiB" in after_restart.splitlines()[1]
+
+
+async def test_request_above_max_cap_is_clamped(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await execute(jp_serverapp, kernel_id, "%gpucap 90%")
+    assert "gpu-quota: clamped" in out
+    assert "cap now 40.0 GiB on cuda:0" in out
+    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.5 * DEVICE_TOTAL)]
+
+
+async def test_reset_returns_to_the_policy_cap(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "%gpucap 12GiB")
+    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [12 * GiB]
+    out = await execute(jp_serverapp, kernel_id, "%gpucap reset")
+    assert "cap now 20.0 GiB on cuda:0" in out
+    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.25 * DEVICE_TOTAL)]
+
+
+class TestRefuse:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("80GiB", default_cap="0.25", max_cap="0.5", on_over_max="refuse"))
+
+    async def test_request_above_max_cap_is_refused_and_nothing_changes(self, jp_fetch, jp_serverapp):
+        kernel_id = await start_kernel(jp_fetch)
+        out = await run_cell(jp_serverapp, kernel_id, "%gpucap 0.9")
+        line = assert_one_error_line(out)
+        assert "refused by the server" in line and "max_cap" in line
+        assert "caps unchanged (20.0 GiB on cuda:0)" in line
+        assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.25 * DEVICE_TOTAL)]
+        table = await execute(jp_serverapp, kernel_id, "%gpucap")
+        assert "20.0 GiB" in table.splitlines()[1]
+
+
+# --- one kernel's secret cannot change another kernel's cap ------------------------------------------
+
+
+async def test_forged_or_foreign_secret_is_refused_through_the_api(jp_fetch, jp_serverapp):
+    kernel_a = await start_kernel(jp_fetch)
+    kernel_b = await start_kernel(jp_fetch)
+    token_b = (await kernel_env(jp_serverapp, kernel_b, ["GPU_QUOTA_KERNEL_TOKEN"]))["GPU_QUOTA_KERNEL_TOKEN"]
+    assert token_b
+
+    for token in ("forged-secret", token_b):
+        with pytest.raises(HTTPClientError) as refused:
+            await put_cap(jp_fetch, kernel_a, token, {"cap": "0.4"})
+        assert refused.value.code == 403
+    assert caps_of(await ledger_record(jp_fetch, kernel_a)) == [int(0.25 * DEVICE_TOTAL)]
+
+    # The right secret for the right kernel works: the 403s above were about the secret.
+    response = await put_cap(jp_fetch, kernel_b, token_b, {"cap": "0.4"})
+    assert json.loads(response.body)["outcome"] == "granted"
+
+
+async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, jp_serverapp):
+    kernel_a = await start_kernel(jp_fetch)
+    kernel_b = await start_kernel(jp_fetch)
+    token_b = (await kernel_env(jp_serverapp, kernel_b, ["GPU_QUOTA_KERNEL_TOKEN"]))["GPU_QUOTA_KERNEL_TOKEN"]
+    # Kernel B's magic aimed at kernel A: B's own secret is not A's.
+    out = await run_cell(
+        jp_serverapp,
+        kernel_b,
+        f"from gpu_quota_ext.kernel import magic\nmagic._loaded[0].client.kernel_id = {kernel_a!r}\n%gpucap 0.4",
+    )
+    line = assert_one_error_line(out)
+    assert "(403)" in line
+    assert token_b not in out.stdout + out.stderr
+    # And a forged secret in kernel A's own magic.
+    out = await run_cell(
+        jp_serverapp, kernel_a, "from gpu_quota_ext.kernel import magic\nmagic._loaded[0].client._token = 'forged'\n%gpucap 0.4"
+    )
+    assert "(403)" in assert_one_error_line(out)
+    assert caps_of(await ledger_record(jp_fetch, kernel_a)) == [int(0.25 * DEVICE_TOTAL)]
+
+
+# --- bad input: one line, no traceback, nothing changes ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("abc", "is not a cap"),
+        ("1.5", "at most 1"),
+        ("-1", "is not a cap"),
+        ("0", "above 0"),
+        ("999TiB", "larger than any GPU"),
+        ("--device 7 0.3", "no cuda:7"),
+        ("0.3 0.4", "unrecognized arguments"),
+    ],
+)
+async def test_bad_input_is_one_error_line_and_changes_nothing(jp_fetch, jp_serverapp, line, says):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, f"%gpucap {line}")
+    assert says in assert_one_error_line(out)
+    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.25 * DEVICE_TOTAL)]
+    state = await execute(jp_serverapp, kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
+    assert state.strip() == str([int(0.25 * DEVICE_TOTAL)])
+
+
+async def test_help(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, "%gpucap --help")
+    assert out.status == "ok" and out.errors == []
+    assert "%gpucap --device 1 8GiB" in out.stdout
+    assert "--cells" in out.stdout
+
+
+# --- the usage panel ----------------------------------------------------------------------------------
+
+
+def widget_models(out: CellOutput) -> dict:
+    """comm id -> the widget model's state as the browser ends up with it (comm_open, then updates)."""
+    models: dict = {}
+    for message in out.messages:
+        content = message["content"]
+        if message["msg_type"] == "comm_open" and content.get("target_name") == "jupyter.widget":
+            models[content["comm_id"]] = dict(content["data"]["state"])
+        elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
+            models.setdefault(content["comm_id"], {}).update(content["data"]["state"])
+    return models
+
+
+async def test_panel_arrives_as_widget_comms_in_the_no_gpu_state(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, "import torch\n%gpucap panel")
+    assert out.status == "ok" and out.errors == [], out
+    models = widget_models(out)
+    html = [m["value"] for m in models.values() if m.get("_model_name") == "HTMLModel"]
+    assert any("no GPU visible" in v and "built without CUDA" in v for v in html), html
+    assert not [m for m in models.values() if m.get("_model_name") == "FloatProgressModel"]  # no bars: no GPU
+    shown = [m["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for m in out.comm("display_data")]
+    assert len(shown) == 1 and models[shown[0]]["_model_name"] == "VBoxModel"
+
+
+async def test_panel_thread_updates_widgets_while_a_cell_runs_and_stops_on_close(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    # CUDA cannot start here: feed the panel fake allocator readings to see its thread at work.
+    out = await run_cell(
+        jp_serverapp,
+        kernel_id,
+        "import time\n"
+        "from gpu_quota_ext.kernel import panel as panel_module\n"
+        "from gpu_quota_ext.kernel.usage import DeviceUsage\n"
+        "from gpu_quota_ext.kernel.panel import GpuUsagePanel\n"
+        "reading = {'allocated': 0}\n"
+        "panel_module.read_usage = lambda ordinals=None: {0: DeviceUsage(0, reading['allocated'], 8 << 30, 9 << 30, 0, 80 << 30)}\n"
+        "p = GpuUsagePanel(interval=0.1)\n"
+        "display(p)\n"
+        "for step in range(1, 6):\n"
+        "    reading['allocated'] = step << 30\n"
+        "    time.sleep(0.3)\n"
+        "print(p.running)\n",
+    )
+    assert out.status == "ok" and out.errors == [], out
+    assert out.stdout.strip() == "True"
+    updates = [m["data"]["state"] for m in out.comm("comm_msg") if m["data"].get("method") == "update"]
+    details = [str(u["value"]) for u in updates if "value" in u and "allocated" in str(u["value"])]
+    # The loop moved allocated from 1 to 5 GiB while the cell was still running: the thread sent updates.
+    assert any("allocated 3.0 GiB" in d for d in details), details
+    assert any("allocated 5.0 GiB" in d for d in details), details
+    closed = await run_cell(jp_serverapp, kernel_id, "p.close(); print(p.running)")
+    assert closed.stdout.strip() == "False"
+    assert closed.comm("comm_close")
+
+
+# --- OOM explanations and the per-cell report ---------------------------------------------------------
+
+OOM_CAP_TEXT = (
+    "CUDA out of memory. Tried to allocate 30.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "60.00 GiB is free. Of the allocated memory 18.00 GiB is allocated by PyTorch, and 1.00 GiB is reserved "
+    "by PyTorch but unallocated. 19.80 GiB allowed; 19.00 GiB reserved"
+)
+OOM_DEVICE_TEXT = (
+    "CUDA out of memory. Tried to allocate 30.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "2.00 GiB is free. Process 4242 has 70.00 GiB memory in use."
+)
+
+
+async def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_CAP_TEXT!r})")
+    assert out.status == "error"
+    assert [e["ename"] for e in out.errors] == ["OutOfMemoryError"]
+    assert OOM_CAP_TEXT in out.errors[0]["evalue"]  # the original exception, unchanged
+    lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("gpu-quota: 20.0 GiB allowed by your GPU quota on cuda:0")
+    assert "%gpucap" in lines[0] and "torch.cuda.empty_cache()" in lines[0]
+    # The line comes after the traceback.
+    order = [m["msg_type"] if m["msg_type"] == "error" else "explanation" for m in out.messages
+             if m["msg_type"] == "error" or (m["msg_type"] == "stream" and "gpu-quota:" in m["content"]["text"])]
+    assert order == ["error", "explanation"]
+
+
+async def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
+    assert len(lines) == 1, out.stderr
+    assert "cuda:0 itself is full: other processes hold the rest" in lines[0]
+    assert "your quota was not the limit" in lines[0]
+    other = await run_cell(jp_serverapp, kernel_id, "raise ValueError('not memory')")
+    assert other.status == "error" and other.errors[0]["ename"] == "ValueError"
+    assert "gpu-quota" not in other.stderr
+
+
+async def test_per_cell_report_is_opt_in(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    quiet = await run_cell(jp_serverapp, kernel_id, "x = 1")
+    assert quiet.stdout == ""
+    assert "per-cell report on" in (await run_cell(jp_serverapp, kernel_id, "%gpucap --cells on")).stdout
+    loud = await run_cell(jp_serverapp, kernel_id, "x = 2")
+    assert loud.stdout.strip() == "gpu-quota: this cell used no GPU memory (CUDA not started)"
+    await run_cell(jp_serverapp, kernel_id, "%gpucap --cells off")
+    assert (await run_cell(jp_serverapp, kernel_id, "x = 3")).stdout == ""
+
+
+# --- usage reports to the server ------------------------------------------------------------------------
+
+
+async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverapp):
+    import asyncio
+
+    kernel_id = await start_kernel(jp_fetch)
+    # CUDA cannot start here: give the kernel's usage module fake readings, as torch would once CUDA runs.
+    await execute(
+        jp_serverapp,
+        kernel_id,
+        "from gpu_quota_ext.kernel import usage\n"
+        "usage.read_usage = lambda ordinals=None: {0: usage.DeviceUsage(0, 3 << 30, 4 << 30, 5 << 30, 5 << 30, 80 << 30)}",
+    )
+    await execute(jp_serverapp, kernel_id, "x = 1")  # post_run_cell sends the report, off the cell's thread
+    for _ in range(50):
+        device = (await ledger_record(jp_fetch, kernel_id))["devices"][0]
+        if device.get("reported_at"):
+            break
+        await asyncio.sleep(0.1)
+    assert (device["allocated"], device["reserved"], device["peak"]) == (3 * GiB, 4 * GiB, 5 * GiB)
+
+
+# --- a kernel no server started ------------------------------------------------------------------------
+
+
+async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_locally(tmp_path):
+    from jupyter_client.manager import AsyncKernelManager
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_") and k != "PYTHONSTARTUP"}
+    manager = AsyncKernelManager(kernel_name="python3")
+    await manager.start_kernel(env=env, cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=60)
+
+        async def cell(code: str) -> CellOutput:
+            out = CellOutput(status="")
+
+            def on_output(msg) -> None:
+                if msg["msg_type"] == "stream":
+                    if msg["content"]["name"] == "stdout":
+                        out.stdout += msg["content"]["text"]
+                    else:
+                        out.stderr += msg["content"]["text"]
+                elif msg["msg_type"] == "error":
+                    out.errors.append(msg["content"])
+
+            reply = await client.execute_interactive(code, output_hook=on_output, timeout=60)
+            out.status = reply["content"]["status"]
+            return out
+
+        missing = await cell("%gpucap")
+        assert "`%gpucap` not found" in missing.stderr  # not loaded: no server, no bootstrap here
+        loaded = await cell("%load_ext gpu_quota_ext")
+        assert "no server started this kernel" in loaded.stdout
+        table = await cell("%gpucap")
+        assert "no server started this kernel" in table.stdout
+        assert "torch has not started CUDA" in table.stdout
+        local = await cell("%gpucap 0.3")
+        assert "cap 0.3 recorded for every device" in local.stdout
+        state = await cell("from gpu_quota_ext.kernel import state; print({k: str(v) for k, v in state.STATE.local_caps.items()})")
+        assert state.stdout.strip() == "{None: '0.3'}"
+        bad = await cell("%gpucap abc")
+        assert assert_one_error_line(bad)
+    finally:
+        client.stop_channels()
+        await manager.shutdown_kernel(now=True)

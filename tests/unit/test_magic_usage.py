@@ -1,0 +1,210 @@
+"""Allocator readings (never starting CUDA), the per-cell line, the panel's view, and the kernel's HTTP
+client against a small local server: the secret goes in its header only, usage reports never block."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from gpu_quota_ext.kernel.cells import CellReporter, format_cell_report
+from gpu_quota_ext.kernel.client import TOKEN_HEADER, QuotaClient
+from gpu_quota_ext.kernel.panel import panel_view
+from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
+from gpu_quota_ext.kernel.usage import DeviceUsage, read_usage, report_to_server, usage_report
+from gpu_quota_ext.policy import GiB
+
+from .fake_torch import fake_torch
+
+SECRET = "s3cret-token-value"
+
+
+def state_on(index=3) -> KernelCapState:
+    return KernelCapState(kernel_id="k1", devices=[DeviceCap(0, index, "GPU-a", 20 * GiB, 40 * GiB, 80 * GiB)])
+
+
+# --- readings -----------------------------------------------------------------------------------------
+
+
+def test_no_readings_without_torch_or_before_cuda_starts(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert read_usage() == {}
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert read_usage() == {}
+    assert torch.cuda.context_calls == 0
+
+
+def test_readings_once_cuda_runs_and_usage_report_uses_server_indexes(monkeypatch):
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    torch.cuda.init()
+    torch.cuda.allocated[0], torch.cuda.reserved[0], torch.cuda.peak[0] = 1 * GiB, 2 * GiB, 3 * GiB
+    readings = read_usage([0])
+    assert readings[0] == DeviceUsage(0, 1 * GiB, 2 * GiB, 3 * GiB, 3 * GiB, 80 * GiB)
+    assert usage_report(state_on(index=3), readings) == [{"index": 3, "allocated": GiB, "reserved": 2 * GiB, "peak": 3 * GiB}]
+
+
+# --- per-cell report ------------------------------------------------------------------------------------
+
+
+def test_cell_line_shows_peak_against_the_cap_and_the_change_in_allocated():
+    after = {0: DeviceUsage(0, 3 * GiB, 6 * GiB, 5 * GiB, 5 * GiB)}
+    line = format_cell_report({0: 4 * GiB}, after, {0: 20 * GiB})
+    assert line == "gpu-quota: cuda:0 peak 5.0 GiB of 20.0 GiB cap (25%), allocated -1.0 GiB (now 3.0 GiB)"
+
+
+def test_cell_reporter_resets_peaks_only_when_on(monkeypatch, capsys):
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    torch.cuda.init()
+    reporter = CellReporter(state_on())
+    torch.cuda.peak[0] = 9 * GiB
+    reporter.pre_run_cell()
+    reporter.post_run_cell()
+    assert torch.cuda.peak[0] == 9 * GiB and capsys.readouterr().out == ""
+    reporter.enabled = True
+    torch.cuda.reserved[0] = GiB
+    reporter.pre_run_cell()
+    torch.cuda.allocated[0] = GiB
+    reporter.post_run_cell()
+    assert capsys.readouterr().out.strip() == "gpu-quota: cuda:0 peak 1.0 GiB of 20.0 GiB cap (5%), allocated +1.0 GiB (now 1.0 GiB)"
+
+
+# --- the panel's view ------------------------------------------------------------------------------------
+
+
+def test_panel_view_states():
+    state = state_on()
+    no_gpu = panel_view(state, {}, "this kernel's torch 2.13.0+cpu is built without CUDA")
+    assert not no_gpu.gpu_visible and no_gpu.status.startswith("no GPU visible") and no_gpu.rows == []
+    cpu_only = panel_view(KernelCapState(kernel_id="k", cpu_only_reason="budget full"), {}, None)
+    assert cpu_only.status == "no GPU visible: budget full"
+    waiting = panel_view(state, {}, None)
+    assert waiting.gpu_visible and waiting.status.startswith("GPU not in use yet") and waiting.rows[0].allocated is None
+    live = panel_view(state, {0: DeviceUsage(0, 5 * GiB, 10 * GiB, 12 * GiB, 6 * GiB, 79 * GiB)}, None)
+    row = live.rows[0]
+    assert live.status == "live" and row.fill(row.reserved) == 50.0 and row.fill(row.allocated) == 25.0
+    assert "reserved 10.0 GiB of 20.0 GiB cap" in row.details() and "peak 12.0 GiB" in row.details()
+
+
+def test_panel_widget_without_a_gpu_does_not_start_cuda(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from gpu_quota_ext.kernel.panel import GpuUsagePanel
+
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    panel = GpuUsagePanel(interval=0.05, state=state_on())
+    try:
+        assert panel.running
+        assert "GPU not in use yet" in panel.status.value
+        assert len(panel.rows.children) == 1
+        time.sleep(0.2)
+        assert torch.cuda.context_calls == 0 and not torch.cuda.initialized
+    finally:
+        panel.close()
+    assert not panel.running
+
+
+# --- the HTTP client -------------------------------------------------------------------------------------
+
+
+class Recorder(BaseHTTPRequestHandler):
+    requests: list = []
+    delay = 0.0
+    answer = (200, {"outcome": "granted", "message": "ok", "kernel": {"source": "kernel request", "devices": [{"index": 3, "cap": 1}]}})
+
+    def _handle(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {k.lower(): v for k, v in self.headers.items()}  # HTTP header names are case-insensitive
+        Recorder.requests.append((self.command, self.path, headers, json.loads(body)))
+        time.sleep(Recorder.delay)
+        status, reply = Recorder.answer
+        raw = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_PUT = do_POST = _handle
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    Recorder.requests, Recorder.delay = [], 0.0
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/base%40x/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_cap_request_carries_the_secret_in_its_header_only(server):
+    client = QuotaClient(server, "kernel-1", SECRET)
+    answer = client.request_cap("30%", 3)
+    method, path, headers, body = Recorder.requests[0]
+    assert (method, path, body) == ("PUT", "/base%40x/api/gpu-quota/kernels/kernel-1", {"cap": "30%", "device": 3})
+    assert headers[TOKEN_HEADER.lower()] == SECRET
+    assert answer.outcome == "granted" and answer.devices == [{"index": 3, "cap": 1}] and answer.source == "kernel request"
+    assert SECRET not in repr(client)
+
+
+@pytest.mark.parametrize(
+    "status, reply, outcome, says",
+    [
+        (409, {"outcome": "refused", "message": "above max_cap", "kernel": {}}, "refused", "above max_cap"),
+        (403, {"message": "this secret does not belong to kernel kernel-1"}, "error", "(403)"),
+        (400, {"message": "cap: bad"}, "error", "cap: bad"),
+        (404, None, "error", "HTTP 404"),
+    ],
+)
+def test_answers_other_than_a_grant(server, status, reply, outcome, says):
+    Recorder.answer = (status, reply)
+    try:
+        answer = QuotaClient(server, "kernel-1", SECRET).reset()
+    finally:
+        Recorder.answer = (200, {"outcome": "granted", "message": "ok", "kernel": {}})
+    assert answer.outcome == outcome and says in answer.message and SECRET not in answer.message
+    assert Recorder.requests[0][3] == {"reset": True}
+
+
+def test_unreachable_server_is_an_error_answer():
+    answer = QuotaClient("http://127.0.0.1:9/", "k", SECRET).request_cap("0.3")
+    assert answer.outcome == "error" and "cannot reach" in answer.message and SECRET not in answer.message
+
+
+def test_usage_report_is_fire_and_forget(server, monkeypatch):
+    Recorder.delay = 0.5
+    client = QuotaClient(server, "kernel-1", SECRET)
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    torch.cuda.init()
+    torch.cuda.allocated[0] = GiB
+    started = time.monotonic()
+    report_to_server(state_on(index=3), client)
+    report_to_server(state_on(index=3), client)  # skipped: the first is still in flight
+    assert time.monotonic() - started < 0.2
+    deadline = time.monotonic() + 5
+    while not Recorder.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.6)
+    assert len(Recorder.requests) == 1
+    method, path, headers, body = Recorder.requests[0]
+    assert (method, path) == ("POST", "/base%40x/api/gpu-quota/kernels/kernel-1/usage")
+    assert headers[TOKEN_HEADER.lower()] == SECRET
+    assert body == {"devices": [{"index": 3, "allocated": GiB, "reserved": 0, "peak": 0}]}
+
+
+def test_no_usage_report_before_cuda_starts(server, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(80 * GiB))
+    report_to_server(state_on(), QuotaClient(server, "kernel-1", SECRET))
+    time.sleep(0.1)
+    assert Recorder.requests == []
