@@ -22,3 +22,9 @@ def load_ipython_extension(ipython):
     from .kernel.magic import load
 
     load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .kernel.magic import unload
+
+    unload(ipython)

@@ -19,7 +19,7 @@ from typing import Dict, Mapping, Optional
 
 from .devices import Device
 from .ledger import Grant
-from .names import API_URL, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
+from .names import API_URL, CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
 
 STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
 
@@ -46,6 +46,7 @@ def launch_env(
     if grant.cpu_only_reason:
         out[CPU_ONLY_REASON] = grant.cpu_only_reason
     if grant.devices:
+        out[CAP_SOURCE] = grant.source
         granted = [devices[i] for i in grant.devices]
         out[DEVICES] = json.dumps(
             [

@@ -68,9 +68,11 @@ STATE = KernelCapState()
 
 
 def from_environment(env=os.environ) -> KernelCapState:
-    from ..names import CPU_ONLY_REASON, DEVICES, KERNEL_ID
+    from ..names import CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID
 
     state = KernelCapState(kernel_id=env.get(KERNEL_ID), cpu_only_reason=env.get(CPU_ONLY_REASON))
+    if env.get(CAP_SOURCE):
+        state.cap_source = f"the server, at kernel start ({env[CAP_SOURCE]})"
     try:
         state.devices = read_devices(env.get(DEVICES))
     except (ValueError, KeyError, TypeError) as error:

@@ -106,6 +106,7 @@ async def test_granted_cap_is_recorded_applied_to_the_env_and_survives_restart(j
     assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.3 * DEVICE_TOTAL)]
     after_restart = await execute(jp_serverapp, kernel_id, "%gpucap")
     assert "24.0 GiB" in after_restart.splitlines()[1]
+    assert "kernel request" in after_restart  # who set the cap survives the restart too
 
 
 async def test_request_above_max_cap_is_clamped(jp_fetch, jp_serverapp):

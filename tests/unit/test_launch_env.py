@@ -24,6 +24,7 @@ def test_placed_grant_sets_every_framework_and_our_variables():
     assert env["GPU_QUOTA_KERNEL_ID"] == "kid"
     assert env["GPU_QUOTA_KERNEL_TOKEN"] == "s3cret"
     assert env["GPU_QUOTA_API_URL"] == "http://127.0.0.1:8888/"
+    assert env["GPU_QUOTA_CAP_SOURCE"] == "default"
     assert json.loads(env["GPU_QUOTA_DEVICES"]) == [
         {"ordinal": 0, "index": 1, "uuid": "GPU-bbbb", "cap": 35 * GiB, "max_cap": 70 * GiB, "total": 140 * GiB}
     ]
