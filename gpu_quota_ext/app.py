@@ -7,6 +7,7 @@ the setting and the value: a quota extension that failed to load would let kerne
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
@@ -16,9 +17,12 @@ from traitlets import TraitError, Type, Unicode, default
 
 from .devices import DeviceInventory, NvmlInventory
 from .handlers import HANDLERS
+from .monitor import Monitor, ServerKernels
+from .nvml import NvmlBackend, PynvmlBackend
 from .policy import PolicyError, build_policy
 from .provisioner import SETTINGS_KEY
 from .service import QuotaService
+from .watchdog import build_enforcement
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -102,6 +106,52 @@ class GpuQuota(ExtensionApp):
         gpu_quota_ext.devices.StaticInventory with c.StaticInventory.devices (tests, demos without a GPU).""",
     ).tag(config=True)
 
+    enforce = Unicode(
+        help="""What the watchdog does to a kernel whose processes use more GPU memory than its cap plus slack
+        (measured by NVML, so CuPy, raw CUDA and subprocesses count): "off", "warn" (log it and show it in the
+        status API and sidebar), "interrupt", "restart" or "kill" the kernel. Default: $GPU_QUOTA_ENFORCE or "warn":
+        in-process caps already stop the common frameworks cleanly, and a false alarm (a usage spike, a large
+        CUDA context) must not cost a user their kernel's state unless the admin chose so.""",
+    ).tag(config=True)
+
+    @default("enforce")
+    def _default_enforce(self):
+        return _env("GPU_QUOTA_ENFORCE", "warn")
+
+    slack = AnyTrait(
+        help="""How far over its cap a kernel may go before the watchdog acts: a size ("1GiB", bytes) or a
+        fraction of the kernel's cap ("0.1", "10%"). NVML counts the CUDA context (about 600 MiB per process)
+        that no in-process cap counts. Default: $GPU_QUOTA_SLACK or "1GiB".""",
+    ).tag(config=True)
+
+    @default("slack")
+    def _default_slack(self):
+        return _env("GPU_QUOTA_SLACK", "1GiB")
+
+    grace = AnyTrait(
+        help="""Seconds a kernel must stay over cap plus slack before the watchdog acts (0: on the first sample
+        over it). Default: $GPU_QUOTA_GRACE or 0.""",
+    ).tag(config=True)
+
+    @default("grace")
+    def _default_grace(self):
+        return _env("GPU_QUOTA_GRACE", "0")
+
+    poll_interval = AnyTrait(
+        help="""Seconds between two NVML samples of every GPU (0.05 to 60). Default: $GPU_QUOTA_POLL_INTERVAL or 1.""",
+    ).tag(config=True)
+
+    @default("poll_interval")
+    def _default_poll_interval(self):
+        return _env("GPU_QUOTA_POLL_INTERVAL", "1")
+
+    nvml_class = Type(
+        default_value=PynvmlBackend,
+        klass=NvmlBackend,
+        help="""Where the monitor reads per-process GPU memory: the driver through nvidia-ml-py (default), or
+        gpu_quota_ext.testing.FakeNvml (tests, benchmarks).""",
+    ).tag(config=True)
+
     def _link_jupyter_server_extension(self, serverapp):
         try:
             super()._link_jupyter_server_extension(serverapp)
@@ -119,6 +169,7 @@ class GpuQuota(ExtensionApp):
                 self.on_full,
                 self.on_over_max,
             )
+            enforcement = build_enforcement(self.enforce, self.slack, self.grace, self.poll_interval)
             inventory = self.inventory_class(parent=self)
             devices = inventory.list_devices()
         except (PolicyError, TraitError) as error:
@@ -129,13 +180,43 @@ class GpuQuota(ExtensionApp):
             api_url=self._api_url,
             no_gpu_reason=inventory.problem,
         )
+        service.monitor = Monitor(
+            devices,
+            service.ledger,
+            self.nvml_class(),
+            ServerKernels(self.serverapp.kernel_manager),
+            enforcement,
+            no_gpu_reason=inventory.problem,
+        )
         self.settings[SETTINGS_KEY] = service
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # the usual case: the loop starts later and _start_jupyter_server_extension starts the monitor
+        else:
+            # Embedders that initialize on a running loop (pytest-jupyter) never call that hook.
+            service.monitor.start()
         # Every kernelspec without a provisioner stanza of its own now starts through our hook.
         KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
         self.log.info(
             "gpu-quota-ext: default_cap %s, max_cap %s, placement %s, on_full %s, overcommit %s, %d GPU(s)",
             policy.default_cap, policy.max_cap, policy.placement, policy.on_full, policy.overcommit, len(devices),
         )
+        self.log.info(
+            "gpu-quota-ext: watchdog enforce %s, slack %s, grace %ss, poll every %ss",
+            enforcement.enforce, enforcement.slack, enforcement.grace, enforcement.poll_interval,
+        )
+
+    async def _start_jupyter_server_extension(self, serverapp):
+        # The loop runs now: the monitor's task can start.
+        service = self.settings.get(SETTINGS_KEY)
+        if service is not None and service.monitor is not None:
+            service.monitor.start()
+
+    async def stop_extension(self):
+        service = self.settings.get(SETTINGS_KEY)
+        if service is not None and service.monitor is not None:
+            await service.monitor.stop()
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS)

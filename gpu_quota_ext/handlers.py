@@ -68,9 +68,14 @@ class GpuQuotaHandler(APIHandler):
             return {}
 
     def kernel_json(self, grant, paths: dict) -> dict:
+        """The ledger's grant (caps) with the monitor's usage next to each cap, and the last action."""
         data = grant.to_json()
         data["id"] = data.pop("kernel_id")
         data["path"] = paths.get(grant.kernel_id)
+        monitor = self.service.monitor
+        for device in data["devices"]:
+            device.update(kernel_device_usage(monitor, grant.kernel_id, device["index"]))
+        data["last_action"] = monitor.last_action(grant.kernel_id) if monitor else None
         return data
 
     def read_json_body(self) -> Any:
@@ -85,16 +90,25 @@ class StatusHandler(GpuQuotaHandler):
     def get(self):
         self.require_user("read")
         service = self.service
+        monitor = service.monitor
         paths = self.session_paths()
+        devices = service.ledger.usage()
+        for device in devices:
+            device["used"] = monitor.device_used(device["index"]) if monitor else None
+        policy = service.policy.describe()
+        if monitor is not None:
+            policy.update(monitor.settings.describe())
         self.finish(
             json.dumps(
                 {
                     "gpu": bool(service.devices),
                     "message": service.no_gpu_reason,
                     "user": service.user,
-                    "devices": service.ledger.usage(),
+                    "devices": devices,
                     "kernels": [self.kernel_json(g, paths) for g in service.ledger.grants()],
-                    "policy": service.policy.describe(),
+                    "policy": policy,
+                    "monitor": monitor.describe() if monitor else {"state": "off", "message": None},
+                    "actions": [a.to_json() for a in monitor.watchdog.history] if monitor else [],
                 }
             )
         )
@@ -135,6 +149,67 @@ class KernelHandler(GpuQuotaHandler):
         self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": self.kernel_json(grant, self.session_paths())}))
 
 
+class UsageHandler(GpuQuotaHandler):
+    @allow_unauthenticated
+    def post(self, kernel_id: str):
+        """A kernel reports its own allocator after a cell: {"devices": [{"index": 0, "allocated": int,
+        "reserved": int, "peak": int}]}. Stored by the monitor (usage), never the ledger (caps).
+        Answers with the kernel's last watchdog action, so the kernel can tell its user."""
+        self.require_user_or_kernel(kernel_id, "write")
+        grant = self.service.ledger.get(kernel_id)
+        if grant is None:
+            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}")
+        entries = parse_usage_report(self.read_json_body(), grant.devices)
+        monitor = self.service.monitor
+        if monitor is None:
+            raise web.HTTPError(503, "the GPU monitor is not running")
+        monitor.report(kernel_id, entries)
+        self.finish(json.dumps({"accepted": len(entries), "last_action": monitor.last_action(kernel_id)}))
+
+
+USAGE_FIELDS = ("allocated", "reserved", "peak")
+MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
+
+
+def parse_usage_report(body: Any, granted: Any) -> list:
+    """The validated entries of a usage report, or HTTP 400 saying what is wrong."""
+    if not isinstance(body, dict) or set(body) != {"devices"}:
+        raise web.HTTPError(400, 'the body must be a JSON object {"devices": [{"index": 0, "allocated": ..., "reserved": ..., "peak": ...}]}')
+    devices = body["devices"]
+    if not isinstance(devices, list) or len(devices) > 64:
+        raise web.HTTPError(400, '"devices" must be a list (at most 64 entries)')
+    entries, seen = [], set()
+    for position, entry in enumerate(devices):
+        where = f"devices[{position}]"
+        if not isinstance(entry, dict):
+            raise web.HTTPError(400, f"{where} must be an object")
+        unknown = sorted(set(entry) - {"index", *USAGE_FIELDS})
+        if unknown:
+            raise web.HTTPError(400, f"{where}: unknown fields {unknown}; known: index, {', '.join(USAGE_FIELDS)}")
+        index = entry.get("index")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise web.HTTPError(400, f'{where}: "index" must be the server\'s device index (a whole number)')
+        if index not in granted:
+            raise web.HTTPError(400, f"{where}: device {index} is not one of this kernel's devices {list(granted)}")
+        if index in seen:
+            raise web.HTTPError(400, f"{where}: device {index} is listed twice")
+        seen.add(index)
+        clean = {"index": index}
+        for name in USAGE_FIELDS:
+            value = entry.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES):
+                raise web.HTTPError(400, f'{where}: "{name}" must be a number of bytes (a whole number from 0) or null')
+            clean[name] = value
+        entries.append(clean)
+    return entries
+
+
+def kernel_device_usage(monitor, kernel_id: str, index: int) -> dict:
+    if monitor is None:
+        return {"used": None, "allocated": None, "reserved": None, "peak": None, "reported_at": None}
+    return monitor.kernel_device_usage(kernel_id, index)
+
+
 def parse_cap_request(body: Any):
     """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
     if not isinstance(body, dict):
@@ -163,4 +238,5 @@ API_PREFIX = "/api/gpu-quota"
 HANDLERS = [
     (url_path_join(API_PREFIX, "status"), StatusHandler),
     (url_path_join(API_PREFIX, "kernels", KERNEL_ID_PATTERN), KernelHandler),
+    (url_path_join(API_PREFIX, "kernels", KERNEL_ID_PATTERN, "usage"), UsageHandler),
 ]

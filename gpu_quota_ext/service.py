@@ -49,6 +49,8 @@ class QuotaService:
         self._api_url = api_url
         self._tokens: Dict[str, str] = {}
         self._tokens_lock = threading.Lock()
+        # Usage lives in the monitor (set by the app once the server's kernel manager exists); caps in the ledger.
+        self.monitor = None
 
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.gpu
 POLL = 1.0  # the default poll interval: the figures are what an admin gets out of the box
 
 # The user undoes CuPy's limit (what layer 1 cannot prevent), then takes 0.3 of the device: cap is 0.2.
+# The timestamps go to a file, not stdout: a restart or kill may land before the cell's output is sent.
+# The cell then keeps running, as a training loop holding its memory would, so strong actions meet a busy kernel.
 OVER_CAP = """
 import os, time
 os.environ.pop("CUPY_GPU_MEMORY_LIMIT", None)
@@ -30,7 +32,9 @@ began = time.time()
 hog = cupy.empty(int(0.3 * total), dtype=cupy.uint8)
 hog.fill(1)
 cupy.cuda.runtime.deviceSynchronize()
-print(began, time.time())
+with open({stamp!r}, "w") as out:
+    out.write(f"{{began}} {{time.time()}}")
+time.sleep({hold})
 """
 
 WITHIN_CAP = """
@@ -97,21 +101,39 @@ def smi_used_by_pid() -> dict:
 
 
 @pytest.mark.parametrize("enforce", ["warn", "interrupt", "restart", "kill"])
-async def test_watchdog_catches_cupy_over_its_cap(jp_fetch, jp_serverapp, enforce):
+async def test_watchdog_catches_cupy_over_its_cap(jp_fetch, jp_serverapp, enforce, tmp_path):
+    import asyncio
+
     kernel_id = await start_kernel(jp_fetch)
     pid = kernel_pid(jp_serverapp, kernel_id)
-    began, allocated = map(float, (await execute(jp_serverapp, kernel_id, OVER_CAP, timeout=180)).split())
-    action, state = await wait_for_action(jp_fetch, kernel_id)
+    stamp = tmp_path / "allocated"
+    hold = 0 if enforce == "warn" else 60
+    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, OVER_CAP.format(stamp=str(stamp), hold=hold), timeout=180))
+    action, state = await wait_for_action(jp_fetch, kernel_id, timeout=120)
+    for _ in range(50):  # the cell writes it a few ms after the memory shows in NVML
+        if stamp.exists() and stamp.read_text():
+            break
+        await _sleep(0.1)
     record(f"{enforce}: cap bytes", action["cap"])
     record(f"{enforce}: used at action (NVML) bytes", action["used"])
-    record(f"{enforce}: seconds from allocation done to action", round(action["time"] - allocated, 3))
-    record(f"{enforce}: seconds from allocation start to action", round(action["time"] - began, 3))
     record(f"{enforce}: outcome", action["outcome"])
     assert action["action"] == enforce and action["outcome"] == "done"
     assert action["used"] > action["limit"] > action["cap"]
-    # Detected within two poll intervals of the memory being there (plus the action's own time for the record).
-    assert action["time"] - allocated <= 2 * POLL + 0.5
-    if enforce in ("restart", "kill"):
+    if stamp.exists() and stamp.read_text():
+        began, allocated = map(float, stamp.read_text().split())
+        record(f"{enforce}: seconds from allocation done to action", round(action["time"] - allocated, 3))
+        record(f"{enforce}: seconds from allocation start to action", round(action["time"] - began, 3))
+        # Detected within two poll intervals of the memory being there.
+        assert action["time"] - allocated <= 2 * POLL + 0.5
+    else:  # acted between the allocation and the write: sooner than any timing could show
+        record(f"{enforce}: seconds from allocation done to action", "under a few ms (before the cell's next line)")
+    if enforce == "warn":
+        await asyncio.wait_for(cell, 60)  # the cell finishes undisturbed
+    elif enforce == "interrupt":
+        with pytest.raises(AssertionError, match="KeyboardInterrupt"):
+            await asyncio.wait_for(cell, 30)
+    else:  # the process that ran the cell is gone: no reply will come
+        cell.cancel()
         deadline = time.monotonic() + 30
         while pid in smi_used_by_pid() and time.monotonic() < deadline:
             await _sleep(0.1)

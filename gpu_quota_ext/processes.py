@@ -1,0 +1,137 @@
+"""Which kernel a process belongs to: a kernel's own process, any of its descendants, or any process
+whose environment carries the kernel id the launch hook set (a daemonized subprocess that was re-parented
+to init still carries it).
+
+The mapping itself (`kernel_for_pid`) is pure: it is given the process tree as functions, so tests can
+hand it a snapshot. `ProcTable` reads the live tree from /proc (Linux), or from psutil elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from .names import KERNEL_ID
+
+_KERNEL_ID_PREFIX = (KERNEL_ID + "=").encode()
+
+
+def parse_ppid(stat_text: str) -> Optional[int]:
+    """The parent PID from /proc/PID/stat. The command name (field 2) may hold spaces and ')' itself,
+    so the fields are counted after the last ')'."""
+    _, sep, rest = stat_text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 2:
+        return None
+    try:
+        return int(fields[1])
+    except ValueError:
+        return None
+
+
+def parse_nspid(status_text: str) -> List[int]:
+    """The `NSpid:` line of /proc/PID/status: the process's PID in each PID namespace it belongs to,
+    from the namespace of this /proc outwards-in (ours first, the innermost container's last). [] if absent."""
+    for line in status_text.splitlines():
+        if line.startswith("NSpid:"):
+            try:
+                return [int(part) for part in line[len("NSpid:"):].split()]
+            except ValueError:
+                return []
+    return []
+
+
+def parse_environ_kernel_id(environ: bytes) -> Optional[str]:
+    """GPU_QUOTA_KERNEL_ID from the NUL-separated bytes of /proc/PID/environ, or None."""
+    for entry in environ.split(b"\0"):
+        if entry.startswith(_KERNEL_ID_PREFIX):
+            return entry[len(_KERNEL_ID_PREFIX):].decode("utf-8", "replace") or None
+    return None
+
+
+def alias_map(nspids: Iterable[Tuple[int, List[int]]]) -> Dict[int, int]:
+    """{PID as another namespace numbers it: PID as ours does}, from (our pid, NSpid list) pairs.
+
+    NVML may report a PID from another namespace than the server's (old drivers gave host PIDs to
+    containers; a server on the host sees container-local ones from nested kernels). Our own number wins
+    a collision: it is tried first by the caller anyway."""
+    aliases: Dict[int, int] = {}
+    for local, entries in nspids:
+        for other in entries:
+            if other != local:
+                aliases.setdefault(other, local)
+    return aliases
+
+
+def kernel_for_pid(
+    pid: int,
+    roots: Mapping[int, str],
+    parent_of: Callable[[int], Optional[int]],
+    kernel_in_environ: Callable[[int], Optional[str]],
+    known_kernels: Collection[str],
+    max_depth: int = 128,
+) -> Optional[str]:
+    """The kernel id `pid` belongs to, or None.
+
+    `roots` maps each kernel's own process id to its kernel id. A process belongs to a kernel when it is
+    that process or a descendant of it; failing that, when its environment names a kernel we know (it
+    escaped the tree: double fork, nohup, setsid)."""
+    current: Optional[int] = pid
+    seen = set()
+    for _ in range(max_depth):
+        if current is None or current <= 1 or current in seen:
+            break
+        if current in roots:
+            return roots[current]
+        seen.add(current)
+        current = parent_of(current)
+    named = kernel_in_environ(pid)
+    if named is not None and named in known_kernels:
+        return named
+    return None
+
+
+class ProcTable:
+    """The live process table. Every read may fail (the process ended, or is another user's): None then."""
+
+    def __init__(self, proc: str = "/proc"):
+        self.proc = proc
+        self.has_proc = os.path.isdir(os.path.join(proc, "self"))
+
+    def _read(self, pid: int, name: str, binary: bool = False):
+        try:
+            with open(os.path.join(self.proc, str(pid), name), "rb" if binary else "r") as handle:
+                return handle.read()
+        except (OSError, ValueError):
+            return None
+
+    def parent_of(self, pid: int) -> Optional[int]:
+        if self.has_proc:
+            text = self._read(pid, "stat")
+            return parse_ppid(text) if text else None
+        try:  # macOS and other systems without /proc: psutil, when installed
+            import psutil
+
+            return psutil.Process(pid).ppid()
+        except Exception:
+            return None
+
+    def kernel_in_environ(self, pid: int) -> Optional[str]:
+        # Readable only for our own user's processes (or as root): exactly the kernels this server started.
+        data = self._read(pid, "environ", binary=True)
+        return parse_environ_kernel_id(data) if data else None
+
+    def exists(self, pid: int) -> bool:
+        return os.path.exists(os.path.join(self.proc, str(pid))) if self.has_proc else self.parent_of(pid) is not None
+
+    def namespace_aliases(self) -> Dict[int, int]:
+        """Every process's NSpid list, as alias_map. A full /proc scan: called only for PIDs we cannot place."""
+        if not self.has_proc:
+            return {}
+        pairs = []
+        for name in os.listdir(self.proc):
+            if name.isdigit():
+                text = self._read(int(name), "status")
+                if text:
+                    pairs.append((int(name), parse_nspid(text)))
+        return alias_map(pairs)

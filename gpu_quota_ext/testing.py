@@ -1,0 +1,63 @@
+"""A fake NVML for tests and benchmarks: the test says "PID p uses N bytes on device U", the monitor sees it.
+
+The server runs in the test's own process under pytest-jupyter, so the fake's state lives on the class:
+a test calls `FakeNvml.set_usage(pid, "static-0", 2 * GiB)` and every FakeNvml instance (the one the
+monitor made from `c.GpuQuota.nvml_class`) reports it on its next tick. `FakeNvml.reset()` between tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Set, Tuple
+
+from .nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
+
+
+class FakeNvml(NvmlBackend):
+    _lock = threading.Lock()
+    usage: Dict[int, Dict[str, int]] = {}  # pid -> device uuid -> bytes
+    other_used: Dict[str, int] = {}  # device uuid -> bytes used by no process we list (e.g. another container)
+    unavailable: Optional[str] = None  # open() fails with this message (no library / no driver)
+    failing: Optional[str] = None  # every call fails with this message (a driver failing mid-run)
+    crashing: bool = False  # every call raises a plain RuntimeError (a bug we did not foresee)
+    lost: Set[str] = set()  # these devices fail as a GPU that fell off the bus
+    calls: int = 0  # how many device calls were made (tests check that sampling happens)
+
+    @classmethod
+    def reset(cls) -> None:
+        with cls._lock:
+            cls.usage, cls.other_used, cls.lost = {}, {}, set()
+            cls.unavailable = cls.failing = None
+            cls.crashing = False
+            cls.calls = 0
+
+    @classmethod
+    def set_usage(cls, pid: int, uuid: str, nbytes: int) -> None:
+        with cls._lock:
+            cls.usage = {**cls.usage, pid: {**cls.usage.get(pid, {}), uuid: nbytes}}
+
+    @classmethod
+    def clear_usage(cls, pid: int) -> None:
+        with cls._lock:
+            cls.usage = {p: u for p, u in cls.usage.items() if p != pid}
+
+    def open(self) -> None:
+        if self.unavailable:
+            raise NvmlUnavailable(self.unavailable)
+
+    def _check(self, uuid: str) -> None:
+        type(self).calls += 1
+        if self.crashing:
+            raise RuntimeError("fake NVML crashed")
+        if self.failing:
+            raise NvmlFailure(self.failing)
+        if uuid in self.lost:
+            raise NvmlFailure(f"nvmlDeviceGetHandleByUUID failed on {uuid} (NVMLError_GpuIsLost: GPU is lost)")
+
+    def device_processes(self, uuid: str) -> List[Tuple[int, int]]:
+        self._check(uuid)
+        return [(pid, per[uuid]) for pid, per in self.usage.items() if uuid in per]
+
+    def device_used(self, uuid: str) -> int:
+        self._check(uuid)
+        return self.other_used.get(uuid, 0) + sum(per.get(uuid, 0) for per in self.usage.values())

@@ -1,0 +1,69 @@
+"""Helpers for tests that run a real server with the fake NVML (gpu_quota_ext.testing.FakeNvml)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from traitlets.config import Config
+
+from gpu_quota_ext.provisioner import SETTINGS_KEY
+from gpu_quota_ext.testing import FakeNvml
+
+from .kernels import execute, static_devices_config
+
+POLL = 0.2  # seconds between samples in these tests
+
+
+def fake_gpu_config(enforce: str = "warn", **gpu_quota) -> Config:
+    """Two static 16 GiB devices, the fake NVML, a fast poll, no slack beyond 1 GiB, no grace."""
+    settings = {"nvml_class": "gpu_quota_ext.testing.FakeNvml", "poll_interval": POLL, "enforce": enforce, "slack": "1GiB", "grace": 0}
+    settings.update(gpu_quota)
+    return Config(static_devices_config("16GiB", "16GiB", **settings))
+
+
+@pytest.fixture
+def fake_nvml():
+    FakeNvml.reset()
+    yield FakeNvml
+    FakeNvml.reset()
+
+
+def service_of(serverapp):
+    return serverapp.web_app.settings[SETTINGS_KEY]
+
+
+async def kernel_pid(serverapp, kernel_id: str) -> int:
+    """The PID the kernel itself reports: what NVML would list for it."""
+    return int((await execute(serverapp, kernel_id, "import os; print(os.getpid())")).strip())
+
+
+async def status(jp_fetch) -> dict:
+    return json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
+
+
+def kernel_entry(state: dict, kernel_id: str) -> dict:
+    return next(k for k in state["kernels"] if k["id"] == kernel_id)
+
+
+async def wait_for(predicate, timeout: float = 10.0, step: float = 0.05):
+    """Poll `predicate` (sync or async) until it returns something truthy; return it, or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(step)
+
+
+async def next_samples(serverapp, count: int = 2) -> None:
+    """Wait until the monitor has completed `count` more rounds."""
+    monitor = service_of(serverapp).monitor
+    start = monitor.ticks
+    await wait_for(lambda: monitor.ticks >= start + count)

@@ -1,0 +1,248 @@
+"""The REST API with a real server, real kernels and the fake NVML: what an admin or the sidebar sees."""
+
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from gpu_quota_ext.policy import GiB
+
+from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
+from .kernels import execute, shutdown_kernel, start_kernel
+
+
+@pytest.fixture
+def jp_server_config():
+    return fake_gpu_config("warn")
+
+
+async def expect_status(call, *codes):
+    with pytest.raises(HTTPClientError) as error:
+        await call
+    assert error.value.code in codes, error.value
+    return error.value
+
+
+async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    device = grant.devices[0]
+    fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
+    fake_nvml.other_used[f"static-{device}"] = 1 * GiB  # someone else's process on the same GPU
+    await next_samples(jp_serverapp)
+
+    state = await status(jp_fetch)
+    assert state["monitor"]["state"] == "ok"
+    assert state["policy"]["enforce"] == "warn" and state["policy"]["poll_interval"] == POLL
+    devices = {d["index"]: d for d in state["devices"]}
+    assert devices[device]["used"] == 4 * GiB
+    assert devices[1 - device]["used"] == 0
+    entry = kernel_entry(state, kernel_id)
+    assert entry["kernelspec"] == "python3"
+    assert entry["last_action"] is None
+    assert entry["devices"] == [
+        {
+            "index": device,
+            "cap": grant.caps[device],
+            "max_cap": grant.max_caps[device],
+            "policy_cap": grant.policy_caps[device],
+            "used": 3 * GiB,
+            "allocated": None,
+            "reserved": None,
+            "peak": None,
+            "reported_at": None,
+        }
+    ]
+    # The answer matches the ledger, device by device and kernel by kernel.
+    ledger = service_of(jp_serverapp).ledger
+    for row in ledger.usage():
+        assert {k: devices[row["index"]][k] for k in row} == row
+    assert {k["id"] for k in state["kernels"]} == {g.kernel_id for g in ledger.grants()}
+    one = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
+    assert one == entry
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_a_subprocess_of_the_kernel_counts_for_the_kernel(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    child = int(
+        (
+            await execute(
+                jp_serverapp,
+                kernel_id,
+                "import subprocess, sys\n"
+                "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                "print(worker.pid)",
+            )
+        ).strip()
+    )
+    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    fake_nvml.set_usage(child, f"static-{device}", 2 * GiB)
+    await next_samples(jp_serverapp)
+    entry = kernel_entry(await status(jp_fetch), kernel_id)
+    assert entry["devices"][0]["used"] == 2 * GiB
+    assert service_of(jp_serverapp).monitor.latest.pids[kernel_id] == (child,)
+    await execute(jp_serverapp, kernel_id, "worker.kill(); worker.wait()")
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    body = {"devices": [{"index": device, "allocated": 1000, "reserved": 2048, "peak": 4096}]}
+    # The way the kernel-side code sends it: its secret in a header, no user token, no XSRF cookie.
+    response = await jp_fetch(
+        "api", "gpu-quota", "kernels", kernel_id, "usage",
+        method="POST", body=json.dumps(body),
+        headers={"X-GPU-Quota-Kernel-Token": service.token_for(kernel_id), "Authorization": ""},
+    )
+    assert json.loads(response.body) == {"accepted": 1, "last_action": None}
+    entry = kernel_entry(await status(jp_fetch), kernel_id)
+    assert (entry["devices"][0]["allocated"], entry["devices"][0]["reserved"], entry["devices"][0]["peak"]) == (1000, 2048, 4096)
+    # The ledger is untouched: a report is usage, never a cap.
+    assert entry["devices"][0]["cap"] == service.ledger.get(kernel_id).caps[device]
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+BAD_USAGE_BODIES = [
+    "not json",
+    "[]",
+    "{}",
+    '{"devices": {}}',
+    '{"devices": [], "extra": 1}',
+    '{"devices": [1]}',
+    '{"devices": [{"allocated": 5}]}',
+    '{"devices": [{"index": true, "allocated": 5}]}',
+    '{"devices": [{"index": 7, "allocated": 5}]}',
+    '{"devices": [{"index": DEV, "allocated": -1}]}',
+    '{"devices": [{"index": DEV, "allocated": 1.5}]}',
+    '{"devices": [{"index": DEV, "allocated": "5"}]}',
+    '{"devices": [{"index": DEV, "reserved": 1, "color": "red"}]}',
+    '{"devices": [{"index": DEV, "peak": 1}, {"index": DEV, "peak": 2}]}',
+]
+
+
+async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    grant_before = service.ledger.get(kernel_id)
+    for body in BAD_USAGE_BODIES:
+        error = await expect_status(
+            jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body.replace("DEV", str(device))),
+            400,
+        )
+        assert error.response.body, body
+    assert service.monitor.reports.get(kernel_id) is None
+    assert service.ledger.get(kernel_id) == grant_before
+    # Malformed cap changes too.
+    for body in ['{"cap": "lots"}', '{"cap": 0}', '{"reset": false}', '{"cap": "0.3", "device": -1}', "[1]"]:
+        await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body), 400)
+    assert service.ledger.get(kernel_id) == grant_before
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    body = json.dumps({"devices": [{"index": device, "allocated": 1}]})
+    other = await start_kernel(jp_fetch)
+    # Another kernel's secret is not this kernel's.
+    await expect_status(
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body,
+                 headers={"X-GPU-Quota-Kernel-Token": service.token_for(other), "Authorization": ""}),
+        403,
+    )
+    await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404)
+    await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
+    assert service.monitor.reports.get(kernel_id) is None
+    await shutdown_kernel(jp_fetch, kernel_id)
+    await shutdown_kernel(jp_fetch, other)
+
+
+async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    grant_before = service.ledger.get(kernel_id)
+    no_auth = {"Authorization": ""}
+    usage = json.dumps({"devices": [{"index": device, "allocated": 1}]})
+    calls = [
+        jp_fetch("api", "gpu-quota", "status", headers=no_auth),
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, headers=no_auth),
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body='{"cap": "0.1"}', headers=no_auth),
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage, headers=no_auth),
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage,
+                 headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"}),
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage,
+                 headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""}),
+    ]
+    for call in calls:
+        error = await expect_status(call, 401, 403)
+        assert b"allocated" not in (error.response.body or b"") and b'"kernels"' not in (error.response.body or b"")
+    assert service.ledger.get(kernel_id) == grant_before
+    assert service.monitor.reports.get(kernel_id) is None
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_nvml_failing_mid_run_leaves_the_server_and_kernels_up(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    fake_nvml.set_usage(pid, f"static-{device}", 2 * GiB)
+    await next_samples(jp_serverapp)
+
+    fake_nvml.failing = "nvmlDeviceGetMemoryInfo failed (NVMLError_Unknown: Unknown Error)"
+    await next_samples(jp_serverapp)
+    state = await status(jp_fetch)
+    assert state["monitor"]["state"] == "error" and "Unknown Error" in state["monitor"]["message"]
+    assert all(d["used"] is None for d in state["devices"])
+    assert kernel_entry(state, kernel_id)["devices"][0]["used"] is None  # unknown, not a false 0
+    assert (await execute(jp_serverapp, kernel_id, "print(6 * 7)")).strip() == "42"
+
+    fake_nvml.failing = None
+    fake_nvml.crashing = True  # an exception no one foresaw
+    await next_samples(jp_serverapp)
+    assert (await status(jp_fetch))["monitor"]["state"] == "error"
+
+    fake_nvml.crashing = False
+    fake_nvml.lost = {f"static-{1 - device}"}  # the other GPU fell off the bus
+    await next_samples(jp_serverapp)
+    state = await status(jp_fetch)
+    assert state["monitor"]["state"] == "degraded"
+    assert kernel_entry(state, kernel_id)["devices"][0]["used"] == 2 * GiB
+
+    fake_nvml.lost = set()
+    await next_samples(jp_serverapp)
+    assert (await status(jp_fetch))["monitor"]["state"] == "ok"
+    assert (await execute(jp_serverapp, kernel_id, "print('still here')")).strip() == "still here"
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST",
+                   body=json.dumps({"devices": [{"index": device, "reserved": 5}]}))
+    assert kernel_id in service.monitor.reports
+    await shutdown_kernel(jp_fetch, kernel_id)
+    await next_samples(jp_serverapp)
+    assert kernel_id not in service.monitor.reports
+    assert service.ledger.get(kernel_id) is None
+    assert all(k["id"] != kernel_id for k in (await status(jp_fetch))["kernels"])
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("enforce", "explode"), ("slack", "lots"), ("grace", "-1"), ("poll_interval", "0"), ("nvml_class", "builtins.dict")],
+)
+def test_invalid_watchdog_settings_stop_the_server_with_one_line(jp_configurable_serverapp, setting, value):
+    with pytest.raises(SystemExit) as stopped:
+        jp_configurable_serverapp(config=fake_gpu_config(**{setting: value}))
+    message = str(stopped.value)
+    assert message.startswith("gpu-quota-ext: invalid configuration:") and "\n" not in message
+    assert setting in message

@@ -1,0 +1,157 @@
+"""The watchdog on a real server with real kernels: a kernel whose processes "use" more than its cap
+(as the fake NVML reports) is warned, interrupted, restarted or killed as configured, within two polls."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from gpu_quota_ext.policy import GiB
+
+from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
+from .kernels import execute, shutdown_kernel, start_kernel
+
+# Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
+WITHIN = 2 * POLL + 0.3
+
+
+@pytest.fixture
+def enforce():
+    return "warn"
+
+
+@pytest.fixture
+def jp_server_config(enforce):
+    return fake_gpu_config(enforce)
+
+
+async def go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid=None):
+    """Make the kernel's process 'use' 6 GiB on its device: over its 4 GiB cap (0.25 of 16) + 1 GiB slack."""
+    pid = pid or await kernel_pid(jp_serverapp, kernel_id)
+    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    device = grant.devices[0]
+    assert grant.caps[device] == 4 * GiB
+    await next_samples(jp_serverapp, 1)  # start from a round boundary so the timing below is honest
+    began = time.time()
+    fake_nvml.set_usage(pid, f"static-{device}", 6 * GiB)
+    return began, device
+
+
+async def last_action(jp_fetch, kernel_id):
+    async def check():
+        state = await status(jp_fetch)
+        entry = next((k for k in state["kernels"] if k["id"] == kernel_id), None)
+        if entry is not None and entry["last_action"]:
+            return entry["last_action"]
+        actions = [a for a in state["actions"] if a["kernel_id"] == kernel_id]
+        return actions[-1] if actions else None
+
+    return await wait_for(check, timeout=10)
+
+
+def check_record(action, kind, device, began):
+    assert action["action"] == kind
+    assert (action["device"], action["used"], action["cap"], action["limit"]) == (device, 6 * GiB, 4 * GiB, 5 * GiB)
+    assert action["time"] - began <= WITHIN, f"acted {action['time'] - began:.2f} s after going over"
+
+
+async def test_warn_records_and_leaves_the_kernel_alone(jp_fetch, jp_serverapp, fake_nvml, caplog):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml)
+    action = await last_action(jp_fetch, kernel_id)
+    check_record(action, "warn", device, began)
+    assert action["outcome"] == "done"
+    assert any("over its cap" in r.getMessage() and kernel_id in r.getMessage() for r in caplog.records)
+    await next_samples(jp_serverapp, 3)
+    assert len([a for a in (await status(jp_fetch))["actions"] if a["kernel_id"] == kernel_id]) == 1  # once per episode
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip() == "42"  # state kept
+    # The kernel learns it in the answer to its next usage report.
+    reply = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST",
+                           body=json.dumps({"devices": [{"index": device, "allocated": 1}]}))
+    assert json.loads(reply.body)["last_action"]["action"] == "warn"
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+@pytest.mark.parametrize("enforce", ["interrupt"])
+async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, "import time; time.sleep(30)", timeout=40))
+    await asyncio.sleep(1.0)  # the cell is running
+    began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid)
+    action = await last_action(jp_fetch, kernel_id)
+    check_record(action, "interrupt", device, began)
+    with pytest.raises(AssertionError, match="KeyboardInterrupt"):
+        await asyncio.wait_for(cell, 10)
+    await wait_for(lambda: service_of(jp_serverapp).monitor.last_action(kernel_id)["outcome"] == "done")
+    fake_nvml.clear_usage(pid)
+    assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+@pytest.mark.parametrize("enforce", ["restart"])
+async def test_restart_gives_a_fresh_process_and_keeps_the_grant(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 1")
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid)
+    action = await last_action(jp_fetch, kernel_id)
+    check_record(action, "restart", device, began)
+    await wait_for(lambda: service_of(jp_serverapp).monitor.last_action(kernel_id)["outcome"] == "done")
+    fake_nvml.clear_usage(pid)
+    new_pid = await kernel_pid(jp_serverapp, kernel_id)
+    assert new_pid != pid
+    assert (await execute(jp_serverapp, kernel_id, "print('x' in globals())")).strip() == "False"
+    assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+@pytest.mark.parametrize("enforce", ["kill"])
+async def test_kill_shuts_the_kernel_down_and_frees_its_grant(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    kernel_id = await start_kernel(jp_fetch)
+    bystander = await start_kernel(jp_fetch)
+    began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml)
+    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).monitor.watchdog.history if a.kernel_id == kernel_id])
+    check_record(actions[0].to_json(), "kill", device, began)
+    await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
+    await wait_for(lambda: service_of(jp_serverapp).ledger.get(kernel_id) is None)
+    state = await status(jp_fetch)
+    assert [a["outcome"] for a in state["actions"] if a["kernel_id"] == kernel_id] == ["done"]
+    assert all(k["id"] != kernel_id for k in state["kernels"])
+    kernels = json.loads((await jp_fetch("api", "kernels")).body)
+    assert [k["id"] for k in kernels] == [bystander]  # only the kernel over its cap
+    await shutdown_kernel(jp_fetch, bystander)
+
+
+@pytest.mark.parametrize("enforce", ["kill"])
+async def test_a_subprocess_over_the_cap_gets_its_kernel_acted_on(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    kernel_id = await start_kernel(jp_fetch)
+    child = int(
+        (
+            await execute(
+                jp_serverapp,
+                kernel_id,
+                "import subprocess, sys\n"
+                "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                "print(worker.pid)",
+            )
+        ).strip()
+    )
+    began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, child)
+    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).monitor.watchdog.history if a.kernel_id == kernel_id])
+    check_record(actions[0].to_json(), "kill", device, began)
+    await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
+
+
+@pytest.mark.parametrize("enforce", ["off"])
+async def test_off_measures_but_never_acts(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    kernel_id = await start_kernel(jp_fetch)
+    _, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml)
+    await next_samples(jp_serverapp, 3)
+    state = await status(jp_fetch)
+    assert kernel_entry(state, kernel_id)["devices"][0]["used"] == 6 * GiB
+    assert state["actions"] == [] and kernel_entry(state, kernel_id)["last_action"] is None
+    await shutdown_kernel(jp_fetch, kernel_id)
