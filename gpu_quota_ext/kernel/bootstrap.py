@@ -92,7 +92,10 @@ def load_magic() -> None:
     if shell is None:
         return
     try:
-        shell.extension_manager.load_extension("gpu_quota_ext")
+        # A stand-in that loads the full magic at its first use: kernel start stays cheap.
+        from .lazy import register
+
+        register(shell)
     except Exception as error:
         log(f"%gpucap not loaded: {error!r}")
 

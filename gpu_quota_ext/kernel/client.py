@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -42,8 +40,7 @@ class QuotaClient:
         self.api_url = api_url if api_url.endswith("/") else api_url + "/"
         self.kernel_id = kernel_id
         self._token = token
-        # Loopback only: a proxy from the user's environment (HTTP_PROXY) must never see the secret.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._opener = None  # built at the first request: urllib.request costs ~20 ms of kernel start
         self._usage_in_flight = threading.Lock()
 
     def __repr__(self) -> str:  # never show the secret, even in a debugger
@@ -116,6 +113,12 @@ class QuotaClient:
 
     def _send(self, method: str, url: str, body: dict, timeout: float):
         """(status, parsed JSON or None). HTTP errors are answers, not exceptions; OSError = no answer."""
+        import urllib.error
+        import urllib.request
+
+        if self._opener is None:
+            # Loopback only: a proxy from the user's environment (HTTP_PROXY) must never see the secret.
+            self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         request = urllib.request.Request(
             url,
             data=json.dumps(body).encode(),

@@ -162,10 +162,21 @@ async def test_forged_or_foreign_secret_is_refused_through_the_api(jp_fetch, jp_
     assert json.loads(response.body)["outcome"] == "granted"
 
 
+async def test_kernel_start_loads_only_a_stand_in_until_first_use(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    loaded = "import sys; print(sorted(m for m in ('gpu_quota_ext.kernel.magic', 'gpu_quota_ext.kernel.client', 'urllib.request') if m in sys.modules))"
+    assert (await execute(jp_serverapp, kernel_id, loaded)).strip() == "[]"
+    table = await execute(jp_serverapp, kernel_id, "%gpucap")
+    assert "20.0 GiB" in table
+    assert "gpu_quota_ext.kernel.magic" in await execute(jp_serverapp, kernel_id, loaded)
+
+
 async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, jp_serverapp):
     kernel_a = await start_kernel(jp_fetch)
     kernel_b = await start_kernel(jp_fetch)
     token_b = (await kernel_env(jp_serverapp, kernel_b, ["GPU_QUOTA_KERNEL_TOKEN"]))["GPU_QUOTA_KERNEL_TOKEN"]
+    for kernel_id in (kernel_a, kernel_b):
+        await execute(jp_serverapp, kernel_id, "%gpucap")  # loads the full magic (kernel start has a stand-in)
     # Kernel B's magic aimed at kernel A: B's own secret is not A's.
     out = await run_cell(
         jp_serverapp,
@@ -332,7 +343,9 @@ async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverap
     import asyncio
 
     kernel_id = await start_kernel(jp_fetch)
-    # CUDA cannot start here: give the kernel's usage module fake readings, as torch would once CUDA runs.
+    # At kernel start a stand-in waits for CUDA to start before loading the reporter; CUDA cannot start
+    # here, so load the full magic (its first use does) and give it fake readings, as torch would give.
+    await execute(jp_serverapp, kernel_id, "%gpucap")
     await execute(
         jp_serverapp,
         kernel_id,

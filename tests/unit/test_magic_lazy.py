@@ -1,0 +1,77 @@
+"""The stand-in `%gpucap` registered at kernel start loads the full magic only when it is needed."""
+
+import sys
+import types
+
+import pytest
+from IPython.core.events import EventManager, available_events
+
+from gpu_quota_ext.kernel import lazy
+
+
+class Shell:
+    def __init__(self):
+        self.events = EventManager(self, available_events)
+        self.magics = {}
+
+    def register_magic_function(self, func, kind, name):
+        self.magics[name] = func
+
+
+class Controller:
+    def __init__(self):
+        self.cells, self.lines = [], []
+
+    def post_run_cell(self, result):
+        self.cells.append(result)
+
+    def magic(self, line):
+        self.lines.append(line)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    shell = Shell()
+    loaded = []
+
+    def load():
+        controller = Controller()
+        loaded.append(controller)
+        return controller
+
+    registered = lazy.register(shell)
+    monkeypatch.setattr(registered, "controller", lambda: (registered.unregister(), load())[1])
+    return shell, registered, loaded
+
+
+def cell(error=None):
+    return types.SimpleNamespace(error_in_exec=error)
+
+
+def test_a_plain_cell_loads_nothing(stand_in, monkeypatch):
+    shell, _, loaded = stand_in
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    shell.events.trigger("post_run_cell", cell())
+    assert loaded == []
+
+
+def test_a_failed_cell_loads_the_magic_and_hands_it_that_cell(stand_in):
+    shell, registered, loaded = stand_in
+    failed = cell(error=RuntimeError("CUDA out of memory"))
+    shell.events.trigger("post_run_cell", failed)
+    assert len(loaded) == 1 and loaded[0].cells == [failed]
+    assert registered.post_run_cell not in shell.events.callbacks["post_run_cell"]
+
+
+def test_cuda_started_loads_the_magic(stand_in, monkeypatch):
+    shell, _, loaded = stand_in
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    shell.events.trigger("post_run_cell", cell())
+    assert len(loaded) == 1
+
+
+def test_the_magic_runs_the_full_one(stand_in):
+    shell, _, loaded = stand_in
+    shell.magics["gpucap"]("0.3")
+    assert loaded[0].lines == ["0.3"]
