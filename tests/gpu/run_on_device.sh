@@ -16,13 +16,13 @@ python3 -c 'import torch, cupy, jax; print("torch", torch.__version__, "cupy", c
 status=0
 select=()
 [ $# -gt 0 ] && select=(-k "$*")
-timeout 420 python3 -m pytest tests/gpu -m gpu -s -v -p no:cacheprovider -o addopts="" "${select[@]}" 2>&1 \
+timeout 480 python3 -m pytest tests/gpu tests/integration/test_examples.py -m gpu -s -v -p no:cacheprovider -o addopts="" "${select[@]}" 2>&1 \
   | grep -v -E '^(DEBUG|INFO) ' | tee "$OUT/gpu-tests.log" || status=1
 
 if [ -z "${GPU_QUOTA_SKIP_BENCH:-}" ]; then
-  timeout 240 python3 benchmarks/kernel_start_bench.py --nvml --rounds 10 --out "$OUT/kernel_start_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  timeout 200 python3 benchmarks/kernel_start_bench.py --nvml --rounds 15 --out "$OUT/kernel_start_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
   if [ -f benchmarks/monitor_bench.py ]; then
-    timeout 120 python3 benchmarks/monitor_bench.py --real 2>&1 | tee -a "$OUT/bench.log" || status=1
+    timeout 120 python3 benchmarks/monitor_bench.py --real --out "$OUT/monitor_real_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
   fi
 fi
 echo "== figures"
