@@ -1,0 +1,508 @@
+/**
+ * The "GPU quota" sidebar: the server's GPUs, then its kernels (the current notebook's first and
+ * highlighted), each with a bar of usage against cap, the last watchdog action, a cap field and a
+ * shut-down button. Plain DOM with one persistent element per kernel, updated in place: a poll with
+ * 200 kernels touches only the figures that changed.
+ */
+
+import { TranslationBundle } from '@jupyterlab/translation';
+import { Message } from '@lumino/messaging';
+import { Widget } from '@lumino/widgets';
+
+import { ICapResult } from './api';
+import { formatAge, formatBytes, formatPair } from './format';
+import { QuotaModel } from './model';
+import {
+  barFraction,
+  IDeviceStatus,
+  IKernelDevice,
+  IKernelStatus,
+  IState,
+  kernelDeviceUsage,
+  sortKernels,
+  UsageSource,
+  usageLevel
+} from './state';
+
+export const PANEL_ID = 'gpu-quota-ext-panel';
+
+export interface IPanelActions {
+  setCap(
+    kernelId: string,
+    request: { cap: string } | { reset: true }
+  ): Promise<ICapResult>;
+  /** Resolves true when the kernel was shut down (false: the user cancelled). */
+  shutdown(kernel: IKernelStatus): Promise<boolean>;
+  open(path: string): void;
+}
+
+function h<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+function setText(node: HTMLElement, text: string): void {
+  if (node.textContent !== text) {
+    node.textContent = text;
+  }
+}
+
+function setAttr(node: HTMLElement, name: string, value: string): void {
+  if (node.getAttribute(name) !== value) {
+    node.setAttribute(name, value);
+  }
+}
+
+function setHidden(node: HTMLElement, hidden: boolean): void {
+  if (node.hidden !== hidden) {
+    node.hidden = hidden;
+  }
+}
+
+const LEVEL_CLASSES = ['jp-mod-ok', 'jp-mod-warning', 'jp-mod-over'];
+
+function setLevel(node: HTMLElement, level: string): void {
+  const wanted = `jp-mod-${level}`;
+  if (!node.classList.contains(wanted)) {
+    node.classList.remove(...LEVEL_CLASSES);
+    node.classList.add(wanted);
+  }
+}
+
+/** A bar: a track and a fill whose width is a percentage. */
+class Bar {
+  readonly node = h('div', 'jp-GpuQuota-bar');
+  private _fill = h('div', 'jp-GpuQuota-barFill');
+  private _width = '';
+  constructor() {
+    this.node.appendChild(this._fill);
+    setAttr(this.node, 'role', 'meter');
+  }
+  set(fraction: number, level: string): void {
+    // A transform, not a width: the compositor redraws the bar without a layout of the panel.
+    const width = fraction.toFixed(3);
+    if (width !== this._width) {
+      this._width = width;
+      this._fill.style.transform = `scaleX(${width})`;
+      setAttr(this.node, 'aria-valuenow', String(Math.round(fraction * 100)));
+    }
+    setLevel(this._fill, level);
+  }
+}
+
+class DeviceRow {
+  readonly node = h('div', 'jp-GpuQuota-device');
+  private _name = h('div', 'jp-GpuQuota-deviceName');
+  private _granted = new Bar();
+  private _figures = h('div', 'jp-GpuQuota-figures');
+  constructor(private _trans: TranslationBundle) {
+    this.node.append(this._name, this._granted.node, this._figures);
+  }
+  update(device: IDeviceStatus, threshold: number): void {
+    const trans = this._trans;
+    setText(this._name, trans.__('GPU %1 · %2', device.index, device.name));
+    const hasUsed = typeof device.used === 'number';
+    const shown = hasUsed ? (device.used as number) : device.granted;
+    this._granted.set(barFraction(shown, device.total), usageLevel(shown, device.total, threshold));
+    const parts = [trans.__('granted %1', formatPair(device.granted, device.total))];
+    if (hasUsed) {
+      parts.push(trans.__('used %1', formatBytes(device.used)));
+    }
+    parts.push(trans._n('%1 kernel', '%1 kernels', device.kernels));
+    setText(this._figures, parts.join(' · '));
+    setAttr(
+      this._granted.node,
+      'title',
+      hasUsed
+        ? trans.__('Bar: memory used on this GPU (NVML) against its total')
+        : trans.__('Bar: memory granted to kernels on this GPU against its total')
+    );
+  }
+}
+
+class KernelDeviceRow {
+  readonly node = h('div', 'jp-GpuQuota-kernelDevice');
+  private _label = h('span', 'jp-GpuQuota-kernelDeviceLabel');
+  private _bar = new Bar();
+  private _figure = h('span', 'jp-GpuQuota-figure');
+  constructor(private _trans: TranslationBundle) {
+    this.node.append(this._label, this._bar.node, this._figure);
+  }
+  update(device: IKernelDevice, threshold: number): void {
+    const usage = kernelDeviceUsage(device);
+    setText(this._label, this._trans.__('GPU %1', device.index));
+    this._bar.set(barFraction(usage.bytes, device.cap), usageLevel(usage.bytes, device.cap, threshold));
+    setText(this._figure, formatPair(usage.bytes, device.cap));
+    setAttr(this.node, 'title', usageTooltip(this._trans, device, usage.source));
+  }
+}
+
+export function sourceText(trans: TranslationBundle, source: UsageSource): string {
+  switch (source) {
+    case 'nvml':
+      return trans.__('used by the whole process, measured by NVML');
+    case 'allocator':
+      return trans.__('reserved by the PyTorch allocator, reported by the kernel');
+    default:
+      return trans.__('no usage measured yet');
+  }
+}
+
+export function usageTooltip(
+  trans: TranslationBundle,
+  device: IKernelDevice,
+  source: UsageSource
+): string {
+  const usage = kernelDeviceUsage(device);
+  const lines = [
+    trans.__('GPU %1: %2 of a %3 cap', device.index, formatBytes(usage.bytes), formatBytes(device.cap)),
+    trans.__('Usage: %1', sourceText(trans, source))
+  ];
+  if (typeof device.peak === 'number') {
+    lines.push(trans.__('Peak (allocator): %1', formatBytes(device.peak)));
+  }
+  if (typeof device.max_cap === 'number') {
+    lines.push(trans.__('Most this kernel may ask for: %1', formatBytes(device.max_cap)));
+  }
+  return lines.join('\n');
+}
+
+class KernelRow {
+  readonly node = h('li', 'jp-GpuQuota-kernel');
+  readonly id: string;
+  private _path = h('a', 'jp-GpuQuota-path');
+  private _spec = h('span', 'jp-GpuQuota-spec');
+  private _devices = h('div', 'jp-GpuQuota-kernelDevices');
+  private _deviceRows: KernelDeviceRow[] = [];
+  private _deviceKey = '';
+  private _cpuOnly = h('div', 'jp-GpuQuota-cpuOnly');
+  private _action = h('div', 'jp-GpuQuota-action');
+  private _capInput = h('input', 'jp-GpuQuota-capInput');
+  private _setButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-setCap jp-mod-accept');
+  private _resetButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-reset');
+  private _shutdownButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-shutdown jp-mod-warn');
+  private _feedback = h('div', 'jp-GpuQuota-feedback');
+  private _kernel: IKernelStatus | null = null;
+
+  constructor(
+    kernel: IKernelStatus,
+    private _trans: TranslationBundle,
+    private _actions: IPanelActions
+  ) {
+    const trans = _trans;
+    this.id = kernel.id;
+    this.node.dataset.kernelId = kernel.id;
+    const head = h('div', 'jp-GpuQuota-kernelHead');
+    head.append(this._path, this._spec);
+    const form = h('form', 'jp-GpuQuota-controls');
+    this._capInput.type = 'text';
+    this._capInput.placeholder = trans.__('30%');
+    this._capInput.title = trans.__(
+      'A fraction of the GPU (0.3), a percentage (30%) or a size (12GiB), within what the admin allows'
+    );
+    this._capInput.setAttribute('aria-label', trans.__('New cap'));
+    this._setButton.type = 'submit';
+    this._setButton.textContent = trans.__('Set cap');
+    this._resetButton.type = 'button';
+    this._resetButton.textContent = trans.__('Reset');
+    this._resetButton.title = trans.__('Back to the cap policy gives this kernel');
+    this._shutdownButton.type = 'button';
+    this._shutdownButton.textContent = trans.__('Shut down');
+    this._shutdownButton.title = trans.__('Shut this kernel down');
+    form.append(this._capInput, this._setButton, this._resetButton, this._shutdownButton);
+    form.addEventListener('submit', event => {
+      event.preventDefault();
+      const cap = this._capInput.value.trim();
+      if (cap) {
+        void this._request({ cap });
+      }
+    });
+    this._resetButton.addEventListener('click', () => void this._request({ reset: true }));
+    this._shutdownButton.addEventListener('click', () => void this._shutdown());
+    this._path.addEventListener('click', event => {
+      event.preventDefault();
+      if (this._kernel?.path) {
+        this._actions.open(this._kernel.path);
+      }
+    });
+    setHidden(this._feedback, true);
+    this.node.append(head, this._devices, this._cpuOnly, this._action, form, this._feedback);
+  }
+
+  update(kernel: IKernelStatus, current: boolean, threshold: number, now: number): void {
+    const trans = this._trans;
+    this._kernel = kernel;
+    if (this.node.classList.contains('jp-mod-current') !== current) {
+      this.node.classList.toggle('jp-mod-current', current);
+      setAttr(this.node, 'aria-current', String(current));
+    }
+    // The notebook's name; its folder and the kernel id in the tooltip.
+    const name = kernel.path
+      ? kernel.path.split('/').pop() || kernel.path
+      : trans.__('kernel %1', kernel.id.slice(0, 8));
+    setText(this._path, name);
+    setAttr(
+      this._path,
+      'title',
+      kernel.path ? trans.__('Open %1\nKernel %2', kernel.path, kernel.id) : kernel.id
+    );
+    setAttr(this._path, 'href', kernel.path ? '#' : '');
+    setText(this._spec, kernel.kernelspec || '');
+
+    const key = kernel.devices.map(d => d.index).join(',');
+    if (key !== this._deviceKey) {
+      this._deviceKey = key;
+      this._deviceRows = kernel.devices.map(() => new KernelDeviceRow(trans));
+      this._devices.replaceChildren(...this._deviceRows.map(r => r.node));
+    }
+    kernel.devices.forEach((device, i) => this._deviceRows[i].update(device, threshold));
+
+    const cpuOnly = kernel.devices.length === 0;
+    setHidden(this._cpuOnly, !cpuOnly);
+    if (cpuOnly) {
+      setText(
+        this._cpuOnly,
+        kernel.cpu_only_reason
+          ? trans.__('CPU only: %1', kernel.cpu_only_reason)
+          : trans.__('CPU only: no GPU granted')
+      );
+    }
+    setHidden(this._capInput, cpuOnly);
+    setHidden(this._setButton, cpuOnly);
+    setHidden(this._resetButton, cpuOnly);
+
+    const action = kernel.last_action;
+    setHidden(this._action, !action);
+    if (action) {
+      const parts = [trans.__('Watchdog: %1', action.action)];
+      if (typeof action.used === 'number' && typeof action.cap === 'number') {
+        parts.push(trans.__('at %1', formatPair(action.used, action.cap)));
+      }
+      if (typeof action.device === 'number') {
+        parts.push(trans.__('on GPU %1', action.device));
+      }
+      let text = parts.join(' ');
+      const age = formatAge(action.time, now);
+      if (age) {
+        text += `, ${age}`;
+      }
+      setText(this._action, text);
+    }
+  }
+
+  private async _request(request: { cap: string } | { reset: true }): Promise<void> {
+    const trans = this._trans;
+    this._setButton.disabled = this._resetButton.disabled = true;
+    try {
+      const result = await this._actions.setCap(this.id, request);
+      const labels: Record<string, string> = {
+        granted: trans.__('Granted'),
+        clamped: trans.__('Clamped'),
+        refused: trans.__('Refused'),
+        invalid: trans.__('Not a cap')
+      };
+      this._showFeedback(
+        `${labels[result.outcome] || result.outcome}: ${result.message}`,
+        result.outcome === 'granted' ? 'ok' : result.outcome === 'clamped' ? 'warning' : 'over'
+      );
+      if (result.outcome === 'granted' || result.outcome === 'clamped') {
+        this._capInput.value = '';
+      }
+    } catch (error) {
+      this._showFeedback(trans.__('Failed: %1', String((error as Error)?.message || error)), 'over');
+    } finally {
+      this._setButton.disabled = this._resetButton.disabled = false;
+    }
+  }
+
+  private async _shutdown(): Promise<void> {
+    if (!this._kernel) {
+      return;
+    }
+    this._shutdownButton.disabled = true;
+    try {
+      await this._actions.shutdown(this._kernel);
+    } catch (error) {
+      this._showFeedback(
+        this._trans.__('Shut down failed: %1', String((error as Error)?.message || error)),
+        'over'
+      );
+    } finally {
+      this._shutdownButton.disabled = false;
+    }
+  }
+
+  private _showFeedback(text: string, level: string): void {
+    setText(this._feedback, text);
+    setLevel(this._feedback, level);
+    setHidden(this._feedback, false);
+  }
+}
+
+export class QuotaPanel extends Widget {
+  /** The last render durations in ms (script time), newest last: read by the benchmark. */
+  readonly renderTimes: number[] = [];
+
+  constructor(
+    private _model: QuotaModel,
+    private _trans: TranslationBundle,
+    private _actions: IPanelActions,
+    public threshold = 0.9
+  ) {
+    super();
+    const trans = _trans;
+    this.id = PANEL_ID;
+    this.addClass('jp-GpuQuota-panel');
+    this.title.caption = trans.__('GPU quota');
+    const header = h('header', 'jp-GpuQuota-header', trans.__('GPU quota'));
+    this._devicesTitle = h('h3', 'jp-GpuQuota-sectionTitle', trans.__('GPUs'));
+    this._kernelsTitle = h('h3', 'jp-GpuQuota-sectionTitle');
+    this._kernelList.setAttribute('aria-label', trans.__('Kernels'));
+    this.node.append(
+      header,
+      this._message,
+      this._devicesTitle,
+      this._deviceList,
+      this._kernelsTitle,
+      this._kernelList
+    );
+    _model.changed.connect(this._onChanged, this);
+    this._render(_model.state);
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this._model.changed.disconnect(this._onChanged, this);
+    super.dispose();
+  }
+
+  /** Render now (the benchmark calls this to time one update). */
+  renderNow(): number {
+    return this._render(this._model.state);
+  }
+
+  protected onUpdateRequest(msg: Message): void {
+    this._render(this._model.state);
+  }
+
+  protected onAfterShow(msg: Message): void {
+    this.update();
+    void this._model.refresh();
+  }
+
+  private _onChanged(): void {
+    if (this.isVisible) {
+      this.update(); // coalesced to one render per animation frame
+    } else {
+      this._stale = true;
+    }
+  }
+
+  private _render(state: IState): number {
+    const start = performance.now();
+    this._stale = false;
+    const trans = this._trans;
+    const message = this._messageFor(state);
+    setHidden(this._message, !message);
+    setText(this._message, message);
+    setLevel(this._message, state.phase === 'error' || state.phase === 'missing' ? 'over' : 'ok');
+
+    const status = state.phase === 'missing' || state.phase === 'no-gpu' ? null : state.status;
+    const devices = status ? status.devices : [];
+    const kernels = status ? sortKernels(status.kernels, state.currentKernelId) : [];
+    setHidden(this._devicesTitle, !status);
+    setHidden(this._deviceList, !status);
+    setHidden(this._kernelsTitle, !status);
+    setHidden(this._kernelList, !status);
+
+    // GPUs: few, rebuilt only when their number changes.
+    if (this._deviceRows.length !== devices.length) {
+      this._deviceRows = devices.map(() => new DeviceRow(trans));
+      this._deviceList.replaceChildren(...this._deviceRows.map(r => r.node));
+    }
+    devices.forEach((device, i) => this._deviceRows[i].update(device, this.threshold));
+
+    // Kernels: one row per kernel id, kept across polls; moved only when the order changes.
+    setText(
+      this._kernelsTitle,
+      kernels.length
+        ? trans.__('Kernels (%1)', kernels.length)
+        : trans.__('Kernels: none running')
+    );
+    const now = Date.now();
+    const seen = new Set<string>();
+    const ordered: KernelRow[] = [];
+    for (const kernel of kernels) {
+      let row = this._kernelRows.get(kernel.id);
+      if (!row) {
+        row = new KernelRow(kernel, trans, this._actions);
+        this._kernelRows.set(kernel.id, row);
+      }
+      row.update(kernel, kernel.id === state.currentKernelId, this.threshold, now);
+      seen.add(kernel.id);
+      ordered.push(row);
+    }
+    for (const [id, row] of this._kernelRows) {
+      if (!seen.has(id)) {
+        row.node.remove();
+        this._kernelRows.delete(id);
+      }
+    }
+    let cursor = this._kernelList.firstElementChild;
+    for (const row of ordered) {
+      if (cursor === row.node) {
+        cursor = cursor.nextElementSibling;
+      } else {
+        this._kernelList.insertBefore(row.node, cursor);
+      }
+    }
+    const elapsed = performance.now() - start;
+    this.renderTimes.push(elapsed);
+    if (this.renderTimes.length > 500) {
+      this.renderTimes.shift();
+    }
+    return elapsed;
+  }
+
+  private _messageFor(state: IState): string {
+    const trans = this._trans;
+    switch (state.phase) {
+      case 'loading':
+        return trans.__('Loading GPU quotas…');
+      case 'missing':
+        return trans.__('The gpu-quota-ext server extension is not enabled on this server.');
+      case 'no-gpu':
+        return state.status?.message
+          ? trans.__('No GPU on this server: %1', state.status.message)
+          : trans.__('No GPU on this server.');
+      case 'error':
+        return trans.__('Cannot read GPU quotas (%1); retrying.', state.error || '');
+      default:
+        return '';
+    }
+  }
+
+  /** Whether a change arrived while hidden (rendered on show). */
+  get stale(): boolean {
+    return this._stale;
+  }
+
+  private _stale = false;
+  private _message = h('div', 'jp-GpuQuota-message');
+  private _devicesTitle: HTMLElement;
+  private _deviceList = h('div', 'jp-GpuQuota-devices');
+  private _deviceRows: DeviceRow[] = [];
+  private _kernelsTitle: HTMLElement;
+  private _kernelList = h('ul', 'jp-GpuQuota-kernels');
+  private _kernelRows = new Map<string, KernelRow>();
+}

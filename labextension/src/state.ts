@@ -1,0 +1,328 @@
+/**
+ * The panel's state and everything derived from it, as pure functions: what the server said
+ * (normalized so that optional fields may be missing), which replies to keep, how kernels are
+ * ordered, which usage figure a bar shows and when it turns to a warning. No JupyterLab imports.
+ */
+
+import { formatPair } from './format';
+
+// --- the server's contract: GET /api/gpu-quota/status (fields marked ? may be missing) ----------
+
+export interface IDeviceStatus {
+  index: number;
+  name: string;
+  uuid?: string;
+  total: number;
+  budget?: number | null;
+  granted: number;
+  kernels: number;
+  /** NVML: memory used on the device by every process. */
+  used?: number | null;
+}
+
+export interface IKernelDevice {
+  index: number;
+  cap: number;
+  max_cap?: number;
+  policy_cap?: number;
+  /** NVML: the kernel's whole process tree on this device. */
+  used?: number | null;
+  /** torch allocator, reported by the kernel itself. */
+  allocated?: number | null;
+  reserved?: number | null;
+  peak?: number | null;
+}
+
+export interface ILastAction {
+  time: number | string;
+  action: string;
+  device?: number | null;
+  used?: number | null;
+  cap?: number | null;
+}
+
+export interface IKernelStatus {
+  id: string;
+  user?: string;
+  kernelspec?: string;
+  path?: string | null;
+  source?: string;
+  placed?: boolean;
+  cpu_only_reason?: string | null;
+  devices: IKernelDevice[];
+  last_action?: ILastAction | null;
+}
+
+export interface IQuotaStatus {
+  gpu: boolean;
+  message?: string | null;
+  user?: string;
+  devices: IDeviceStatus[];
+  kernels: IKernelStatus[];
+  policy?: Record<string, unknown>;
+}
+
+const isNumber = (value: unknown): value is number =>
+  typeof value === 'number' && Number.isFinite(value);
+
+/** The reply as the view may rely on it: lists always present, numbers numbers. */
+export function normalizeStatus(raw: any): IQuotaStatus {
+  const data = raw && typeof raw === 'object' ? raw : {};
+  const devices: IDeviceStatus[] = Array.isArray(data.devices)
+    ? data.devices
+        .filter((d: any) => d && isNumber(d.index))
+        .map((d: any) => ({
+          ...d,
+          name: typeof d.name === 'string' ? d.name : `GPU ${d.index}`,
+          total: isNumber(d.total) ? d.total : 0,
+          granted: isNumber(d.granted) ? d.granted : 0,
+          kernels: isNumber(d.kernels) ? d.kernels : 0
+        }))
+    : [];
+  const kernels: IKernelStatus[] = Array.isArray(data.kernels)
+    ? data.kernels
+        .filter((k: any) => k && typeof k.id === 'string')
+        .map((k: any) => ({
+          ...k,
+          devices: Array.isArray(k.devices)
+            ? k.devices.filter((d: any) => d && isNumber(d.index) && isNumber(d.cap))
+            : []
+        }))
+    : [];
+  return {
+    ...data,
+    gpu: data.gpu === true,
+    message: typeof data.message === 'string' ? data.message : null,
+    devices,
+    kernels
+  };
+}
+
+// --- which usage figure a bar shows ------------------------------------------------------------
+
+/** Where a usage figure came from: NVML (whole process), the torch allocator, or nothing yet. */
+export type UsageSource = 'nvml' | 'allocator' | 'none';
+
+export interface IUsage {
+  bytes: number;
+  source: UsageSource;
+}
+
+/** Prefer NVML's "used" (everything the process holds), else the allocator's "reserved", else 0. */
+export function kernelDeviceUsage(device: IKernelDevice): IUsage {
+  if (isNumber(device.used)) {
+    return { bytes: device.used, source: 'nvml' };
+  }
+  if (isNumber(device.reserved)) {
+    return { bytes: device.reserved, source: 'allocator' };
+  }
+  return { bytes: 0, source: 'none' };
+}
+
+export type Level = 'ok' | 'warning' | 'over';
+
+/** "warning" from `threshold` of the cap (0.9 by default), "over" at or past the cap. */
+export function usageLevel(used: number, cap: number, threshold = 0.9): Level {
+  if (!(cap > 0)) {
+    return used > 0 ? 'over' : 'ok';
+  }
+  const fraction = used / cap;
+  if (fraction > 1) {
+    return 'over';
+  }
+  return fraction >= threshold ? 'warning' : 'ok';
+}
+
+/** Fraction of the bar to fill, 0..1. */
+export function barFraction(used: number, whole: number): number {
+  if (!(whole > 0)) {
+    return 0;
+  }
+  return Math.min(1, Math.max(0, used / whole));
+}
+
+// --- ordering --------------------------------------------------------------------------------
+
+/** The current kernel first; then kernels with a notebook path, by path; then the rest, by id. */
+export function sortKernels(
+  kernels: readonly IKernelStatus[],
+  currentId: string | null
+): IKernelStatus[] {
+  return [...kernels].sort((a, b) => {
+    if (a.id === currentId) {
+      return b.id === currentId ? 0 : -1;
+    }
+    if (b.id === currentId) {
+      return 1;
+    }
+    const pa = a.path || '';
+    const pb = b.path || '';
+    if (pa && !pb) {
+      return -1;
+    }
+    if (pb && !pa) {
+      return 1;
+    }
+    if (pa !== pb) {
+      return pa < pb ? -1 : 1;
+    }
+    return a.id < b.id ? -1 : a.id > b.id ? 1 : 0;
+  });
+}
+
+// --- state and its reduction ------------------------------------------------------------------
+
+/**
+ * loading: nothing heard yet; ok: a status with GPUs; no-gpu: the server says there is none;
+ * missing: the status route answered 404 (the server extension is not installed or not enabled);
+ * error: the last poll failed (the last good status is kept and shown).
+ */
+export type Phase = 'loading' | 'ok' | 'no-gpu' | 'missing' | 'error';
+
+export interface IState {
+  phase: Phase;
+  status: IQuotaStatus | null;
+  /** Why the last poll failed, when phase is "error". */
+  error: string | null;
+  /** The kernel of the current notebook (or console), if any. */
+  currentKernelId: string | null;
+  /** Sequence number of the last request whose answer was applied. */
+  seq: number;
+}
+
+export const INITIAL_STATE: IState = {
+  phase: 'loading',
+  status: null,
+  error: null,
+  currentKernelId: null,
+  seq: 0
+};
+
+/**
+ * Every answer carries the request's sequence number and the kernel that was current when it was
+ * sent, so that an answer overtaken by a later one, or asked for a kernel no longer current, is
+ * dropped (the model asks again at once when the current kernel changes).
+ */
+export type Action =
+  | { type: 'current'; kernelId: string | null }
+  | { type: 'status'; seq: number; kernelId: string | null; status: IQuotaStatus }
+  | { type: 'missing'; seq: number; kernelId: string | null }
+  | { type: 'error'; seq: number; kernelId: string | null; message: string }
+  | { type: 'removed'; kernelId: string };
+
+export function isStale(state: IState, seq: number, kernelId: string | null): boolean {
+  return seq <= state.seq || kernelId !== state.currentKernelId;
+}
+
+export function reduce(state: IState, action: Action): IState {
+  switch (action.type) {
+    case 'current':
+      if (action.kernelId === state.currentKernelId) {
+        return state;
+      }
+      return { ...state, currentKernelId: action.kernelId };
+    case 'status':
+      if (isStale(state, action.seq, action.kernelId)) {
+        return state;
+      }
+      return {
+        ...state,
+        seq: action.seq,
+        phase: action.status.gpu ? 'ok' : 'no-gpu',
+        status: action.status,
+        error: null
+      };
+    case 'missing':
+      if (isStale(state, action.seq, action.kernelId)) {
+        return state;
+      }
+      return { ...state, seq: action.seq, phase: 'missing', status: null, error: null };
+    case 'error':
+      if (isStale(state, action.seq, action.kernelId)) {
+        return state;
+      }
+      return { ...state, seq: action.seq, phase: 'error', error: action.message };
+    case 'removed': {
+      // A kernel shut down from the panel disappears at once, before the next poll confirms it.
+      if (!state.status) {
+        return state;
+      }
+      const kernels = state.status.kernels.filter(k => k.id !== action.kernelId);
+      if (kernels.length === state.status.kernels.length) {
+        return state;
+      }
+      return { ...state, status: { ...state.status, kernels } };
+    }
+  }
+  return state;
+}
+
+// --- sharing one poll between the tabs of a browser ---------------------------------------------
+
+/** A status another tab of this browser fetched from the same server, at `time` (epoch ms). */
+export interface ISharedStatus {
+  time: number;
+  status: IQuotaStatus;
+}
+
+/**
+ * Whether a tick may use what another tab fetched instead of asking the server: when it is younger
+ * than half an interval (so ten open tabs cost the server one or two requests per interval, not ten,
+ * and a figure is at most 1.5 intervals old), and this tick was not asked for fresh data (a cap
+ * change or a shutdown from this tab).
+ */
+export function canReuseShared(
+  shared: ISharedStatus | null,
+  now: number,
+  interval: number,
+  force: boolean
+): boolean {
+  if (force || !shared) {
+    return false;
+  }
+  const age = now - shared.time;
+  return age >= 0 && age < interval / 2;
+}
+
+// --- the status bar ---------------------------------------------------------------------------
+
+export interface IStatusBarInfo {
+  /** "GPU 3.2 / 10 GiB", or "GPU: CPU only" for a kernel given no GPU. */
+  text: string;
+  level: Level;
+  kernel: IKernelStatus;
+  /** The device shown: the one nearest its cap. Null for a CPU-only kernel. */
+  device: IKernelDevice | null;
+  usage: IUsage | null;
+}
+
+/** What the status bar shows for the current kernel, or null (item hidden) when it has no grant. */
+export function statusBarInfo(state: IState, threshold = 0.9): IStatusBarInfo | null {
+  const kernelId = state.currentKernelId;
+  if (!kernelId || !state.status || state.phase === 'missing') {
+    return null;
+  }
+  const kernel = state.status.kernels.find(k => k.id === kernelId);
+  if (!kernel) {
+    return null;
+  }
+  if (kernel.devices.length === 0) {
+    return { text: 'GPU: CPU only', level: 'ok', kernel, device: null, usage: null };
+  }
+  let best = kernel.devices[0];
+  let bestUsage = kernelDeviceUsage(best);
+  for (const device of kernel.devices.slice(1)) {
+    const usage = kernelDeviceUsage(device);
+    if (barFraction(usage.bytes, device.cap) > barFraction(bestUsage.bytes, best.cap)) {
+      best = device;
+      bestUsage = usage;
+    }
+  }
+  return {
+    text: `GPU ${formatPair(bestUsage.bytes, best.cap)}`,
+    level: usageLevel(bestUsage.bytes, best.cap, threshold),
+    kernel,
+    device: best,
+    usage: bestUsage
+  };
+}

@@ -1,0 +1,33 @@
+/**
+ * Galata against the `jupyter lab` that run.sh starts (TARGET_URL), in Debian's Chromium.
+ */
+const baseConfig = require('@jupyterlab/galata/lib/playwright-config');
+
+module.exports = {
+  ...baseConfig,
+  testDir: './tests',
+  timeout: 90000,
+  retries: 0,
+  workers: 1,
+  reporter: [['list']],
+  use: {
+    ...baseConfig.use,
+    baseURL: process.env.TARGET_URL || 'http://127.0.0.1:8888',
+    viewport: { width: 1280, height: 800 },
+    trace: 'off',
+    video: 'off',
+    launchOptions: {
+      executablePath: process.env.CHROMIUM_PATH || '/usr/bin/chromium',
+      args: [
+        '--headless',
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-quic',
+        '--no-first-run',
+        '--disable-background-networking',
+        '--disable-component-update',
+        '--disable-sync'
+      ]
+    }
+  }
+};

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The browser tests of the GPU quota sidebar, from a fresh Debian machine with the project's Python venv
+# active (gpu-quota-ext installed in it, e.g. `pip install -e ".[test]"`):
+#   1. Debian's Chromium, when /usr/bin/chromium is missing (never `npx playwright install`);
+#   2. the JupyterLab extension, built when missing or older than its sources, and known to jupyter;
+#   3. Galata and Playwright in tests/ui/node_modules;
+#   4. `jupyter lab` on a free loopback port with the extension and two static GPUs;
+#   5. the Galata tests; the server stopped; non-zero on a failure or when no test ran.
+# Extra arguments go to `playwright test` (e.g. `tests/ui/run.sh -g "shutting"`).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+cd "$ROOT"
+
+log() { echo "[ui] $*"; }
+
+if [ -z "${VIRTUAL_ENV:-}" ] && ! command -v jupyter >/dev/null; then
+  echo "[ui] activate the project's Python venv first (jupyter not found)" >&2
+  exit 2
+fi
+
+# 1. Chromium
+CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
+if [ ! -x "$CHROMIUM_PATH" ]; then
+  log "installing Debian's chromium"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+export CHROMIUM_PATH
+
+# 2. The extension: build when missing or stale, then make sure jupyter serves this build.
+BUILT="$ROOT/gpu_quota_ext/labextension/static/style.js"
+if [ ! -f "$BUILT" ] || [ -n "$(find labextension/src labextension/style labextension/schema labextension/package.json -newer "$BUILT" -print -quit)" ]; then
+  log "building the JupyterLab extension"
+  (cd labextension && jlpm install && jlpm build:prod)
+fi
+if ! jupyter labextension list 2>&1 | grep -E "gpu-quota-ext .*enabled" | grep -q "OK"; then
+  log "linking the extension into jupyter's labextensions folder"
+  jupyter labextension develop --overwrite . >/dev/null
+fi
+
+# 3. Galata
+cd "$HERE"
+if [ ! -x node_modules/.bin/playwright ]; then
+  log "installing Galata and Playwright"
+  if [ -f package-lock.json ]; then npm ci --no-audit --no-fund; else npm install --no-audit --no-fund; fi
+fi
+
+# 4. The server
+PORT="$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
+WORK="$(mktemp -d -t gq-ui-XXXXXX)"
+export GQ_UI_PORT="$PORT"
+export JUPYTERLAB_GALATA_ROOT_DIR="$WORK/root"
+mkdir -p "$JUPYTERLAB_GALATA_ROOT_DIR"
+log "starting jupyter lab on 127.0.0.1:$PORT (log: $WORK/server.log)"
+jupyter lab --config "$HERE/jupyter_server_test_config.py" --allow-root --no-browser >"$WORK/server.log" 2>&1 &
+SERVER_PID=$!
+
+stop_server() {
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$SERVER_PID" 2>/dev/null || true
+  fi
+}
+trap stop_server EXIT
+
+for _ in $(seq 1 120); do
+  if curl -fsS "http://127.0.0.1:$PORT/api/gpu-quota/status" >/dev/null 2>&1; then break; fi
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    echo "[ui] jupyter lab exited:" >&2
+    tail -30 "$WORK/server.log" >&2
+    exit 1
+  fi
+  sleep 0.5
+done
+curl -fsS "http://127.0.0.1:$PORT/api/gpu-quota/status" >/dev/null || {
+  echo "[ui] the server did not answer on /api/gpu-quota/status" >&2
+  tail -30 "$WORK/server.log" >&2
+  exit 1
+}
+
+# 5. The tests
+mkdir -p "$ROOT/docs/images"
+set +e
+TARGET_URL="http://127.0.0.1:$PORT" PLAYWRIGHT_JSON_OUTPUT_NAME="$WORK/results.json" \
+  node_modules/.bin/playwright test --reporter=list,json "$@"
+STATUS=$?
+set -e
+
+RAN="$(python - "$WORK/results.json" <<'EOF'
+import json, sys
+try:
+    stats = json.load(open(sys.argv[1]))["stats"]
+except Exception:
+    print(0)
+else:
+    print(stats.get("expected", 0) + stats.get("unexpected", 0) + stats.get("flaky", 0))
+EOF
+)"
+if [ "$STATUS" -ne 0 ]; then
+  echo "[ui] FAILED (server log: $WORK/server.log)" >&2
+  tail -20 "$WORK/server.log" >&2
+  exit "$STATUS"
+fi
+if [ "$RAN" -eq 0 ]; then
+  echo "[ui] no test ran" >&2
+  exit 1
+fi
+log "$RAN tests passed"
