@@ -3,7 +3,7 @@
 What each framework reads (measured, see FACTS.md):
 - CUDA_VISIBLE_DEVICES: which GPUs the kernel sees (UUIDs, so the order cannot be misread);
 - CUPY_GPU_MEMORY_LIMIT: bytes, CuPy's memory pool limit per device;
-- XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_CLIENT_MEM_FRACTION: JAX's limit (older and newer name);
+- XLA_PYTHON_CLIENT_MEM_FRACTION (or XLA_CLIENT_MEM_FRACTION, never both): JAX's limit;
 - TF_FORCE_GPU_ALLOW_GROWTH: TensorFlow has no cap by environment; this stops it grabbing the GPU.
 torch is capped by the bootstrap inside the kernel (gpu_quota_ext/kernel), which knows the kernel's
 torch version; it reads GPU_QUOTA_DEVICES (names.py lists our own variables).
@@ -22,6 +22,7 @@ from .ledger import Grant
 from .names import API_URL, CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
 
 STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
+JAX_FRACTION_NAMES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
 
 
 def launch_env(
@@ -70,7 +71,10 @@ def launch_env(
         smallest_fraction = min(grant.caps[d.index] / d.total for d in granted)
         out["CUPY_GPU_MEMORY_LIMIT"] = str(_tighter_bytes(env.get("CUPY_GPU_MEMORY_LIMIT"), smallest_cap))
         fraction = _fraction_text(smallest_fraction)
-        for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        # JAX reads one of two names; JAX 0.11 falls back to the CPU when both are set (measured on an
+        # H200, 2026-11-29). Every JAX we measured reads the older one, so that is ours, unless the
+        # user already chose the newer one: then we tighten theirs and add nothing.
+        for name in [n for n in JAX_FRACTION_NAMES if n in env] or [JAX_FRACTION_NAMES[0]]:
             out[name] = _tighter_fraction(env.get(name), fraction)
         out["TF_FORCE_GPU_ALLOW_GROWTH"] = env.get("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 
@@ -84,8 +88,9 @@ def launch_env(
 
 
 def _fraction_text(fraction: float) -> str:
-    # Round down so the written fraction never allows more than the cap.
-    return f"{int(fraction * 10000) / 10000:.4f}"
+    # Round down so the written fraction never allows more than the cap; the tiny epsilon keeps a cap
+    # of int(0.2 x total) bytes reading "0.2000" rather than "0.1999" (it is worth a few bytes).
+    return f"{int(fraction * 10000 + 1e-6) / 10000:.4f}"
 
 
 def _tighter_bytes(existing: Optional[str], cap: int) -> int:

@@ -19,7 +19,8 @@ def test_placed_grant_sets_every_framework_and_our_variables():
     env = launch_env(grant(), DEVICES, {}, api_url="http://127.0.0.1:8888/", token="s3cret")
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
     assert env["CUPY_GPU_MEMORY_LIMIT"] == str(35 * GiB)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["XLA_CLIENT_MEM_FRACTION"] == "0.2500"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500"
+    assert "XLA_CLIENT_MEM_FRACTION" not in env  # JAX 0.11 falls back to the CPU when both are set
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert env["GPU_QUOTA_KERNEL_ID"] == "kid"
     assert env["GPU_QUOTA_KERNEL_TOKEN"] == "s3cret"
@@ -33,11 +34,13 @@ def test_placed_grant_sets_every_framework_and_our_variables():
 
 
 def test_user_limits_are_merged_never_loosened():
-    tighter = {"CUPY_GPU_MEMORY_LIMIT": str(GiB), "XLA_PYTHON_CLIENT_MEM_FRACTION": ".1", "XLA_CLIENT_MEM_FRACTION": "0.9"}
+    tighter = {"CUPY_GPU_MEMORY_LIMIT": str(GiB), "XLA_PYTHON_CLIENT_MEM_FRACTION": ".1"}
     env = launch_env(grant(), DEVICES, tighter)
     assert env["CUPY_GPU_MEMORY_LIMIT"] == str(GiB)
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".1"
-    assert env["XLA_CLIENT_MEM_FRACTION"] == "0.2500"
+    # The user chose JAX's newer name: we tighten theirs and do not add the older one.
+    newer = launch_env(grant(), DEVICES, {"XLA_CLIENT_MEM_FRACTION": "0.9"})
+    assert newer["XLA_CLIENT_MEM_FRACTION"] == "0.2500" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in newer
     assert launch_env(grant(), DEVICES, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"})["TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
 
 
@@ -67,6 +70,14 @@ def test_unplaced_grant_keeps_visibility_and_fixes_the_order():
     assert "CUDA_VISIBLE_DEVICES" not in env
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert [d["ordinal"] for d in json.loads(env["GPU_QUOTA_DEVICES"])] == [0, 1]
+
+
+def test_fraction_is_rounded_down_but_reads_as_written():
+    cap = int(0.2 * 150_754_820_096)  # what the ledger grants for "0.2" on an H200
+    env = launch_env(grant(devices=(0,), cap=cap), {0: Device(0, "H200", "GPU-a", 150_754_820_096, 0)}, {})
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2000"
+    env = launch_env(grant(devices=(0,), cap=int(0.33339 * 150_754_820_096)), {0: Device(0, "H200", "GPU-a", 150_754_820_096, 0)}, {})
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3333"
 
 
 def test_is_python_kernel():
