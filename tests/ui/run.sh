@@ -101,6 +101,8 @@ else:
     print(stats.get("expected", 0) + stats.get("unexpected", 0) + stats.get("flaky", 0))
 EOF
 )"
+# For the caller's summary (./run test): the Playwright report as it is.
+if [ -n "${UI_RESULTS_OUT:-}" ] && [ -f "$WORK/results.json" ]; then cp "$WORK/results.json" "$UI_RESULTS_OUT"; fi
 if [ "$STATUS" -ne 0 ]; then
   echo "[ui] FAILED (server log: $WORK/server.log)" >&2
   tail -20 "$WORK/server.log" >&2
