@@ -82,6 +82,19 @@ def execute_request(code: str) -> dict:
     }
 
 
+async def check_extension(base: str, expected: bool) -> None:
+    """The paired servers must differ by the extension and nothing else: ask each for its status route."""
+    try:
+        body = (await AsyncHTTPClient().fetch(f"{base}/api/gpu-quota/status?token=bench")).body
+        present, devices = True, len(json.loads(body)["devices"])
+    except Exception:
+        present, devices = False, 0
+    if present != expected:
+        raise RuntimeError(f"{base}: extension {'missing' if expected else 'unexpectedly loaded'}")
+    if expected:
+        print(f"extension on: {devices} device(s) in its inventory", file=sys.stderr)
+
+
 async def time_kernel_start(base: str) -> float:
     client = AsyncHTTPClient()
     started = time.perf_counter()
@@ -120,6 +133,8 @@ async def main() -> None:
             await asyncio.gather(wait_ready(on_url), wait_ready(off_url))
             await time_kernel_start(on_url)  # warm both (imports into the page cache)
             await time_kernel_start(off_url)
+            await check_extension(on_url, expected=True)
+            await check_extension(off_url, expected=False)
             with_ext, without_ext = [], []
             for round_number in range(options.rounds):
                 order = [(on_url, with_ext), (off_url, without_ext)]
