@@ -194,3 +194,27 @@ class TestNoGpu:
         assert env["CUDA_VISIBLE_DEVICES"] is None and env["GPU_QUOTA_DEVICES"] is None
         status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
         assert status["gpu"] is False and "no GPU" in status["message"]
+
+
+@pytest.fixture
+def pinned_kernelspec(jp_kernel_dir):
+    """A kernelspec whose admin pinned it to the second GPU through its own env."""
+    spec_dir = Path(jp_kernel_dir) / "pinned"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python (GPU 1 only)",
+        "language": "python",
+        "env": {"CUDA_VISIBLE_DEVICES": "1"},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return "pinned"
+
+
+async def test_a_kernelspec_pinned_to_a_gpu_is_placed_only_there(jp_fetch, jp_serverapp, pinned_kernelspec):
+    # Spread alone would put the first kernel on GPU 0; the kernelspec's own choice wins.
+    kernel_id = await start_kernel(jp_fetch, pinned_kernelspec)
+    env = await kernel_env(jp_serverapp, kernel_id, ["CUDA_VISIBLE_DEVICES", "GPU_QUOTA_DEVICES"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert json.loads(env["GPU_QUOTA_DEVICES"])[0]["index"] == 1
+    assert (await grants(jp_fetch))[kernel_id]["devices"][0]["index"] == 1
