@@ -44,6 +44,28 @@ async def execute(serverapp, kernel_id: str, code: str, timeout: float = 60) -> 
         client.stop_channels()
 
 
+async def start_child_process(serverapp, kernel_id: str) -> int:
+    """Start a long-lived subprocess from inside the kernel (a DataLoader worker, say); return its PID."""
+    out = await execute(
+        serverapp,
+        kernel_id,
+        "import subprocess, sys\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(worker.pid)",
+    )
+    return int(out.strip())
+
+
+def write_kernelspec(kernel_dir, name: str, spec: dict) -> str:
+    """Install a kernelspec for the test's server (pytest-jupyter's data dir); return its name."""
+    from pathlib import Path
+
+    spec_dir = Path(kernel_dir) / name
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return name
+
+
 async def kernel_env(serverapp, kernel_id: str, names) -> dict:
     """The named environment variables as the kernel's own process sees them."""
     out = await execute(

@@ -8,7 +8,7 @@ from tornado.httpclient import HTTPClientError
 from gpu_quota_ext.policy import GiB
 
 from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, shutdown_kernel, start_kernel
+from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 
 @pytest.fixture
@@ -66,17 +66,7 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
 
 async def test_a_subprocess_of_the_kernel_counts_for_the_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    child = int(
-        (
-            await execute(
-                jp_serverapp,
-                kernel_id,
-                "import subprocess, sys\n"
-                "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                "print(worker.pid)",
-            )
-        ).strip()
-    )
+    child = await start_child_process(jp_serverapp, kernel_id)
     device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     fake_nvml.set_usage(child, f"static-{device}", 2 * GiB)
     await next_samples(jp_serverapp)

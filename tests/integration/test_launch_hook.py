@@ -12,7 +12,15 @@ from traitlets.config import Config
 from gpu_quota_ext.launch_env import STARTUP_FILE
 from gpu_quota_ext.policy import GiB
 
-from .kernels import execute, kernel_env, restart_kernel, shutdown_kernel, start_kernel, static_devices_config
+from .kernels import (
+    execute,
+    kernel_env,
+    restart_kernel,
+    shutdown_kernel,
+    start_kernel,
+    static_devices_config,
+    write_kernelspec,
+)
 
 CAP_VARIABLES = [
     "CUDA_VISIBLE_DEVICES",
@@ -120,8 +128,6 @@ async def test_user_pythonstartup_still_runs(jp_fetch, jp_serverapp, tmp_path, m
 
 @pytest.fixture
 def tiny_kernelspec(jp_kernel_dir):
-    spec_dir = Path(jp_kernel_dir) / "tiny"
-    spec_dir.mkdir(parents=True, exist_ok=True)
     script = Path(__file__).with_name("tiny_kernel.py")
     spec = {
         "argv": ["/bin/sh", "-c", 'exec "$0" "$1" -f "$2"', sys.executable, str(script), "{connection_file}"],
@@ -129,8 +135,7 @@ def tiny_kernelspec(jp_kernel_dir):
         "language": "text",
         "env": {"TINY_OWN": "kept"},
     }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    return "tiny"
+    return write_kernelspec(jp_kernel_dir, "tiny", spec)
 
 
 async def test_a_non_python_kernel_gets_the_environment_and_starts(jp_fetch, jp_serverapp, tiny_kernelspec):
@@ -199,16 +204,13 @@ class TestNoGpu:
 @pytest.fixture
 def pinned_kernelspec(jp_kernel_dir):
     """A kernelspec whose admin pinned it to the second GPU through its own env."""
-    spec_dir = Path(jp_kernel_dir) / "pinned"
-    spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python (GPU 1 only)",
         "language": "python",
         "env": {"CUDA_VISIBLE_DEVICES": "1"},
     }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    return "pinned"
+    return write_kernelspec(jp_kernel_dir, "pinned", spec)
 
 
 async def test_a_kernelspec_pinned_to_a_gpu_is_placed_only_there(jp_fetch, jp_serverapp, pinned_kernelspec):

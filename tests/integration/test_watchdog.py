@@ -10,7 +10,7 @@ import pytest
 from gpu_quota_ext.policy import GiB
 
 from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, shutdown_kernel, start_kernel
+from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 # Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
 WITHIN = 2 * POLL + 0.3
@@ -129,17 +129,7 @@ async def test_kill_shuts_the_kernel_down_and_frees_its_grant(jp_fetch, jp_serve
 @pytest.mark.parametrize("enforce", ["kill"])
 async def test_a_subprocess_over_the_cap_gets_its_kernel_acted_on(jp_fetch, jp_serverapp, fake_nvml, enforce):
     kernel_id = await start_kernel(jp_fetch)
-    child = int(
-        (
-            await execute(
-                jp_serverapp,
-                kernel_id,
-                "import subprocess, sys\n"
-                "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                "print(worker.pid)",
-            )
-        ).strip()
-    )
+    child = await start_child_process(jp_serverapp, kernel_id)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, child)
     actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).monitor.watchdog.history if a.kernel_id == kernel_id])
     check_record(actions[0].to_json(), "kill", device, began)
