@@ -187,6 +187,7 @@ class GpuQuota(ExtensionApp):
             ServerKernels(self.serverapp.kernel_manager),
             enforcement,
             no_gpu_reason=inventory.problem,
+            release=service.release,
         )
         self.settings[SETTINGS_KEY] = service
         try:

@@ -133,14 +133,13 @@ class KernelHandler(GpuQuotaHandler):
         ledger = self.service.ledger
         try:
             if request == "reset":
-                grant = ledger.reset(kernel_id)
-                outcome, message = "granted", "cap reset to what policy gives this kernel"
+                result = ledger.reset(kernel_id)
             else:
                 cap, device = request
                 result = ledger.change(kernel_id, cap, device)
-                if result.status == "refused":
-                    self.set_status(409)
-                grant, outcome, message = result.grant, result.status, result.message
+            if result.status == "refused":
+                self.set_status(409)
+            grant, outcome, message = result.grant, result.status, result.message
         except UnknownKernel:
             raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}") from None
         except PolicyError as error:

@@ -179,13 +179,30 @@ class Ledger:
             )
             return ChangeOutcome(status, updated, message)
 
-    def reset(self, kernel_id: str) -> Grant:
-        """Back to what policy gave the kernel at start (always fits: it fitted then, and caps only moved)."""
+    def reset(self, kernel_id: str) -> ChangeOutcome:
+        """Back to what policy gave the kernel at start, if the budget still has room for it: other
+        kernels may have taken what this one gave up since (then clamped or refused like any request)."""
         with self._lock:
             current = self._get(kernel_id)
-            updated = replace(current, caps=dict(current.policy_caps), source=current.source if current.source != "kernel request" else "policy")
+            caps = dict(current.caps)
+            status, notes = "granted", []
+            for index in current.devices:
+                wanted, room = current.policy_caps[index], self._books[index].room()
+                if room is not None and wanted - current.caps[index] > room:
+                    most = current.caps[index] + max(room, 0)
+                    if self._policy.on_over_max == "refuse" or most <= current.caps[index]:
+                        return ChangeOutcome(
+                            "refused",
+                            current,
+                            f"device {index} has {format_bytes(max(room, 0))} of budget left; "
+                            f"the policy cap {format_bytes(wanted)} does not fit any more",
+                        )
+                    notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
+                    wanted, status = most, "clamped"
+                caps[index] = wanted
+            updated = replace(current, caps=caps, source="policy" if status == "granted" else "kernel request")
             self._store(updated)
-            return updated
+            return ChangeOutcome(status, updated, "; ".join(notes) or "cap reset to what policy gives this kernel")
 
     def release(self, kernel_id: str) -> Optional[Grant]:
         """The kernel was shut down, culled or died: its budget is free again. Idempotent."""
@@ -231,8 +248,14 @@ class Ledger:
             max_caps = {i: max(caps[i], resolved.max_cap.to_bytes(self._books[i].device.total)) for i in indexes}
             return Grant(kernel_id, user, kernelspec, tuple(indexes), caps, dict(caps), max_caps, resolved.source, placed, reason)
 
-        if not books:
+        if not self._books:
             return grant_on((), placed=False)  # no GPU on this server: nothing to cap
+        if not books:
+            # The kernelspec pins GPUs this server does not manage: it can be neither capped nor watched.
+            reason = f"kernelspec {kernelspec!r} asks for GPUs this server does not manage"
+            if self._policy.on_full == "refuse":
+                raise AdmissionRefused(reason)
+            return grant_on((), placed=True, reason=reason)
         wanted = {b.device.index: resolved.cap.to_bytes(b.device.total) for b in books}
         if self._policy.placement == "none":
             # The kernel sees every device: it needs room on all of them.

@@ -15,7 +15,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .devices import Device
 from .metrics import MetricsExporter
@@ -136,6 +136,10 @@ class ServerKernels:
     def kernel_ids(self) -> List[str]:
         return list(self.manager.list_kernel_ids())
 
+    def starting_ids(self) -> Set[str]:
+        # A kernel being started is not listed yet; jupyter_client keeps it in this table meanwhile.
+        return set(getattr(self.manager, "_pending_kernels", {}) or {})
+
     def roots(self) -> Dict[int, str]:
         roots = {}
         for kernel_id in self.kernel_ids():
@@ -180,6 +184,7 @@ class Monitor:
         no_gpu_reason: Optional[str] = None,
         metrics: Optional[MetricsExporter] = None,
         resolver: Optional[PidResolver] = None,
+        release: Optional[Callable[[str], Any]] = None,
     ):
         self.devices: Dict[int, Device] = {d.index: d for d in devices}
         self.ledger = ledger
@@ -189,6 +194,7 @@ class Monitor:
         self.watchdog = Watchdog(settings)
         self.metrics = metrics if metrics is not None else MetricsExporter()
         self.resolver = resolver or PidResolver()
+        self.release = release or ledger.release
         self.latest = Sample(state="no-gpu", message=no_gpu_reason) if not self.devices else Sample(state="starting")
         self.reports: Dict[str, Dict[int, AllocatorReport]] = {}
         self.ticks = 0
@@ -245,6 +251,7 @@ class Monitor:
     async def tick(self) -> None:
         """One round: gather PIDs (loop), sample (thread), then act (loop)."""
         roots = self.kernels.roots()
+        self._release_vanished()
         grants = {g.kernel_id: g for g in self.ledger.grants()}
         known = set(self.kernels.kernel_ids()) | set(grants)
         loop = asyncio.get_running_loop()
@@ -261,6 +268,20 @@ class Monitor:
                 self._carry_out(record)
 
     # --- sampling (monitor thread) ----------------------------------------------------------------
+
+    def _release_vanished(self) -> None:
+        """Give back the grants of kernels the server no longer has.
+
+        A kernel that dies for good (its restarter gives up) is removed by jupyter_server without the
+        provisioner's cleanup, which is where grants are normally released: without this its budget
+        would stay taken until the server restarts.
+        """
+        starting = getattr(self.kernels, "starting_ids", lambda: set())()
+        live = set(self.kernels.kernel_ids()) | starting
+        for grant in self.ledger.grants():
+            if grant.kernel_id not in live:
+                log.info("gpu-quota-ext: kernel %s is gone; its grant is released", grant.kernel_id)
+                self.release(grant.kernel_id)
 
     def sample(self, roots: Mapping[int, str], known: Collection[str], grants: Mapping[str, Any]) -> Sample:
         sample = self._read(roots, known)

@@ -48,6 +48,11 @@ class GpuQuotaProvisioner(LocalProvisioner):
         except PolicyError as error:
             self._forget_failed_start()
             raise web.HTTPError(500, f"GPU quota: {error}", reason="GPU quota policy error") from None
+        except Exception:
+            # Whatever failed after the grant was taken must not keep its budget.
+            self._release()
+            self._forget_failed_start()
+            raise
         env.update(updates)
         kwargs["env"] = env
         return kwargs

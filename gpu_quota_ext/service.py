@@ -102,4 +102,7 @@ class QuotaService:
     def token_matches(self, kernel_id: str, presented: Optional[str]) -> bool:
         with self._tokens_lock:
             expected = self._tokens.get(kernel_id)
-        return bool(expected and presented) and hmac.compare_digest(expected, presented)
+        if not (expected and presented):
+            return False
+        # Bytes: compare_digest refuses non-ASCII str, and a header may carry anything.
+        return hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))

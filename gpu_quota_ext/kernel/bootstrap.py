@@ -26,6 +26,10 @@ def log(message: str) -> None:
 def run(user_namespace: dict) -> None:
     state = state_module.from_environment()
     state_module.STATE = state
+    # The secret stays in this process only: subprocesses, `!env` and printed environments never see it.
+    from ..names import TOKEN
+
+    os.environ.pop(TOKEN, None)
     for problem in state.problems:
         log(problem)
     if state.cpu_only_reason:

@@ -49,7 +49,11 @@ class QuotaClient:
     @classmethod
     def from_environment(cls, env=os.environ) -> Optional["QuotaClient"]:
         """None when the launch hook gave this kernel no way to reach the server."""
-        api_url, kernel_id, token = env.get(API_URL), env.get(KERNEL_ID), env.get(TOKEN)
+        from . import state as state_module
+
+        # The bootstrap moves the secret from the environment into the kernel's state.
+        api_url, kernel_id = env.get(API_URL), env.get(KERNEL_ID)
+        token = env.get(TOKEN) or state_module.STATE.token
         if not (api_url and kernel_id and token):
             return None
         return cls(api_url, kernel_id, token)

@@ -26,9 +26,22 @@ def _gpu_quota_ext_startup():
             sys.modules.pop("gpu_quota_ext", None)
             print("[gpu-quota-ext] cannot load the package: %r; no cap applied" % (error,), file=sys.__stderr__)
             return
-    from gpu_quota_ext.kernel import bootstrap
+    try:
+        from gpu_quota_ext.kernel import bootstrap
 
-    bootstrap.run(globals())
+        bootstrap.run(globals())
+    except Exception as error:  # never a traceback at kernel start; the user's own startup still runs
+        print("[gpu-quota-ext] bootstrap failed: %r; no cap applied in this kernel" % (error,), file=sys.__stderr__)
+        user_startup = os.environ.pop("GPU_QUOTA_USER_PYTHONSTARTUP", None)
+        if user_startup:
+            os.environ["PYTHONSTARTUP"] = user_startup
+            try:
+                with open(user_startup) as source:
+                    exec(compile(source.read(), user_startup, "exec"), globals())
+            except Exception as user_error:
+                print("[gpu-quota-ext] your PYTHONSTARTUP %s failed: %r" % (user_startup, user_error), file=sys.__stderr__)
+        else:
+            os.environ.pop("PYTHONSTARTUP", None)
 
 
 try:

@@ -32,6 +32,9 @@ class KernelCapState:
     local_caps: Dict[Optional[int], object] = field(default_factory=dict)
     # True once bootstrap.cap_torch installed the lazy hook (import watcher or _lazy_call).
     hook_installed: bool = False
+    # The kernel's secret, moved here from the environment at start so that child processes and
+    # `!env` never see it. Kept out of repr.
+    token: Optional[str] = field(default=None, repr=False)
 
     def caps_by_ordinal(self) -> List[int]:
         """The caps in force now, in torch's device order: what the lazy hook applies at CUDA start."""
@@ -68,9 +71,9 @@ STATE = KernelCapState()
 
 
 def from_environment(env=os.environ) -> KernelCapState:
-    from ..names import CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID
+    from ..names import CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN
 
-    state = KernelCapState(kernel_id=env.get(KERNEL_ID), cpu_only_reason=env.get(CPU_ONLY_REASON))
+    state = KernelCapState(kernel_id=env.get(KERNEL_ID), cpu_only_reason=env.get(CPU_ONLY_REASON), token=env.get(TOKEN))
     if env.get(CAP_SOURCE):
         state.cap_source = f"the server, at kernel start ({env[CAP_SOURCE]})"
     try:

@@ -146,6 +146,15 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
                  headers={"X-GPU-Quota-Kernel-Token": service.token_for(other), "Authorization": ""}),
         403,
     )
+    # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
+    cap_before = service.ledger.get(kernel_id).caps[device]
+    for forged in ("forged", "é" * 43):
+        await expect_status(
+            jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": "0.5"}),
+                     headers={"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""}),
+            403,
+        )
+    assert service.ledger.get(kernel_id).caps[device] == cap_before
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404)
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
     assert service.monitor.reports.get(kernel_id) is None

@@ -31,6 +31,7 @@ CAP_VARIABLES = [
     "PYTORCH_CUDA_ALLOC_CONF",
     "GPU_QUOTA_DEVICES",
     "GPU_QUOTA_KERNEL_ID",
+    "GPU_QUOTA_KERNEL_TOKEN",
     "PYTHONSTARTUP",
 ]
 
@@ -63,6 +64,8 @@ async def test_kernel_environment_carries_the_cap_and_placement_spreads(jp_fetch
         assert (device["ordinal"], device["cap"], device["max_cap"]) == (0, 20 * GiB, 40 * GiB)
         # The bootstrap hands PYTHONSTARTUP back (unset: the user had none), so child Pythons skip ours.
         assert env["PYTHONSTARTUP"] is None
+        # The secret left the environment (children, `!env`, printed os.environ never show it).
+        assert env["GPU_QUOTA_KERNEL_TOKEN"] is None
 
     recorded = await grants(jp_fetch)
     assert recorded[first]["devices"][0]["cap"] == 20 * GiB

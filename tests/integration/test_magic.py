@@ -148,7 +148,7 @@ class TestRefuse:
 async def test_forged_or_foreign_secret_is_refused_through_the_api(jp_fetch, jp_serverapp):
     kernel_a = await start_kernel(jp_fetch)
     kernel_b = await start_kernel(jp_fetch)
-    token_b = (await kernel_env(jp_serverapp, kernel_b, ["GPU_QUOTA_KERNEL_TOKEN"]))["GPU_QUOTA_KERNEL_TOKEN"]
+    token_b = (await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")).strip()
     assert token_b
 
     for token in ("forged-secret", token_b):
@@ -174,7 +174,7 @@ async def test_kernel_start_loads_only_a_stand_in_until_first_use(jp_fetch, jp_s
 async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, jp_serverapp):
     kernel_a = await start_kernel(jp_fetch)
     kernel_b = await start_kernel(jp_fetch)
-    token_b = (await kernel_env(jp_serverapp, kernel_b, ["GPU_QUOTA_KERNEL_TOKEN"]))["GPU_QUOTA_KERNEL_TOKEN"]
+    token_b = (await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")).strip()
     for kernel_id in (kernel_a, kernel_b):
         await execute(jp_serverapp, kernel_id, "%gpucap")  # loads the full magic (kernel start has a stand-in)
     # Kernel B's magic aimed at kernel A: B's own secret is not A's.

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from gpu_quota_ext.policy import GiB
 
 from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
+from .kernels import execute, shutdown_kernel, start_child_process, start_kernel, write_kernelspec
 
 # Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
 WITHIN = 2 * POLL + 0.3
@@ -145,3 +146,27 @@ async def test_off_measures_but_never_acts(jp_fetch, jp_serverapp, fake_nvml, en
     assert kernel_entry(state, kernel_id)["devices"][0]["used"] == 6 * GiB
     assert state["actions"] == [] and kernel_entry(state, kernel_id)["last_action"] is None
     await shutdown_kernel(jp_fetch, kernel_id)
+
+
+class TestDeadKernel:
+    @pytest.fixture
+    def jp_server_config(self):
+        config = fake_gpu_config("warn")
+        config.KernelRestarter.restart_limit = 0  # the first death is final
+        config.KernelRestarter.time_to_dead = 0.5
+        return config
+
+    async def test_a_kernel_that_dies_for_good_gives_its_grant_back(self, jp_fetch, jp_serverapp, jp_kernel_dir, fake_nvml):
+        # jupyter_server drops a dead kernel without the provisioner's cleanup; the monitor must notice.
+        name = write_kernelspec(
+            jp_kernel_dir,
+            "short-lived",
+            {"argv": [sys.executable, "-c", "import time; time.sleep(1)", "{connection_file}"],
+             "display_name": "dies after a second", "language": "python"},
+        )
+        kernel_id = await start_kernel(jp_fetch, name)
+        service = service_of(jp_serverapp)
+        assert service.ledger.get(kernel_id) is not None
+        await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager, timeout=20)
+        await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
+        assert all(d["granted"] == 0 for d in service.ledger.usage())

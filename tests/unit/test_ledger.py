@@ -123,8 +123,31 @@ def test_reset_returns_to_the_policy_cap():
     ledger, policy = make()
     admit(ledger, policy, "k")
     ledger.change("k", parse_cap("0.4"))
-    grant = ledger.reset("k")
-    assert grant.caps == grant.policy_caps == {0: 20 * GiB}
+    outcome = ledger.reset("k")
+    assert outcome.status == "granted"
+    assert outcome.grant.caps == outcome.grant.policy_caps == {0: 20 * GiB}
+
+
+@pytest.mark.parametrize("on_over_max, status, cap_after", [("clamp", "clamped", 10 * GiB), ("refuse", "refused", 8 * GiB)])
+def test_reset_cannot_take_budget_another_kernel_took_meanwhile(on_over_max, status, cap_after):
+    ledger, policy = make(devices=TWO_GPUS[:1], overcommit=0.5, max_cap="0.5", on_over_max=on_over_max)
+    admit(ledger, policy, "a")  # 20 GiB of a 40 GiB budget
+    admit(ledger, policy, "b")  # 20 GiB: full
+    ledger.change("a", parse_cap("8GiB"))  # a gives back 12 GiB
+    assert ledger.change("b", parse_cap("0.375")).status == "granted"  # b takes 10 of them (30 GiB)
+    outcome = ledger.reset("a")  # 20 GiB would need 12 more; 2 are left
+    assert outcome.status == status
+    assert ledger.get("a").caps == {0: cap_after}
+    assert ledger.usage()[0]["granted"] <= ledger.usage()[0]["budget"]
+
+
+def test_a_kernelspec_pinned_to_an_unmanaged_gpu_is_handled_as_full():
+    ledger, policy = make(on_full="cpu-only")
+    grant = ledger.grant("k", "u", "pinned", resolve(policy, "u", "pinned"), allowed=[])
+    assert grant.devices == () and grant.placed and "does not manage" in grant.cpu_only_reason
+    ledger, policy = make(on_full="refuse")
+    with pytest.raises(AdmissionRefused, match="does not manage"):
+        ledger.grant("k", "u", "pinned", resolve(policy, "u", "pinned"), allowed=[])
 
 
 def test_change_errors():
