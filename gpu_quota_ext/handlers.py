@@ -115,9 +115,10 @@ class StatusHandler(GpuQuotaHandler):
 
 
 class KernelHandler(GpuQuotaHandler):
-    @web.authenticated
+    @allow_unauthenticated
     def get(self, kernel_id: str):
-        self.require_user("read")
+        """The server's user, or the kernel itself with its secret (it checks for caps changed elsewhere)."""
+        self.require_user_or_kernel(kernel_id, "read")
         grant = self.service.ledger.get(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}")
@@ -127,7 +128,7 @@ class KernelHandler(GpuQuotaHandler):
     def put(self, kernel_id: str):
         """Body: {"cap": "0.3" | "30%" | "12GiB" | bytes, "device": optional server device index}
         or {"reset": true}. Answers 200 with the outcome ("granted" / "clamped"), 409 when refused."""
-        self.require_user_or_kernel(kernel_id, "write")
+        who = self.require_user_or_kernel(kernel_id, "write")
         body = self.read_json_body()
         request = parse_cap_request(body)
         ledger = self.service.ledger
@@ -136,7 +137,7 @@ class KernelHandler(GpuQuotaHandler):
                 result = ledger.reset(kernel_id)
             else:
                 cap, device = request
-                result = ledger.change(kernel_id, cap, device)
+                result = ledger.change(kernel_id, cap, device, source=f"{who} request")
             if result.status == "refused":
                 self.set_status(409)
             grant, outcome, message = result.grant, result.status, result.message

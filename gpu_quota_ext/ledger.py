@@ -135,8 +135,11 @@ class Ledger:
                 self._books[index].granted[kernel_id] = new.caps[index]
             return new
 
-    def change(self, kernel_id: str, requested: CapSpec, device: Optional[int] = None) -> ChangeOutcome:
-        """Ask for a new cap on one granted device (or all). Checks max_cap, then the device budget."""
+    def change(
+        self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request"
+    ) -> ChangeOutcome:
+        """Ask for a new cap on one granted device (or all). Checks max_cap, then the device budget.
+        `source` says who asked ("kernel request": %gpucap; "user request": the sidebar or the API)."""
         with self._lock:
             current = self._get(kernel_id)
             targets = self._targets(current, device)
@@ -172,7 +175,7 @@ class Ledger:
                     notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
                     wanted, status = most, "clamped"
                 caps[index] = wanted
-            updated = replace(current, caps=caps, source="kernel request")
+            updated = replace(current, caps=caps, source=source)
             self._store(updated)
             message = "; ".join(notes) or "cap set to " + ", ".join(
                 f"{format_bytes(caps[i])} on device {i}" for i in targets

@@ -73,6 +73,14 @@ class QuotaClient:
     def reset(self) -> CapAnswer:
         return self._put({"reset": True})
 
+    def grant(self) -> Optional[dict]:
+        """This kernel's record in the server's ledger (caps as the server has them now), or None."""
+        try:
+            status, reply = self._send("GET", self.kernel_url(), None, USAGE_TIMEOUT_S)
+        except OSError:
+            return None
+        return reply if status == 200 and isinstance(reply, dict) else None
+
     def _put(self, body: dict) -> CapAnswer:
         try:
             status, reply = self._send("PUT", self.kernel_url(), body, REQUEST_TIMEOUT_S)
@@ -115,7 +123,7 @@ class QuotaClient:
 
     # --- HTTP -----------------------------------------------------------------------------------
 
-    def _send(self, method: str, url: str, body: dict, timeout: float):
+    def _send(self, method: str, url: str, body: Optional[dict], timeout: float):
         """(status, parsed JSON or None). HTTP errors are answers, not exceptions; OSError = no answer."""
         import urllib.error
         import urllib.request
@@ -125,7 +133,7 @@ class QuotaClient:
             self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         request = urllib.request.Request(
             url,
-            data=json.dumps(body).encode(),
+            data=None if body is None else json.dumps(body).encode(),
             method=method,
             headers={"Content-Type": "application/json", TOKEN_HEADER: self._token},
         )

@@ -3,7 +3,9 @@
 The full magic (policy parsing, the HTTP client, allocator readings, the panel) costs 30 to 60 ms of
 imports, on every kernel start. Here a stand-in magic and one cheap post_run_cell hook load it at its
 first use: when the user types `%gpucap`, when a cell fails (it may be an out-of-memory error to
-explain), or once torch has started CUDA (there is allocator usage to report). Standard library only.
+explain), or once torch has started CUDA (there is allocator usage to report). Until then, after each
+cell it only starts the background check for caps changed outside the kernel (sync.py). Standard
+library only.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class LazyGpuCap:
     def post_run_cell(self, result=None) -> None:
         failed = getattr(result, "error_in_exec", None) is not None
         if not (failed or _cuda_started()):
+            from . import state, sync
+
+            sync.after_cell(state.STATE)  # a cap changed from the sidebar arrives here
             return
         controller = self.controller()
         # IPython runs the hooks of this event from a copy of its list: the new controller's own hook

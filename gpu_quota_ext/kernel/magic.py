@@ -21,7 +21,8 @@ from .cells import CellReporter
 from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
 from .oom import explain_after_cell
-from .torch_cap import apply_local_caps, apply_to_running_torch, cuda_torch, write_alloc_conf_fraction
+from .sync import after_cell, put_caps_in_force
+from .torch_cap import apply_local_caps, cuda_torch
 from .usage import read_usage, report_to_server
 
 PREFIX = "gpu-quota:"
@@ -183,20 +184,7 @@ class GpuCap:
             self.state.cap_source = f"%gpucap, {answer.outcome} by the server"
 
     def apply(self) -> List[str]:
-        """Put the recorded caps into force: now if CUDA runs, else at its first use (the lazy hook)."""
-        notes = []
-        written = write_alloc_conf_fraction(self.state, self.env)
-        torch = cuda_torch()
-        if torch is not None:
-            notes += apply_to_running_torch(torch, self.state)
-        else:
-            from .bootstrap import install_lazy_hook
-
-            install_lazy_hook(self.state)
-            notes.append("torch has not started CUDA in this kernel: the cap applies at its first use")
-        if written:
-            notes.append(f"{written} updated: processes started from now on get the new cap")
-        return notes
+        return put_caps_in_force(self.state, self.env)
 
     def change_locally(self, command: Command) -> None:
         print(NO_SERVER)
@@ -236,6 +224,7 @@ class GpuCap:
             report_to_server(self.state, self.client)
         except Exception:
             pass
+        after_cell(self.state)
 
     @staticmethod
     def error(message: str) -> None:

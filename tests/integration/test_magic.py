@@ -142,6 +142,28 @@ class TestRefuse:
         assert "20.0 GiB" in table.splitlines()[1]
 
 
+async def test_a_cap_set_from_outside_the_kernel_reaches_it_after_its_next_cell(jp_fetch, jp_serverapp):
+    # The sidebar (or an admin script) changes the cap through the API with the server's own token.
+    kernel_id = await start_kernel(jp_fetch)
+    answer = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": "0.4"}))
+    assert json.loads(answer.body)["kernel"]["source"] == "user request"
+    await execute(jp_serverapp, kernel_id, "x = 1")  # any cell: after it, the kernel checks its grant
+    seen = await execute(
+        jp_serverapp,
+        kernel_id,
+        "import os, time\n"
+        "from gpu_quota_ext.kernel.state import STATE\n"
+        "for _ in range(100):\n"
+        "    if STATE.devices[0].cap != %d: break\n"
+        "    time.sleep(0.05)\n"
+        "print(STATE.devices[0].cap, os.environ['PYTORCH_CUDA_ALLOC_CONF'])" % int(0.25 * DEVICE_TOTAL),
+    )
+    cap, conf = seen.split()
+    assert int(cap) == int(0.4 * DEVICE_TOTAL)
+    assert conf == "per_process_memory_fraction:0.400000"
+    assert "user request" in await execute(jp_serverapp, kernel_id, "%gpucap")
+
+
 # --- one kernel's secret cannot change another kernel's cap ------------------------------------------
 
 

@@ -1,0 +1,77 @@
+"""Caps changed outside the kernel (the sidebar, the REST API) reach it after its next cell.
+
+The server cannot push into a kernel without running code in it. Instead, after each cell, a daemon
+thread asks the server for this kernel's grant (one loopback GET, off the cell's thread and only in
+kernels the server started with a GPU) and puts a changed cap into force the way `%gpucap` does:
+at once if torch has started CUDA, else at its first use; child processes started later inherit it.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import List
+
+_in_flight = threading.Lock()
+
+
+def put_caps_in_force(state, env=os.environ) -> List[str]:
+    """The caps recorded in `state`, in force: now if CUDA runs, else at its first use (the lazy hook)."""
+    from .torch_cap import apply_to_running_torch, cuda_torch, write_alloc_conf_fraction
+
+    notes = []
+    written = write_alloc_conf_fraction(state, env)
+    torch = cuda_torch()
+    if torch is not None:
+        notes += apply_to_running_torch(torch, state)
+    else:
+        from .bootstrap import install_lazy_hook
+
+        install_lazy_hook(state)
+        notes.append("torch has not started CUDA in this kernel: the cap applies at its first use")
+    if written:
+        notes.append(f"{written} updated: processes started from now on get the new cap")
+    return notes
+
+
+def sync_caps(state, client) -> bool:
+    """Take the server's caps for this kernel if they differ from ours; True when something changed."""
+    grant = client.grant()
+    if not grant:
+        return False
+    by_index = {int(d["index"]): d for d in grant.get("devices") or [] if "index" in d and "cap" in d}
+    changed = False
+    for device in state.devices:
+        remote = by_index.get(device.index)
+        if remote is not None and int(remote["cap"]) != device.cap:
+            device.cap = int(remote["cap"])
+            device.max_cap = int(remote.get("max_cap", device.max_cap))
+            changed = True
+    if changed:
+        state.cap_source = f"the server ({grant.get('source') or 'changed outside this kernel'})"
+        put_caps_in_force(state)
+    return changed
+
+
+def after_cell(state) -> None:
+    """Start one background sync unless one is still running (a slow server never piles threads up)."""
+    if not (state.managed and state.devices) or not _in_flight.acquire(blocking=False):
+        return
+
+    def run() -> None:
+        try:
+            from .client import QuotaClient
+
+            client = QuotaClient.from_environment()
+            if client is not None:
+                sync_caps(state, client)
+        except Exception as error:  # a failed sync changes nothing; the next cell tries again
+            state.problems[:] = [p for p in state.problems if not p.startswith("cap sync")] + [f"cap sync failed: {error!r}"]
+        finally:
+            _in_flight.release()
+
+    try:
+        threading.Thread(target=run, name="gpu-quota-cap-sync", daemon=True).start()
+    except Exception:
+        _in_flight.release()

@@ -1,0 +1,40 @@
+"""Caps changed outside the kernel: the kernel takes the server's record as it is."""
+
+from gpu_quota_ext.kernel import sync
+from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
+
+
+class Client:
+    def __init__(self, record):
+        self.record = record
+
+    def grant(self):
+        return self.record
+
+
+def state():
+    return KernelCapState(kernel_id="k", devices=[DeviceCap(0, 3, "GPU-a", 10, 40, 100)])
+
+
+def test_a_changed_cap_is_taken_and_put_in_force(monkeypatch):
+    applied = []
+    monkeypatch.setattr(sync, "put_caps_in_force", lambda s, env=None: applied.append([d.cap for d in s.devices]))
+    current = state()
+    record = {"source": "user request", "devices": [{"index": 3, "cap": 25, "max_cap": 40}]}
+    assert sync.sync_caps(current, Client(record)) is True
+    assert current.devices[0].cap == 25 and applied == [[25]]
+    assert "user request" in current.cap_source
+
+
+def test_same_caps_or_no_answer_change_nothing(monkeypatch):
+    monkeypatch.setattr(sync, "put_caps_in_force", lambda s, env=None: (_ for _ in ()).throw(AssertionError("applied")))
+    current = state()
+    assert sync.sync_caps(current, Client({"devices": [{"index": 3, "cap": 10}]})) is False
+    assert sync.sync_caps(current, Client(None)) is False
+    assert sync.sync_caps(current, Client({"devices": [{"index": 9, "cap": 99}]})) is False  # not our device
+    assert current.devices[0].cap == 10
+
+
+def test_no_thread_for_kernels_without_a_server_or_a_gpu():
+    assert sync.after_cell(KernelCapState()) is None  # unmanaged: returns at once
+    assert not sync._in_flight.locked()
