@@ -27,6 +27,20 @@ from .watchdog import build_enforcement
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
 
+def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
+    """Where kernels (processes on this machine) reach the server's API.
+
+    Loopback when the server listens on every address or on a loopback name; else the one address it
+    listens on (nothing answers on 127.0.0.1 then). IPv6 addresses go in brackets.
+    """
+    host = (ip or "").strip("[]")
+    if host in ("", "*", "0.0.0.0", "::", "localhost", "127.0.0.1", "::1"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}{base_url}"
+
+
 def _env(name: str, fallback):
     return os.environ.get(name, fallback)
 
@@ -223,11 +237,10 @@ class GpuQuota(ExtensionApp):
         self.handlers.extend(HANDLERS)
 
     def _api_url(self):
-        # Kernels run on this machine: they reach the server on loopback even when it listens elsewhere.
         app = self.serverapp
         if app is None or getattr(app, "sock", ""):
-            return None
-        return f"{'https' if app.certfile else 'http'}://127.0.0.1:{app.port}{app.base_url}"
+            return None  # a Unix socket: urllib cannot reach it (%gpucap says so)
+        return kernel_api_url(app.ip, app.port, app.base_url, bool(app.certfile))
 
     def _stop_server(self, message: str) -> None:
         # SystemExit is the one exception jupyter_server does not swallow while loading extensions;
