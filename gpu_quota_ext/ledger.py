@@ -21,6 +21,10 @@ class AdmissionRefused(Exception):
     """No device has budget left for this kernel and policy says refuse (`on_full = "refuse"`)."""
 
 
+class _Refused(Exception):
+    """Internal: a cap request the ledger turns down, with the reason."""
+
+
 class UnknownKernel(KeyError):
     """The ledger holds no grant for this kernel id."""
 
@@ -145,42 +149,29 @@ class Ledger:
             targets = self._targets(current, device)
             caps = dict(current.caps)
             notes = []
-            status = "granted"
-            for index in targets:
-                book = self._books[index]
-                wanted = requested.to_bytes(book.device.total)
-                if requested.nbytes is not None and requested.nbytes > book.device.total:
-                    notes.append(f"device {index} has only {format_bytes(book.device.total)}")
-                    status = "clamped"
-                limit = current.max_caps[index]
-                if wanted > limit:
-                    if self._policy.on_over_max == "refuse":
-                        return ChangeOutcome(
-                            "refused",
-                            current,
-                            f"{format_bytes(wanted)} on device {index} is above your max_cap of {format_bytes(limit)}",
-                        )
-                    notes.append(f"clamped to max_cap {format_bytes(limit)} on device {index}")
-                    wanted, status = limit, "clamped"
-                room = book.room()
-                if room is not None and wanted - current.caps[index] > room:
-                    most = current.caps[index] + max(room, 0)
-                    if self._policy.on_over_max == "refuse" or most <= current.caps[index]:
-                        return ChangeOutcome(
-                            "refused",
-                            current,
-                            f"device {index} has {format_bytes(max(room, 0))} of budget left; "
-                            f"{format_bytes(wanted)} does not fit",
-                        )
-                    notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
-                    wanted, status = most, "clamped"
-                caps[index] = wanted
+            try:
+                for index in targets:
+                    total = self._books[index].device.total
+                    wanted = requested.to_bytes(total)
+                    if requested.nbytes is not None and requested.nbytes > total:
+                        notes.append(f"device {index} has only {format_bytes(total)}")
+                    limit = current.max_caps[index]
+                    if wanted > limit:
+                        if self._policy.on_over_max == "refuse":
+                            raise _Refused(
+                                f"{format_bytes(wanted)} on device {index} is above your max_cap of {format_bytes(limit)}"
+                            )
+                        notes.append(f"clamped to max_cap {format_bytes(limit)} on device {index}")
+                        wanted = limit
+                    caps[index] = self._fit_budget(current, index, wanted, notes)
+            except _Refused as refusal:
+                return ChangeOutcome("refused", current, str(refusal))
             updated = replace(current, caps=caps, source=source)
             self._store(updated)
             message = "; ".join(notes) or "cap set to " + ", ".join(
                 f"{format_bytes(caps[i])} on device {i}" for i in targets
             )
-            return ChangeOutcome(status, updated, message)
+            return ChangeOutcome("clamped" if notes else "granted", updated, message)
 
     def reset(self, kernel_id: str) -> ChangeOutcome:
         """Back to what policy gave the kernel at start, if the budget still has room for it: other
@@ -188,24 +179,17 @@ class Ledger:
         with self._lock:
             current = self._get(kernel_id)
             caps = dict(current.caps)
-            status, notes = "granted", []
-            for index in current.devices:
-                wanted, room = current.policy_caps[index], self._books[index].room()
-                if room is not None and wanted - current.caps[index] > room:
-                    most = current.caps[index] + max(room, 0)
-                    if self._policy.on_over_max == "refuse" or most <= current.caps[index]:
-                        return ChangeOutcome(
-                            "refused",
-                            current,
-                            f"device {index} has {format_bytes(max(room, 0))} of budget left; "
-                            f"the policy cap {format_bytes(wanted)} does not fit any more",
-                        )
-                    notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
-                    wanted, status = most, "clamped"
-                caps[index] = wanted
-            updated = replace(current, caps=caps, source="policy" if status == "granted" else "kernel request")
+            notes: List[str] = []
+            try:
+                for index in current.devices:
+                    caps[index] = self._fit_budget(current, index, current.policy_caps[index], notes)
+            except _Refused as refusal:
+                return ChangeOutcome("refused", current, f"{refusal}: the policy cap does not fit any more")
+            updated = replace(current, caps=caps, source="kernel request" if notes else "policy")
             self._store(updated)
-            return ChangeOutcome(status, updated, "; ".join(notes) or "cap reset to what policy gives this kernel")
+            return ChangeOutcome(
+                "clamped" if notes else "granted", updated, "; ".join(notes) or "cap reset to what policy gives this kernel"
+            )
 
     def release(self, kernel_id: str) -> Optional[Grant]:
         """The kernel was shut down, culled or died: its budget is free again. Idempotent."""
@@ -244,6 +228,19 @@ class Ledger:
         return [b.device for _, b in sorted(self._books.items())]
 
     # --- inside the lock ----------------------------------------------------------------------
+
+    def _fit_budget(self, current: Grant, index: int, wanted: int, notes: List[str]) -> int:
+        """`wanted` on device `index` if its budget has room, else the most that fits (noted);
+        _Refused when policy says refuse or nothing more fits. Lowering a cap always fits."""
+        room = self._books[index].room()
+        held = current.caps[index]
+        if wanted <= held or room is None or wanted - held <= room:
+            return wanted
+        most = held + max(room, 0)
+        if self._policy.on_over_max == "refuse" or most <= held:
+            raise _Refused(f"device {index} has {format_bytes(max(room, 0))} of budget left; {format_bytes(wanted)} does not fit")
+        notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
+        return most
 
     def _admit(self, kernel_id: str, user: str, kernelspec: str, resolved: Resolved, books) -> Grant:
         def grant_on(indexes: Sequence[int], placed: bool, reason: Optional[str] = None) -> Grant:

@@ -173,3 +173,13 @@ def test_allowed_devices_narrow_placement():
     ledger, policy = make()
     grant = ledger.grant("k", "u", "python3", resolve(policy, "u", "python3"), allowed=[1])
     assert grant.devices == (1,)
+
+
+def test_lowering_a_cap_is_always_granted_even_on_an_overfull_device():
+    # An admin lowered overcommit and restarted nothing: the device holds more than its budget now.
+    ledger, policy = make(devices=TWO_GPUS[:1], overcommit=1.0, max_cap="1.0")
+    admit(ledger, policy, "a")
+    ledger.change("a", parse_cap("1.0"))
+    ledger._books[0].budget = 40 * GiB  # over budget by 40 GiB
+    outcome = ledger.change("a", parse_cap("0.75"))
+    assert outcome.status == "granted" and outcome.grant.caps == {0: 60 * GiB}
