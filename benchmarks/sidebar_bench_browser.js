@@ -17,16 +17,7 @@ const { chromium } = require(require.resolve('@playwright/test', {
 
 const PANEL_ID = 'gpu-quota-ext-panel';
 const GiB = 1024 ** 3;
-const ARGS = [
-  '--headless',
-  '--no-sandbox',
-  '--disable-gpu',
-  '--disable-quic',
-  '--no-first-run',
-  '--disable-background-networking',
-  '--disable-component-update',
-  '--disable-sync'
-];
+const BROWSER = require(path.resolve(__dirname, '..', 'tests', 'ui', 'chromium.js'));
 
 function say(line) {
   process.stdout.write(line + '\n');
@@ -98,7 +89,7 @@ async function openLab(context, url, workspace) {
 }
 
 async function render(url, kernels, polls) {
-  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM_PATH || '/usr/bin/chromium', args: ARGS });
+  const browser = await chromium.launch(BROWSER);
   const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
   let tick = 0;
   await context.route(/\/api\/gpu-quota\/status/, route =>
@@ -161,7 +152,7 @@ async function render(url, kernels, polls) {
 }
 
 async function tabs(url, count, seconds) {
-  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM_PATH || '/usr/bin/chromium', args: ARGS });
+  const browser = await chromium.launch(BROWSER);
   const context = await browser.newContext({ viewport: { width: 1280, height: 800 } });
   let statusRequests = 0;
   context.on('request', r => {

@@ -2,6 +2,7 @@
  * Galata against the `jupyter lab` that run.sh starts (TARGET_URL), in Debian's Chromium.
  */
 const baseConfig = require('@jupyterlab/galata/lib/playwright-config');
+const chromium = require('./chromium');
 
 module.exports = {
   ...baseConfig,
@@ -17,17 +18,8 @@ module.exports = {
     trace: 'off',
     video: 'off',
     launchOptions: {
-      executablePath: process.env.CHROMIUM_PATH || '/usr/bin/chromium',
-      args: [
-        '--headless',
-        '--no-sandbox',
-        '--disable-gpu',
-        '--disable-quic',
-        '--no-first-run',
-        '--disable-background-networking',
-        '--disable-component-update',
-        '--disable-sync'
-      ]
+      executablePath: chromium.executablePath,
+      args: chromium.args
     }
   }
 };
