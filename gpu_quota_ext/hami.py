@@ -15,8 +15,8 @@ server.go):
 How HAMi-core reads them (Project-HAMi/HAMi-core, src/multiprocess/multiprocess_memory_limit.c):
 `CUDA_DEVICE_MEMORY_LIMIT_<i>` for CUDA device i, else `CUDA_DEVICE_MEMORY_LIMIT` for every device; a
 last letter g/m/k (either case) multiplies by 1024^3, 1024^2, 1024 ("m" is MiB here, unlike "MB" in
-our own sizes); 0 means no limit. The first process of the container to start CUDA writes the limits
-into the shared file; every later process counts against that same total, and a process whose own
+our own sizes); 0 means no limit. The first process of the container to use CUDA or NVML writes the
+limits into the shared file; every later process counts against that same total, and a process whose own
 variables differ only gets "Limit inconsistency detected" in its log. So the limit is the pod's, for
 all its processes together: a kernel must inherit these variables unchanged. Giving a kernel its own
 `CUDA_DEVICE_MEMORY_LIMIT*` either does nothing or, if that kernel is the first to start CUDA, becomes

@@ -347,10 +347,12 @@ class KubeGpu:
 
 
 def _base_of(spawner) -> Dict[str, Dict[str, Any]]:
-    """The spawner's own limits, requests and annotations before the policy first touched them.
+    """The spawner's own limits, requests and annotations (config and JupyterHub's group_overrides, which
+    JupyterHub applies before the pre_spawn_hook) before the policy first touched them.
 
-    A spawner object serves every spawn of its server; KubeSpawner merges a profile's overrides into
-    these very dicts. Each spawn starts again from what the admin configured.
+    JupyterHub makes a new spawner for each start after a clean stop, but keeps one whose start failed
+    for the next try, and KubeSpawner merges a profile's overrides into these very dicts: a kept
+    spawner starts again from its first values, not from the last profile's.
     """
     base = getattr(spawner, "_gpu_quota_base", None)
     if base is None:

@@ -88,6 +88,8 @@ def spawner_for(config: Config, name: str, groups=()) -> KubeSpawner:
 async def build_pod(spawner: KubeSpawner, profile: str | None = None):
     """JupyterHub's and KubeSpawner's own steps up to the pod they would create."""
     spawner.user_options = {"profile": profile} if profile else {}
+    if hasattr(spawner, "apply_group_overrides"):  # JupyterHub >= 5.3: c.Spawner.group_overrides
+        await spawner.apply_group_overrides()
     await maybe_future(spawner.run_pre_spawn_hook())
     await spawner.load_user_options()
     pod = await spawner.get_pod_manifest()
@@ -239,8 +241,19 @@ async def test_a_profile_value_hami_cannot_read_fails_the_spawn_naming_it(profil
         await build_pod(spawner_for(profile_config, "dave"), "broken")
 
 
+async def test_jupyterhub_group_overrides_count_as_spawner_wide_values(config):
+    # Applied by JupyterHub before the pre_spawn_hook: the policy replaces the GPU values it decides.
+    config.KubeSpawner.group_overrides = {
+        "01-big-gpu": {"groups": ["staff"], "spawner_override": {"extra_resource_limits": {GPU: "4", "example.com/nic": "1"}}},
+    }
+    pod = await build_pod(spawner_for(config, "lena", [group("staff")]))
+    assert gpu_limits(pod) == {GPU: "1", MEM: "40960", CORES: "50"}
+    assert container(pod).resources.limits["example.com/nic"] == "1"
+
+
 async def test_respawns_start_again_from_the_admins_values(profile_config, caplog):
-    """One spawner object serves every start of a server; KubeSpawner merges a profile into its dicts."""
+    """JupyterHub makes a new spawner for a start after a clean stop, but keeps one that failed for the
+    next start; KubeSpawner merges a profile into that spawner's own dicts."""
     staff = group("staff")
     spawner = spawner_for(profile_config, "hana", [staff])
     with caplog.at_level(logging.INFO):
