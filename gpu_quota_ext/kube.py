@@ -187,7 +187,7 @@ def pod_gpu(chosen: Mapping[str, str], sources: Mapping[str, str], names: HamiRe
             chosen_name, other = names.memory, names.memory_percentage
             value = str(parse_cap(text).nbytes // MiB)
         limits[chosen_name], where[chosen_name] = value, source
-        limits[other], where[other] = None, source  # one unit per pod: HAMi would read only one of them
+        limits[other], where[other] = None, source  # one unit per pod, the policy's: never both
     if "gpu_cores" in chosen:
         limits[names.cores], where[names.cores] = chosen["gpu_cores"], f"gpu_cores from {sources['gpu_cores']}"
     implied = "gpus" not in chosen and ("gpu_memory" in chosen or "gpu_cores" in chosen)
