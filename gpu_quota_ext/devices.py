@@ -2,7 +2,8 @@
 
 Two backends behind one small interface: NVML (the real machine) and a static list from config (tests,
 demos on machines without a GPU). `CUDA_VISIBLE_DEVICES` of the server narrows what NVML reports, the
-way CUDA itself would.
+way CUDA itself would. Inside a HAMi-limited container a device's size is the pod's share of it
+(gpu_quota_ext.hami reads it): NVML's inventory applies it by default, `HamiInventory` on any other.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from traitlets import Bool, Type
 from traitlets import List as ListTrait
 from traitlets.config import LoggingConfigurable
 
+from .hami import describe_share, read_pod_share, share_devices
 from .policy import PolicyError, parse_cap
 
 
@@ -140,6 +143,13 @@ def parse_static_devices(entries) -> List[Device]:
 class NvmlInventory(DeviceInventory):
     """The machine's GPUs through NVML (nvidia-ml-py). No library, no driver: no devices, said once."""
 
+    pod_share = Bool(
+        True,
+        help="""Inside a HAMi-limited container (HAMi's CUDA_DEVICE_MEMORY_LIMIT variables in the server's
+        environment) each GPU's size is the pod's share: caps are fractions of it, admission splits it among
+        the kernels, the sidebar shows it as the device's total. False: the whole GPU as NVML reports it.""",
+    ).tag(config=True)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._devices: Optional[List[Device]] = None
@@ -156,6 +166,8 @@ class NvmlInventory(DeviceInventory):
             found, self._problem = read_nvml_devices()
             visible = parse_cuda_visible_devices(_server_env("CUDA_VISIBLE_DEVICES"))
             self._devices = select_visible(found, visible)
+            if self.pod_share and self._devices:
+                self._devices = apply_pod_share(self._devices, _server_environ(), self.log)
             if self._problem:
                 self.log.warning("gpu-quota-ext: %s; kernels start without GPU caps", self._problem)
             elif not self._devices:
@@ -174,6 +186,12 @@ def _server_env(name: str) -> Optional[str]:
     import os
 
     return os.environ.get(name)
+
+
+def _server_environ() -> dict:
+    import os
+
+    return dict(os.environ)
 
 
 def read_nvml_devices():
@@ -205,3 +223,56 @@ def read_nvml_devices():
         return devices, None
     except pynvml.NVMLError as error:
         return [], f"no GPU: NVML failed listing devices ({error})"
+
+
+def apply_pod_share(devices: List[Device], env, log, *, expected: bool = False) -> List[Device]:
+    """`devices` with HAMi's per-container limits in `env` as their totals, said in the log.
+
+    Raises PolicyError naming the variable when a HAMi value cannot be read as HAMi-core reads it.
+    """
+    share = read_pod_share(env)
+    if share is None:
+        if expected:
+            log.warning("gpu-quota-ext: no CUDA_DEVICE_MEMORY_LIMIT variables in the server's environment: "
+                        "each GPU's whole memory is the budget")
+        return devices
+    shared, lines = share_devices(devices, share)
+    log.info("gpu-quota-ext: %s; %s", describe_share(share), "; ".join(lines))
+    if not share.enforced:
+        log.warning("gpu-quota-ext: CUDA_DISABLE_CONTROL is set: caps split the pod's share, but no driver-side "
+                    "limit holds the pod to it")
+    return shared
+
+
+class HamiInventory(DeviceInventory):
+    """The GPUs of a HAMi-limited container, from any inventory: each device's size is the pod's share.
+
+        c.GpuQuota.inventory_class = "gpu_quota_ext.devices.HamiInventory"
+        c.HamiInventory.physical_class = "gpu_quota_ext.devices.StaticInventory"   # or NVML (the default)
+
+    NVML's own inventory already applies the share (NvmlInventory.pod_share): this class is for the
+    other sources of devices, and for saying explicitly that this server runs under HAMi (a warning
+    when the variables are missing).
+    """
+
+    physical_class = Type(
+        default_value=NvmlInventory,
+        klass=DeviceInventory,
+        help="Where the physical GPUs come from: NVML (default) or gpu_quota_ext.devices.StaticInventory.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._physical = self.physical_class(parent=self)
+        if isinstance(self._physical, NvmlInventory):
+            self._physical.pod_share = False  # applied here, once
+        self._devices: Optional[List[Device]] = None
+
+    def list_devices(self) -> List[Device]:
+        if self._devices is None:
+            self._devices = apply_pod_share(self._physical.list_devices(), _server_environ(), self.log, expected=True)
+        return list(self._devices)
+
+    @property
+    def problem(self) -> Optional[str]:
+        return self._physical.problem

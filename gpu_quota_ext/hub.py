@@ -29,7 +29,9 @@ spawn with the same kind of message, instead of starting a server without the ca
 
 This module does not import jupyterhub: the decision is a pure function of the user's name, their groups
 and the mapping (`caps_environment`); the glue (`HubCaps.pre_spawn_hook`) only reads `spawner.user`
-and writes `spawner.environment`.
+and writes `spawner.environment`. On Kubernetes with HAMi, `gpu_quota_ext.kube.configure_kubespawner_gpu`
+takes the same mapping with more keys (the pod's GPUs and its share of their memory) and uses the same
+layering (`choose_settings`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ _SERVER_DEFAULTS = {"default_cap": "0.25", "max_cap": "1.0", "overcommit": None,
                     "on_full": "cpu-only", "on_over_max": "clamp"}
 
 Settings = Dict[str, str]
+# Keys a caller adds to the mapping (kube.py: the pod's GPU keys): name -> parser(value) -> normalized
+# text, raising PolicyError. They are layered like the server's settings but never reach its environment.
+ExtraKeys = Mapping[str, Callable[[Any], str]]
 
 
 @dataclass(frozen=True)
@@ -67,21 +72,26 @@ class HubGroup:
     properties: Mapping[str, Any] = field(default_factory=dict)
 
 
-def parse_settings(entry: Any, where: str) -> Settings:
+def parse_settings(entry: Any, where: str, extra_keys: Optional[ExtraKeys] = None) -> Settings:
     """One entry of the mapping, e.g. {"default_cap": "0.25", "max_cap": "50%"} -> {name: text}.
 
     Each value is checked the way the server will check it; raises PolicyError naming `where`.
+    `extra_keys` are accepted too, each checked by its own parser.
     """
+    extra_keys = extra_keys or {}
     if not isinstance(entry, Mapping):
         raise PolicyError(f"{where} must be a dict like {{'default_cap': '0.25', 'max_cap': '0.5'}}, not {entry!r}")
-    unknown = sorted(str(key) for key in entry if key not in SETTING_ENV)
+    unknown = sorted(str(key) for key in entry if key not in SETTING_ENV and key not in extra_keys)
     if unknown:
-        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(SETTING_ENV)}")
+        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(SETTING_ENV) + list(extra_keys)}")
     settings: Settings = {}
     for key, value in entry.items():
         if value is None:
             continue  # "not set here": the next source decides
         try:
+            if key in extra_keys:
+                settings[key] = extra_keys[key](value)
+                continue
             text = _as_text(value)
             if key in ("default_cap", "max_cap"):
                 parse_cap(text)
@@ -97,6 +107,11 @@ def parse_settings(entry: Any, where: str) -> Settings:
     return settings
 
 
+def server_settings(settings: Mapping[str, str]) -> Settings:
+    """Only the keys the user's server reads (from its environment)."""
+    return {key: value for key, value in settings.items() if key in SETTING_ENV}
+
+
 def _as_text(value: Any) -> str:
     # Environment variables are strings; the server parses these exactly as it parses its own config.
     if isinstance(value, bool):
@@ -110,6 +125,7 @@ def _as_text(value: Any) -> str:
 
 def _check_combination(settings: Mapping[str, str], where: str) -> None:
     """The settings as one server would end up with them (missing ones at the server's defaults)."""
+    settings = server_settings(settings)
     merged = {**_SERVER_DEFAULTS, **settings}
     try:
         build_policy(**merged)
@@ -127,6 +143,7 @@ class HubCaps:
     groups: Tuple[Tuple[str, Settings], ...] = ()  # in the admin's order: the first group wins
     default: Settings = field(default_factory=dict)
     property_key: Optional[str] = PROPERTY_KEY  # None: ignore group properties
+    extra_keys: ExtraKeys = field(default_factory=dict)
 
     def environment_for(self, user: str, groups: Iterable[Any] = ()) -> Dict[str, str]:
         return caps_environment(self, user, groups)
@@ -154,16 +171,21 @@ def hub_caps(
     groups: Optional[Mapping[str, Any]] = None,
     default: Optional[Mapping[str, Any]] = None,
     property_key: Optional[str] = PROPERTY_KEY,
+    extra_keys: Optional[ExtraKeys] = None,
 ) -> HubCaps:
     """Validate the admin's mapping (raises PolicyError naming the first bad entry)."""
     for name, value in (("users", users), ("groups", groups)):
         if value is not None and not isinstance(value, Mapping):
             raise PolicyError(f"{name} must be a dict of name -> settings, not {value!r}")
+    extra_keys = dict(extra_keys or {})
     caps = HubCaps(
-        users={str(name): parse_settings(entry, f"users[{name!r}]") for name, entry in (users or {}).items()},
-        groups=tuple((str(name), parse_settings(entry, f"groups[{name!r}]")) for name, entry in (groups or {}).items()),
-        default=parse_settings(default or {}, "default"),
+        users={str(name): parse_settings(entry, f"users[{name!r}]", extra_keys) for name, entry in (users or {}).items()},
+        groups=tuple(
+            (str(name), parse_settings(entry, f"groups[{name!r}]", extra_keys)) for name, entry in (groups or {}).items()
+        ),
+        default=parse_settings(default or {}, "default", extra_keys),
         property_key=property_key,
+        extra_keys=extra_keys,
     )
     # Combinations known now (a user's entry over the default, a group's over the default) fail now,
     # at hub start, rather than at some user's spawn.
@@ -181,6 +203,22 @@ def caps_environment(caps: HubCaps, user: str, groups: Iterable[Any] = ()) -> Di
     `groups`: group names, HubGroup, or jupyterhub.orm.Group objects (anything with .name and
     .properties). Pure. Raises PolicyError (naming the user and the source) when the result is invalid.
     """
+    chosen, sources = choose_settings(caps, user, groups)
+    return environment_of(chosen, sources, user)
+
+
+def environment_of(chosen: Mapping[str, str], sources: Mapping[str, str], user: str) -> Dict[str, str]:
+    """The server's environment from `choose_settings`' result, its combination checked."""
+    chosen = server_settings(chosen)
+    if chosen:
+        where = f"caps for user {user!r} (" + ", ".join(f"{k} from {sources[k]}" for k in chosen) + ")"
+        _check_combination(chosen, where)
+    return {SETTING_ENV[key]: value for key, value in chosen.items()}
+
+
+def choose_settings(caps: HubCaps, user: str, groups: Iterable[Any] = ()) -> Tuple[Settings, Dict[str, str]]:
+    """Every key's value for `user` (their entry, else their first group with settings, else default)
+    and where each came from ({"max_cap": "users['alice']", ...}). Pure."""
     group_name, group_settings = _first_group_settings(caps, list(groups))
     layers: List[Tuple[str, Settings]] = [
         (f"users[{user!r}]", caps.users.get(user, {})),
@@ -194,10 +232,7 @@ def caps_environment(caps: HubCaps, user: str, groups: Iterable[Any] = ()) -> Di
             if key not in chosen:
                 chosen[key] = value
                 sources[key] = source
-    if chosen:
-        where = f"caps for user {user!r} (" + ", ".join(f"{k} from {sources[k]}" for k in chosen) + ")"
-        _check_combination(chosen, where)
-    return {SETTING_ENV[key]: value for key, value in chosen.items()}
+    return chosen, sources
 
 
 def _first_group_settings(caps: HubCaps, groups: List[Any]) -> Tuple[Optional[str], Settings]:
@@ -223,7 +258,7 @@ def _property_settings(caps: HubCaps, name: str, group: Any) -> Settings:
     properties = getattr(group, "properties", None) or {}
     if caps.property_key not in properties:
         return {}
-    return parse_settings(properties[caps.property_key], f"group {name!r} property {caps.property_key!r}")
+    return parse_settings(properties[caps.property_key], f"group {name!r} property {caps.property_key!r}", caps.extra_keys)
 
 
 def set_spawner_environment(spawner, env: Mapping[str, str]) -> None:

@@ -11,10 +11,12 @@ from traitlets.config import Config
 from gpu_quota_ext.hub import (
     HubGroup,
     caps_environment,
+    choose_settings,
     configure_hub_caps,
     hub_caps,
     set_spawner_environment,
 )
+from gpu_quota_ext.kube import HamiResources, kube_gpu, merge_limits, pod_gpu, settle_limits
 from gpu_quota_ext.policy import PolicyError
 
 DEFAULT = "GPU_QUOTA_DEFAULT_CAP"
@@ -195,7 +197,35 @@ def test_configure_with_a_bad_mapping_raises_before_touching_config():
     assert "pre_spawn_hook" not in c.Spawner
 
 
-def test_importing_the_helper_does_not_import_jupyterhub():
-    code = "import sys, gpu_quota_ext.hub; print('jupyterhub' in sys.modules)"
+@pytest.mark.parametrize("module", ["gpu_quota_ext.hub", "gpu_quota_ext.kube"])
+def test_importing_the_helper_does_not_import_jupyterhub(module):
+    code = f"import sys, {module}; print('jupyterhub' in sys.modules, 'kubespawner' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "False False"
+
+
+def test_the_pods_keys_belong_to_the_kubernetes_helper_only():
+    # configure_hub_caps's servers have no pod to give GPUs to: a pod key there is a mistake, said at start.
+    with pytest.raises(PolicyError, match=r"default has unknown keys \['gpus'\]"):
+        hub_caps(default={"gpus": 1})
+    caps = kube_gpu(default={"gpus": 1, "gpu_memory": "20GB", "default_cap": "0.5"}).caps
+    chosen, sources = choose_settings(caps, "u")
+    assert chosen == {"gpus": "1", "gpu_memory": "19073MiB", "default_cap": "0.5"}  # whole MiB, rounded down
+    assert sources == {"gpus": "default", "gpu_memory": "default", "default_cap": "default"}
+    # The server's environment carries only the server's keys.
+    assert caps_environment(caps, "u") == {DEFAULT: "0.5"}
+
+
+def test_pod_decision_and_the_profile_rule_are_pure():
+    names = HamiResources()
+    decision = pod_gpu({"gpus": "2", "gpu_memory": "25%", "gpu_type": "H200"}, {"gpus": "g", "gpu_memory": "g", "gpu_type": "g"})
+    assert decision.limits == {names.count: "2", names.memory_percentage: "25", names.memory: None}
+    assert decision.annotations == {"nvidia.com/use-gputype": "H200"}
+    assert merge_limits({names.memory: "1000", "cpu": "2"}, decision) == {names.count: "2", names.memory_percentage: "25", "cpu": "2"}
+    # A profile asking for more is lowered; one asking for less keeps less; none means none.
+    assert settle_limits({names.count: "4", names.memory_percentage: "50"}, decision)[0] == {names.count: "2", names.memory_percentage: "25"}
+    assert settle_limits({names.count: "1", names.memory_percentage: "10"}, decision) == ({names.count: "1", names.memory_percentage: "10"}, [])
+    assert settle_limits({names.count: "0", names.memory_percentage: "25", "cpu": "1"}, decision)[0] == {"cpu": "1"}
+    no_gpu = pod_gpu({"gpus": "0", "gpu_memory": "10GiB"}, {"gpus": "g", "gpu_memory": "d"})
+    assert no_gpu.no_gpu and all(value is None for value in no_gpu.limits.values())
+    assert merge_limits({names.count: "1", names.memory: "10240"}, no_gpu) == {}
