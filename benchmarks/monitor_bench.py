@@ -44,6 +44,12 @@ class Kernels:
     def roots(self):
         return dict(self._roots)
 
+    def on_dead(self, kernel_id, callback):  # these "kernels" have no restarter
+        pass
+
+    async def dead_ids(self):  # and none dies during the run
+        return []
+
     async def act(self, kernel_id, action):  # never over cap here
         raise AssertionError(action)
 

@@ -1,5 +1,11 @@
 """REST API under /api/gpu-quota. Every route needs jupyter_server's authentication and authorization,
 except that a kernel may change (and report on) itself with its own secret, sent in a header.
+
+Bodies are small JSON objects: one over MAX_BODY is refused (413) from its Content-Length, before it is
+read, or as soon as it grows past the limit when it comes chunked. A body that does not parse, however
+(deep nesting included), is a 400. Error answers are JSON, `{"message": ..., "reason": ...}`, with the
+message as written (tornado keeps an HTTPError's text as a %-format; it is formatted here, once) and
+any value echoed from the request cut to a few dozen characters.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from typing import Any, Optional
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
+from tornado.httputil import responses
 
 from .ledger import UnknownKernel
 from .policy import PolicyError, parse_cap
@@ -24,14 +31,57 @@ except ImportError:  # pragma: no cover
 AUTH_RESOURCE = "gpu_quota"
 KERNEL_TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
 KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
+MAX_BODY = 64 * 1024  # bytes: the largest request body any route reads (a usage report of 64 devices is ~6 KiB)
+ECHO_CHARS = 60  # the most of a request's value an error message repeats
 
 
+def shown(value: Any) -> str:
+    """`value` as an error message repeats it: its repr, cut to ECHO_CHARS with an ellipsis and its length."""
+    text = value if isinstance(value, str) else repr(value)
+    quoted = repr(text) if isinstance(value, str) else text
+    if len(quoted) <= ECHO_CHARS:
+        return quoted
+    return f"{quoted[:ECHO_CHARS]}… ({len(text)} characters)"
+
+
+@web.stream_request_body  # so that a body over the limit is refused before it is read
 class GpuQuotaHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
     def service(self):
         return self.settings[SETTINGS_KEY]
+
+    async def prepare(self):
+        self._body = bytearray()
+        self._body_too_large = False
+        await super().prepare()
+        length = self.request.headers.get("Content-Length")
+        if length is not None and int(length) > MAX_BODY:
+            raise web.HTTPError(413, f"the request body is {int(length)} bytes; the most this API reads is 64 KiB")
+
+    def data_received(self, chunk: bytes) -> None:
+        # A chunked body has no length to check up front: keep at most the limit, drop the rest.
+        if self._body_too_large:
+            return
+        if len(self._body) + len(chunk) > MAX_BODY:
+            self._body_too_large = True
+            self._body = bytearray()
+        else:
+            self._body += chunk
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """jupyter_server's JSON error answer, with the message formatted: tornado stores a message given
+        without arguments %-escaped ("25%" as "25%%") and jupyter_server sends that stored text as is."""
+        error = (kwargs.get("exc_info") or (None, None, None))[1]
+        if not isinstance(error, web.HTTPError):
+            return super().write_error(status_code, **kwargs)
+        try:
+            message = error.log_message % error.args if error.log_message else None
+        except (TypeError, ValueError):
+            message = error.log_message
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"message": message or responses.get(status_code, "Unknown HTTP Error"), "reason": error.reason}))
 
     def kernel_token(self) -> Optional[str]:
         return self.request.headers.get(KERNEL_TOKEN_HEADER)
@@ -56,7 +106,7 @@ class GpuQuotaHandler(APIHandler):
             self.require_user(action)
             return "user"
         if not self.service.token_matches(kernel_id, token):
-            raise web.HTTPError(403, f"this secret does not belong to kernel {kernel_id}")
+            raise web.HTTPError(403, f"this secret does not belong to kernel {shown(kernel_id)}")
         return "kernel"
 
     def session_paths(self) -> dict:
@@ -79,9 +129,11 @@ class GpuQuotaHandler(APIHandler):
         return data
 
     def read_json_body(self) -> Any:
+        if self._body_too_large:
+            raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
         try:
-            return json.loads(self.request.body or b"null")
-        except (ValueError, UnicodeDecodeError):
+            return json.loads(bytes(self._body) or b"null")
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             raise web.HTTPError(400, "the body is not JSON") from None
 
 
@@ -121,7 +173,7 @@ class KernelHandler(GpuQuotaHandler):
         self.require_user_or_kernel(kernel_id, "read")
         grant = self.service.ledger.get(kernel_id)
         if grant is None:
-            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}")
+            raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
         self.finish(json.dumps(self.kernel_json(grant, self.session_paths())))
 
     @allow_unauthenticated
@@ -142,7 +194,7 @@ class KernelHandler(GpuQuotaHandler):
                 self.set_status(409)
             grant, outcome, message = result.grant, result.status, result.message
         except UnknownKernel:
-            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}") from None
+            raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}") from None
         except PolicyError as error:
             raise web.HTTPError(400, str(error)) from None
         self.log.info("gpu-quota-ext: kernel %s cap request: %s (%s)", kernel_id, outcome, message)
@@ -158,7 +210,7 @@ class UsageHandler(GpuQuotaHandler):
         self.require_user_or_kernel(kernel_id, "write")
         grant = self.service.ledger.get(kernel_id)
         if grant is None:
-            raise web.HTTPError(404, f"no GPU grant for kernel {kernel_id}")
+            raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
         entries = parse_usage_report(self.read_json_body(), grant.devices)
         monitor = self.service.monitor
         if monitor is None:
@@ -185,7 +237,7 @@ def parse_usage_report(body: Any, granted: Any) -> list:
             raise web.HTTPError(400, f"{where} must be an object")
         unknown = sorted(set(entry) - {"index", *USAGE_FIELDS})
         if unknown:
-            raise web.HTTPError(400, f"{where}: unknown fields {unknown}; known: index, {', '.join(USAGE_FIELDS)}")
+            raise web.HTTPError(400, f"{where}: unknown fields {shown(unknown)}; known: index, {', '.join(USAGE_FIELDS)}")
         index = entry.get("index")
         if isinstance(index, bool) or not isinstance(index, int):
             raise web.HTTPError(400, f'{where}: "index" must be the server\'s device index (a whole number)')
@@ -216,15 +268,20 @@ def parse_cap_request(body: Any):
         raise web.HTTPError(400, 'the body must be a JSON object like {"cap": "0.3"} or {"reset": true}')
     unknown = sorted(set(body) - {"cap", "device", "reset"})
     if unknown:
-        raise web.HTTPError(400, f"unknown fields {unknown}; known: cap, device, reset")
+        raise web.HTTPError(400, f"unknown fields {shown(unknown)}; known: cap, device, reset")
     if body.get("reset") is True and set(body) == {"reset"}:
         return "reset"
     if "reset" in body:
         raise web.HTTPError(400, '"reset" must be true and alone')
     if "cap" not in body:
         raise web.HTTPError(400, 'missing "cap"')
+    raw = body["cap"]
+    if len(raw if isinstance(raw, str) else repr(raw)) > ECHO_CHARS:  # no cap is written that long
+        raise web.HTTPError(
+            400, f"cap: {shown(raw)} is not a cap; use a fraction like 0.25, a percentage like 25%, a size like 12GiB, or bytes"
+        )
     try:
-        cap = parse_cap(body["cap"])
+        cap = parse_cap(raw)
     except PolicyError as error:
         raise web.HTTPError(400, f"cap: {error}") from None
     device = body.get("device")

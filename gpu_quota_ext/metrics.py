@@ -2,12 +2,15 @@
 
 Set by the monitor after each sample, from its thread, never while answering a request. Label sets of
 kernels (and devices) that went away are removed, so a scrape never shows a dead kernel's last value.
+Two gauges are read at scrape time instead (`set_function`): whether the monitor is stalled and how old
+its last sample is, since a sampler stuck in NVML sets nothing. While stalled, usage gauges are removed:
+unknown, not an old sample's figure.
 The metrics are module-level because a registry accepts each name once per process.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 try:
     from prometheus_client import Counter, Gauge
@@ -22,8 +25,12 @@ if Gauge is not None:
         "gpu_quota_kernel_used_bytes", "GPU memory the kernel's processes use (NVML)", ["kernel_id", "device"]
     )
     KERNEL_CAP = Gauge("gpu_quota_kernel_cap_bytes", "The kernel's cap on the device", ["kernel_id", "device"])
-    NVML_UP = Gauge("gpu_quota_nvml_up", "1 when the last sample read every device, else 0")
+    NVML_UP = Gauge("gpu_quota_nvml_up", "1 when the last sample read every device, else 0 (0 while stalled too)")
     ACTIONS = Counter("gpu_quota_watchdog_actions", "Watchdog actions taken", ["action"])
+    STALLED = Gauge(
+        "gpu_quota_monitor_stalled", "1 while a GPU sample has been out too long (an NVML call that does not return)"
+    )
+    SAMPLE_AGE = Gauge("gpu_quota_monitor_sample_age_seconds", "Seconds since the monitor's last GPU sample came back")
 
 
 class MetricsExporter:
@@ -75,6 +82,24 @@ class MetricsExporter:
         _remove_all((KERNEL_USED, KERNEL_CAP), self._kernel_labels - kernel_labels)
         self._kernel_labels = kernel_labels
         NVML_UP.set(1 if nvml_ok else 0)
+
+    def watch(self, stalled: Callable[[], bool], age: Callable[[], float]) -> None:
+        """Read at every scrape: the running monitor's stall state and the age of its last sample."""
+        if self.enabled:
+            STALLED.set_function(lambda: 1.0 if stalled() else 0.0)
+            SAMPLE_AGE.set_function(age)
+
+    def unwatch(self) -> None:
+        if self.enabled:
+            STALLED.set_function(lambda: 0.0)
+            SAMPLE_AGE.set_function(lambda: 0.0)
+
+    def forget_usage(self) -> None:
+        """The monitor is stalled: usage is unknown until the next sample sets it again."""
+        if self.enabled:
+            _remove_all((DEVICE_USED,), ((l,) for l in list(self._device_labels)))
+            _remove_all((KERNEL_USED,), list(self._kernel_labels))
+            NVML_UP.set(0)
 
     def count_action(self, action: str) -> None:
         if self.enabled:

@@ -3,6 +3,15 @@
 Sampling (NVML calls and /proc reads) runs in the monitor's own thread; the event loop only gathers the
 kernels' PIDs before a sample and hands the watchdog's actions to the kernel manager after it. NVML
 trouble never stops the server: it becomes the monitor's `state` and `message`, logged once per problem.
+A call that hangs is trouble too: when a sample has been out for `stall_after` seconds the state is
+"stalled" and usage is unknown (not the last sample's figures), while the kernels' lifecycle goes on
+every poll. The sampling thread is a daemon that nothing waits for, so a hung call never delays the
+server's exit.
+
+The monitor also follows the kernels' lifecycle for the ledger: a kernel that is gone from the server,
+that its restarter gave up on, or whose process has ended with no restarter (autorestart off) gives its
+grant back. With autorestart off jupyter_server keeps listing such a kernel, and so do we: the user may
+still restart it, which asks the ledger for a grant again like a new kernel.
 
 The monitor is the single source of truth for usage: NVML's `used` per kernel and per device, and the
 `allocated` / `reserved` / `peak` figures kernels report about their own allocator. Caps stay in the ledger.
@@ -11,16 +20,20 @@ The monitor is the single source of truth for usage: NVML's `used` per kernel an
 from __future__ import annotations
 
 import asyncio
+import datetime
+import functools
 import logging
+import os
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .devices import Device
 from .metrics import MetricsExporter
 from .nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
-from .processes import ProcTable, kernel_for_pid
+from .processes import TREE, Attribution, ProcTable, kernel_for_pid
 from .watchdog import Action, Enforcement, Watchdog
 
 log = logging.getLogger("gpu_quota_ext")
@@ -28,6 +41,14 @@ log = logging.getLogger("gpu_quota_ext")
 REOPEN_AFTER = 60.0  # seconds between attempts to start NVML when it was unavailable
 RECHECK_AFTER = 5.0  # seconds a PID's kernel (or "none") is trusted before it is looked up again
 ALIASES_AFTER = 30.0  # seconds between full /proc scans for NSpid aliases
+STALL_POLLS = 3  # a sample out for this many poll intervals ...
+STALL_MIN = 3.0  # ... and at least this many seconds means NVML is stuck: many GPUs, a busy machine or
+# a slow driver make one sample take longer than a short interval without anything being wrong.
+
+
+def stall_after(poll_interval: float) -> float:
+    """Seconds a sample may be out before the monitor says "stalled"."""
+    return max(STALL_POLLS * poll_interval, STALL_MIN)
 
 
 # --- what one sample holds -------------------------------------------------------------------------
@@ -42,11 +63,14 @@ class DeviceReading:
 
 @dataclass(frozen=True)
 class Sample:
-    state: str  # "starting", "ok", "degraded" (some devices unreadable), "no-gpu", "error"
+    # "starting", "ok", "degraded" (some devices unreadable), "no-gpu", "error"; the API adds "stalled"
+    state: str
     message: Optional[str] = None
     time: Optional[float] = None  # wall clock of the sample
     devices: Mapping[int, DeviceReading] = field(default_factory=dict)
     kernels: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # kernel -> device -> used
+    # The part of `kernels` used by the kernel's own process tree (the rest was found by environment).
+    in_tree: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
     pids: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)  # kernel -> its PIDs on any GPU
 
     def used(self, kernel_id: str, index: int) -> Optional[int]:
@@ -73,44 +97,49 @@ class PidResolver:
     """kernel_for_pid over the live process table, with a short cache: most PIDs on a GPU stay there for
     many ticks, and walking their ancestry every second for 200 kernels would be most of our cost."""
 
-    def __init__(self, table: Optional[ProcTable] = None):
+    def __init__(self, table: Optional[ProcTable] = None, own_uid: Optional[int] = None):
         self.table = table or ProcTable()
-        self._cache: Dict[int, Tuple[Optional[str], Optional[int], float]] = {}  # pid -> (kernel, local pid, until)
+        # The server's own user: the only one whose processes may name a kernel by environment.
+        self.own_uid = own_uid if own_uid is not None else (os.getuid() if hasattr(os, "getuid") else None)
+        self._cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}  # pid -> (owner, local pid, until)
         self._aliases: Dict[int, int] = {}
         self._aliases_until = 0.0
 
     def resolve(
         self, pids: Iterable[int], roots: Mapping[int, str], known: Collection[str], now: float
-    ) -> Dict[int, Tuple[str, int]]:
-        """{NVML pid: (kernel id, pid as our /proc numbers it)} for the PIDs that belong to a kernel."""
-        found: Dict[int, Tuple[str, int]] = {}
-        cache: Dict[int, Tuple[Optional[str], Optional[int], float]] = {}
+    ) -> Dict[int, Tuple[Attribution, int]]:
+        """{NVML pid: (whose and how, pid as our /proc numbers it)} for the PIDs that belong to a kernel."""
+        found: Dict[int, Tuple[Attribution, int]] = {}
+        cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}
         for pid in set(pids):
             hit = self._cache.get(pid)
-            if hit is None or hit[2] <= now or (hit[0] is not None and hit[0] not in known):
-                kernel, local = self._lookup(pid, roots, known, now)
+            if hit is None or hit[2] <= now or (hit[0] is not None and hit[0].kernel_id not in known):
+                owner, local = self._lookup(pid, roots, known, now)
                 # Staggered by PID so 200 kernels' entries do not all expire on the same tick.
-                hit = (kernel, local, now + RECHECK_AFTER * (1 + (pid % 16) / 16))
+                hit = (owner, local, now + RECHECK_AFTER * (1 + (pid % 16) / 16))
             cache[pid] = hit
             if hit[0] is not None and hit[1] is not None:
                 found[pid] = (hit[0], hit[1])
         self._cache = cache  # PIDs no longer on any GPU drop out here
         return found
 
-    def _lookup(self, pid: int, roots, known, now) -> Tuple[Optional[str], Optional[int]]:
+    def _owner(self, pid: int, roots, known) -> Optional[Attribution]:
         table = self.table
-        kernel = kernel_for_pid(pid, roots, table.parent_of, table.kernel_in_environ, known)
-        if kernel is not None:
-            return kernel, pid
+        return kernel_for_pid(pid, roots, table.parent_of, table.kernel_in_environ, known, table.uids_of, self.own_uid)
+
+    def _lookup(self, pid: int, roots, known, now) -> Tuple[Optional[Attribution], Optional[int]]:
+        owner = self._owner(pid, roots, known)
+        if owner is not None:
+            return owner, pid
         # Not ours under this number: maybe NVML numbered it in another PID namespace (containers).
         if now >= self._aliases_until:
-            self._aliases = table.namespace_aliases()
+            self._aliases = self.table.namespace_aliases()
             self._aliases_until = now + ALIASES_AFTER
         local = self._aliases.get(pid)
         if local is not None:
-            kernel = kernel_for_pid(local, roots, table.parent_of, table.kernel_in_environ, known)
-            if kernel is not None:
-                return kernel, local
+            owner = self._owner(local, roots, known)
+            if owner is not None:
+                return owner, local
         return None, None
 
 
@@ -151,6 +180,37 @@ class ServerKernels:
                 roots[pid] = kernel_id
         return roots
 
+    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+        """Call `callback` when the kernel's restarter gives up on it (jupyter_client's "dead" event).
+        A kernel without a restarter (autorestart off) never fires it: see dead_ids."""
+        try:
+            self.manager.add_restart_callback(kernel_id, callback, "dead")
+        except KeyError:
+            pass  # shut down meanwhile
+
+    async def dead_ids(self) -> List[str]:
+        """Kernels whose process has ended and that nothing will start again: no restarter (autorestart
+        off), and no start, restart or shutdown in progress (those leave `ready` pending or set
+        `shutting_down` while the process is briefly gone)."""
+        dead = []
+        for kernel_id in self.kernel_ids():
+            try:
+                manager = self.manager.get_kernel(kernel_id)
+            except KeyError:
+                continue
+            if getattr(manager, "autorestart", True) or getattr(manager, "shutting_down", False):
+                continue
+            ready = getattr(manager, "ready", None)
+            if ready is not None and not ready.done():
+                continue
+            try:
+                alive = await _maybe_await(manager.is_alive())
+            except Exception:
+                continue  # cannot tell: not a reason to take a grant away
+            if not alive:
+                dead.append(kernel_id)
+        return dead
+
     async def act(self, kernel_id: str, action: str) -> None:
         manager = self.manager
         # `now=True`: a kernel over its cap may be stuck inside a CUDA call and never answer a polite request.
@@ -168,6 +228,58 @@ async def _maybe_await(value):
     if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
         return await value
     return value
+
+
+# --- the sampling thread --------------------------------------------------------------------------------
+
+
+class SamplerThread:
+    """One daemon thread that runs the monitor's samples in order; results come back as asyncio futures.
+
+    Not a ThreadPoolExecutor: concurrent.futures joins its worker threads at interpreter exit, even after
+    shutdown(wait=False), so a driver call that hangs would hold the server's exit for as long as it
+    hangs. A daemon thread that nothing joins does not."""
+
+    def __init__(self, name: str):
+        self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> asyncio.Future:
+        future = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return future
+
+    def finish(self, last: Callable[[], Any]) -> None:
+        """Run `last` after the job in progress (if it ever returns), then end. Nothing waits for it."""
+        self._jobs.put((None, None, last, ()))
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            loop, future, fn, args = job
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # handed to the loop, which decides what it means
+                result, error = None, exc
+            if future is None:
+                continue
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:
+                pass  # the loop has closed: nobody is waiting any more
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.done():  # cancelled: the monitor stopped
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 # --- the monitor --------------------------------------------------------------------------------------
@@ -197,13 +309,21 @@ class Monitor:
         self.release = release or ledger.release
         self.latest = Sample(state="no-gpu", message=no_gpu_reason) if not self.devices else Sample(state="starting")
         self.reports: Dict[str, Dict[int, AllocatorReport]] = {}
-        self.ticks = 0
+        self.ticks = 0  # samples taken (tests wait on it)
+        self.stall_after = stall_after(settings.poll_interval)
         self._no_gpu_reason = no_gpu_reason
         self._opened = False
         self._reopen_at = 0.0
         self._problems: Dict[str, str] = {}  # what is wrong now, logged once each
         self._acting: Set[str] = set()
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._sampler: Optional[SamplerThread] = None
+        self._sampling: Optional[asyncio.Future] = None  # the sample out in the thread, if any
+        self._sampling_began = 0.0  # monotonic
+        self._sampled_at = time.monotonic()  # when the last sample came back (or the monitor started)
+        self._started_wall = time.time()
+        self._stall_noted = False
+        self._stopped = False
+        self._watched: Set[str] = set()  # kernels whose "dead" event we listen to
         self._task: Optional[asyncio.Task] = None
         self._actions: Set[asyncio.Task] = set()
 
@@ -213,11 +333,14 @@ class Monitor:
         """Start sampling on the running event loop. Idempotent."""
         if self._task is not None:
             return
-        # One thread of our own: a hung NVML call stalls only the monitor, never the loop or its executor.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-quota-monitor")
+        # A thread of our own: a hung NVML call stalls only the monitor, never the loop or its executor.
+        self._sampler = SamplerThread("gpu-quota-monitor")
+        self._sampled_at, self._started_wall = time.monotonic(), time.time()
+        self.metrics.watch(self.is_stalled, self.sample_age)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -225,10 +348,12 @@ class Monitor:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.submit(self._close)
-            executor.shutdown(wait=False)
+        if self._sampling is not None:
+            self._sampling.cancel()
+        self.metrics.unwatch()
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.finish(self._close)  # after a hung call returns, if it ever does; never waited for
 
     def _close(self) -> None:
         if self._opened:
@@ -249,25 +374,110 @@ class Monitor:
             await asyncio.sleep(max(0.0, self.settings.poll_interval - (loop.time() - began)))
 
     async def tick(self) -> None:
-        """One round: gather PIDs (loop), sample (thread), then act (loop)."""
+        """One round: the kernels' lifecycle and PIDs (loop), a sample (thread) unless the last one has
+        not come back, then the watchdog on the sample (loop)."""
         roots = self.kernels.roots()
-        self._release_vanished()
+        await self._follow_lifecycle()
         grants = {g.kernel_id: g for g in self.ledger.grants()}
         known = set(self.kernels.kernel_ids()) | set(grants)
-        loop = asyncio.get_running_loop()
-        if self._executor is None:
-            sample = self.sample(roots, known, grants)
-        else:
-            sample = await loop.run_in_executor(self._executor, self.sample, roots, known, grants)
+        if self._sampler is None:  # not started (tests, embedders): sample right here
+            self._apply(self.sample(roots, known, grants))
+            return
+        if self._sampling is not None:
+            self._note_stall()
+            return  # still out: one sample at a time, and the lifecycle above keeps going meanwhile
+        future = self._sampler.submit(asyncio.get_running_loop(), self.sample, roots, known, grants)
+        self._sampling, self._sampling_began = future, time.monotonic()
+        # Applied whenever it comes back, even after this round has given up waiting for it.
+        future.add_done_callback(self._sampled)
+        await asyncio.wait({future}, timeout=self.settings.poll_interval)
+
+    def _sampled(self, future: asyncio.Future) -> None:
+        if future is self._sampling:
+            self._sampling = None
+        if future.cancelled() or self._stopped:
+            return
+        error = future.exception()
+        if error is not None:
+            self._problem("tick", f"the GPU monitor failed one round: {error!r}")
+            return
+        self._apply(future.result())
+
+    def _apply(self, sample: Sample) -> None:
+        """A sample came back: it becomes what the API shows, and the watchdog reviews it."""
+        now = time.monotonic()
+        if self._stall_noted:
+            self._stall_noted = False
+            log.info("gpu-quota-ext: the GPU monitor has a sample again, %.0f s after the one before", now - self._sampled_at)
         self.latest = sample
+        self._sampled_at = now
         self.ticks += 1
+        # The ledger as it is now: a late sample must not act on a kernel released meanwhile.
+        grants = {g.kernel_id: g for g in self.ledger.grants()}
+        known = set(self.kernels.kernel_ids()) | set(grants)
         self._forget_gone(known)
         if sample.state in ("ok", "degraded"):
             caps = {kid: dict(g.caps) for kid, g in grants.items()}
-            for record in self.watchdog.review(sample.kernels, caps):
+            for record in self.watchdog.review(sample.kernels, caps, in_tree=sample.in_tree):
                 self._carry_out(record)
 
-    # --- sampling (monitor thread) ----------------------------------------------------------------
+    # --- a sample that does not come back ---------------------------------------------------------
+
+    def stalled_for(self, now: Optional[float] = None) -> Optional[float]:
+        """Seconds the sample in progress has been out, once that is `stall_after` or more; else None."""
+        if self._sampling is None:
+            return None
+        age = (time.monotonic() if now is None else now) - self._sampling_began
+        return age if age >= self.stall_after else None
+
+    def is_stalled(self) -> bool:
+        return self.stalled_for() is not None
+
+    def sample_age(self) -> float:
+        """Seconds since the last sample came back (or the monitor started)."""
+        return time.monotonic() - self._sampled_at
+
+    def _note_stall(self) -> None:
+        if self._stall_noted or self.stalled_for() is None:
+            return
+        self._stall_noted = True
+        log.warning("gpu-quota-ext: %s", self._stall_message(self.stalled_for() or 0.0))
+        self.metrics.forget_usage()  # /metrics shows no usage rather than an old sample's
+
+    def _stall_message(self, age: float) -> str:
+        since = self.latest.time
+        when = _utc(since) if since is not None else f"the monitor started ({_utc(self._started_wall)})"
+        return (
+            f"no GPU sample since {when}: an NVML call has not returned for {age:.0f} s;"
+            " usage is unknown and the watchdog cannot act until it does"
+        )
+
+    # --- the kernels' lifecycle (event loop) ------------------------------------------------------
+
+    async def _follow_lifecycle(self) -> None:
+        self._watch_deaths()
+        self._release_vanished()
+        for kernel_id in await self.kernels.dead_ids():
+            if self.ledger.get(kernel_id) is not None:
+                log.info(
+                    "gpu-quota-ext: kernel %s's process has ended and nothing restarts it (autorestart is off);"
+                    " its grant is released, and a restart asks for a new one",
+                    kernel_id,
+                )
+                self.release(kernel_id)
+
+    def _watch_deaths(self) -> None:
+        """Listen to jupyter_client's "dead" event of every kernel, once each, from the first round that sees it."""
+        listed = set(self.kernels.kernel_ids())
+        for kernel_id in listed - self._watched:
+            self.kernels.on_dead(kernel_id, functools.partial(self._died, kernel_id))
+        self._watched = listed
+
+    def _died(self, kernel_id: str) -> None:
+        # The restarter gave up; jupyter_server drops the kernel without the provisioner's cleanup.
+        if self.ledger.get(kernel_id) is not None:
+            log.info("gpu-quota-ext: kernel %s died for good; its grant is released", kernel_id)
+            self.release(kernel_id)
 
     def _release_vanished(self) -> None:
         """Give back the grants of kernels the server no longer has.
@@ -282,6 +492,8 @@ class Monitor:
             if grant.kernel_id not in live:
                 log.info("gpu-quota-ext: kernel %s is gone; its grant is released", grant.kernel_id)
                 self.release(grant.kernel_id)
+
+    # --- sampling (monitor thread) ----------------------------------------------------------------
 
     def sample(self, roots: Mapping[int, str], known: Collection[str], grants: Mapping[str, Any]) -> Sample:
         sample = self._read(roots, known)
@@ -335,15 +547,17 @@ class Monitor:
             (pid for listed in processes.values() for pid, _ in listed), roots, known, now
         )
         usage: Dict[str, Dict[int, int]] = {}
+        in_tree: Dict[str, Dict[int, int]] = {}
         pids: Dict[str, Set[int]] = {}
         for index, listed in processes.items():
             for pid, used in listed:
                 owner = owners.get(pid)
                 if owner is None:
                     continue
-                kernel_id, local_pid = owner
-                per_device = usage.setdefault(kernel_id, {})
-                per_device[index] = per_device.get(index, 0) + used
+                (kernel_id, by), local_pid = owner
+                _add(usage, kernel_id, index, used)
+                if by == TREE:
+                    _add(in_tree, kernel_id, index, used)
                 pids.setdefault(kernel_id, set()).add(local_pid)
 
         failed = [r for r in readings.values() if r.error]
@@ -360,6 +574,7 @@ class Monitor:
             time=time.time(),
             devices=readings,
             kernels=usage,
+            in_tree=in_tree,
             pids={k: tuple(sorted(v)) for k, v in pids.items()},
         )
 
@@ -432,13 +647,15 @@ class Monitor:
         self.watchdog.forget_all_but(known)
 
     def device_used(self, index: int) -> Optional[int]:
+        if self.is_stalled():
+            return None  # unknown: the last sample is too old to show as now
         reading = self.latest.devices.get(index)
         return None if reading is None else reading.used
 
     def kernel_device_usage(self, kernel_id: str, index: int) -> dict:
         report = self.reports.get(kernel_id, {}).get(index)
         return {
-            "used": self.latest.used(kernel_id, index),
+            "used": None if self.is_stalled() else self.latest.used(kernel_id, index),
             "allocated": report.allocated if report else None,
             "reserved": report.reserved if report else None,
             "peak": report.peak if report else None,
@@ -451,9 +668,24 @@ class Monitor:
 
     def describe(self) -> dict:
         latest = self.latest
+        state, message = latest.state, latest.message
+        stalled = self.stalled_for()
+        if stalled is not None:
+            state, message = "stalled", self._stall_message(stalled)
         return {
-            "state": latest.state,
-            "message": latest.message,
+            "state": state,
+            "message": message,
             "sampled_at": latest.time,
             "poll_interval": self.settings.poll_interval,
+            "stalled_after": self.stall_after,
         }
+
+
+def _add(table: Dict[str, Dict[int, int]], kernel_id: str, index: int, nbytes: int) -> None:
+    per_device = table.setdefault(kernel_id, {})
+    per_device[index] = per_device.get(index, 0) + nbytes
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+

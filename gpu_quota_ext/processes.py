@@ -1,19 +1,34 @@
-"""Which kernel a process belongs to: a kernel's own process, any of its descendants, or any process
-whose environment carries the kernel id the launch hook set (a daemonized subprocess that was re-parented
-to init still carries it).
+"""Which kernel a process belongs to, and how we know.
 
-The mapping itself (`kernel_for_pid`) is pure: it is given the process tree as functions, so tests can
-hand it a snapshot. `ProcTable` reads the live tree from /proc (Linux), or from psutil elsewhere.
+- By its **process tree**: the kernel's own process or any of its descendants. This is proof: nothing
+  outside the kernel can put a process under it.
+- By its **environment**: a process outside every tree (a daemon that escaped by double fork, nohup,
+  setsid) whose environment carries the kernel id the launch hook set. That is only a claim: any
+  process can write any kernel's id into its environment. So it is believed only for processes of the
+  server's own Unix user (every uid of the process equal to the server's), and the watchdog never
+  interrupts, restarts or kills on it (see watchdog.py). A process of another user is never
+  attributed by its environment: a server running as root can read everyone's.
+
+The mapping itself (`kernel_for_pid`) is pure: it is given the process table as functions, so tests
+can hand it a snapshot. `ProcTable` reads the live table from /proc (Linux), or from psutil elsewhere.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from .names import KERNEL_ID
 
 _KERNEL_ID_PREFIX = (KERNEL_ID + "=").encode()
+
+TREE = "tree"  # the process is the kernel's or a descendant of it
+ENVIRONMENT = "environment"  # outside every tree; its environment names the kernel
+
+
+class Attribution(NamedTuple):
+    kernel_id: str
+    by: str  # TREE or ENVIRONMENT
 
 
 def parse_ppid(stat_text: str) -> Optional[int]:
@@ -39,6 +54,17 @@ def parse_nspid(status_text: str) -> List[int]:
             except ValueError:
                 return []
     return []
+
+
+def parse_uids(status_text: str) -> Tuple[int, ...]:
+    """The `Uid:` line of /proc/PID/status: real, effective, saved and filesystem uid. () if absent."""
+    for line in status_text.splitlines():
+        if line.startswith("Uid:"):
+            try:
+                return tuple(int(part) for part in line[len("Uid:"):].split())
+            except ValueError:
+                return ()
+    return ()
 
 
 def parse_environ_kernel_id(environ: bytes) -> Optional[str]:
@@ -69,25 +95,31 @@ def kernel_for_pid(
     parent_of: Callable[[int], Optional[int]],
     kernel_in_environ: Callable[[int], Optional[str]],
     known_kernels: Collection[str],
+    uids_of: Callable[[int], Tuple[int, ...]],
+    own_uid: Optional[int],
     max_depth: int = 128,
-) -> Optional[str]:
-    """The kernel id `pid` belongs to, or None.
+) -> Optional[Attribution]:
+    """The kernel `pid` belongs to and how that is known, or None.
 
-    `roots` maps each kernel's own process id to its kernel id. A process belongs to a kernel when it is
-    that process or a descendant of it; failing that, when its environment names a kernel we know (it
-    escaped the tree: double fork, nohup, setsid)."""
+    `roots` maps each kernel's own process id to its kernel id. A process belongs to a kernel by TREE when
+    it is that process or a descendant of it. Failing that, by ENVIRONMENT when its environment names a
+    kernel we know and every uid of the process (`uids_of`: real, effective, saved, filesystem) is
+    `own_uid`, the server's: another user's process never speaks for one of our kernels."""
     current: Optional[int] = pid
     seen = set()
     for _ in range(max_depth):
         if current is None or current <= 1 or current in seen:
             break
         if current in roots:
-            return roots[current]
+            return Attribution(roots[current], TREE)
         seen.add(current)
         current = parent_of(current)
+    uids = uids_of(pid)
+    if own_uid is None or not uids or any(uid != own_uid for uid in uids):
+        return None  # not ours to believe (or gone): its environment is not even read
     named = kernel_in_environ(pid)
     if named is not None and named in known_kernels:
-        return named
+        return Attribution(named, ENVIRONMENT)
     return None
 
 
@@ -117,9 +149,19 @@ class ProcTable:
             return None
 
     def kernel_in_environ(self, pid: int) -> Optional[str]:
-        # Readable only for our own user's processes (or as root): exactly the kernels this server started.
         data = self._read(pid, "environ", binary=True)
         return parse_environ_kernel_id(data) if data else None
+
+    def uids_of(self, pid: int) -> Tuple[int, ...]:
+        if self.has_proc:
+            text = self._read(pid, "status")
+            return parse_uids(text) if text else ()
+        try:
+            import psutil
+
+            return tuple(psutil.Process(pid).uids())
+        except Exception:
+            return ()
 
     def exists(self, pid: int) -> bool:
         return os.path.exists(os.path.join(self.proc, str(pid))) if self.has_proc else self.parent_of(pid) is not None

@@ -3,6 +3,9 @@
 The server runs in the test's own process under pytest-jupyter, so the fake's state lives on the class:
 a test calls `FakeNvml.set_usage(pid, "static-0", 2 * GiB)` and every FakeNvml instance (the one the
 monitor made from `c.GpuQuota.nvml_class`) reports it on its next tick. `FakeNvml.reset()` between tests.
+
+A driver call that hangs: `release = FakeNvml.hang()` makes every device call block until `release.set()`
+(or `reset()`, so no test leaves a thread stuck). `HungNvml` hangs for good, for a server in its own process.
 """
 
 from __future__ import annotations
@@ -22,14 +25,26 @@ class FakeNvml(NvmlBackend):
     crashing: bool = False  # every call raises a plain RuntimeError (a bug we did not foresee)
     lost: Set[str] = set()  # these devices fail as a GPU that fell off the bus
     calls: int = 0  # how many device calls were made (tests check that sampling happens)
+    stuck: Optional[threading.Event] = None  # while set and not yet released, every device call waits on it
 
     @classmethod
     def reset(cls) -> None:
         with cls._lock:
+            if cls.stuck is not None:
+                cls.stuck.set()  # a call still hanging from the last test returns now
+            cls.stuck = None
             cls.usage, cls.other_used, cls.lost = {}, {}, set()
             cls.unavailable = cls.failing = None
             cls.crashing = False
             cls.calls = 0
+
+    @classmethod
+    def hang(cls) -> threading.Event:
+        """From now on every device call blocks, as a driver call that does not return; setting the
+        returned event lets them all return (and later ones pass)."""
+        with cls._lock:
+            cls.stuck = threading.Event()
+            return cls.stuck
 
     @classmethod
     def set_usage(cls, pid: int, uuid: str, nbytes: int) -> None:
@@ -47,6 +62,9 @@ class FakeNvml(NvmlBackend):
 
     def _check(self, uuid: str) -> None:
         type(self).calls += 1
+        gate = self.stuck
+        if gate is not None:
+            gate.wait()
         if self.crashing:
             raise RuntimeError("fake NVML crashed")
         if self.failing:
@@ -61,3 +79,11 @@ class FakeNvml(NvmlBackend):
     def device_used(self, uuid: str) -> int:
         self._check(uuid)
         return self.other_used.get(uuid, 0) + sum(per.get(uuid, 0) for per in self.usage.values())
+
+
+class HungNvml(FakeNvml):
+    """Every device call hangs for good: a server started in its own process with this backend shows
+    what a driver call that never returns does to the monitor and to the server's exit."""
+
+    def _check(self, uuid: str) -> None:
+        threading.Event().wait()

@@ -4,9 +4,13 @@ The decision (`decide`) and the settings (`build_enforcement`) are pure. `Watchd
 state between samples and the record of every action; the monitor carries the actions out through the
 kernel manager and reports back here, so the status API can show what was done and whether it worked.
 
-A kernel is "over" on a device when NVML's `used` for its process tree exceeds its cap plus the slack
+A kernel is "over" on a device when NVML's `used` for its processes exceeds its cap plus the slack
 (the slack covers the CUDA context, about 600 MiB per process, that no in-process cap counts). It is acted
 on once it has been over for `grace` seconds. A device the kernel holds no grant on counts as cap 0.
+
+Only usage proven to be the kernel's, its own process tree's, can cost the kernel its state: usage
+counted through a process's environment alone (processes.py: any process can name any kernel there)
+gets a warning at most, whatever `enforce` says.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from .policy import CapSpec, PolicyError, format_bytes, parse_cap
+from .processes import ENVIRONMENT, TREE
 
 ACTIONS = ("off", "warn", "interrupt", "restart", "kill")
 HISTORY = 200  # actions the status API can show; older ones are in the server log
@@ -108,19 +113,23 @@ class Watch:
     warned: bool = False  # "warn" says it once per episode
 
 
-def decide(watch: Watch, over: bool, now: float, settings: Enforcement) -> Tuple[Watch, Optional[str]]:
+def decide(
+    watch: Watch, over: bool, now: float, settings: Enforcement, proven: bool = True
+) -> Tuple[Watch, Optional[str]]:
     """(new state, action or None) for one kernel given whether it is over its limit now.
 
     An episode starts at the first sample over the limit and ends at the first one within it. "warn"
     fires once per episode. Stronger actions fire after `grace`, then wait `cooldown` before firing
-    again while the kernel stays over (an interrupt may not free what the kernel holds)."""
+    again while the kernel stays over (an interrupt may not free what the kernel holds).
+    `proven`: the kernel's own process tree is over the limit by itself; when only usage found through
+    environments puts it over, "warn" is the most that happens."""
     if settings.enforce == "off" or not over:
         return Watch(quiet_until=watch.quiet_until), None
     over_since = watch.over_since if watch.over_since is not None else now
     held = replace(watch, over_since=over_since)
     if now - over_since < settings.grace or now < watch.quiet_until:
         return held, None
-    if settings.enforce == "warn":
+    if settings.enforce == "warn" or not proven:
         if watch.warned:
             return held, None
         return replace(held, warned=True), "warn"
@@ -155,6 +164,7 @@ class Action:
     limit: int
     time: float  # wall clock, seconds since the epoch
     outcome: str = "pending"  # "pending", "done", "failed: ..."
+    attributed: str = TREE  # how the usage over the limit was found: TREE, or ENVIRONMENT (warn only)
 
     def to_json(self) -> dict:
         return {
@@ -166,13 +176,20 @@ class Action:
             "limit": self.limit,
             "time": self.time,
             "outcome": self.outcome,
+            "attributed": self.attributed,
         }
 
     def describe(self) -> str:
-        return (
+        text = (
             f"kernel {self.kernel_id} used {format_bytes(self.used)} on device {self.device}, over its cap of "
             f"{format_bytes(self.cap)} (limit with slack {format_bytes(self.limit)}): {self.action}"
         )
+        if self.attributed == ENVIRONMENT:
+            text += (
+                " (counting processes outside its process tree whose environment names it: the watchdog"
+                " warns about those, never interrupts, restarts or kills)"
+            )
+        return text
 
 
 class Watchdog:
@@ -190,19 +207,26 @@ class Watchdog:
         caps: Mapping[str, Mapping[int, int]],
         now: Optional[float] = None,
         wall: Optional[float] = None,
+        in_tree: Optional[Mapping[str, Mapping[int, int]]] = None,
     ) -> List[Action]:
-        """Actions to take for this sample. `usage`: kernel -> device -> used; `caps`: the ledger's caps of
-        every kernel it holds a grant for (kernels without a grant are not ours to police)."""
+        """Actions to take for this sample. `usage`: kernel -> device -> used, every process attributed to
+        the kernel; `in_tree`: the same for its process tree alone (None: all of `usage` is); `caps`: the
+        ledger's caps of every kernel it holds a grant for (kernels without a grant are not ours to police)."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
         actions = []
         for kernel_id, kernel_caps in caps.items():
             over = worst_device(usage.get(kernel_id, {}), kernel_caps, self.settings)
-            watch, action = decide(self._watches.get(kernel_id, Watch()), over is not None, now, self.settings)
+            proven = over if in_tree is None else worst_device(in_tree.get(kernel_id, {}), kernel_caps, self.settings)
+            watch, action = decide(
+                self._watches.get(kernel_id, Watch()), over is not None, now, self.settings, proven is not None
+            )
             self._watches[kernel_id] = watch
             if action is not None and over is not None:
-                device, used, cap, limit = over
-                record = Action(kernel_id, action, device, used, cap, limit, wall)
+                device, used, cap, limit = proven or over
+                record = Action(
+                    kernel_id, action, device, used, cap, limit, wall, attributed=TREE if proven else ENVIRONMENT
+                )
                 self._remember(record)
                 actions.append(record)
         return actions

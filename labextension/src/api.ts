@@ -5,7 +5,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { IKernelStatus, IQuotaStatus, normalizeStatus } from './state';
+import { IKernelStatus, IQuotaStatus, normalizeStatus, serverMessage, shorten } from './state';
 
 /** The status route answered 404: the server extension is not installed or not enabled. */
 export class MissingExtensionError extends Error {
@@ -26,11 +26,11 @@ export class ApiError extends Error {
 }
 
 async function readMessage(response: Response): Promise<string> {
+  const fallback = response.statusText || `HTTP ${response.status}`;
   try {
-    const body = await response.json();
-    return body?.message || body?.reason || response.statusText;
+    return serverMessage(await response.json(), fallback);
   } catch {
-    return response.statusText || `HTTP ${response.status}`;
+    return fallback;
   }
 }
 
@@ -81,7 +81,7 @@ export async function requestCap(
     const body = await response.json();
     return {
       outcome: body.outcome,
-      message: body.message || '',
+      message: typeof body.message === 'string' ? shorten(body.message) : '',
       kernel: body.kernel || null
     };
   }

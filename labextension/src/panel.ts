@@ -17,8 +17,11 @@ import {
   IDeviceStatus,
   IKernelDevice,
   IKernelStatus,
+  IMonitorNotice,
   IState,
   kernelDeviceUsage,
+  labelled,
+  monitorNotice,
   sortKernels,
   UsageSource,
   usageLevel
@@ -142,6 +145,18 @@ class KernelDeviceRow {
     this._bar.set(barFraction(usage.bytes, device.cap), usageLevel(usage.bytes, device.cap, threshold));
     setText(this._figure, formatPair(usage.bytes, device.cap));
     setAttr(this.node, 'title', usageTooltip(this._trans, device, usage.source));
+  }
+}
+
+/** The banner about the server's GPU monitor: what is wrong, in the server's words after it. */
+export function monitorNoticeText(trans: TranslationBundle, notice: IMonitorNotice): string {
+  switch (notice.problem) {
+    case 'stalled':
+      return labelled(trans.__('GPU monitor stalled, usage unknown'), notice.message);
+    case 'error':
+      return labelled(trans.__('GPU usage cannot be read'), notice.message);
+    default:
+      return labelled(trans.__('Some GPUs cannot be read'), notice.message);
   }
 }
 
@@ -271,7 +286,7 @@ class KernelRow {
       setText(
         this._cpuOnly,
         kernel.cpu_only_reason
-          ? trans.__('CPU only: %1', kernel.cpu_only_reason)
+          ? labelled(trans.__('CPU only'), kernel.cpu_only_reason)
           : trans.__('CPU only: no GPU granted')
       );
     }
@@ -288,6 +303,9 @@ class KernelRow {
       }
       if (typeof action.device === 'number') {
         parts.push(trans.__('on GPU %1', action.device));
+      }
+      if (action.attributed === 'environment') {
+        parts.push(trans.__('(by processes outside the kernel that name it; warnings only)'));
       }
       let text = parts.join(' ');
       const age = formatAge(action.time, now);
@@ -317,7 +335,7 @@ class KernelRow {
         this._capInput.value = '';
       }
     } catch (error) {
-      this._showFeedback(trans.__('Failed: %1', String((error as Error)?.message || error)), 'over');
+      this._showFeedback(labelled(trans.__('Failed'), String((error as Error)?.message || error)), 'over');
     } finally {
       this._setButton.disabled = this._resetButton.disabled = false;
     }
@@ -332,7 +350,7 @@ class KernelRow {
       await this._actions.shutdown(this._kernel);
     } catch (error) {
       this._showFeedback(
-        this._trans.__('Shut down failed: %1', String((error as Error)?.message || error)),
+        labelled(this._trans.__('Shut down failed'), String((error as Error)?.message || error)),
         'over'
       );
     } finally {
@@ -366,6 +384,7 @@ export class QuotaPanel extends Widget {
     this._devicesTitle = h('h3', 'jp-GpuQuota-sectionTitle', trans.__('GPUs'));
     this._kernelsTitle = h('h3', 'jp-GpuQuota-sectionTitle');
     this._kernelList.setAttribute('aria-label', trans.__('Kernels'));
+    this._message.setAttribute('role', 'status');
     this.node.append(
       header,
       this._message,
@@ -412,12 +431,19 @@ export class QuotaPanel extends Widget {
     const start = performance.now();
     this._stale = false;
     const trans = this._trans;
-    const message = this._messageFor(state);
+    const status = state.phase === 'missing' || state.phase === 'no-gpu' ? null : state.status;
+    // One line: what is wrong with the poll first, else what the server says of its GPU monitor
+    // (a stalled monitor means every usage figure below is unknown).
+    const notice = monitorNotice(status);
+    const problem = this._messageFor(state);
+    const message = problem || (notice ? monitorNoticeText(trans, notice) : '');
     setHidden(this._message, !message);
     setText(this._message, message);
-    setLevel(this._message, state.phase === 'error' || state.phase === 'missing' ? 'over' : 'ok');
-
-    const status = state.phase === 'missing' || state.phase === 'no-gpu' ? null : state.status;
+    setLevel(
+      this._message,
+      state.phase === 'error' || state.phase === 'missing' ? 'over' : notice && !problem ? notice.level : 'ok'
+    );
+    setAttr(this._message, 'data-monitor', notice && !problem ? notice.problem : '');
     const devices = status ? status.devices : [];
     const kernels = status ? sortKernels(status.kernels, state.currentKernelId) : [];
     setHidden(this._devicesTitle, !status);
@@ -483,10 +509,10 @@ export class QuotaPanel extends Widget {
         return trans.__('The gpu-quota-ext server extension is not enabled on this server.');
       case 'no-gpu':
         return state.status?.message
-          ? trans.__('No GPU on this server: %1', state.status.message)
+          ? labelled(trans.__('No GPU on this server'), state.status.message)
           : trans.__('No GPU on this server.');
       case 'error':
-        return trans.__('Cannot read GPU quotas (%1); retrying.', state.error || '');
+        return labelled(trans.__('Cannot read GPU quotas, retrying'), state.error);
       default:
         return '';
     }

@@ -39,6 +39,8 @@ export interface ILastAction {
   device?: number | null;
   used?: number | null;
   cap?: number | null;
+  /** "tree" (the kernel's own processes) or "environment" (processes outside it naming it: warn only). */
+  attributed?: string;
 }
 
 export interface IKernelStatus {
@@ -53,6 +55,18 @@ export interface IKernelStatus {
   last_action?: ILastAction | null;
 }
 
+/** The server's GPU monitor: how fresh its usage figures are. */
+export interface IMonitorStatus {
+  /** "starting", "ok", "degraded", "error", "no-gpu", "off", or "stalled" (a sample has not come back). */
+  state: string;
+  message?: string | null;
+  /** When the last sample was taken, seconds since the epoch. */
+  sampled_at?: number | null;
+  poll_interval?: number;
+  /** How long a sample may be out before the state is "stalled", in seconds. */
+  stalled_after?: number;
+}
+
 export interface IQuotaStatus {
   gpu: boolean;
   message?: string | null;
@@ -60,6 +74,7 @@ export interface IQuotaStatus {
   devices: IDeviceStatus[];
   kernels: IKernelStatus[];
   policy?: Record<string, unknown>;
+  monitor?: IMonitorStatus | null;
 }
 
 const isNumber = (value: unknown): value is number =>
@@ -89,13 +104,87 @@ export function normalizeStatus(raw: any): IQuotaStatus {
             : []
         }))
     : [];
+  const monitor: IMonitorStatus | null =
+    data.monitor && typeof data.monitor === 'object' && typeof data.monitor.state === 'string'
+      ? {
+          ...data.monitor,
+          message: typeof data.monitor.message === 'string' ? data.monitor.message : null
+        }
+      : null;
   return {
     ...data,
     gpu: data.gpu === true,
     message: typeof data.message === 'string' ? data.message : null,
     devices,
-    kernels
+    kernels,
+    monitor
   };
+}
+
+// --- what the server says in words ------------------------------------------------------------
+
+/** The most of a server's message the sidebar shows; the rest is cut with an ellipsis. */
+export const MAX_MESSAGE_CHARS = 300;
+
+/** `text` cut to `max` characters, the last one an ellipsis when anything was cut. */
+export function shorten(text: string, max = MAX_MESSAGE_CHARS): string {
+  return text.length > max ? `${text.slice(0, max - 1)}…` : text;
+}
+
+/**
+ * The message of an error answer (`{"message": ..., "reason": ...}`), as written: shown as text,
+ * never used as a format (a "25%" stays "25%"), and cut when it is long; `fallback` (the HTTP status
+ * text) when the answer has none.
+ */
+export function serverMessage(body: unknown, fallback: string): string {
+  const data = body && typeof body === 'object' ? (body as Record<string, unknown>) : {};
+  for (const key of ['message', 'reason']) {
+    const value = data[key];
+    if (typeof value === 'string' && value.trim()) {
+      return shorten(value.trim());
+    }
+  }
+  return fallback;
+}
+
+/**
+ * A (translated) label followed by words from the server: joined, never passed through the
+ * translator as a format argument, whose "%%" handling would change a message that contains one.
+ */
+export function labelled(label: string, message: string | null | undefined): string {
+  return message ? `${label}: ${message}` : label;
+}
+
+export type MonitorProblem = 'stalled' | 'error' | 'degraded';
+
+export interface IMonitorNotice {
+  problem: MonitorProblem;
+  /** The server's words about it (may be empty). */
+  message: string;
+  level: Level;
+}
+
+/**
+ * What the sidebar must say about the monitor, or null when its figures can be trusted. "stalled":
+ * no sample for a while (usage shown is unknown, the watchdog cannot act); "error": no GPU could be
+ * read; "degraded": some could not.
+ */
+export function monitorNotice(status: IQuotaStatus | null): IMonitorNotice | null {
+  const monitor = status?.monitor;
+  if (!status || !status.gpu || !monitor) {
+    return null;
+  }
+  const message = shorten(monitor.message || '');
+  switch (monitor.state) {
+    case 'stalled':
+      return { problem: 'stalled', message, level: 'over' };
+    case 'error':
+      return { problem: 'error', message, level: 'over' };
+    case 'degraded':
+      return { problem: 'degraded', message, level: 'warning' };
+    default:
+      return null;
+  }
 }
 
 // --- which usage figure a bar shows ------------------------------------------------------------

@@ -10,8 +10,8 @@ import { Widget } from '@lumino/widgets';
 
 import { formatBytes, formatPair } from './format';
 import { QuotaModel } from './model';
-import { usageTooltip } from './panel';
-import { IState, statusBarInfo } from './state';
+import { monitorNoticeText, usageTooltip } from './panel';
+import { IState, labelled, monitorNotice, statusBarInfo } from './state';
 
 export class QuotaStatusItem extends Widget {
   constructor(
@@ -64,8 +64,12 @@ export class QuotaStatusItem extends Widget {
         text = trans.__('GPU: CPU only');
         title = info.kernel.cpu_only_reason || trans.__('This kernel was given no GPU');
       }
+      const notice = monitorNotice(state.status);
+      if (notice) {
+        title += '\n' + monitorNoticeText(trans, notice);
+      }
       if (state.phase === 'error') {
-        title += '\n' + trans.__('Last poll failed: %1', state.error || '');
+        title += '\n' + labelled(trans.__('Last poll failed'), state.error);
       }
       if (this._text.textContent !== text) {
         this._text.textContent = text;
@@ -74,6 +78,7 @@ export class QuotaStatusItem extends Widget {
       this.node.dataset.level = info.level;
       this.node.classList.toggle('jp-mod-warning', info.level === 'warning');
       this.node.classList.toggle('jp-mod-over', info.level === 'over');
+      this.node.classList.toggle('jp-mod-stalled', notice?.problem === 'stalled');
       this.node.dataset.used = info.usage ? formatBytes(info.usage.bytes) : '';
     }
     if (active !== this._active) {

@@ -5,8 +5,12 @@ import {
   INITIAL_STATE,
   IState,
   kernelDeviceUsage,
+  labelled,
+  MAX_MESSAGE_CHARS,
+  monitorNotice,
   normalizeStatus,
   reduce,
+  serverMessage,
   sortKernels,
   statusBarInfo,
   usageLevel
@@ -233,5 +237,64 @@ describe('canReuseShared', () => {
   it('asks the server when told to, or when nothing was shared', () => {
     expect(canReuseShared(shared, 10_001, 2000, true)).toBe(false);
     expect(canReuseShared(null, 10_001, 2000, false)).toBe(false);
+  });
+});
+
+describe('serverMessage', () => {
+  it('shows the message of an error answer as written, a percent sign once', () => {
+    const body = {
+      message: "cap: '2.5': a fraction of the device must be above 0 and at most 1 (100%)",
+      reason: null
+    };
+    expect(serverMessage(body, 'Bad Request')).toBe(body.message);
+    expect(serverMessage({ message: "'25%%' is not a number" }, 'x')).toBe("'25%%' is not a number"); // what was typed
+  });
+
+  it('falls back to the reason, then to the status text', () => {
+    expect(serverMessage({ message: '', reason: 'GPU budget full' }, 'Service Unavailable')).toBe('GPU budget full');
+    expect(serverMessage({ message: null }, 'Bad Request')).toBe('Bad Request');
+    expect(serverMessage('not an object', 'Bad Request')).toBe('Bad Request');
+    expect(serverMessage(null, 'Forbidden')).toBe('Forbidden');
+  });
+
+  it('cuts a long message short', () => {
+    const shown = serverMessage({ message: 'cap: ' + 'x'.repeat(1 << 20) }, 'Bad Request');
+    expect(shown.length).toBe(MAX_MESSAGE_CHARS);
+    expect(shown.endsWith('…')).toBe(true);
+    expect(shown.startsWith('cap: xxx')).toBe(true);
+  });
+});
+
+describe('labelled', () => {
+  it('puts the server\'s words after a label, never reading them as a format', () => {
+    expect(labelled('Failed', 'kernel %1 uses 25%% of it')).toBe('Failed: kernel %1 uses 25%% of it');
+    expect(labelled('Failed', '')).toBe('Failed');
+    expect(labelled('Failed', null)).toBe('Failed');
+  });
+});
+
+describe('monitorNotice', () => {
+  const withMonitor = (monitor: any, gpu = true) => normalizeStatus({ ...TODAY, gpu, monitor });
+
+  it('says when the monitor is stalled, in the server\'s words', () => {
+    const message = 'no GPU sample since 2026-11-29 10:00:00 UTC: an NVML call has not returned for 9 s';
+    const notice = monitorNotice(withMonitor({ state: 'stalled', message, sampled_at: 1, stalled_after: 3 }));
+    expect(notice).toEqual({ problem: 'stalled', message, level: 'over' });
+  });
+
+  it('flags unreadable GPUs and is quiet when the figures can be trusted', () => {
+    expect(monitorNotice(withMonitor({ state: 'error', message: 'no GPU could be read' }))!.level).toBe('over');
+    expect(monitorNotice(withMonitor({ state: 'degraded', message: 'GPU 1 unreadable' }))!.level).toBe('warning');
+    expect(monitorNotice(withMonitor({ state: 'ok', message: null }))).toBeNull();
+    expect(monitorNotice(withMonitor({ state: 'starting' }))).toBeNull();
+    expect(monitorNotice(withMonitor({ state: 'stalled' }, false))).toBeNull(); // no GPU: nothing to monitor
+    expect(monitorNotice(normalizeStatus(TODAY))).toBeNull(); // an older server: no monitor field
+    expect(monitorNotice(withMonitor('junk'))).toBeNull();
+    expect(monitorNotice(null)).toBeNull();
+  });
+
+  it('cuts a long monitor message short', () => {
+    const notice = monitorNotice(withMonitor({ state: 'stalled', message: 'y'.repeat(10_000) }))!;
+    expect(notice.message.length).toBe(MAX_MESSAGE_CHARS);
   });
 });

@@ -245,3 +245,72 @@ def test_invalid_watchdog_settings_stop_the_server_with_one_line(jp_configurable
     message = str(stopped.value)
     assert message.startswith("gpu-quota-ext: invalid configuration:") and "\n" not in message
     assert setting in message
+
+
+# --- bodies: size, depth, and the messages of a refusal -------------------------------------------
+
+
+async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    grant_before = service.ledger.get(kernel_id)
+    huge_cap = json.dumps({"cap": "9" * (1 << 20)})  # 1 MiB: valid JSON, a nonsense cap
+    error = await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=huge_cap), 413)
+    assert len(error.response.body) < 300 and b"64 KiB" in error.response.body
+
+    def chunked(write):  # no Content-Length: the limit holds on what arrives
+        for _ in range(10):
+            write(b" " * 10_000)
+        write(b'{"cap": "0.5"}')
+
+    await expect_status(
+        jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body_producer=chunked,
+                 headers={"Transfer-Encoding": "chunked"}),
+        413,
+    )
+    usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
+    await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage), 413)
+    assert service.ledger.get(kernel_id) == grant_before
+    assert service.monitor.reports.get(kernel_id) is None
+    # Just under the limit is read (and answered on its merits).
+    padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
+    assert json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)["outcome"] == "granted"
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_any_unparseable_body_is_a_400(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    grant_before = service.ledger.get(kernel_id)
+    nested = "[" * 30_000 + "]" * 30_000  # 60 kB, deeper than the JSON decoder recurses
+    for body in [nested, '{"cap": ' + nested + "}", b"\xff\xfe{", '{"cap": 1' + "0" * 5000 + "}", "{" * 50]:
+        for route, method in ((("kernels", kernel_id), "PUT"), (("kernels", kernel_id, "usage"), "POST")):
+            error = await expect_status(jp_fetch("api", "gpu-quota", *route, method=method, body=body), 400)
+            assert json.loads(error.response.body)["message"]
+    assert service.ledger.get(kernel_id) == grant_before
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch, jp_serverapp, fake_nvml, caplog):
+    kernel_id = await start_kernel(jp_fetch)
+    put = lambda body: jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))  # noqa: E731
+    error = await expect_status(put({"cap": "2.5"}), 400)
+    message = json.loads(error.response.body)["message"]
+    assert "(100%)" in message and "%%" not in message, message
+    error = await expect_status(put({"cap": "lots%"}), 400)
+    assert "'lots%'" in json.loads(error.response.body)["message"]
+    # An echoed value is cut short: the answer and the log stay small whatever was sent.
+    caplog.clear()
+    long_cap = "x" * 60_000
+    error = await expect_status(put({"cap": long_cap}), 400)
+    message = json.loads(error.response.body)["message"]
+    assert len(message) < 300 and "…" in message and "60000 characters" in message, message
+    assert max(len(r.getMessage()) for r in caplog.records) < 500
+    error = await expect_status(put({"cap": int("9" * 4000)}), 400)
+    assert len(json.loads(error.response.body)["message"]) < 300
+    error = await expect_status(put({"cap": "0.5", "y" * 10_000: 1}), 400)
+    assert len(json.loads(error.response.body)["message"]) < 300
+    assert max(len(r.getMessage()) for r in caplog.records) < 500
+    error = await expect_status(jp_fetch("api", "gpu-quota", "kernels", "k" * 5000), 404)
+    assert len(json.loads(error.response.body)["message"]) < 300
+    await shutdown_kernel(jp_fetch, kernel_id)

@@ -3,6 +3,9 @@
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -11,7 +14,7 @@ import pytest
 from gpu_quota_ext.policy import GiB
 
 from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, shutdown_kernel, start_child_process, start_kernel, write_kernelspec
+from .kernels import execute, restart_kernel, shutdown_kernel, start_child_process, start_kernel, write_kernelspec
 
 # Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
 WITHIN = 2 * POLL + 0.3
@@ -168,5 +171,148 @@ class TestDeadKernel:
         service = service_of(jp_serverapp)
         assert service.ledger.get(kernel_id) is not None
         await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager, timeout=20)
-        await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
+        # The restarter's "dead" callback gives the grant back as jupyter_server drops the kernel,
+        # in the same callback run: no need to wait for the monitor's next round.
+        assert service.ledger.get(kernel_id) is None
         assert all(d["granted"] == 0 for d in service.ledger.usage())
+
+
+# --- whose usage the watchdog may act on ----------------------------------------------------------
+
+
+# Run in kernel A: a daemon (a double fork by `setsid -f`, re-parented away from the kernel) whose
+# environment names kernel V; prints the daemon's PID.
+DAEMON_CODE = (
+    "import os, subprocess\n"
+    "env = dict(os.environ, GPU_QUOTA_KERNEL_ID={victim!r})\n"
+    "starter = subprocess.Popen(['setsid', '-f', 'sh', '-c', 'echo $$; exec sleep 60'], env=env, stdout=subprocess.PIPE)\n"
+    "print(int(starter.stdout.readline()))\n"
+    "starter.wait()\n"
+)
+
+
+def ancestors(pid):
+    """PIDs from `pid`'s parent up to init, read from the live process table."""
+    from gpu_quota_ext.processes import ProcTable
+
+    table, chain = ProcTable(), []
+    current = table.parent_of(pid)
+    while current and current > 1 and current not in chain:
+        chain.append(current)
+        current = table.parent_of(current)
+    return chain
+
+
+async def victim_is_untouched(jp_fetch, jp_serverapp, victim, grant):
+    service = service_of(jp_serverapp)
+    assert victim in jp_serverapp.kernel_manager.list_kernel_ids()
+    assert service.ledger.get(victim) == grant
+    assert (await execute(jp_serverapp, victim, "print('alive')")).strip() == "alive"
+    strong = [a for a in service.monitor.watchdog.history if a.kernel_id == victim and a.action != "warn"]
+    assert strong == []
+
+
+@pytest.mark.parametrize("enforce", ["kill"])
+async def test_a_daemon_naming_another_kernel_never_gets_it_killed(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    """A double-forked daemon of kernel A whose environment names kernel V: its usage is shown for V
+    (same Unix user: a process the server may trust to say whose it is), but only a warning may follow."""
+    attacker = await start_kernel(jp_fetch)
+    victim = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    grant = service.ledger.get(victim)
+    device = grant.devices[0]
+    daemon = int((await execute(jp_serverapp, attacker, DAEMON_CODE.format(victim=victim))).strip())
+    try:
+        roots = service.monitor.kernels.roots()
+        assert not set(ancestors(daemon)) & set(roots), "the daemon must be outside every kernel's tree"
+        fake_nvml.set_usage(daemon, f"static-{device}", 6 * GiB)  # over V's 4 GiB cap + 1 GiB slack
+        await next_samples(jp_serverapp, 5)
+        # Seen, and counted for V by its environment ...
+        assert service.monitor.latest.kernels.get(victim, {}).get(device) == 6 * GiB
+        warned = [a for a in service.monitor.watchdog.history if a.kernel_id == victim]
+        assert [(a.action, a.attributed) for a in warned] == [("warn", "environment")]
+        # ... yet V is alive, its grant intact, and nothing stronger than a warning was done.
+        await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
+    finally:
+        os.kill(daemon, signal.SIGKILL)
+    await shutdown_kernel(jp_fetch, attacker)
+    await shutdown_kernel(jp_fetch, victim)
+
+
+def other_unix_user() -> str:
+    """A user that is not the server's: 'nobody' where it exists, else one made with useradd."""
+    import pwd
+
+    for name in ("nobody", "gpu-quota-test"):
+        try:
+            if pwd.getpwnam(name).pw_uid != os.getuid():
+                return name
+        except KeyError:
+            pass
+    subprocess.run(["useradd", "--system", "--no-create-home", "gpu-quota-test"], check=True)
+    return "gpu-quota-test"
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="starting a process as another Unix user needs root")
+@pytest.mark.parametrize("enforce", ["kill"])
+async def test_a_process_of_another_user_is_never_attributed_by_its_environment(jp_fetch, jp_serverapp, fake_nvml, enforce):
+    victim = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    grant = service.ledger.get(victim)
+    device = grant.devices[0]
+    user = other_unix_user()
+    stranger = subprocess.Popen(["sleep", "60"], user=user, env={"PATH": os.environ["PATH"], "GPU_QUOTA_KERNEL_ID": victim})
+    try:
+        await wait_for(lambda: open(f"/proc/{stranger.pid}/environ", "rb").read().find(victim.encode()) >= 0)
+        fake_nvml.set_usage(stranger.pid, f"static-{device}", 6 * GiB)
+        await next_samples(jp_serverapp, 5)
+        assert service.monitor.latest.kernels.get(victim, {}).get(device, 0) == 0  # not V's usage at all
+        assert kernel_entry(await status(jp_fetch), victim)["devices"][0]["used"] == 0
+        assert [a for a in service.monitor.watchdog.history if a.kernel_id == victim] == []
+        await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
+    finally:
+        stranger.kill()
+        stranger.wait()
+    await shutdown_kernel(jp_fetch, victim)
+
+
+# --- kernels that die with no restarter --------------------------------------------------------
+
+
+class TestNoAutorestart:
+    @pytest.fixture
+    def jp_server_config(self):
+        config = fake_gpu_config("warn")
+        config.KernelManager.autorestart = False
+        return config
+
+    async def test_a_kernel_killed_without_a_restarter_gives_its_grant_back_within_a_poll(self, jp_fetch, jp_serverapp, fake_nvml):
+        kernel_id = await start_kernel(jp_fetch)
+        service = service_of(jp_serverapp)
+        pid = await kernel_pid(jp_serverapp, kernel_id)
+        assert service.ledger.get(kernel_id) is not None
+        monitor = service.monitor
+        os.kill(pid, signal.SIGKILL)
+        rounds = monitor.ticks
+        await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
+        # The next round after the death notices it (the one running at the kill may have missed it).
+        assert monitor.ticks <= rounds + 2
+        assert all(d["granted"] == 0 for d in service.ledger.usage())
+        # jupyter_server keeps listing a dead kernel when autorestart is off (the user may restart it);
+        # a restart asks the ledger again, like a new kernel.
+        assert kernel_id in jp_serverapp.kernel_manager.list_kernel_ids()
+        await restart_kernel(jp_fetch, kernel_id)
+        assert service.ledger.get(kernel_id) is not None
+        assert (await execute(jp_serverapp, kernel_id, "print('back')")).strip() == "back"
+        await shutdown_kernel(jp_fetch, kernel_id)
+        assert service.ledger.get(kernel_id) is None
+
+    async def test_a_live_kernel_keeps_its_grant(self, jp_fetch, jp_serverapp, fake_nvml):
+        kernel_id = await start_kernel(jp_fetch)
+        grant = service_of(jp_serverapp).ledger.get(kernel_id)
+        await next_samples(jp_serverapp, 3)
+        assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+        await restart_kernel(jp_fetch, kernel_id)  # a restart in progress is not a death
+        await next_samples(jp_serverapp, 3)
+        assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+        await shutdown_kernel(jp_fetch, kernel_id)

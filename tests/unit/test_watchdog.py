@@ -122,3 +122,25 @@ def test_watchdog_records_actions_per_kernel_and_forgets_gone_kernels():
     assert dog.last_action("k2") is None
     dog.forget("k1")
     assert dog.last_action("k1") is None and list(dog.history) == [done]
+
+
+def test_usage_not_proven_to_be_the_kernels_gets_a_warning_at_most():
+    for enforce in ("interrupt", "restart", "kill"):
+        s = settings(enforce)
+        watch, first = decide(Watch(), True, 0.0, s, proven=False)
+        watch, second = decide(watch, True, 1.0, s, proven=False)
+        assert (first, second) == ("warn", None)  # once per episode, like enforce="warn"
+        watch, third = decide(watch, True, 2.0, s, proven=True)  # now its own tree is over too
+        assert third == enforce
+    assert decide(Watch(), True, 0.0, settings("off"), proven=False)[1] is None
+
+
+def test_review_acts_on_the_process_tree_and_only_warns_on_the_rest():
+    dog = Watchdog(settings("kill"))
+    caps = {"k1": {0: 4 * GiB}, "k2": {0: 4 * GiB}}
+    usage = {"k1": {0: 6 * GiB}, "k2": {0: 6 * GiB}}
+    in_tree = {"k1": {0: 6 * GiB}, "k2": {0: GiB}}  # k2 is over only with processes found by environment
+    actions = dog.review(usage, caps, now=1.0, wall=1000.0, in_tree=in_tree)
+    assert [(a.kernel_id, a.action, a.attributed) for a in actions] == [("k1", "kill", "tree"), ("k2", "warn", "environment")]
+    assert "never interrupts, restarts or kills" in actions[1].describe()
+    assert actions[1].to_json()["attributed"] == "environment"
