@@ -152,6 +152,16 @@ async def test_a_non_python_kernel_gets_the_environment_and_starts(jp_fetch, jp_
     ]
 
 
+async def test_a_non_python_kernel_never_holds_the_kernel_secret(jp_fetch, jp_serverapp, tiny_kernelspec):
+    # Issue 10, item 9: no bootstrap removes the secret from a non-Python kernel's environment, where
+    # every child process and printed environment would show it; it cannot use %gpucap anyway.
+    kernel_id = await start_kernel(jp_fetch, tiny_kernelspec)
+    out = await execute(jp_serverapp, kernel_id, "GPU_QUOTA_KERNEL_TOKEN GPU_QUOTA_API_URL CUPY_GPU_MEMORY_LIMIT")
+    assert out.split() == ["GPU_QUOTA_KERNEL_TOKEN=None", "GPU_QUOTA_API_URL=None", f"CUPY_GPU_MEMORY_LIMIT={20 * GiB}"]
+    # No secret was made for it either: nothing can act as this kernel through the API.
+    assert kernel_id not in jp_serverapp.web_app.settings["gpu_quota_service"]._tokens
+
+
 class TestConcurrentStarts:
     @pytest.fixture
     def jp_server_config(self):
