@@ -94,3 +94,15 @@ def test_a_config_cap_below_one_mib_stops_the_server(tmp_path, args, config, exp
     assert returncode not in (None, 0), "the server kept running with a cap below 1 MiB"
     ours = [line for line in stderr.splitlines() if "gpu-quota-ext: invalid configuration" in line]
     assert len(ours) == 1 and expected in ours[0] and "1 MiB" in ours[0], stderr
+
+
+async def test_a_huge_cap_is_echoed_short(jp_fetch, jp_serverapp):
+    # Issue 10, item 8 (the part in policy.py): the answer quotes at most about 60 characters of the input.
+    kernel_id = await start_kernel(jp_fetch)
+    for cap in ["9" * 50_000 + "x", "0." + "0" * 50_000 + "1"]:
+        with pytest.raises(HTTPClientError) as error:
+            await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": cap}))
+        assert error.value.code == 400
+        message = json.loads(error.value.response.body)["message"]
+        assert len(message) < 250 and "..." in message, message
+    assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]
