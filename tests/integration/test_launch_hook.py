@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -118,6 +119,17 @@ async def test_restart_keeps_the_grant_and_shutdown_releases_it(jp_fetch, jp_ser
     assert kernel_id not in await grants(jp_fetch)
     status = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)
     assert sum(d["granted"] for d in status["devices"]) == 0
+
+
+async def test_each_grant_is_one_info_line_in_the_log(jp_fetch, jp_serverapp, caplog):
+    caplog.set_level(logging.INFO, logger="gpu_quota_ext")
+    kernel_id = await start_kernel(jp_fetch)
+    await restart_kernel(jp_fetch, kernel_id)  # keeps its grant: no second line
+    lines = [r for r in caplog.records if r.name == "gpu_quota_ext" and kernel_id in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].getMessage() == (
+        f"gpu-quota-ext: kernel {kernel_id} (python3) granted 20.0 GiB on device 0 (max 40.0 GiB; source: default)"
+    )
 
 
 async def test_user_pythonstartup_still_runs(jp_fetch, jp_serverapp, tmp_path, monkeypatch):
