@@ -16,7 +16,7 @@ from traitlets import List as ListTrait
 from traitlets.config import LoggingConfigurable
 
 from .hami import describe_share, read_pod_share, share_devices
-from .policy import PolicyError, parse_cap
+from .policy import PolicyError, parse_cap, shown
 
 
 @dataclass(frozen=True)
@@ -122,20 +122,27 @@ class StaticInventory(DeviceInventory):
 
 def parse_static_devices(entries) -> List[Device]:
     if not isinstance(entries, (list, tuple)):
-        raise PolicyError(f"c.StaticInventory.devices = {entries!r}: must be a list of dicts")
+        raise PolicyError(f"c.StaticInventory.devices = {shown(entries)}: must be a list of dicts")
     devices = []
+    first_with_uuid = {}
     for i, entry in enumerate(entries):
         where = f"c.StaticInventory.devices[{i}]"
         if not isinstance(entry, dict) or "total" not in entry:
-            raise PolicyError(f"{where} = {entry!r}: must be a dict with 'total', e.g. {{'total': '80GiB'}}")
+            raise PolicyError(f"{where} = {shown(entry)}: must be a dict with 'total', e.g. {{'total': '80GiB'}}")
         try:
             spec = parse_cap(entry["total"])
         except PolicyError as error:
             raise PolicyError(f"{where}['total']: {error}") from None
         if spec.nbytes is None:
-            raise PolicyError(f"{where}['total'] = {entry['total']!r}: a device's memory is a size, not a fraction")
+            raise PolicyError(f"{where}['total'] = {shown(entry['total'])}: a device's memory is a size, not a fraction")
         # No "GPU-" prefix by default: a static device is named by index in CUDA_VISIBLE_DEVICES.
         uuid = str(entry.get("uuid", f"static-{i}"))
+        # A UUID names one device: the monitor and CUDA_VISIBLE_DEVICES would mix up two that share one.
+        if uuid in first_with_uuid:
+            raise PolicyError(
+                f"c.StaticInventory.devices[{first_with_uuid[uuid]}] and {where} have the same uuid {shown(uuid)}; each device needs its own"
+            )
+        first_with_uuid[uuid] = i
         devices.append(Device(index=i, name=str(entry.get("name", "Static GPU")), uuid=uuid, total=spec.nbytes, nvml_index=i))
     return devices
 

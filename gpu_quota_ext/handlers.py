@@ -186,7 +186,7 @@ class KernelHandler(GpuQuotaHandler):
         ledger = self.service.ledger
         try:
             if request == "reset":
-                result = ledger.reset(kernel_id)
+                result = ledger.reset(kernel_id, source=f"{who} request")
             else:
                 cap, device = request
                 result = ledger.change(kernel_id, cap, device, source=f"{who} request")

@@ -8,7 +8,13 @@ What each framework reads (measured, see FACTS.md):
 torch is capped by the bootstrap inside the kernel (gpu_quota_ext/kernel), which knows the kernel's
 torch version; it reads GPU_QUOTA_DEVICES (names.py lists our own variables).
 
-Values the kernelspec or the user already set are merged, never loosened: the smaller limit wins.
+Values the kernelspec or the user already set are merged, never loosened: the smaller limit wins. An
+inherited limit that is not a positive number (CuPy reads 0 as "no limit") is ignored, never passed on;
+no framework variable is ever written as 0 (the ledger grants no cap below 1 MiB).
+
+The kernel's secret (and the API's address) go only to Python kernels: their bootstrap moves the secret
+out of the environment. Any other kernel would keep it in its environment for every child process to
+read, and it could not use `%gpucap` anyway; it gets its caps and nothing else.
 """
 
 from __future__ import annotations
@@ -36,9 +42,9 @@ def launch_env(
 ) -> Dict[str, str]:
     """The variables to add to (or replace in) `env`, the kernel's environment as it stands."""
     out: Dict[str, str] = {KERNEL_ID: grant.kernel_id}
-    if api_url:
+    if python_kernel and api_url:
         out[API_URL] = api_url
-    if token:
+    if python_kernel and token:
         out[TOKEN] = token
 
     if grant.placed:
@@ -90,17 +96,26 @@ def launch_env(
 def _fraction_text(fraction: float) -> str:
     # Round down so the written fraction never allows more than the cap; the tiny epsilon keeps a cap
     # of int(0.2 x total) bytes reading "0.2000" rather than "0.1999" (it is worth a few bytes).
-    return f"{int(fraction * 10000 + 1e-6) / 10000:.4f}"
+    # A small cap on a big device (1 MiB of 80 GiB) takes more places: never write "0.0000".
+    for places in range(4, 13):
+        scale = 10**places
+        rounded = int(fraction * scale + 1e-6) / scale
+        if rounded > 0:
+            return f"{rounded:.{places}f}"
+    return f"{fraction:.12e}"  # pragma: no cover - below 1e-12 of a device: no cap is that small
 
 
 def _tighter_bytes(existing: Optional[str], cap: int) -> int:
-    """CuPy accepts bytes or "N%"; a percentage set by the user is kept out of the comparison (kept as ours)."""
-    if existing and existing.strip().isdigit():
+    """CuPy accepts bytes or "N%"; a percentage set by the user is kept out of the comparison (kept as ours),
+    and so is anything that is not a positive number of bytes (CuPy reads 0 as "no limit")."""
+    if existing and existing.strip().isdigit() and int(existing.strip()) > 0:
         return min(int(existing.strip()), cap)
     return cap
 
 
 def _tighter_fraction(existing: Optional[str], ours: str) -> str:
+    """The user's own fraction when it is tighter than ours and a real one (above 0: JAX would take 0
+    literally); anything else, ours."""
     try:
         if existing is not None and 0 < float(existing) < float(ours):
             return existing

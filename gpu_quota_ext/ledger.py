@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device
-from .policy import CapSpec, Policy, PolicyError, Resolved, format_bytes
+from .policy import CapSpec, Policy, PolicyError, Resolved, format_bytes, shown
 
 
 class AdmissionRefused(Exception):
@@ -152,7 +152,7 @@ class Ledger:
             try:
                 for index in targets:
                     total = self._books[index].device.total
-                    wanted = requested.to_bytes(total)
+                    wanted = requested.to_bytes(total, f"device {index}")
                     if requested.nbytes is not None and requested.nbytes > total:
                         notes.append(f"device {index} has only {format_bytes(total)}")
                     limit = current.max_caps[index]
@@ -173,9 +173,10 @@ class Ledger:
             )
             return ChangeOutcome("clamped" if notes else "granted", updated, message)
 
-    def reset(self, kernel_id: str) -> ChangeOutcome:
+    def reset(self, kernel_id: str, source: str = "kernel request") -> ChangeOutcome:
         """Back to what policy gave the kernel at start, if the budget still has room for it: other
-        kernels may have taken what this one gave up since (then clamped or refused like any request)."""
+        kernels may have taken what this one gave up since (then clamped or refused like any request).
+        `source` says who asked, as for `change`; the grant's source becomes "policy" unless clamped."""
         with self._lock:
             current = self._get(kernel_id)
             caps = dict(current.caps)
@@ -185,7 +186,7 @@ class Ledger:
                     caps[index] = self._fit_budget(current, index, current.policy_caps[index], notes)
             except _Refused as refusal:
                 return ChangeOutcome("refused", current, f"{refusal}: the policy cap does not fit any more")
-            updated = replace(current, caps=caps, source="kernel request" if notes else "policy")
+            updated = replace(current, caps=caps, source=f"{source} (reset, clamped to the budget)" if notes else "policy")
             self._store(updated)
             return ChangeOutcome(
                 "clamped" if notes else "granted", updated, "; ".join(notes) or "cap reset to what policy gives this kernel"
@@ -239,24 +240,29 @@ class Ledger:
         most = held + max(room, 0)
         if self._policy.on_over_max == "refuse" or most <= held:
             raise _Refused(f"device {index} has {format_bytes(max(room, 0))} of budget left; {format_bytes(wanted)} does not fit")
-        notes.append(f"clamped to the {format_bytes(most)} left in device {index}'s budget")
+        notes.append(f"clamped to {format_bytes(most)}: only {format_bytes(max(room, 0))} of device {index}'s budget was left")
         return most
 
     def _admit(self, kernel_id: str, user: str, kernelspec: str, resolved: Resolved, books) -> Grant:
         def grant_on(indexes: Sequence[int], placed: bool, reason: Optional[str] = None) -> Grant:
-            caps = {i: resolved.cap.to_bytes(self._books[i].device.total) for i in indexes}
-            max_caps = {i: max(caps[i], resolved.max_cap.to_bytes(self._books[i].device.total)) for i in indexes}
+            caps = {i: wanted_on(i) for i in indexes}
+            max_caps = {i: resolved.max_cap.to_bytes(self._books[i].device.total, f"device {i}") for i in indexes}
             return Grant(kernel_id, user, kernelspec, tuple(indexes), caps, dict(caps), max_caps, resolved.source, placed, reason)
+
+        def wanted_on(index: int) -> int:
+            # A cap never exceeds max_cap: written in different forms ("12GiB" and "0.1"), they meet only here.
+            total = self._books[index].device.total
+            return min(resolved.cap.to_bytes(total, f"device {index}"), resolved.max_cap.to_bytes(total, f"device {index}"))
 
         if not self._books:
             return grant_on((), placed=False)  # no GPU on this server: nothing to cap
         if not books:
             # The kernelspec pins GPUs this server does not manage: it can be neither capped nor watched.
-            reason = f"kernelspec {kernelspec!r} asks for GPUs this server does not manage"
+            reason = f"kernelspec {shown(kernelspec)} asks for GPUs this server does not manage"
             if self._policy.on_full == "refuse":
                 raise AdmissionRefused(reason)
             return grant_on((), placed=True, reason=reason)
-        wanted = {b.device.index: resolved.cap.to_bytes(b.device.total) for b in books}
+        wanted = {b.device.index: wanted_on(b.device.index) for b in books}
         if self._policy.placement == "none":
             # The kernel sees every device: it needs room on all of them.
             if all(b.room() is None or b.room() >= wanted[b.device.index] for b in books):
@@ -266,7 +272,7 @@ class Ledger:
             if chosen is not None:
                 return grant_on(chosen, placed=True)
         reason = (
-            f"no GPU has {resolved.cap} of budget left for kernelspec {kernelspec!r} "
+            f"no GPU has {resolved.cap} of budget left for kernelspec {shown(kernelspec)} "
             f"(overcommit {self._policy.overcommit})"
         )
         if self._policy.on_full == "refuse":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -32,9 +33,30 @@ ON_FULL = ("refuse", "cpu-only")
 ON_OVER_MAX = ("clamp", "refuse")
 RULE_KEYS = ("user", "kernelspec", "cap", "max_cap", "devices")
 
+MIN_CAP = MiB  # the smallest cap: below it no framework can work, and CuPy reads 0 as "no limit"
+MIN_CAP_TEXT = "1 MiB"
+MAX_DEVICE = 64 * TiB  # larger than any GPU: sizes above it are garbage
+# A fraction below this is less than MIN_CAP on every device up to MAX_DEVICE: refused when parsed.
+MIN_FRACTION = MIN_CAP / MAX_DEVICE
+SHOWN_CHARS = 60  # how much of a value a person wrote an error message echoes back
+
 
 class PolicyError(ValueError):
     """A value a person wrote (config, magic argument, API body) that cannot be used, and why."""
+
+
+_shortener = reprlib.Repr()
+_shortener.maxstring = _shortener.maxother = _shortener.maxlong = SHOWN_CHARS
+_shortener.maxlevel = 2
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut to about SHOWN_CHARS characters (with "..."): messages echo what a person wrote,
+    but a 1 MB cap string must not become a 1 MB answer and 3 MB of log."""
+    try:
+        return _shortener.repr(value)
+    except Exception:  # e.g. an int too long for str() (Python's digit limit)
+        return f"<{type(value).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -45,15 +67,25 @@ class CapSpec:
     nbytes: Optional[int] = None
     text: str = ""
 
-    def to_bytes(self, device_total: int) -> int:
-        """The cap in bytes on a device of `device_total` bytes (never more than the device)."""
+    def to_bytes(self, device_total: int, device: str = "the device") -> int:
+        """The cap in bytes on a device of `device_total` bytes (never more than the device).
+
+        A fraction is checked here, where it becomes bytes: PolicyError when it is below MIN_CAP on
+        this device (`device` names it in the message)."""
         if self.fraction is not None:
-            return int(self.fraction * device_total)
+            nbytes = int(self.fraction * device_total)
+            if nbytes < MIN_CAP:
+                raise PolicyError(
+                    f"{shown(self.text)} of {device} ({format_bytes(device_total)}) is {format_bytes(nbytes)}: "
+                    f"a cap must be at least {MIN_CAP_TEXT}"
+                )
+            return nbytes
         assert self.nbytes is not None
         return min(self.nbytes, device_total)
 
     def __str__(self) -> str:
-        return self.text
+        # What messages and the status API show: the text as written, cut if someone wrote a novel.
+        return self.text if len(self.text) <= SHOWN_CHARS else self.text[: SHOWN_CHARS - 3] + "..."
 
 
 def parse_cap(value: Union[str, int, float, CapSpec]) -> CapSpec:
@@ -66,11 +98,13 @@ def parse_cap(value: Union[str, int, float, CapSpec]) -> CapSpec:
     if isinstance(value, bool):
         raise PolicyError(f"{value!r} is not a cap; use a fraction like 0.25, 25%, 12GiB or bytes")
     if isinstance(value, int):
+        if value > MAX_DEVICE:
+            raise PolicyError(f"{shown(value)} is larger than any GPU")
         return _bytes_spec(value, str(value))
     if isinstance(value, float):
         return _fraction_spec(value, repr(value))
     if not isinstance(value, str):
-        raise PolicyError(f"{value!r} is not a cap; use a fraction like 0.25, 25%, 12GiB or bytes")
+        raise PolicyError(f"{shown(value)} is not a cap; use a fraction like 0.25, 25%, 12GiB or bytes")
     text = value.strip()
     low = text.lower().replace("_", "")
     if low.endswith("%"):
@@ -79,20 +113,20 @@ def parse_cap(value: Union[str, int, float, CapSpec]) -> CapSpec:
     match = _SIZE_RE.match(low)
     if not match:
         raise PolicyError(
-            f"{text!r} is not a cap; use a fraction like 0.25, a percentage like 25%, "
+            f"{shown(text)} is not a cap; use a fraction like 0.25, a percentage like 25%, "
             "a size like 12GiB or 12GB, or a number of bytes"
         )
     number_text, unit = match.groups()
     if unit not in _UNITS:
-        raise PolicyError(f"{text!r}: unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+        raise PolicyError(f"{shown(text)}: unknown unit {shown(unit)}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")
     number = _number(number_text, text)
     if unit == "" and "." not in number_text and number > 1:
         return _bytes_spec(int(number_text), text)
     if unit == "":
         return _fraction_spec(number, text)
     nbytes = number * _UNITS[unit]
-    if not math.isfinite(nbytes) or nbytes > 64 * TiB:
-        raise PolicyError(f"{text!r} is larger than any GPU")
+    if not math.isfinite(nbytes) or nbytes > MAX_DEVICE:
+        raise PolicyError(f"{shown(text)} is larger than any GPU")
     return _bytes_spec(int(nbytes), text)
 
 
@@ -100,23 +134,25 @@ def _number(text: str, original: str) -> float:
     try:
         number = float(text)
     except ValueError:
-        raise PolicyError(f"{original!r} is not a number") from None
+        raise PolicyError(f"{shown(original)} is not a number") from None
     if not math.isfinite(number):
-        raise PolicyError(f"{original!r} is not a finite number")
+        raise PolicyError(f"{shown(original)} is not a finite number")
     return number
 
 
 def _fraction_spec(fraction: float, text: str) -> CapSpec:
     if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
-        raise PolicyError(f"{text!r}: a fraction of the device must be above 0 and at most 1 (100%)")
+        raise PolicyError(f"{shown(text)}: a fraction of the device must be above 0 and at most 1 (100%)")
+    if fraction < MIN_FRACTION:
+        raise PolicyError(f"{shown(text)}: a fraction this small is less than {MIN_CAP_TEXT} of any GPU; a cap must be at least {MIN_CAP_TEXT}")
     return CapSpec(fraction=fraction, text=text)
 
 
 def _bytes_spec(nbytes: int, text: str) -> CapSpec:
-    if nbytes < MiB:
-        raise PolicyError(f"{text!r}: a cap in bytes must be at least 1 MiB; write a fraction as 0.3 or 30%")
-    if nbytes > 64 * TiB:
-        raise PolicyError(f"{text!r} is larger than any GPU")
+    if nbytes < MIN_CAP:
+        raise PolicyError(f"{shown(text)}: a cap in bytes must be at least {MIN_CAP_TEXT}; write a fraction as 0.3 or 30%")
+    if nbytes > MAX_DEVICE:
+        raise PolicyError(f"{shown(text)} is larger than any GPU")
     return CapSpec(nbytes=nbytes, text=text)
 
 
@@ -150,14 +186,14 @@ class Rule:
         return fnmatch.fnmatchcase(user, self.user) and fnmatch.fnmatchcase(kernelspec, self.kernelspec)
 
 
-def parse_rule(entry: Any, position: int) -> Rule:
+def parse_rule(entry: Any, position: int, where: Optional[str] = None) -> Rule:
     """One rule from config, e.g. {"kernelspec": "big-*", "cap": "0.5", "max_cap": "0.8", "devices": 2}."""
-    where = f"caps[{position}]"
+    where = where or f"caps[{position}]"
     if not isinstance(entry, Mapping):
-        raise PolicyError(f"{where} must be a dict like {{'user': 'alice', 'cap': '0.5'}}, not {entry!r}")
-    unknown = sorted(set(entry) - set(RULE_KEYS))
+        raise PolicyError(f"{where} must be a dict like {{'user': 'alice', 'cap': '0.5'}}, not {shown(entry)}")
+    unknown = sorted(set(entry) - set(RULE_KEYS), key=str)
     if unknown:
-        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(RULE_KEYS)}")
+        raise PolicyError(f"{where} has unknown keys {shown(unknown)}; known keys are {list(RULE_KEYS)}")
     if "cap" not in entry:
         raise PolicyError(f"{where} needs a 'cap'")
     for key in ("user", "kernelspec"):
@@ -165,7 +201,7 @@ def parse_rule(entry: Any, position: int) -> Rule:
             raise PolicyError(f"{where}['{key}'] must be a string (a name or a glob pattern)")
     devices = entry.get("devices", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= 64:
-        raise PolicyError(f"{where}['devices'] must be a whole number from 1 to 64, not {devices!r}")
+        raise PolicyError(f"{where}['devices'] must be a whole number from 1 to 64, not {shown(devices)}")
     try:
         cap = parse_cap(entry["cap"])
         max_cap = parse_cap(entry["max_cap"]) if entry.get("max_cap") is not None else None
@@ -225,7 +261,7 @@ def build_policy(
         try:
             return parse(value)
         except PolicyError as error:
-            raise PolicyError(f"c.GpuQuota.{name} = {value!r}: {error}") from None
+            raise PolicyError(f"c.GpuQuota.{name} = {shown(value)}: {error}") from None
 
     default = setting("default_cap", parse_cap, default_cap)
     maximum = setting("max_cap", parse_cap, max_cap)
@@ -234,7 +270,7 @@ def build_policy(
         rules: Union[tuple, Callable[[str, str], Any]] = caps
     else:
         if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
-            raise PolicyError(f"c.GpuQuota.caps = {caps!r}: must be a list of rules or a callable")
+            raise PolicyError(f"c.GpuQuota.caps = {shown(caps)}: must be a list of rules or a callable")
         rules = tuple(setting("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(caps))
         for rule in rules:
             _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or maximum)
@@ -250,11 +286,17 @@ def build_policy(
 
 
 def _check_not_above(name: str, cap: CapSpec, maximum: CapSpec) -> None:
+    if _is_above(cap, maximum):
+        raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
+
+
+def _is_above(cap: CapSpec, maximum: CapSpec) -> bool:
     # Comparable only when both are written the same way; mixed kinds are checked per device later.
-    if cap.fraction is not None and maximum.fraction is not None and cap.fraction > maximum.fraction:
-        raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
-    if cap.nbytes is not None and maximum.nbytes is not None and cap.nbytes > maximum.nbytes:
-        raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
+    if cap.fraction is not None and maximum.fraction is not None:
+        return cap.fraction > maximum.fraction
+    if cap.nbytes is not None and maximum.nbytes is not None:
+        return cap.nbytes > maximum.nbytes
+    return False
 
 
 def parse_overcommit(value: Any) -> Optional[float]:
@@ -289,17 +331,36 @@ class Resolved:
 
 
 def resolve(policy: Policy, user: str, kernelspec: str) -> Resolved:
-    """The first matching rule wins; a callable rule returns a cap, a rule dict, or None (= default)."""
+    """The first matching rule wins; a callable rule returns a cap, a rule dict, or None (= default).
+
+    The server calls a callable off its event loop and handles its failures (QuotaService); here a
+    failure is a PolicyError."""
     if callable(policy.rules):
         try:
             answer = policy.rules(user, kernelspec)
-        except Exception as error:  # the admin's code: a bug there must not stop a kernel
-            raise PolicyError(f"c.GpuQuota.caps callable failed for user {user!r}, kernelspec {kernelspec!r}: {error!r}")
-        if answer is None:
-            return Resolved(policy.default_cap, policy.max_cap, 1, "default")
-        rule = parse_rule(answer if isinstance(answer, Mapping) else {"cap": answer}, 0)
-        return Resolved(rule.cap, rule.max_cap or policy.max_cap, rule.devices, "caps callable")
+        except Exception as error:
+            raise PolicyError(f"c.GpuQuota.caps callable failed for user {shown(user)}, kernelspec {shown(kernelspec)}: {shown(error)}")
+        return resolve_answer(policy, answer)
     for rule in policy.rules:
         if rule.matches(user, kernelspec):
             return Resolved(rule.cap, rule.max_cap or policy.max_cap, rule.devices, rule.label)
-    return Resolved(policy.default_cap, policy.max_cap, 1, "default")
+    return default_resolved(policy)
+
+
+def default_resolved(policy: Policy, source: str = "default") -> Resolved:
+    return Resolved(policy.default_cap, policy.max_cap, 1, source)
+
+
+def resolve_answer(policy: Policy, answer: Any) -> Resolved:
+    """A caps callable's answer, treated like a rule: None is the default policy; a cap or a rule dict
+    gets the rule's max_cap (its own, else c.GpuQuota.max_cap), and a cap above it is clamped to it
+    (a list rule above its max_cap stops the server at start; a callable's answer cannot, so it is clamped).
+    PolicyError when the answer is not a cap or a rule."""
+    if answer is None:
+        return default_resolved(policy)
+    rule = parse_rule(answer if isinstance(answer, Mapping) else {"cap": answer}, 0, where="the caps callable's answer")
+    maximum = rule.max_cap or policy.max_cap
+    if _is_above(rule.cap, maximum):
+        return Resolved(maximum, maximum, rule.devices, f"caps callable (clamped to max_cap {maximum})")
+    # Mixed forms (a size against a fraction) are compared per device: the ledger never grants above max_cap.
+    return Resolved(rule.cap, maximum, rule.devices, "caps callable")

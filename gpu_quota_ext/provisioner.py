@@ -2,23 +2,59 @@
 
 Every kernelspec without a provisioner stanza of its own is launched through it, so every kernel gets
 its grant (and the environment that carries it) before its process exists, with no kernelspec edited.
+
+Admission comes first, before jupyter_client takes anything for the kernel (five ports from its port
+cache, the connection file): a refused start takes nothing. A start that fails later (the launch itself,
+or anything unexpected) gives back everything it took. A refusal is a normal event for a quota: it is
+answered with a clear status and logged in one line, without a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 from typing import Any, Optional
 
+from jupyter_client.connect import LocalPortCache
 from jupyter_client.provisioning import LocalProvisioner
+from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
 from .ledger import AdmissionRefused
 from .policy import PolicyError
+from .service import KernelIdTaken
 
 SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its QuotaService in the web app settings
+
+log = logging.getLogger("gpu_quota_ext")
+
+
+class StartRefused(web.HTTPError):
+    """A kernel start the quota turned down, with the HTTP status and message the client gets."""
+
+
+class _NoRefusalTracebacks(logging.Filter):
+    """jupyter_client logs every failed start with its traceback, twice (the kernel manager's pending
+    state and the multi-kernel manager's start task). For a refusal that is noise: our one line says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StartRefused))
+
+
+_NO_REFUSAL_TRACEBACKS = _NoRefusalTracebacks()
+
+
+def _quiet_refusals(logger: Any) -> None:
+    logger = getattr(logger, "logger", logger)  # a LoggerAdapter's logger
+    if isinstance(logger, logging.Logger) and _NO_REFUSAL_TRACEBACKS not in logger.filters:
+        logger.addFilter(_NO_REFUSAL_TRACEBACKS)
 
 
 class GpuQuotaProvisioner(LocalProvisioner):
     """LocalProvisioner plus a grant: taken in pre_launch, kept on restart, released on shutdown."""
+
+    _start_task: Optional[asyncio.Task] = None
 
     def _service(self) -> Optional[Any]:
         # provisioner -> KernelManager -> MappingKernelManager -> ServerApp, whose web app holds the service
@@ -34,25 +70,33 @@ class GpuQuotaProvisioner(LocalProvisioner):
         return getattr(self.parent, "kernel_name", None) or "unknown"
 
     async def pre_launch(self, **kwargs: Any) -> dict:
-        kwargs = await super().pre_launch(**kwargs)  # merges the kernelspec's own env first
         service = self._service()
         if service is None:
             self.log.warning("gpu-quota-ext: the server extension is not loaded; kernel %s starts without a cap", self.kernel_id)
-            return kwargs
-        env = dict(kwargs.get("env") or {})
+            return await super().pre_launch(**kwargs)
+        if self._start_task is None:
+            self._start_task = asyncio.current_task()  # jupyter_client's pending entry for this start
+        # The environment the kernel will have before our additions (the kernelspec's env merged in), as
+        # the base provisioner computes it: that step takes no ports and writes no file.
+        spec_env = (await KernelProvisionerBase.pre_launch(self, env=kwargs.get("env", os.environ)))["env"]
+        kernelspec = self._kernelspec_name()
         try:
-            updates = service.admit(self.kernel_id, self._kernelspec_name(), kwargs.get("cmd") or self.kernel_spec.argv, env)
+            updates = await service.admit(self.kernel_id, kernelspec, self.kernel_spec.argv, spec_env, holder=self)
         except AdmissionRefused as refusal:
-            self._forget_failed_start()
-            raise web.HTTPError(503, f"GPU quota: kernel not started: {refusal}", reason="GPU budget full") from None
+            raise self._refuse(service, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
+        except KernelIdTaken as taken:
+            raise self._refuse(service, 409, f"GPU quota: kernel not started: {taken}", "Kernel id in use") from None
         except PolicyError as error:
-            self._forget_failed_start()
-            raise web.HTTPError(500, f"GPU quota: {error}", reason="GPU quota policy error") from None
-        except Exception:
-            # Whatever failed after the grant was taken must not keep its budget.
-            self._release()
-            self._forget_failed_start()
+            raise self._refuse(service, 500, f"GPU quota: kernel not started: {error}", "GPU quota policy error") from None
+        except BaseException:
+            self._give_back(service)
             raise
+        try:
+            kwargs = await super().pre_launch(**kwargs)  # ports from jupyter_client's cache, the connection file
+        except BaseException:
+            self._give_back(service)
+            raise
+        env = dict(kwargs.get("env") or {})
         env.update(updates)
         kwargs["env"] = env
         return kwargs
@@ -60,27 +104,58 @@ class GpuQuotaProvisioner(LocalProvisioner):
     async def launch_kernel(self, cmd, **kwargs: Any):
         try:
             return await super().launch_kernel(cmd, **kwargs)
-        except Exception:
-            # The process never started: its grant must not hold budget.
-            self._release()
-            self._forget_failed_start()
+        except BaseException:
+            # The process never started: nothing it was given may stay taken.
+            self._give_back(self._service())
             raise
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
         if not restart:
-            self._release()
+            self._release(self._service())
 
-    def _forget_failed_start(self) -> None:
+    def _refuse(self, service: Any, status: int, message: str, reason: str) -> StartRefused:
+        self._give_back(service)
+        for logger in (self.log, getattr(self.parent, "log", None), getattr(getattr(self.parent, "parent", None), "log", None)):
+            if logger is not None:
+                _quiet_refusals(logger)
+        level = logging.WARNING if status >= 500 else logging.INFO
+        log.log(level, "gpu-quota-ext: kernel %s (%s) refused: %s", self.kernel_id, self._kernelspec_name(), message)
+        return StartRefused(status, message, reason=reason)
+
+    def _give_back(self, service: Any) -> None:
+        """Everything a start that did not happen took: its grant, its ports, its connection file and
+        jupyter_client's pending entry. Safe to call whatever was taken, and more than once."""
+        self._release(service)
+        km = self.parent
+        if km is not None:
+            if self.ports_cached:
+                # What LocalProvisioner.cleanup does at shutdown; it needs connection_info, which a start
+                # that failed early may not have yet, while the kernel manager holds the ports from the start.
+                cache = LocalPortCache.instance()
+                for port in km.ports:
+                    cache.return_port(port)
+                self.ports_cached = False
+            km.cleanup_connection_file()  # only if this start wrote it
+            km.cleanup_ipc_files()
+        self._forget_failed_start(service)
+
+    def _forget_failed_start(self, service: Any) -> None:
         # jupyter_client (8.10) keeps the id of a kernel whose start failed in its pending table for
-        # good; the server's shutdown_all then fails with "Kernel does not exist". A refusal is a
-        # normal event for a quota, so we drop that entry ourselves.
+        # good; the server's shutdown_all then fails with "Kernel does not exist". We drop our own
+        # entry. A start that lost the race for its kernel id had overwritten the winner's entry:
+        # the winner's goes back while it is still starting.
         multi = getattr(self.parent, "parent", None)
         pending = getattr(multi, "_pending_kernels", None)
-        if isinstance(pending, dict):
+        if not isinstance(pending, dict) or self._start_task is None or pending.get(self.kernel_id) is not self._start_task:
+            return
+        winner = service.holder(self.kernel_id) if service is not None else None
+        winner_task = getattr(winner, "_start_task", None)
+        if winner is not self and winner_task is not None and not winner_task.done():
+            pending[self.kernel_id] = winner_task
+        else:
             pending.pop(self.kernel_id, None)
 
-    def _release(self) -> None:
-        service = self._service()
+    def _release(self, service: Any) -> None:
         if service is not None and self.kernel_id:
-            service.release(self.kernel_id)
+            service.release(self.kernel_id, holder=self)

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -120,6 +121,17 @@ async def test_restart_keeps_the_grant_and_shutdown_releases_it(jp_fetch, jp_ser
     assert sum(d["granted"] for d in status["devices"]) == 0
 
 
+async def test_each_grant_is_one_info_line_in_the_log(jp_fetch, jp_serverapp, caplog):
+    caplog.set_level(logging.INFO, logger="gpu_quota_ext")
+    kernel_id = await start_kernel(jp_fetch)
+    await restart_kernel(jp_fetch, kernel_id)  # keeps its grant: no second line
+    lines = [r for r in caplog.records if r.name == "gpu_quota_ext" and kernel_id in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].getMessage() == (
+        f"gpu-quota-ext: kernel {kernel_id} (python3) granted 20.0 GiB on device 0 (max 40.0 GiB; source: default)"
+    )
+
+
 async def test_user_pythonstartup_still_runs(jp_fetch, jp_serverapp, tmp_path, monkeypatch):
     startup = tmp_path / "startup.py"
     startup.write_text("FROM_MY_STARTUP = 42\n")
@@ -150,6 +162,16 @@ async def test_a_non_python_kernel_gets_the_environment_and_starts(jp_fetch, jp_
         "PYTHONSTARTUP=None",
         "TINY_OWN=kept",
     ]
+
+
+async def test_a_non_python_kernel_never_holds_the_kernel_secret(jp_fetch, jp_serverapp, tiny_kernelspec):
+    # Issue 10, item 9: no bootstrap removes the secret from a non-Python kernel's environment, where
+    # every child process and printed environment would show it; it cannot use %gpucap anyway.
+    kernel_id = await start_kernel(jp_fetch, tiny_kernelspec)
+    out = await execute(jp_serverapp, kernel_id, "GPU_QUOTA_KERNEL_TOKEN GPU_QUOTA_API_URL CUPY_GPU_MEMORY_LIMIT")
+    assert out.split() == ["GPU_QUOTA_KERNEL_TOKEN=None", "GPU_QUOTA_API_URL=None", f"CUPY_GPU_MEMORY_LIMIT={20 * GiB}"]
+    # No secret was made for it either: nothing can act as this kernel through the API.
+    assert kernel_id not in jp_serverapp.web_app.settings["gpu_quota_service"]._tokens
 
 
 class TestConcurrentStarts:

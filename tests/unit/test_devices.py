@@ -47,3 +47,21 @@ def test_static_devices():
     for bad in ("80GiB", [{"name": "A"}], [{"total": "0.5"}], [{"total": "lots"}]):
         with pytest.raises(PolicyError, match="StaticInventory.devices"):
             parse_static_devices(bad)
+
+
+def test_static_devices_with_the_same_uuid_are_refused_naming_both():
+    # Issue 10, item 13: two entries that claim one device would be granted and watched as two.
+    entries = [{"total": "16GiB", "uuid": "GPU-x"}, {"total": "16GiB", "uuid": "GPU-y"}, {"total": "16GiB", "uuid": "GPU-x"}]
+    with pytest.raises(PolicyError, match=r"c.StaticInventory.devices\[0\] and c.StaticInventory.devices\[2\] have the same uuid 'GPU-x'"):
+        parse_static_devices(entries)
+    # An explicit uuid can clash with a default one too.
+    with pytest.raises(PolicyError, match=r"devices\[0\] and c.StaticInventory.devices\[1\] have the same uuid 'static-0'"):
+        parse_static_devices([{"total": "16GiB"}, {"total": "16GiB", "uuid": "static-0"}])
+    # Same names are fine: only the uuid identifies a device.
+    assert len(parse_static_devices([{"total": "16GiB", "name": "A"}, {"total": "16GiB", "name": "A"}])) == 2
+
+
+def test_a_huge_static_entry_is_echoed_short():
+    with pytest.raises(PolicyError) as error:
+        parse_static_devices([{"total": "1" * 1_000_000 + "x"}])
+    assert len(str(error.value)) < 250

@@ -58,6 +58,29 @@ def test_non_python_kernels_get_the_environment_only():
     assert "PYTHONSTARTUP" not in env and env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
 
 
+def test_non_python_kernels_never_get_the_secret():
+    # Issue 10, item 9: only the Python bootstrap moves the secret out of the environment.
+    env = launch_env(grant(), DEVICES, {}, api_url="http://127.0.0.1:8888/", token="s3cret", python_kernel=False)
+    assert "GPU_QUOTA_KERNEL_TOKEN" not in env and "GPU_QUOTA_API_URL" not in env
+    assert env["CUPY_GPU_MEMORY_LIMIT"] == str(35 * GiB) and env["GPU_QUOTA_KERNEL_ID"] == "kid"
+
+
+def test_an_inherited_limit_that_is_not_positive_is_ignored():
+    # Issue 10, item 3: CuPy reads 0 as "no limit"; JAX's 0 is no use either. Ours is written instead.
+    for bad in ("0", "00", "-5", "abc", "", " ", "1e9"):
+        env = launch_env(grant(), DEVICES, {"CUPY_GPU_MEMORY_LIMIT": bad, "XLA_PYTHON_CLIENT_MEM_FRACTION": bad})
+        assert env["CUPY_GPU_MEMORY_LIMIT"] == str(35 * GiB), bad
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500", bad
+    assert launch_env(grant(), DEVICES, {"CUPY_GPU_MEMORY_LIMIT": "1048576"})["CUPY_GPU_MEMORY_LIMIT"] == "1048576"
+
+
+def test_the_smallest_cap_is_never_written_as_zero():
+    one_mib = launch_env(grant(devices=(0,), cap=1 << 20), DEVICES, {})
+    assert one_mib["CUPY_GPU_MEMORY_LIMIT"] == str(1 << 20)
+    fraction = one_mib["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    assert 0 < float(fraction) <= (1 << 20) / (140 * GiB) and fraction == "0.000006"
+
+
 def test_cpu_only_grant_hides_the_gpus():
     env = launch_env(grant(devices=(), reason="full"), DEVICES, {})
     assert env["CUDA_VISIBLE_DEVICES"] == ""

@@ -183,3 +183,50 @@ def test_lowering_a_cap_is_always_granted_even_on_an_overfull_device():
     ledger._books[0].budget = 40 * GiB  # over budget by 40 GiB
     outcome = ledger.change("a", parse_cap("0.75"))
     assert outcome.status == "granted" and outcome.grant.caps == {0: 60 * GiB}
+
+
+def test_a_clamped_reset_says_who_asked_and_what_was_left():
+    # Issue 10, item 12: the admin's reset is recorded as theirs, and "left" is the budget that was left.
+    ledger, policy = make(devices=TWO_GPUS[:1], overcommit=0.5, max_cap="0.5")
+    admit(ledger, policy, "a")  # 20 GiB of a 40 GiB budget
+    admit(ledger, policy, "b")  # full
+    ledger.change("a", parse_cap("8GiB"))  # 12 GiB back
+    ledger.change("b", parse_cap("0.375"))  # b takes 10 of them: 2 GiB left
+    outcome = ledger.reset("a", source="user request")
+    assert outcome.status == "clamped"
+    assert outcome.message == "clamped to 10.0 GiB: only 2.0 GiB of device 0's budget was left"
+    assert outcome.grant.source == "user request (reset, clamped to the budget)"
+    # A reset that fits is the policy's cap again, whoever asked.
+    ledger.change("b", parse_cap("8GiB"))
+    assert ledger.reset("a", source="user request").grant.source == "policy"
+
+
+def test_a_change_clamped_by_the_budget_names_the_cap_and_what_was_left():
+    ledger, policy = make(devices=TWO_GPUS[:1], overcommit=1.0, max_cap="1.0")
+    admit(ledger, policy, "a")
+    admit(ledger, policy, "b")  # 40 GiB left
+    outcome = ledger.change("a", parse_cap("1.0"), source="user request")
+    assert outcome.message == "clamped to 60.0 GiB: only 40.0 GiB of device 0's budget was left"
+    assert outcome.grant.source == "user request"
+
+
+def test_a_fraction_below_one_mib_on_a_device_is_refused_where_it_becomes_bytes():
+    # Issue 10, item 3: 1e-7 of 80 GiB is 8.4 KiB. Fine as a fraction, no use as a cap.
+    ledger, policy = make(default_cap="0.0000001")
+    with pytest.raises(PolicyError, match=r"device 0 \(80.0 GiB\) is 8.4 KiB: a cap must be at least 1 MiB"):
+        admit(ledger, policy, "k")
+    assert ledger.grants() == [] and ledger.usage()[0]["granted"] == 0
+    ledger, policy = make()
+    before = admit(ledger, policy, "k")
+    with pytest.raises(PolicyError, match="at least 1 MiB"):
+        ledger.change("k", parse_cap("0.0000001"))
+    assert ledger.get("k") == before
+    # 1 MiB exactly is a cap.
+    assert ledger.change("k", parse_cap("1MiB")).grant.caps == {before.devices[0]: 1 << 20}
+
+
+def test_a_cap_never_exceeds_max_cap_even_written_in_another_form():
+    # 12 GiB against a max_cap of 0.1 x 80 GiB = 8 GiB: comparable only on the device.
+    ledger, policy = make(default_cap="12GiB", max_cap="0.1")
+    grant = admit(ledger, policy, "k")
+    assert grant.caps == {0: int(0.1 * 80 * GiB)} and grant.max_caps == {0: int(0.1 * 80 * GiB)}

@@ -6,12 +6,14 @@ from hypothesis import given, strategies as st
 from gpu_quota_ext.policy import (
     GiB,
     MiB,
+    TiB,
     CapSpec,
     PolicyError,
     build_policy,
     format_bytes,
     parse_cap,
     resolve,
+    resolve_answer,
 )
 
 TOTAL = 80 * GiB
@@ -73,8 +75,12 @@ def test_any_string_is_a_cap_or_a_clear_error(text):
         assert str(error)  # a message, never empty
         return
     assert isinstance(spec, CapSpec)
-    nbytes = spec.to_bytes(TOTAL)
-    assert 0 <= nbytes <= TOTAL
+    try:
+        nbytes = spec.to_bytes(TOTAL)
+    except PolicyError as error:  # a fraction that is less than 1 MiB of this device
+        assert spec.fraction is not None and "at least 1 MiB" in str(error)
+        return
+    assert MiB <= nbytes <= TOTAL
     assert (spec.fraction is None) != (spec.nbytes is None)
 
 
@@ -152,3 +158,72 @@ def test_defaults_and_overcommit_forms():
     assert build_policy("0.25", "1.0", overcommit="1.5").overcommit == 1.5
     assert build_policy("0.25", "1.0", overcommit="none").overcommit is None
     assert build_policy("0.25", "1.0", placement=" PACK ").placement == "pack"
+
+
+# --- issue 10: no cap below 1 MiB; a callable's answer obeys max_cap; short messages --------------
+
+
+@pytest.mark.parametrize("value", ["0.00000000001", 1e-320, "0.000000001%", 5e-324])
+def test_a_fraction_too_small_for_any_gpu_is_refused_when_parsed(value):
+    with pytest.raises(PolicyError, match="less than 1 MiB of any GPU"):
+        parse_cap(value)
+
+
+def test_a_fraction_is_checked_on_each_device_where_it_becomes_bytes():
+    spec = parse_cap("0.0000001")  # 1.7 KiB of 16 GiB, 6.9 MiB of 64 TiB: only the device can tell
+    with pytest.raises(PolicyError, match=r"of device 3 \(16.0 GiB\) is 1.7 KiB: a cap must be at least 1 MiB"):
+        spec.to_bytes(16 * GiB, "device 3")
+    assert spec.to_bytes(64 * TiB) >= MiB
+    assert parse_cap(MiB / (16 * GiB)).to_bytes(16 * GiB) == MiB
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"default_cap": "0.00000000001"}, r"c.GpuQuota.default_cap = '0.00000000001': .*1 MiB"),
+        ({"caps": [{"user": "a", "cap": "0.00000000001"}]}, r"c.GpuQuota.caps = .*caps\[0\]: .*1 MiB"),
+        ({"caps": [{"cap": "0.25", "max_cap": 1e-320}]}, r"caps\[0\]: .*1 MiB"),
+    ],
+)
+def test_config_below_the_floor_stops_at_start(settings, words):
+    with pytest.raises(PolicyError, match=words):
+        build_policy(**{"default_cap": "0.25", "max_cap": "1.0", **settings})
+
+
+def test_a_huge_value_is_echoed_short():
+    # Issue 10, item 8: a 1 MB cap string gives a short message, not a 1 MB one.
+    for value in ["x" * 1_000_000, "0." + "0" * 1_000_000 + "1", "1" * 1_000_000 + "GiB", ["a"] * 100_000]:
+        with pytest.raises(PolicyError) as error:
+            parse_cap(value)
+        assert len(str(error.value)) < 250 and "..." in str(error.value)
+    with pytest.raises(PolicyError) as error:
+        build_policy("0.25", "1.0", caps=[{"cap": "9" * 1_000_000}])
+    assert len(str(error.value)) < 400
+    with pytest.raises(PolicyError) as error:
+        build_policy("0.25", "1.0", caps=[{"cap": "0.2", "devices": "z" * 1_000_000}])
+    assert len(str(error.value)) < 300
+    long_but_valid = parse_cap("0.2" + "0" * 1_000_000)
+    assert long_but_valid.fraction == 0.2 and len(str(long_but_valid)) <= 60
+
+
+@pytest.mark.parametrize(
+    "answer, cap, max_cap, source",
+    [
+        ("1.0", 0.5, 0.5, "caps callable (clamped to max_cap 0.5)"),
+        ("0.3", 0.3, 0.5, "caps callable"),
+        ({"cap": "1.0", "max_cap": "0.8"}, 0.8, 0.8, "caps callable (clamped to max_cap 0.8)"),
+        ({"cap": "0.7", "max_cap": "0.8", "devices": 2}, 0.7, 0.8, "caps callable"),
+        (None, 0.25, 0.5, "default"),
+    ],
+)
+def test_a_callable_answer_is_a_rule_clamped_to_its_max_cap(answer, cap, max_cap, source):
+    resolved = resolve_answer(build_policy("0.25", "0.5", caps=lambda user, spec: answer), answer)
+    assert (resolved.cap.fraction, resolved.max_cap.fraction, resolved.source) == (cap, max_cap, source)
+    policy = build_policy("0.25", "0.5", caps=lambda user, spec: answer)
+    assert resolve(policy, "u", "python3") == resolved
+
+
+@pytest.mark.parametrize("answer", ["abc", 1e-320, {"cap": "0.3", "colour": "red"}, {"user": "x"}, object()])
+def test_a_callable_answer_that_is_not_a_cap_is_a_policy_error(answer):
+    with pytest.raises(PolicyError, match="the caps callable's answer"):
+        resolve_answer(build_policy("0.25", "0.5"), answer)

@@ -1,0 +1,108 @@
+"""Issue 10, item 3: no cap below 1 MiB enters anywhere, and no framework variable is ever written as 0.
+
+CuPy reads CUPY_GPU_MEMORY_LIMIT=0 as "no limit": a cap of 0 bytes would be no cap at all. Real server,
+real kernels, the REST API, the magic and the server's own environment.
+"""
+
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+from traitlets.config import Config
+
+from gpu_quota_ext.policy import GiB
+
+from .cell_output import run_cell
+from .kernels import kernel_env, start_kernel, static_devices_config
+from .test_bad_config import STATIC, start_server
+
+DEVICE_TOTAL = 80 * GiB
+POLICY_CAP = int(0.25 * DEVICE_TOTAL)
+
+
+@pytest.fixture
+def jp_server_config():
+    return Config(static_devices_config("80GiB", default_cap="0.25", max_cap="0.5"))
+
+
+async def caps(jp_fetch, kernel_id):
+    record = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
+    return [d["cap"] for d in record["devices"]]
+
+
+@pytest.mark.parametrize(
+    "cap, words",
+    [
+        (1e-320, "less than 1 MiB of any GPU"),
+        ("0.00000000001", "less than 1 MiB of any GPU"),
+        ("0.0000001", "of device 0 (80.0 GiB) is 8.4 KiB: a cap must be at least 1 MiB"),
+        (1000, "at least 1 MiB"),
+    ],
+)
+async def test_the_api_refuses_a_cap_below_one_mib(jp_fetch, jp_serverapp, cap, words):
+    kernel_id = await start_kernel(jp_fetch)
+    with pytest.raises(HTTPClientError) as error:
+        await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": cap}))
+    assert error.value.code == 400
+    assert words in json.loads(error.value.response.body)["message"]
+    assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]
+
+
+@pytest.mark.parametrize("line", ["%gpucap 0.00000000001", "%gpucap 0.0000001"])
+async def test_the_magic_refuses_a_cap_below_one_mib(jp_fetch, jp_serverapp, line):
+    kernel_id = await start_kernel(jp_fetch)
+    out = await run_cell(jp_serverapp, kernel_id, line)
+    assert out.status == "ok" and out.errors == [] and "Traceback" not in out.stderr
+    (error,) = out.stderr.strip().splitlines()
+    assert error.startswith("gpu-quota: error: ") and "1 MiB" in error
+    assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]
+    env = await kernel_env(jp_serverapp, kernel_id, ["CUPY_GPU_MEMORY_LIMIT"])
+    assert env["CUPY_GPU_MEMORY_LIMIT"] == str(POLICY_CAP)
+
+
+@pytest.mark.parametrize("inherited", ["0", "-1", "garbage"])
+async def test_an_inherited_limit_of_zero_is_not_passed_on(jp_fetch, jp_serverapp, monkeypatch, inherited):
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", inherited)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", inherited)
+    kernel_id = await start_kernel(jp_fetch)
+    env = await kernel_env(jp_serverapp, kernel_id, ["CUPY_GPU_MEMORY_LIMIT", "XLA_PYTHON_CLIENT_MEM_FRACTION"])
+    assert env == {"CUPY_GPU_MEMORY_LIMIT": str(POLICY_CAP), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2500"}
+
+
+class TestCallableAnsweringZero:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("80GiB", default_cap="0.25", caps=lambda user, kernelspec: 1e-320))
+
+    async def test_a_callable_below_the_floor_gives_the_default_policy(self, jp_fetch, jp_serverapp, caplog):
+        kernel_id = await start_kernel(jp_fetch)
+        assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "gpu_quota_ext" and r.levelname == "WARNING" and "caps callable" in r.getMessage()]
+        assert len(warnings) == 1 and "1 MiB" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "args, config, expected",
+    [
+        (["--GpuQuota.default_cap=0.00000000001"], None, "c.GpuQuota.default_cap = '0.00000000001'"),
+        ([], {"GpuQuota": {"caps": [{"user": "*", "cap": "0.000000001%"}]}}, "c.GpuQuota.caps"),
+        (["--GpuQuota.max_cap=0.00000000001", "--GpuQuota.default_cap=1MiB"], None, "c.GpuQuota.max_cap"),
+    ],
+)
+def test_a_config_cap_below_one_mib_stops_the_server(tmp_path, args, config, expected):
+    returncode, stderr = start_server(tmp_path, STATIC + args, None, config)
+    assert returncode not in (None, 0), "the server kept running with a cap below 1 MiB"
+    ours = [line for line in stderr.splitlines() if "gpu-quota-ext: invalid configuration" in line]
+    assert len(ours) == 1 and expected in ours[0] and "1 MiB" in ours[0], stderr
+
+
+async def test_a_huge_cap_is_echoed_short(jp_fetch, jp_serverapp):
+    # Issue 10, item 8 (the part in policy.py): the answer quotes at most about 60 characters of the input.
+    kernel_id = await start_kernel(jp_fetch)
+    for cap in ["9" * 50_000 + "x", "0." + "0" * 50_000 + "1"]:
+        with pytest.raises(HTTPClientError) as error:
+            await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": cap}))
+        assert error.value.code == 400
+        message = json.loads(error.value.response.body)["message"]
+        assert len(message) < 250 and "..." in message, message
+    assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]

@@ -1,0 +1,181 @@
+"""Issue 10, items 1 and 6: a start that does not happen costs nothing that outlives it.
+
+A real server, real kernels, real REST calls. After hundreds of refused starts, a failed launch or a
+start that loses a race for its kernel id, nothing is left behind: no connection file, no port held in
+jupyter_client's port cache, no grant, no pending entry, no process; and the server still answers.
+"""
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import psutil
+import pytest
+from jupyter_client.connect import LocalPortCache
+from tornado.httpclient import HTTPClientError
+from traitlets.config import Config
+
+from .fake_gpu import service_of
+from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config, write_kernelspec
+
+
+class LogLines(logging.Handler):
+    """Every record of the loggers a refusal could write to (the server's own logger does not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def tracebacks(self):
+        return [r for r in self.records if r.exc_info or "Traceback" in r.getMessage()]
+
+    def ours(self):
+        return [r for r in self.records if r.name == "gpu_quota_ext"]
+
+
+@pytest.fixture
+def server_log(jp_serverapp):
+    handler = LogLines()
+    loggers = [jp_serverapp.log, logging.getLogger("gpu_quota_ext"), logging.getLogger("tornado.application"),
+               logging.getLogger("tornado.general")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    yield handler
+    for logger, level in zip(loggers, levels):
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def leftovers(serverapp) -> dict:
+    """What a start may take and must give back when it does not happen."""
+    km = serverapp.kernel_manager
+    service = service_of(serverapp)
+    return {
+        "connection files": sorted(p.name for p in Path(km.connection_dir).glob("kernel-*.json")),
+        "reserved ports": len(LocalPortCache.instance().currently_used_ports),
+        "pending": sorted(km._pending_kernels),
+        "kernels": sorted(km.list_kernel_ids()),
+        "grants": sorted(g.kernel_id for g in service.ledger.grants()),
+        "secrets": sorted(service._tokens),
+    }
+
+
+def kernel_processes(kernel_id=None):
+    """This test process runs the server: its kernels are its children."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "kernel-" in cmdline and (kernel_id is None or f"kernel-{kernel_id}.json" in cmdline):
+            found.append(child)
+    return found
+
+
+async def post_start(jp_fetch, **body):
+    """POST /api/kernels; (status, answer)."""
+    try:
+        response = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3", **body}))
+    except HTTPClientError as error:
+        return error.code, json.loads(error.response.body)
+    return response.code, json.loads(response.body)
+
+
+class TestRefusalsLeaveNothing:
+    @pytest.fixture
+    def jp_server_config(self):
+        # One 16 GiB device, budget 8 GiB, 8 GiB caps: the first kernel fills it, every later start is refused.
+        return Config(static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse"))
+
+    async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(self, jp_fetch, jp_serverapp, server_log):
+        holder = await start_kernel(jp_fetch)
+        before = leftovers(jp_serverapp)
+        assert before["grants"] == [holder] and before["reserved ports"] >= 5
+        server_log.records.clear()
+
+        answers = []
+        for _ in range(6):  # 300 refused starts, 50 at a time
+            answers += await asyncio.gather(*(post_start(jp_fetch) for _ in range(50)))
+
+        assert {code for code, _ in answers} == {503}
+        assert all("no GPU has 0.5 of budget left" in answer["message"] for _, answer in answers)
+        assert leftovers(jp_serverapp) == before
+        assert server_log.tracebacks() == []
+        refusals = [r for r in server_log.ours() if "refused" in r.getMessage()]
+        assert len(refusals) == 300 and all(r.levelno in (logging.INFO, logging.WARNING) for r in refusals)
+        # The server still answers, and the kernel that holds the budget still runs.
+        assert json.loads((await jp_fetch("api", "gpu-quota", "status")).body)["kernels"][0]["id"] == holder
+        assert (await execute(jp_serverapp, holder, "print(6 * 7)")).strip() == "42"
+        await shutdown_kernel(jp_fetch, holder)
+        assert leftovers(jp_serverapp)["reserved ports"] == before["reserved ports"] - 5
+
+
+@pytest.fixture
+def broken_kernelspec(jp_kernel_dir, tmp_path):
+    """A kernelspec whose program does not exist: the launch itself fails."""
+    spec = {"argv": [str(tmp_path / "no-such-kernel"), "-f", "{connection_file}"], "display_name": "Broken", "language": "python"}
+    return write_kernelspec(jp_kernel_dir, "broken", spec)
+
+
+class TestFailedLaunch:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("16GiB", default_cap="0.25", overcommit=1.0, on_full="refuse"))
+
+    async def test_a_launch_that_fails_gives_back_its_grant_ports_and_file(self, jp_fetch, jp_serverapp, broken_kernelspec):
+        before = leftovers(jp_serverapp)
+        for _ in range(3):
+            code, _answer = await post_start(jp_fetch, name=broken_kernelspec)
+            assert code == 500
+        assert leftovers(jp_serverapp) == before
+        # The budget it briefly held is free: four 0.25 kernels still fit.
+        ids = [await start_kernel(jp_fetch) for _ in range(4)]
+        assert len(service_of(jp_serverapp).ledger.grants()) == 4
+        for kernel_id in ids:
+            await shutdown_kernel(jp_fetch, kernel_id)
+
+
+class TestPolicyErrorAtStart:
+    @pytest.fixture
+    def jp_server_config(self):
+        # 1e-7 of 16 GiB is 1.7 KiB: below the 1 MiB floor on this device, known only at the start.
+        return Config(static_devices_config("16GiB", caps=[{"kernelspec": "python3", "cap": "0.0000001"}]))
+
+    async def test_a_cap_below_the_floor_fails_the_start_cleanly(self, jp_fetch, jp_serverapp, server_log):
+        before = leftovers(jp_serverapp)
+        code, answer = await post_start(jp_fetch)
+        assert code == 500
+        assert "1 MiB" in answer["message"] and "device 0" in answer["message"]
+        assert leftovers(jp_serverapp) == before
+        assert server_log.tracebacks() == []
+
+
+class TestSameKernelIdAtOnce:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("16GiB", "16GiB", default_cap="0.25"))
+
+    async def test_three_starts_with_one_id_give_one_process_and_one_grant(self, jp_fetch, jp_serverapp):
+        kernel_id = "0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b11"
+        before = leftovers(jp_serverapp)
+        answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(3)))
+        codes = sorted(code for code, _ in answers)
+        assert codes[0] == 201 and all(code in (201, 409) for code in codes), answers
+        refused = [answer for code, answer in answers if code == 409]
+        assert all(kernel_id in answer["message"] and "already" in answer["message"] for answer in refused)
+        assert len(kernel_processes(kernel_id)) == 1
+        grants = service_of(jp_serverapp).ledger.grants()
+        assert [g.kernel_id for g in grants] == [kernel_id]
+        assert sum(len(g.devices) for g in grants) == 1
+        assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
+
+        await shutdown_kernel(jp_fetch, kernel_id)
+        assert kernel_processes(kernel_id) == []
+        assert leftovers(jp_serverapp) == before
