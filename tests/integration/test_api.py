@@ -304,7 +304,7 @@ async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch,
     long_cap = "x" * 60_000
     error = await expect_status(put({"cap": long_cap}), 400)
     message = json.loads(error.response.body)["message"]
-    assert len(message) < 300 and "…" in message and "60000 characters" in message, message
+    assert len(message) < 300 and "..." in message, message
     assert max(len(r.getMessage()) for r in caplog.records) < 500
     error = await expect_status(put({"cap": int("9" * 4000)}), 400)
     assert len(json.loads(error.response.body)["message"]) < 300
