@@ -40,8 +40,11 @@ class GpuQuotaProvisioner(LocalProvisioner):
             self.log.warning("gpu-quota-ext: the server extension is not loaded; kernel %s starts without a cap", self.kernel_id)
             return kwargs
         env = dict(kwargs.get("env") or {})
+        probe = await service.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
         try:
-            updates = service.admit(self.kernel_id, self._kernelspec_name(), kwargs.get("cmd") or self.kernel_spec.argv, env)
+            updates = service.admit(
+                self.kernel_id, self._kernelspec_name(), kwargs.get("cmd") or self.kernel_spec.argv, env, probe=probe
+            )
         except AdmissionRefused as refusal:
             self._forget_failed_start()
             raise web.HTTPError(503, f"GPU quota: kernel not started: {refusal}", reason="GPU budget full") from None

@@ -15,6 +15,8 @@ import threading
 from typing import Callable, Dict, List, Mapping, Optional
 
 from .devices import Device, parse_cuda_visible_devices
+from .hard_cap import HardCapLayer
+from .hard_limit import HardCapSettings, Probe
 from .launch_env import is_python_kernel, launch_env
 from .ledger import Grant, Ledger
 from .policy import Policy, resolve
@@ -51,10 +53,14 @@ class QuotaService:
         self._tokens_lock = threading.Lock()
         # Usage lives in the monitor (set by the app once the server's kernel manager exists); caps in the ledger.
         self.monitor = None
+        # The hard limit (MPS): off until the app starts it from c.GpuQuota.hard_cap.
+        self.hard_cap = HardCapLayer(HardCapSettings())
 
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 
-    def admit(self, kernel_id: str, kernelspec: str, argv, env: Mapping[str, str]) -> Dict[str, str]:
+    def admit(
+        self, kernel_id: str, kernelspec: str, argv, env: Mapping[str, str], probe: Optional[Probe] = None
+    ) -> Dict[str, str]:
         """Grant (or find, on restart) the kernel's caps; return the variables its environment gets.
 
         Raises AdmissionRefused (on_full="refuse") or PolicyError (a caps callable that failed).
@@ -69,11 +75,13 @@ class QuotaService:
             api_url=self._api_url(),
             token=self.token_for(kernel_id),
             python_kernel=is_python_kernel(argv),
+            hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
 
     def release(self, kernel_id: str) -> Optional[Grant]:
         with self._tokens_lock:
             self._tokens.pop(kernel_id, None)
+        self.hard_cap.forget(kernel_id)
         return self.ledger.release(kernel_id)
 
     def _pinned_devices(self, env: Mapping[str, str]) -> Optional[List[int]]:
