@@ -5,6 +5,7 @@
  */
 
 import { formatPair } from './format';
+import { IKernelLayers } from './layers';
 
 // --- the server's contract: GET /api/gpu-quota/status (fields marked ? may be missing) ----------
 
@@ -51,6 +52,7 @@ export interface IKernelStatus {
   cpu_only_reason?: string | null;
   devices: IKernelDevice[];
   last_action?: ILastAction | null;
+  layers?: IKernelLayers | null;
 }
 
 export interface IQuotaStatus {
