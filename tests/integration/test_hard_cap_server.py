@@ -4,81 +4,18 @@ hard_cap = "mps" without a usable daemon stops the server at start with one line
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from .fake_mps import FAKE_CONTROL, alive, control, fake_processes, short_tmp, wait_until  # noqa: F401
+from .servers import Server
 
-TOKEN = "hard-cap-test"
 DEVICES = '[{"name": "Test GPU", "total": "80GiB", "uuid": "GPU-0000-test"}]'
-
-
-class Server:
-    """`python -m jupyter_server` with gpu_quota_ext, its stderr collected by a thread."""
-
-    def __init__(self, runtime: Path, args, env_extra=None):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
-        env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(runtime / "config"), **(env_extra or {}))
-        command = [
-            sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--port=0",
-            f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={runtime}",
-            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}",
-            "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory",
-            f"--StaticInventory.devices={DEVICES}", *args,
-        ]
-        self.lines: list = []
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    def url(self):
-        for line in self.lines:
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
-            if match:
-                return f"http://127.0.0.1:{match.group(1)}"
-        return None
-
-    def wait_serving(self):
-        return wait_until(lambda: self.url() or (self.process.poll() is not None and self.fail()), timeout=60)
-
-    def fail(self):
-        raise AssertionError("the server exited:\n" + "".join(self.lines))
-
-    def api(self, path, method="GET", body=None):
-        request = urllib.request.Request(
-            self.url() + path, method=method, data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {TOKEN}"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as answer:
-                return json.loads(answer.read() or b"null")
-        except urllib.error.URLError as error:
-            raise AssertionError(f"{method} {path}: {error}\n" + "".join(self.lines)) from None
-
-    def exit_code(self, timeout=60):
-        code = self.process.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code
-
-    def kill(self):
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory", f"--StaticInventory.devices={DEVICES}"]
 
 
 @pytest.fixture
@@ -89,7 +26,12 @@ def runtime(short_tmp):
 @pytest.fixture
 def servers():
     started = []
-    yield lambda *a, **k: started.append(Server(*a, **k)) or started[-1]
+
+    def start(runtime, args, env_extra=None):
+        started.append(Server(runtime, STATIC + list(args), env_extra))
+        return started[-1]
+
+    yield start
     for server in started:
         server.kill()
 
@@ -112,6 +54,8 @@ def test_the_managed_daemon_lives_exactly_as_long_as_its_server(servers, runtime
     # A kernel, and an MPS server of this user on the daemon (as a kernel's first CUDA call would start).
     kernel = server.api("/api/kernels", "POST", {"name": "python3"})
     assert server.api(f"/api/gpu-quota/kernels/{kernel['id']}")["layers"]["hard_limit"]["mps"]["0"] > 0
+    seen = server.run(kernel["id"], "import os; print(os.environ['CUDA_MPS_PIPE_DIRECTORY'])").strip()
+    assert seen == pipe
     control(pipe, f"start_server -uid {os.getuid()}\n")
     (mps_server,) = [int(p) for p in control(pipe, "get_server_list\n").split()]
 
