@@ -56,6 +56,9 @@ def find_control(name: str) -> Optional[str]:
 
 def _control_env(pipe_directory: str, log_directory: Optional[str]) -> Dict[str, str]:
     env = dict(os.environ)
+    # A daemon started under CUDA_VISIBLE_DEVICES renumbers the devices its servers show clients (NVIDIA's
+    # MPS documentation): kernels name theirs by UUID or NVML index, so the daemon must see them all.
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     env[PIPE_VARIABLE] = pipe_directory
     if log_directory:
         env[LOG_VARIABLE] = log_directory

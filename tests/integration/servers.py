@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -30,12 +31,15 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
         env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {}))
         command = [
-            *prefix, sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--port=0",
+            *prefix, sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1", "--port=0",
             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={runtime}",
             "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}", *args,
         ]
         self.lines: list = []
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # A session of its own: kill() reaches a server started through runuser, which forks it.
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -76,10 +80,22 @@ class Server:
         self._reader.join(timeout=10)
         return code
 
-    def kill(self):
+    def kill(self, grace: float = 30):
+        """SIGTERM (the server shuts its kernels down), then SIGKILL to what is left of its group."""
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def run_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> str:
