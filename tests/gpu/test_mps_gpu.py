@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
+from ..integration.fake_gpu import wait_for
 from ..integration.fake_mps import alive, jp_runtime_dir, other_user, short_tmp, wait_until  # noqa: F401
 from ..integration.kernels import execute, kernel_env, restart_kernel, start_kernel, write_kernelspec
 from ..integration.servers import Server
@@ -205,7 +206,7 @@ async def test_a_subprocess_that_clears_its_environment_is_caught_by_a_layer(jp_
         action = monitor.last_action(kernel_id)
         return action if action and action["action"] == "warn" else None
 
-    action = wait_until(warned, timeout=30)
+    action = await wait_for(warned, timeout=30)  # async: the monitor samples on this event loop
     record("mps cleared-environment child: caught by the watchdog instead", action)
 
 
@@ -275,7 +276,7 @@ async def test_the_monitor_sees_an_mps_kernels_memory(jp_fetch, jp_serverapp):
     pid = kernel_pid(jp_serverapp, kernel_id)
     monitor = jp_serverapp.web_app.settings["gpu_quota_service"].monitor
     ticks = monitor.ticks
-    wait_until(lambda: monitor.ticks >= ticks + 3, timeout=30)
+    await wait_for(lambda: monitor.ticks >= ticks + 3, timeout=30)
     state = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(state["devices"][0]["index"])
@@ -419,8 +420,9 @@ def test_a_second_users_kernel_starts_without_the_hard_layer_and_does_not_hang(r
         server = Server(
             user_runtime,
             ["--GpuQuota.hard_cap=auto", "--GpuQuota.mps_daemon=external", "--GpuQuota.default_cap=16GiB", "--GpuQuota.mps_timeout=5"],
-            {"CUDA_MPS_PIPE_DIRECTORY": str(shared), "HOME": str(user_runtime)},
-            prefix=["runuser", "-u", "gq-mps-other", "--"],
+            {"CUDA_MPS_PIPE_DIRECTORY": str(shared), "JUPYTER_DATA_DIR": str(user_runtime / "data"), "IPYTHONDIR": str(user_runtime / "ipython")},
+            # runuser sets HOME to the user's (absent) home: give it one it can write.
+            prefix=["runuser", "-u", "gq-mps-other", "--", "env", f"HOME={user_runtime}"],
         )
         server.wait_serving(timeout=120)
         hard_cap = server.api("/api/gpu-quota/status")["hard_cap"]
