@@ -258,7 +258,7 @@ class GpuQuota(ExtensionApp):
         )
         service.hard_cap = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
         try:
-            service.hard_cap.start()
+            service.hard_cap.start(policy, devices)
         except HardCapUnavailable as error:
             self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
         service.monitor = Monitor(

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device
 from .hard_limit import (
@@ -26,10 +26,13 @@ from .hard_limit import (
     KernelLayers,
     Probe,
     Route,
+    ceiling_commands,
+    ceilings,
     decide,
     layers_summary,
 )
 from .ledger import Grant
+from .policy import Policy
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
 
 log = logging.getLogger("gpu_quota_ext")
@@ -68,6 +71,8 @@ class HardCapLayer:
         self.daemon: Optional[ManagedDaemon] = None
         self.last_problem: Optional[str] = None
         self.directory: Optional[str] = None
+        self.ceilings: Dict[int, int] = {}  # server device index -> the managed daemon's default limit
+        self.ceiling_problem: Optional[str] = None
         self._kernels: Dict[str, KernelLayers] = {}
         self._labels: Dict[str, Tuple[str, ...]] = {}
         self._lock = threading.Lock()
@@ -76,9 +81,12 @@ class HardCapLayer:
 
     # --- server start and stop ---------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, policy: Optional[Policy] = None, devices: Sequence[Device] = ()) -> None:
         """At server start (blocking, before any kernel). Raises HardCapUnavailable when hard_cap is
-        "mps" and no daemon is usable; with "auto" the layer is "unavailable" and says why."""
+        "mps" and no daemon is usable; with "auto" the layer is "unavailable" and says why.
+
+        A managed daemon also gets, per device, a default limit at the largest hard limit `policy` can
+        give (a ceiling for processes that remove or raise their own variable)."""
         settings = self.settings
         if settings.mode == "off":
             return
@@ -102,6 +110,8 @@ class HardCapLayer:
             else:
                 self.daemon = daemon
                 pipe, logs = daemon.pipe_directory, daemon.log_directory
+                if policy is not None:
+                    self._set_ceilings(daemon, policy, devices)
         if problem is None:
             answer = probe(self.binary, pipe, settings.timeout)
             if not answer.answered:
@@ -125,6 +135,19 @@ class HardCapLayer:
             "gpu-quota-ext: hard limits on (NVIDIA MPS, %s daemon, pipe directory %s): each kernel's %s + %d MiB for its CUDA context",
             settings.daemon, pipe, settings.limit, settings.context_allowance >> 20,
         )
+
+    def _set_ceilings(self, daemon: ManagedDaemon, policy: Policy, devices: Sequence[Device]) -> None:
+        by_nvml = ceilings(policy, devices, self.settings.context_allowance)
+        refused = daemon.configure(ceiling_commands(by_nvml))
+        if refused:
+            # Each kernel's own limit still holds; only a process that edits its variable is unbounded.
+            self.ceiling_problem = f"no default limit on the daemon ({refused})"
+            log.warning("gpu-quota-ext: MPS: %s", self.ceiling_problem)
+            return
+        for device in devices:
+            nvml = device.nvml_index if device.nvml_index is not None else device.index
+            if nvml in by_nvml:
+                self.ceilings[device.index] = by_nvml[nvml]
 
     def stop_sync(self) -> None:
         """Stop the managed daemon (if any) and forget every kernel. Idempotent."""
@@ -234,5 +257,7 @@ class HardCapLayer:
             "state": self.state,
             "message": self.message,
             "pipe_directory": self.route.pipe_directory,
+            "ceiling": {str(index): limit for index, limit in sorted(self.ceilings.items())} if self.daemon else None,
+            "ceiling_problem": self.ceiling_problem,
             "last_problem": self.last_problem,
         }

@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from .devices import Device, parse_cuda_visible_devices
 from .ledger import Grant
 from .names import LAYERS
-from .policy import GiB, MiB, PolicyError, format_bytes, parse_cap
+from .policy import GiB, MiB, Policy, PolicyError, format_bytes, parse_cap
 
 HARD_CAP_MODES = ("off", "auto", "mps")
 MPS_DAEMONS = ("managed", "external")
@@ -205,6 +205,34 @@ def parse_limit_variable(value: Optional[str]) -> Dict[int, int]:
             ordinal, number, unit = match.groups()
             limits[int(ordinal)] = int(number) * _UNIT[unit.lower()]
     return limits
+
+
+# --- the daemon's own default: a ceiling for processes that edit their variable ------------------------
+
+
+def ceilings(policy: Policy, devices: Sequence[Device], allowance: int) -> Dict[int, int]:
+    """{NVML index: bytes} for a managed daemon's `set_default_device_pinned_mem_limit`: the largest hard
+    limit any kernel of this server can get on the device (its policy's largest max_cap, plus the context
+    allowance). Measured on an H200 (driver 580): a client that removes CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+    gets this default, and one that raises it stays under it. Empty when a callable rule can give any cap.
+    Devices whose ceiling would be the whole device get none (it would change nothing)."""
+    if callable(policy.rules):
+        return {}
+    specs = [policy.default_cap, policy.max_cap]
+    for rule in policy.rules:
+        specs += [rule.cap] + ([rule.max_cap] if rule.max_cap is not None else [])
+    found = {}
+    for device in devices:
+        limit = hard_limit_bytes(max(spec.to_bytes(device.total) for spec in specs), device.total, allowance)
+        if limit < (device.total // MiB) * MiB:
+            found[device.nvml_index if device.nvml_index is not None else device.index] = limit
+    return found
+
+
+def ceiling_commands(found: Mapping[int, int]) -> str:
+    """The control daemon's commands for `ceilings` (device numbers as the daemon sees them: it is started
+    with every device visible, in PCI bus order, so they are NVML's)."""
+    return "".join(f"set_default_device_pinned_mem_limit {index} {limit // MiB}M\n" for index, limit in sorted(found.items()))
 
 
 # --- what the daemon said, and the decision ---------------------------------------------------------

@@ -59,6 +59,7 @@ def _control_env(pipe_directory: str, log_directory: Optional[str]) -> Dict[str,
     # A daemon started under CUDA_VISIBLE_DEVICES renumbers the devices its servers show clients (NVIDIA's
     # MPS documentation): kernels name theirs by UUID or NVML index, so the daemon must see them all.
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # its device numbers are NVML's (set_default_device_pinned_mem_limit)
     env[PIPE_VARIABLE] = pipe_directory
     if log_directory:
         env[LOG_VARIABLE] = log_directory
@@ -274,6 +275,17 @@ class ManagedDaemon:
         self._watcher = self._start_watcher()
         atexit.register(self.stop)
         log.info("gpu-quota-ext: started an MPS control daemon (PID %d), pipe directory %s", pid, self.pipe_directory)
+
+    def configure(self, commands: str) -> Optional[str]:
+        """Send settings (default limits) before any client connects; None, or why they were not taken."""
+        if not commands:
+            return None
+        try:
+            answer = run_control(self.binary, self.pipe_directory, commands, self.timeout).strip()
+        except MpsError as error:
+            return str(error)
+        # It answers nothing when it takes them.
+        return f"it answered {commands.splitlines()[0]!r} with {answer.splitlines()[0][:200]!r}" if answer else None
 
     def _read_pid(self, deadline: float) -> Optional[int]:
         path = os.path.join(self.pipe_directory, PID_FILE)

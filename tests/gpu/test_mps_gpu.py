@@ -234,30 +234,26 @@ def child(sizes, **changes):
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "error " + done.stderr[-300:]
 G = 2**30
 print(json.dumps({
-    "limit variable removed (pipe kept)": child([("17 GiB", 17 * G), ("20 GiB", 20 * G)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=None),
-    "limit variable raised to 0=100G": child([("17 GiB", 17 * G), ("20 GiB", 20 * G)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=100G"),
+    "limit variable removed (pipe kept)": child([("15 GiB", 15 * G), ("17 GiB", 17 * G)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=None),
+    "limit variable raised to 0=100G": child([("15 GiB", 15 * G), ("17 GiB", 17 * G)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=100G"),
     "limit variable lowered to 0=4G": child([("3 GiB", 3 * G), ("6 GiB", 6 * G)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=4G"),
 }))
 """
 
 
-async def test_escape_routes_of_the_limit_variable_are_measured(jp_fetch, jp_serverapp):
-    """Measured for the README: what a process that edits CUDA_MPS_PINNED_DEVICE_MEM_LIMIT before its CUDA
-    starts gets, with the daemon's default limit set to 18 GiB (set_default_device_pinned_mem_limit)."""
-    service = jp_serverapp.web_app.settings["gpu_quota_service"]
-    from gpu_quota_ext.mps import MpsError, run_control
-
-    pipe = service.hard_cap.route.pipe_directory
-    try:
-        answer = run_control(service.hard_cap.binary, pipe, "set_default_device_pinned_mem_limit 0 18G\n", 10)
-    except MpsError as error:
-        answer = f"error: {error}"
-    record("mps set_default_device_pinned_mem_limit 0 18G answered", answer.strip())
+async def test_a_process_that_edits_its_limit_variable_stays_under_the_daemons_ceiling(jp_fetch, jp_serverapp):
+    """The managed daemon's default limit is the largest hard limit policy can give (here max_cap 16 GiB
+    + 640 MiB): a process that removes or raises CUDA_MPS_PINNED_DEVICE_MEM_LIMIT before its CUDA starts
+    gets no more than that; one that lowers it gets less."""
+    state = json.loads((await jp_fetch("api", "gpu-quota", "status")).body)["hard_cap"]
+    record("mps managed daemon ceiling", {"ceiling": state["ceiling"], "problem": state["ceiling_problem"]})
+    assert state["ceiling"] == {"0": LIMIT} and state["ceiling_problem"] is None
     kernel_id = await start_kernel(jp_fetch)
     found = last_json(await execute(jp_serverapp, kernel_id, ESCAPES, timeout=400))
-    record("mps escape routes (daemon default 18G, kernel limit 16.6 GiB)", found)
-    lowered = json.loads(found["limit variable lowered to 0=4G"])
-    assert lowered == {"3 GiB": "ok", "6 GiB": "OOM"}  # the variable is read per process: MPS is on
+    record("mps processes that edit their limit variable (ceiling 16.6 GiB)", found)
+    assert json.loads(found["limit variable removed (pipe kept)"]) == {"15 GiB": "ok", "17 GiB": "OOM"}
+    assert json.loads(found["limit variable raised to 0=100G"]) == {"15 GiB": "ok", "17 GiB": "OOM"}
+    assert json.loads(found["limit variable lowered to 0=4G"]) == {"3 GiB": "ok", "6 GiB": "OOM"}
 
 
 HOLD = """
@@ -434,6 +430,10 @@ def test_a_second_users_kernel_starts_without_the_hard_layer_and_does_not_hang(r
         out = server.run(kernel["id"], CUDA_TOUCH, timeout=180)  # not hung: it is no MPS client
         record("mps second user's kernel: first CUDA use, s", round(time.perf_counter() - began, 2))
         assert "cuda ok" in out
+    except BaseException:
+        if server is not None:
+            record("mps second user: its server's log (tail)", "".join(server.lines)[-6000:])
+        raise
     finally:
         if server is not None:
             server.kill()

@@ -68,6 +68,13 @@ async def test_each_kernel_gets_its_hard_limit_in_the_ordinals_it_sees(jp_fetch,
     pipe = hard_cap["pipe_directory"]
     assert pipe.startswith(str(jp_serverapp.runtime_dir))
     assert stat.S_IMODE(os.stat(Path(pipe).parent).st_mode) == 0o700  # only this server's user reaches the daemon
+    # The daemon's default limit, before any client: a process that removes or raises its own variable
+    # stays under the largest limit policy can give (measured on an H200: the default is a ceiling).
+    limit = 40 * GiB + CONTEXT
+    assert hard_cap["ceiling"] == {"0": limit, "1": limit} and hard_cap["ceiling_problem"] is None
+    commands = (Path(pipe).parent / "log" / "control.log").read_text()
+    assert f"command set_default_device_pinned_mem_limit 0 {LIMIT_40}" in commands
+    assert f"command set_default_device_pinned_mem_limit 1 {LIMIT_40}" in commands
 
     env_one = await kernel_env(jp_serverapp, one, MPS_VARIABLES)
     env_two = await kernel_env(jp_serverapp, two, MPS_VARIABLES)
@@ -200,6 +207,20 @@ class TestHangingControl:
         again = await start_kernel(jp_fetch)
         assert (await kernel_env(jp_serverapp, again, MPS_VARIABLES))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
         assert (await status(jp_fetch))["hard_cap"]["last_problem"] is None
+
+
+class TestDaemonRefusesDefaults:
+    @pytest.fixture
+    def jp_server_config(self, monkeypatch):
+        monkeypatch.setenv("FAKE_MPS_REFUSE_LIMITS", "1")
+        return mps_config("80GiB", max_cap="0.5")
+
+    async def test_kernels_keep_their_own_limit_and_the_status_says_the_ceiling_is_missing(self, jp_fetch, jp_serverapp):
+        hard_cap = (await status(jp_fetch))["hard_cap"]
+        assert hard_cap["state"] == "on" and hard_cap["ceiling"] == {}
+        assert "Operation not supported" in hard_cap["ceiling_problem"]
+        kernel_id = await start_kernel(jp_fetch)
+        assert (await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
 
 
 class TestAutoWithoutDaemon:

@@ -12,6 +12,8 @@ from gpu_quota_ext.hard_limit import (
     Probe,
     Route,
     build_hard_cap_settings,
+    ceiling_commands,
+    ceilings,
     decide,
     device_limits,
     hard_limit_bytes,
@@ -22,7 +24,7 @@ from gpu_quota_ext.hard_limit import (
 )
 from gpu_quota_ext.launch_env import launch_env
 from gpu_quota_ext.ledger import Grant
-from gpu_quota_ext.policy import GiB, MiB, PolicyError
+from gpu_quota_ext.policy import GiB, MiB, PolicyError, build_policy
 
 TOTAL = 140 * GiB
 DEVICES = {
@@ -194,3 +196,19 @@ def test_launch_env_adds_the_hard_layer_last():
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == variables["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"  # ordinal 0 in the limit is that device
     assert "CUDA_MPS_PIPE_DIRECTORY" not in launch_env(grant(), DEVICES, {})
+
+
+def test_a_managed_daemon_gets_the_largest_limit_policy_can_give_as_its_default():
+    devices = [Device(0, "H200", "GPU-a", 80 * GiB, 0), Device(1, "H200", "GPU-b", 80 * GiB, 3)]
+    policy = build_policy("0.25", "0.5")
+    found = ceilings(policy, devices, 640 * MiB)
+    assert found == {0: 40 * GiB + 640 * MiB, 3: 40 * GiB + 640 * MiB}  # keyed by NVML index: the daemon's numbers
+    assert ceiling_commands(found) == (
+        "set_default_device_pinned_mem_limit 0 41600M\nset_default_device_pinned_mem_limit 3 41600M\n"
+    )
+    # A rule that lets some kernels go higher raises the ceiling; the whole device means no ceiling at all.
+    ruled = build_policy("0.25", "0.5", [{"kernelspec": "big", "cap": "0.5", "max_cap": "60GiB"}])
+    assert ceilings(ruled, devices[:1], 640 * MiB) == {0: 60 * GiB + 640 * MiB}
+    assert ceilings(build_policy("0.25", "1.0"), devices, 640 * MiB) == {}
+    assert ceilings(build_policy("0.25", "0.5", lambda user, spec: None), devices, 640 * MiB) == {}
+    assert ceiling_commands({}) == ""
