@@ -244,9 +244,10 @@ class HardCapLayer:
 
     def kernel_json(self, grant: Grant) -> dict:
         layers = self.layers(grant.kernel_id)
-        if layers is None:  # started before this layer knew of it (or with the layer off)
+        if layers is None:  # the layer is off, stopped, or never saw this kernel start
+            reason = self.message or "this kernel started without the hard-limit check"
             layers = KernelLayers(
-                bool(grant.devices), reason=self.message, mode=self.settings.mode, number=self.settings.limit,
+                bool(grant.devices), reason=reason, mode=self.settings.mode, number=self.settings.limit,
                 context_allowance=self.settings.context_allowance,
             )
         return layers.to_json(grant)

@@ -111,6 +111,27 @@ async def test_each_kernel_gets_its_hard_limit_in_the_ordinals_it_sees(jp_fetch,
     assert not [name for name in await scrape(jp_fetch) if one in name]
 
 
+async def test_stopping_the_extension_stops_kernels_then_the_daemon(jp_fetch, jp_serverapp):
+    """What jupyter_server's shutdown (and its SIGTERM handler) calls, checked without the process exiting:
+    atexit and the watcher are only for a server that never gets here."""
+    layer = service_of(jp_serverapp).hard_cap
+    pipe = layer.route.pipe_directory
+    directory = Path(pipe).parent
+    daemon = int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
+    control(pipe, f"start_server -uid {os.getuid()}\n")
+    (mps_server,) = [int(p) for p in control(pipe, "get_server_list\n").split()]
+    watcher = [pid for pid, argv in fake_processes().items() if "--watch" in argv and str(directory) in argv]
+    kernel_id = await start_kernel(jp_fetch)
+    assert alive(daemon) and alive(mps_server) and len(watcher) == 1
+
+    (app,) = jp_serverapp.extension_manager.extension_apps["gpu_quota_ext"]
+    await app.stop_extension()
+    assert kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids()  # its clients went first
+    assert not alive(daemon) and not alive(mps_server) and not alive(watcher[0])
+    assert not directory.exists()
+    assert layer.state == "stopped" and (await status(jp_fetch))["hard_cap"]["state"] == "stopped"
+
+
 class TestLimitIsTheCap:
     @pytest.fixture
     def jp_server_config(self):
