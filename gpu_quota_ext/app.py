@@ -17,6 +17,8 @@ from traitlets import TraitError, Type, Unicode, default
 
 from .devices import DeviceInventory, NvmlInventory
 from .handlers import HANDLERS
+from .hard_cap import HardCapLayer, HardCapUnavailable
+from .hard_limit import build_hard_cap_settings
 from .monitor import Monitor, ServerKernels
 from .nvml import NvmlBackend, PynvmlBackend
 from .policy import PolicyError, build_policy
@@ -166,6 +168,63 @@ class GpuQuota(ExtensionApp):
         gpu_quota_ext.testing.FakeNvml (tests, benchmarks).""",
     ).tag(config=True)
 
+    hard_cap = Unicode(
+        help="""A hard limit at allocation time through NVIDIA MPS, on top of the soft caps: "off", "auto" (MPS
+        when a usable MPS control daemon answers; otherwise soft caps only, and the status says why) or "mps"
+        (required: the server refuses to start without a usable daemon). Default: $GPU_QUOTA_HARD_CAP or "off".""",
+    ).tag(config=True)
+
+    @default("hard_cap")
+    def _default_hard_cap(self):
+        return _env("GPU_QUOTA_HARD_CAP", "off")
+
+    mps_daemon = Unicode(
+        help="""Which MPS control daemon kernels use: "managed" (this server starts its own, with pipe and log
+        directories under its runtime directory, and stops it at shutdown) or "external" (an admin's, at
+        $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps). Default: $GPU_QUOTA_MPS_DAEMON or "managed".""",
+    ).tag(config=True)
+
+    @default("mps_daemon")
+    def _default_mps_daemon(self):
+        return _env("GPU_QUOTA_MPS_DAEMON", "managed")
+
+    hard_limit = Unicode(
+        help="""Which number a kernel's hard limit is: "max_cap" (%gpucap stays live up to max_cap, nothing ever
+        passes it) or "cap" (the cap at kernel start; a raise above it takes effect at the next restart).
+        Default: $GPU_QUOTA_HARD_LIMIT or "max_cap".""",
+    ).tag(config=True)
+
+    @default("hard_limit")
+    def _default_hard_limit(self):
+        return _env("GPU_QUOTA_HARD_LIMIT", "max_cap")
+
+    mps_context_allowance = AnyTrait(
+        help="""Added to each hard limit for the CUDA context, which MPS counts against the limit (about 514 MiB
+        measured on an H200): a size or 0. Default: $GPU_QUOTA_MPS_CONTEXT_ALLOWANCE or "640MiB".""",
+    ).tag(config=True)
+
+    @default("mps_context_allowance")
+    def _default_mps_context_allowance(self):
+        return _env("GPU_QUOTA_MPS_CONTEXT_ALLOWANCE", "640MiB")
+
+    mps_control = Unicode(
+        help="""The MPS control program, a name looked up on PATH and in /usr/local/nvidia/bin, or a path.
+        Default: $GPU_QUOTA_MPS_CONTROL or "nvidia-cuda-mps-control".""",
+    ).tag(config=True)
+
+    @default("mps_control")
+    def _default_mps_control(self):
+        return _env("GPU_QUOTA_MPS_CONTROL", "nvidia-cuda-mps-control")
+
+    mps_timeout = AnyTrait(
+        help="""Seconds one call of the MPS control program may take (it is asked before every kernel start;
+        a daemon that does not answer in time gives that kernel soft caps only). Default: $GPU_QUOTA_MPS_TIMEOUT or 5.""",
+    ).tag(config=True)
+
+    @default("mps_timeout")
+    def _default_mps_timeout(self):
+        return _env("GPU_QUOTA_MPS_TIMEOUT", "5")
+
     def _link_jupyter_server_extension(self, serverapp):
         try:
             super()._link_jupyter_server_extension(serverapp)
@@ -184,6 +243,9 @@ class GpuQuota(ExtensionApp):
                 self.on_over_max,
             )
             enforcement = build_enforcement(self.enforce, self.slack, self.grace, self.poll_interval)
+            hard_cap = build_hard_cap_settings(
+                self.hard_cap, self.mps_daemon, self.hard_limit, self.mps_context_allowance, self.mps_control, self.mps_timeout
+            )
             inventory = self.inventory_class(parent=self)
             devices = inventory.list_devices()
         except (PolicyError, TraitError) as error:
@@ -194,6 +256,11 @@ class GpuQuota(ExtensionApp):
             api_url=self._api_url,
             no_gpu_reason=inventory.problem,
         )
+        service.hard_cap = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
+        try:
+            service.hard_cap.start(policy, devices)
+        except HardCapUnavailable as error:
+            self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
         service.monitor = Monitor(
             devices,
             service.ledger,
@@ -232,6 +299,8 @@ class GpuQuota(ExtensionApp):
         service = self.settings.get(SETTINGS_KEY)
         if service is not None and service.monitor is not None:
             await service.monitor.stop()
+        if service is not None:
+            await service.hard_cap.stop(self.serverapp.kernel_manager)
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS)

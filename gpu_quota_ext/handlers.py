@@ -116,6 +116,7 @@ class GpuQuotaHandler(APIHandler):
         for device in data["devices"]:
             device.update(kernel_device_usage(monitor, grant.kernel_id, device["index"]))
         data["last_action"] = monitor.last_action(grant.kernel_id) if monitor else None
+        data["layers"] = self.service.hard_cap.kernel_json(grant)
         return data
 
     def read_json_body(self) -> Any:
@@ -151,6 +152,7 @@ class StatusHandler(GpuQuotaHandler):
                     "policy": policy,
                     "monitor": monitor.describe() if monitor else {"state": "off", "message": None},
                     "actions": [a.to_json() for a in monitor.watchdog.history] if monitor else [],
+                    "hard_cap": service.hard_cap.describe(),
                 }
             )
         )

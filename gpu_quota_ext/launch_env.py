@@ -39,8 +39,11 @@ def launch_env(
     api_url: Optional[str] = None,
     token: Optional[str] = None,
     python_kernel: bool = True,
+    hard_limit: Optional[Mapping[str, str]] = None,
 ) -> Dict[str, str]:
-    """The variables to add to (or replace in) `env`, the kernel's environment as it stands."""
+    """The variables to add to (or replace in) `env`, the kernel's environment as it stands.
+
+    `hard_limit`: the hard layer's variables (hard_limit.decide: MPS limit and pipe directory), added last."""
     out: Dict[str, str] = {KERNEL_ID: grant.kernel_id}
     if python_kernel and api_url:
         out[API_URL] = api_url
@@ -90,6 +93,7 @@ def launch_env(
         if user_startup and Path(user_startup) != STARTUP_FILE:
             out[USER_STARTUP] = user_startup
         out["PYTHONSTARTUP"] = str(STARTUP_FILE)
+    out.update(hard_limit or {})
     return out
 
 

@@ -7,3 +7,4 @@ TOKEN = "GPU_QUOTA_KERNEL_TOKEN"  # the kernel's own secret: never logged, never
 USER_STARTUP = "GPU_QUOTA_USER_PYTHONSTARTUP"  # the user's PYTHONSTARTUP, run after ours
 CAP_SOURCE = "GPU_QUOTA_CAP_SOURCE"  # who set the caps in force: "default", "rule 0 (user=alice)", "kernel request"
 CPU_ONLY_REASON = "GPU_QUOTA_CPU_ONLY_REASON"  # set when on_full="cpu-only" hid the GPUs
+LAYERS = "GPU_QUOTA_LAYERS"  # JSON: the hard limit (MPS) the kernel started with, or why it has none

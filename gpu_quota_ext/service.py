@@ -17,6 +17,8 @@ import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .devices import Device, parse_cuda_visible_devices
+from .hard_cap import HardCapLayer
+from .hard_limit import HardCapSettings, Probe
 from .launch_env import is_python_kernel, launch_env
 from .ledger import Grant, Ledger
 from .policy import Policy, Resolved, default_resolved, format_bytes, resolve, resolve_answer, shown
@@ -72,6 +74,8 @@ class QuotaService:
         self._caps_slots = threading.BoundedSemaphore(CAPS_CALLABLE_THREADS)
         # Usage lives in the monitor (set by the app once the server's kernel manager exists); caps in the ledger.
         self.monitor = None
+        # The hard limit (MPS): off until the app starts it from c.GpuQuota.hard_cap.
+        self.hard_cap = HardCapLayer(HardCapSettings())
 
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 
@@ -94,6 +98,7 @@ class QuotaService:
             log.info("gpu-quota-ext: kernel %s (%s) %s", kernel_id, kernelspec, describe_grant(grant))
         # Only a Python kernel's bootstrap moves the secret out of its environment: no one else gets it.
         python = is_python_kernel(argv)
+        probe = await self.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
         return launch_env(
             grant,
             self.devices,
@@ -101,6 +106,7 @@ class QuotaService:
             api_url=self._api_url() if python else None,
             token=self.token_for(kernel_id) if python else None,
             python_kernel=python,
+            hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
 
     def release(self, kernel_id: str, holder: Any = None) -> Optional[Grant]:
@@ -112,6 +118,7 @@ class QuotaService:
             self._holders.pop(kernel_id, None)
         with self._tokens_lock:
             self._tokens.pop(kernel_id, None)
+        self.hard_cap.forget(kernel_id)
         return self.ledger.release(kernel_id)
 
     def holder(self, kernel_id: str) -> Any:

@@ -20,6 +20,7 @@ from . import state as state_module
 from .cells import CellReporter
 from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
+from .layers import layer_line, restart_note
 from .oom import explain_after_cell
 from .sync import after_cell, put_caps_in_force
 from .torch_cap import apply_local_caps, cuda_torch
@@ -80,6 +81,9 @@ def format_table(state, readings: dict) -> str:
         lines.append("no GPU visible to this kernel")
     else:
         lines.append("torch has not started CUDA in this kernel: no device to show yet")
+    hard = layer_line(state)
+    if hard:
+        lines.append(hard)
     if state.devices:
         if not readings:
             lines.append("allocated/reserved/peak: '-' until this kernel's torch uses CUDA (the cap applies then)")
@@ -169,6 +173,9 @@ class GpuCap:
         print(f"{PREFIX} {answer.outcome}: {answer.message}; cap now {self.caps_text()}")
         for note in notes:
             print(f"{PREFIX} {note}")
+        hard = restart_note(self.state, self.env)
+        if hard:
+            print(f"{PREFIX} {hard}")
 
     def record(self, answer: CapAnswer, command: Command) -> None:
         """The server's answer becomes this kernel's caps (state.STATE), device by device."""

@@ -11,6 +11,7 @@ import { Widget } from '@lumino/widgets';
 
 import { ICapResult } from './api';
 import { formatAge, formatBytes, formatPair } from './format';
+import { layersLine } from './layers';
 import { QuotaModel } from './model';
 import {
   barFraction,
@@ -199,6 +200,7 @@ class KernelRow {
   private _deviceRows: KernelDeviceRow[] = [];
   private _deviceKey = '';
   private _cpuOnly = h('div', 'jp-GpuQuota-cpuOnly');
+  private _layers = h('div', 'jp-GpuQuota-layers');
   private _action = h('div', 'jp-GpuQuota-action');
   private _capInput = h('input', 'jp-GpuQuota-capInput');
   private _setButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-setCap jp-mod-accept');
@@ -249,7 +251,8 @@ class KernelRow {
       }
     });
     setHidden(this._feedback, true);
-    this.node.append(head, this._devices, this._cpuOnly, this._action, form, this._feedback);
+    setHidden(this._layers, true);
+    this.node.append(head, this._devices, this._layers, this._cpuOnly, this._action, form, this._feedback);
   }
 
   update(kernel: IKernelStatus, current: boolean, threshold: number, now: number): void {
@@ -279,6 +282,15 @@ class KernelRow {
       this._devices.replaceChildren(...this._deviceRows.map(r => r.node));
     }
     kernel.devices.forEach((device, i) => this._deviceRows[i].update(device, threshold));
+
+    // Hard limit (MPS) or why there is none; nothing while the server's hard limits are off.
+    const layers = layersLine(kernel.layers, trans);
+    setHidden(this._layers, !layers);
+    if (layers) {
+      setText(this._layers, layers.text);
+      setAttr(this._layers, 'title', layers.title);
+      this._layers.classList.toggle('jp-mod-hard', layers.hard);
+    }
 
     const cpuOnly = kernel.devices.length === 0;
     setHidden(this._cpuOnly, !cpuOnly);

@@ -5,6 +5,7 @@
  */
 
 import { formatPair } from './format';
+import { IKernelLayers } from './layers';
 
 // --- the server's contract: GET /api/gpu-quota/status (fields marked ? may be missing) ----------
 
@@ -53,6 +54,7 @@ export interface IKernelStatus {
   cpu_only_reason?: string | null;
   devices: IKernelDevice[];
   last_action?: ILastAction | null;
+  layers?: IKernelLayers | null;
 }
 
 /** The server's GPU monitor: how fresh its usage figures are. */

@@ -1,0 +1,71 @@
+/**
+ * The line a kernel row shows about its layers: "hard limit 40 GiB (MPS)" when the driver enforces a
+ * limit at allocation time, "soft cap only: <why>" when the server's hard limits are on but this
+ * kernel has none. Nothing when the server's hard limits are off: the row stays as it always was.
+ * Pure: no JupyterLab imports, so the unit tests run in plain Node.
+ */
+
+import { formatBytes } from './format';
+
+/** The `layers` of a kernel in GET /api/gpu-quota/status (sizes in bytes, keyed by server device). */
+export interface IKernelLayers {
+  soft?: boolean;
+  /** The server's c.GpuQuota.hard_cap: "off", "auto" or "mps". */
+  hard_cap?: string;
+  hard_limit?: { mps?: Record<string, number> } | null;
+  hard_usable?: Record<string, number> | null;
+  hard_reason?: string | null;
+  restart_needed?: boolean;
+  parkable?: boolean;
+  park_reason?: string | null;
+}
+
+export interface ILayersLine {
+  text: string;
+  title: string;
+  hard: boolean;
+}
+
+/** The part of a TranslationBundle this module uses. */
+export interface ITranslate {
+  __(msgid: string, ...args: any[]): string;
+}
+
+const byIndex = (a: string, b: string): number => Number(a) - Number(b);
+
+export function layersLine(
+  layers: IKernelLayers | null | undefined,
+  trans: ITranslate
+): ILayersLine | null {
+  if (!layers || !layers.hard_cap || layers.hard_cap === 'off' || layers.soft === false) {
+    return null;
+  }
+  const limits = layers.hard_limit?.mps || {};
+  const usable = layers.hard_usable || {};
+  const indexes = Object.keys(limits).sort(byIndex);
+  if (indexes.length) {
+    // One figure when every device has the same limit (the usual case); else one per device.
+    const amounts = Array.from(new Set(indexes.map(i => formatBytes(usable[i] ?? limits[i]))));
+    let text = trans.__('hard limit %1 (MPS)', amounts.join(', '));
+    if (layers.restart_needed) {
+      text += trans.__('; a higher cap applies after a restart');
+    }
+    const lines = [
+      trans.__(
+        'The driver refuses any allocation past the limit, whatever library makes it (limit with the CUDA context: %1).',
+        indexes.map(i => trans.__('GPU %1 %2', i, formatBytes(limits[i]))).join(', ')
+      )
+    ];
+    if (layers.park_reason) {
+      lines.push(layers.park_reason);
+    }
+    return { text, title: lines.join('\n'), hard: true };
+  }
+  return {
+    text: trans.__('soft cap only: %1', layers.hard_reason || trans.__('no reason given')),
+    title: trans.__(
+      'Caps inside the kernel (torch, CuPy, JAX) and the watchdog apply; the driver enforces no hard limit for this kernel.'
+    ),
+    hard: false
+  };
+}

@@ -1,0 +1,124 @@
+"""A whole jupyter_server with gpu_quota_ext as a subprocess (for what an in-process server cannot show:
+its exit, signals, another Unix user), and code run in its kernels through their connection files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .fake_mps import wait_until
+
+TOKEN = "hard-cap-test"
+
+
+class Server:
+    """`python -m jupyter_server` with gpu_quota_ext, its stderr collected by a thread.
+
+    `prefix` runs it through another program (`["runuser", "-u", "alice", "--"]`); `runtime` is its
+    JUPYTER_RUNTIME_DIR (connection files and the managed MPS daemon's directories go there)."""
+
+    def __init__(self, runtime: Path, args: Sequence[str], env_extra=None, prefix: Sequence[str] = ()):
+        self.runtime = Path(runtime)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
+        env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {}))
+        command = [
+            *prefix, sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1", "--port=0",
+            f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={runtime}",
+            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}", *args,
+        ]
+        self.lines: list = []
+        # A session of its own: kill() reaches a server started through runuser, which forks it.
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def url(self) -> Optional[str]:
+        for line in self.lines:
+            match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+            if match:
+                return f"http://127.0.0.1:{match.group(1)}"
+        return None
+
+    def wait_serving(self, timeout: float = 60):
+        return wait_until(lambda: self.url() or (self.process.poll() is not None and self.fail()), timeout=timeout)
+
+    def fail(self):
+        raise AssertionError("the server exited:\n" + "".join(self.lines))
+
+    def api(self, path, method="GET", body=None, timeout: float = 60):
+        request = urllib.request.Request(
+            self.url() + path, method=method, data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {TOKEN}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                return json.loads(answer.read() or b"null")
+        except urllib.error.URLError as error:
+            raise AssertionError(f"{method} {path}: {error}\n" + "".join(self.lines)) from None
+
+    def run(self, kernel_id: str, code: str, timeout: float = 120) -> str:
+        """Run `code` in one of this server's kernels (through its connection file); its stdout."""
+        return run_in_kernel(self.runtime / f"kernel-{kernel_id}.json", code, timeout)
+
+    def exit_code(self, timeout=60):
+        code = self.process.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self, grace: float = 30):
+        """SIGTERM (the server shuts its kernels down), then SIGKILL to what is left of its group."""
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> str:
+    """Execute `code` in the kernel of `connection_file`; its stdout. A cell error or a timeout fails."""
+    from jupyter_client import BlockingKernelClient
+
+    client = BlockingKernelClient(connection_file=str(connection_file))
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=timeout)
+        chunks: list = []
+        errors: list = []
+
+        def on_output(msg) -> None:
+            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                chunks.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                errors.append("\n".join(msg["content"]["traceback"]))
+
+        reply = client.execute_interactive(code, output_hook=on_output, timeout=timeout)
+        if reply["content"]["status"] != "ok" or errors:
+            raise AssertionError(f"cell failed:\n{code}\n" + "\n".join(errors))
+        return "".join(chunks)
+    finally:
+        client.stop_channels()
