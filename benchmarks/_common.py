@@ -61,3 +61,8 @@ def report(name: str, figures: dict, save: bool = False, out=None) -> dict:
         written.append(str(out))
     print("saved " + " and ".join(written) if written else "not saved (--save writes benchmarks/results/)")
     return record
+
+
+def save(name: str, figures: dict, out=None) -> dict:
+    """Print and write the figures: for a script that checks --save itself."""
+    return report(name, figures, save=True, out=out)
