@@ -43,6 +43,10 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
     return f"{'https' if tls else 'http'}://{host}:{port}{base_url}"
 
 
+def _env(name: str, fallback):
+    return os.environ.get(name, fallback)
+
+
 def invalid_configuration(message: str) -> str:
     """The one line a bad setting gives, the same from the server and from `jupyter gpu-quota check`."""
     return f"gpu-quota-ext: invalid configuration: {message}"
@@ -176,7 +180,8 @@ class GpuQuota(ExtensionApp):
             self._stop_server(str(error))
 
     def _from_env(self, name: str, fallback):
-        return os.environ.get(self.trait_metadata(name, "env"), fallback)
+        """A setting's default: its environment variable (the trait's `env` tag) when set, else `fallback`."""
+        return _env(self.trait_metadata(name, "env"), fallback)
 
     def environment_source(self, name: str) -> Optional[str]:
         """The environment variable a setting's value came from; None when config, the command line or
