@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: machine description, percentiles, saving results as dated JSON."""
+"""Shared by the benchmark scripts: machine description, percentiles, results printed as JSON and saved
+(as dated JSON under benchmarks/results/) only when asked with --save."""
 
 from __future__ import annotations
 
@@ -36,16 +37,32 @@ def percentile(values, fraction: float) -> float:
     return ordered[position]
 
 
-def save(name: str, figures: dict, out=None) -> Path:
-    """Print the figures and write them to benchmarks/results/NAME-DATE-HOST.json (and to `out` if given)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def add_save_options(parser) -> None:
+    """--save and --out: a run prints its figures; it writes them only when asked."""
+    parser.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/results/NAME-DATE-HOST.json")
+    parser.add_argument("--out", help="also write the JSON to this file")
+
+
+def report(name: str, figures: dict, save: bool = False, out=None) -> dict:
+    """Print the figures as JSON; with `save`, also write benchmarks/results/NAME-DATE-HOST.json, and
+    with `out` that file. Results are measurements worth keeping only when someone asks to keep them."""
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "machine": machine(), **figures}
     text = json.dumps(record, indent=2) + "\n"
-    path = RESULTS / f"{name}-{now:%Y%m%dT%H%M%SZ}-{socket.gethostname()}.json"
-    path.write_text(text)
+    print(text, end="")
+    written = []
+    if save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"{name}-{now:%Y%m%dT%H%M%SZ}-{socket.gethostname()}.json"
+        path.write_text(text)
+        written.append(str(path))
     if out:
         Path(out).write_text(text)
-    print(text, end="")
-    print(f"saved {path}" + (f" and {out}" if out else ""))
-    return path
+        written.append(str(out))
+    print("saved " + " and ".join(written) if written else "not saved (--save writes benchmarks/results/)")
+    return record
+
+
+def save(name: str, figures: dict, out=None) -> dict:
+    """Print and write the figures: for a script that checks --save itself."""
+    return report(name, figures, save=True, out=out)

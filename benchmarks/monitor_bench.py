@@ -7,7 +7,7 @@ GPUs through NVML (the same 200 kernels, which hold no GPU memory: what is measu
 The cost is process CPU time (all threads: the loop and the monitor's thread) over a wall-clock window,
 as a percentage of one core. Goal: under 1 % at 1 Hz.
 
-    python benchmarks/monitor_bench.py [--real] [--kernels 200] [--devices 8] [--seconds 30]
+    python benchmarks/monitor_bench.py [--real] [--kernels 200] [--devices 8] [--seconds 30] [--save]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import percentile, save  # noqa: E402
+from _common import add_save_options, percentile, report  # noqa: E402
 
 from gpu_quota_ext.devices import Device, read_nvml_devices  # noqa: E402
 from gpu_quota_ext.ledger import Ledger  # noqa: E402
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8, help="fake devices (ignored with --real)")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--out", help="also write the JSON result to this file")
+    add_save_options(parser)
     args = parser.parse_args()
 
     if args.real:
@@ -131,7 +131,7 @@ def main() -> None:
             shell.wait()
 
     steady = timings[3:] or timings
-    save(
+    report(
         "monitor_bench" + ("_real" if args.real else ""),
         {
             "backend": "pynvml" if args.real else "fake",
@@ -150,7 +150,8 @@ def main() -> None:
             "kernel_device_pairs": attributed,
             "goal": "under 1% of one core at 1 Hz",
         },
-        args.out,
+        save=args.save,
+        out=args.out,
     )
 
 

@@ -1,8 +1,8 @@
 """The GPU quota sidebar with 200 kernels: render and update time per poll in a real Chromium (median),
 and the server's CPU while ten browser tabs poll. Goals: an update under 16 ms; ten tabs under 2% of one
-core. Saves JSON under benchmarks/results/.
+core. Prints the figures as JSON; --save also writes them under benchmarks/results/.
 
-    python benchmarks/sidebar_bench.py [--kernels 200] [--polls 50] [--tabs 10] [--seconds 30]
+    python benchmarks/sidebar_bench.py [--kernels 200] [--polls 50] [--tabs 10] [--seconds 30] [--save]
 
 Needs what tests/ui/run.sh installs (Chromium, tests/ui/node_modules, the built extension). It starts
 `jupyter lab` on a free loopback port with the extension, a static two-GPU inventory and the ledger filled
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import save  # noqa: E402
+from _common import add_save_options, report  # noqa: E402
 
 CONFIG = """
 c.ServerApp.ip = "127.0.0.1"
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--polls", type=int, default=50)
     parser.add_argument("--tabs", type=int, default=10)
     parser.add_argument("--seconds", type=int, default=30)
-    parser.add_argument("--out", help="also write the JSON here")
+    add_save_options(parser)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="gq-sidebar-bench-") as tmp:
@@ -175,7 +175,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    save(
+    report(
         "sidebar_bench",
         {
             "command": "python benchmarks/sidebar_bench.py " + " ".join(sys.argv[1:]),
@@ -188,7 +188,8 @@ def main() -> None:
                 "tabs_under_2_percent_of_one_core": tabs["panel_cost_cpu_percent_of_one_core"] < 2,
             },
         },
-        args.out,
+        save=args.save,
+        out=args.out,
     )
 
 

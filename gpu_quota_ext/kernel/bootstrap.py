@@ -1,6 +1,7 @@
 """Runs once at kernel start (from startup.py): caps torch lazily, loads `%gpucap`, chains the user's
-own PYTHONSTARTUP. Nothing here may break the kernel: every problem becomes one line on the kernel's
-stderr (the server's log) and in `%gpucap`'s output.
+own PYTHONSTARTUP. Nothing here may break the kernel, and nothing is printed: the kernel's stderr is the
+server's terminal, where a line would have neither the server's format nor a reader. Every problem is
+recorded in the kernel's state, said once after the first cell (state.tell_once) and by `%gpucap`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from .torch_cap import (
 )
 
 
-def log(message: str) -> None:
-    print(f"[gpu-quota-ext] {message}", file=sys.__stderr__, flush=True)
-
-
 def run(user_namespace: dict) -> None:
     state = state_module.from_environment()
     state_module.STATE = state
@@ -30,18 +27,13 @@ def run(user_namespace: dict) -> None:
     from ..names import TOKEN
 
     os.environ.pop(TOKEN, None)
-    for problem in state.problems:
-        log(problem)
-    if state.cpu_only_reason:
-        log(f"this kernel runs without a GPU: {state.cpu_only_reason}")
     try:
         if state.devices:
             cap_torch(state)
     except Exception as error:
         state.problems.append(f"torch cap not applied: {error!r}")
-        log(state.problems[-1])
-    load_magic()
-    chain_user_startup(user_namespace)
+    load_magic(state)
+    chain_user_startup(user_namespace, state)
 
 
 def cap_torch(state: state_module.KernelCapState, env=os.environ) -> None:
@@ -74,7 +66,6 @@ def install_lazy_hook(state: state_module.KernelCapState) -> None:
                 apply_current_caps(torch, state)
             except Exception as error:
                 state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
-                log(state.problems[-1])
 
         if torch.cuda.is_initialized():
             apply()
@@ -87,7 +78,7 @@ def install_lazy_hook(state: state_module.KernelCapState) -> None:
         TorchImportWatcher(on_torch_import).install()
 
 
-def load_magic() -> None:
+def load_magic(state: state_module.KernelCapState) -> None:
     try:
         from IPython import get_ipython
     except ImportError:
@@ -101,10 +92,14 @@ def load_magic() -> None:
 
         register(shell)
     except Exception as error:
-        log(f"%gpucap not loaded: {error!r}")
+        state.problems.append(f"%gpucap not loaded: {error!r}")
+        try:  # still say so after the first cell
+            shell.events.register("post_run_cell", lambda result=None: state_module.tell_once(state))
+        except Exception:
+            pass
 
 
-def chain_user_startup(user_namespace: dict) -> None:
+def chain_user_startup(user_namespace: dict, state: state_module.KernelCapState) -> None:
     from ..names import USER_STARTUP
 
     user_startup = os.environ.pop(USER_STARTUP, None)
@@ -116,6 +111,6 @@ def chain_user_startup(user_namespace: dict) -> None:
                 code = compile(source.read(), user_startup, "exec")
             exec(code, user_namespace)
         except Exception as error:
-            log(f"your PYTHONSTARTUP {user_startup} failed: {error!r}")
+            state.problems.append(f"your PYTHONSTARTUP {user_startup} failed: {error!r}")
     else:
         os.environ.pop("PYTHONSTARTUP", None)

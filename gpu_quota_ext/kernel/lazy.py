@@ -54,9 +54,12 @@ class LazyGpuCap:
             self.shell.run_line_magic("gpucap", line)
 
     def post_run_cell(self, result=None) -> None:
+        from . import state
+
+        state.tell_once(state.STATE)  # what the kernel's start has to say, after the first cell
         failed = getattr(result, "error_in_exec", None) is not None
         if not (failed or _cuda_started()):
-            from . import state, sync
+            from . import sync
 
             sync.after_cell(state.STATE)  # a cap changed from the sidebar arrives here
             return

@@ -17,11 +17,13 @@ from typing import List, Optional
 from ..names import KERNEL_ID
 from ..policy import format_bytes
 from . import state as state_module
+from .state import tell_once
 from .cells import CellReporter
 from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
 from .layers import layer_line, restart_note
 from .oom import explain_after_cell
+from .reasons import no_gpu_reason, usage_unavailable_reason
 from .sync import after_cell, put_caps_in_force
 from .torch_cap import apply_local_caps, cuda_torch
 from .usage import read_usage, report_to_server
@@ -33,8 +35,20 @@ NO_SERVER = (
 )
 
 
-def format_table(state, readings: dict) -> str:
-    """`%gpucap` with no arguments: one row per device, then what the user may ask for."""
+def headline(answer: CapAnswer) -> str:
+    """The server's answer in one phrase, its outcome said once ("clamped to max_cap ...", not
+    "clamped: clamped to max_cap ..."; "granted", not "granted: cap set to ..." before "cap now ...")."""
+    message = answer.message.strip()
+    if not message or message.startswith("cap set to "):
+        return answer.outcome
+    if message.lower().startswith(answer.outcome):
+        return message
+    return f"{answer.outcome}: {message}"
+
+
+def format_table(state, readings: dict, unavailable: Optional[str] = None) -> str:
+    """`%gpucap` with no arguments: one row per device, then what the user may ask for. `unavailable`:
+    why the kernel's torch can read no usage (reasons.usage_unavailable_reason), if it cannot."""
     header = ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by")
     rows = []
     if state.devices:
@@ -67,26 +81,31 @@ def format_table(state, readings: dict) -> str:
                 )
             )
     lines = []
-    if not state.managed:
-        lines.append(NO_SERVER)
-    if state.cpu_only_reason:
-        lines.append(f"{PREFIX} this kernel runs without a GPU: {state.cpu_only_reason}")
+    held_none = no_gpu_reason(state)
+    if held_none:
+        lines.append(f"{PREFIX} {held_none}")
     if rows:
         widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
         for row in [header] + rows:
             lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
     elif state.local_caps:
         lines.append("caps set here: " + ", ".join(f"{'every device' if o is None else f'cuda:{o}'} {s}" for o, s in state.local_caps.items()))
-    elif state.managed:
-        lines.append("no GPU visible to this kernel")
+    elif held_none:
+        pass
+    elif unavailable:
+        lines.append(f"no device to show: {unavailable}")
     else:
-        lines.append("torch has not started CUDA in this kernel: no device to show yet")
+        lines.append("no device to show yet: this kernel's torch has not started CUDA (no server started this kernel)")
     hard = layer_line(state)
     if hard:
         lines.append(hard)
     if state.devices:
         if not readings:
-            lines.append("allocated/reserved/peak: '-' until this kernel's torch uses CUDA (the cap applies then)")
+            lines.append(
+                f"allocated/reserved/peak: not available: {unavailable}"
+                if unavailable
+                else "allocated/reserved/peak: '-' until this kernel's torch uses CUDA (the cap applies then)"
+            )
         maxima = sorted({d.max_cap for d in state.devices})
         lines.append("you may ask for up to " + ", ".join(format_bytes(m) for m in maxima) + " per device: %gpucap 0.3, %gpucap 12GiB")
     for problem in state.problems:
@@ -124,7 +143,9 @@ class GpuCap:
         if command.action == "help":
             print(help_text())
         elif command.action == "show":
-            print(format_table(self.state, read_usage([d.ordinal for d in self.state.devices] or None)))
+            self.state.told = True  # the table says what the first cell's notice would
+            readings = read_usage([d.ordinal for d in self.state.devices] or None)
+            print(format_table(self.state, readings, usage_unavailable_reason()))
         elif command.action == "cells":
             self.cells.enabled = bool(command.cells)
             print(f"{PREFIX} per-cell report {'on' if command.cells else 'off'}")
@@ -139,7 +160,13 @@ class GpuCap:
     def open_panel(self):
         try:
             from .panel import GpuUsagePanel
-
+        except ImportError:
+            self.error("the usage panel needs ipywidgets in this kernel's environment: pip install ipywidgets")
+            return None
+        # One live panel per kernel: the new one replaces the one opened before (its thread stops, its
+        # widgets close), so asking again and again never piles up threads.
+        self.close_panels()
+        try:
             panel = GpuUsagePanel(state=self.state, client=self.client)
         except ImportError:
             self.error("the usage panel needs ipywidgets in this kernel's environment: pip install ipywidgets")
@@ -150,11 +177,15 @@ class GpuCap:
         display(panel)
         return None
 
+    def close_panels(self) -> None:
+        while self.panels:
+            self.panels.pop().close()
+
     # --- changes --------------------------------------------------------------------------------
 
     def change_through_server(self, command: Command) -> None:
         if not self.state.devices:
-            self.error("this kernel holds no GPU, so it has no cap to change")
+            self.error(f"{no_gpu_reason(self.state) or 'this kernel holds no GPU'}; there is no cap to change")
             return
         if self.client is None:
             self.error("the server gave this kernel no address to ask; the cap cannot be changed from here")
@@ -170,7 +201,7 @@ class GpuCap:
             return
         self.record(answer, command)
         notes = self.apply()
-        print(f"{PREFIX} {answer.outcome}: {answer.message}; cap now {self.caps_text()}")
+        print(f"{PREFIX} {headline(answer)}; cap now {self.caps_text()}")
         for note in notes:
             print(f"{PREFIX} {note}")
         hard = restart_note(self.state, self.env)
@@ -186,7 +217,8 @@ class GpuCap:
                 device.cap = int(granted["cap"])
                 device.max_cap = int(granted.get("max_cap", device.max_cap))
         if command.action == "reset":
-            self.state.cap_source = f"server policy ({answer.source})" if answer.source else "server policy"
+            # The ledger says "policy" after a plain reset: "server policy (policy)" would say it twice.
+            self.state.cap_source = "server policy" if answer.source in (None, "policy") else f"server policy ({answer.source})"
         else:
             self.state.cap_source = f"%gpucap, {answer.outcome} by the server"
 
@@ -194,7 +226,6 @@ class GpuCap:
         return put_caps_in_force(self.state, self.env)
 
     def change_locally(self, command: Command) -> None:
-        print(NO_SERVER)
         torch = cuda_torch()
         if command.action == "reset":
             self.state.local_caps.clear()
@@ -209,12 +240,12 @@ class GpuCap:
         where = "every device" if command.ordinal is None else f"cuda:{command.ordinal}"
         if torch is not None:
             apply_local_caps(torch, self.state.local_caps)
-            print(f"{PREFIX} cap {command.cap} set on {where}, applied now")
+            print(f"{PREFIX} cap {command.cap} set on {where} by this kernel alone, applied now")
         else:
             from .bootstrap import install_lazy_hook
 
             install_lazy_hook(self.state)
-            print(f"{PREFIX} cap {command.cap} recorded for {where}; it applies when torch first uses CUDA")
+            print(f"{PREFIX} cap {command.cap} recorded for {where} by this kernel alone; it applies when torch first uses CUDA")
 
     def caps_text(self) -> str:
         return ", ".join(f"{format_bytes(d.cap)} on cuda:{d.ordinal}" for d in sorted(self.state.devices, key=lambda d: d.ordinal)) or "none"
@@ -225,6 +256,7 @@ class GpuCap:
         self.cells.pre_run_cell(info)
 
     def post_run_cell(self, result=None) -> None:
+        tell_once(self.state)
         explain_after_cell(result, self.state)
         self.cells.post_run_cell(result)
         try:
@@ -250,8 +282,7 @@ class GpuCap:
                 self.shell.events.unregister(event, callback)
             except ValueError:
                 pass
-        for panel in self.panels:
-            panel.close()
+        self.close_panels()
 
 
 _loaded: List[GpuCap] = []

@@ -4,9 +4,13 @@
     GpuUsagePanel()              # or: %gpucap panel
 
 A background thread re-reads the allocator every `interval` seconds (default 1) and sets the widgets'
-traits, so the panel moves while a long cell runs. It stops when the panel is closed or the kernel exits.
+traits, so the panel moves while a long cell runs. The thread stops as soon as the panel's widget is
+closed (from the browser, by `close()` or by `panel.widget.close()`) or the kernel exits; `%gpucap panel`
+closes the panel it opened before, so a kernel has at most one panel thread however often it is asked.
 Readings come from torch.cuda.memory_stats() only while the kernel's own torch has CUDA running: the
 panel never imports torch and never starts CUDA (that would cost the kernel a context, FACTS.md).
+A kernel that holds a grant always shows it, with its usage marked "not available" and why when its
+torch cannot read any (a CPU-only torch, as in the simulated demo).
 
 Module import is stdlib-only; ipywidgets is imported when a panel is made.
 """
@@ -22,6 +26,7 @@ from typing import List, Optional
 
 from ..policy import format_bytes
 from . import state as state_module
+from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server
 
 
@@ -29,11 +34,12 @@ from .usage import DeviceUsage, read_usage, report_to_server
 class DeviceRow:
     label: str
     cap: Optional[int]
-    allocated: Optional[int]  # None while CUDA is not started
+    allocated: Optional[int]  # None while there is no reading (see `unavailable`)
     reserved: Optional[int]
     peak: Optional[int]
     total: Optional[int]
     source: str
+    unavailable: Optional[str] = None  # why there is no usage reading at all, when that is known
 
     def fill(self, amount: Optional[int]) -> float:
         """Bar length in percent of the cap (0-100)."""
@@ -42,6 +48,9 @@ class DeviceRow:
         return min(100.0, 100.0 * amount / self.cap)
 
     def details(self) -> str:
+        where = f"cap {format_bytes(self.cap)} · device {format_bytes(self.total)} · cap set by {self.source}"
+        if self.allocated is None and self.unavailable:
+            return f"usage not available ({self.unavailable}) · {where}"
         return (
             f"allocated {format_bytes(self.allocated)} · reserved {format_bytes(self.reserved)} "
             f"of {format_bytes(self.cap)} cap · peak {format_bytes(self.peak)} · "
@@ -58,44 +67,35 @@ class PanelView:
     rows: List[DeviceRow] = field(default_factory=list)
 
 
-def torch_without_gpu_reason() -> Optional[str]:
-    """Why the kernel's (already imported) torch can see no GPU; None when it can or is not imported.
-
-    torch.cuda.is_available() asks the driver for a device count and creates no context."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        if getattr(getattr(torch, "version", None), "cuda", None) is None and getattr(torch.version, "hip", None) is None:
-            return f"this kernel's torch {getattr(torch, '__version__', '')} is built without CUDA"
-        if not torch.cuda.is_available():
-            return "torch finds no CUDA device"
-    except Exception as error:
-        return f"torch cannot look for a GPU: {error!r}"
-    return None
-
-
-def panel_view(state, readings: dict, no_gpu_reason: Optional[str]) -> PanelView:
-    """Rows for the kernel's devices (managed) or for what torch uses (a kernel no server started)."""
-    if state.cpu_only_reason:
-        return PanelView(f"no GPU visible: {state.cpu_only_reason}", False)
-    if no_gpu_reason:
-        return PanelView(f"no GPU visible: {no_gpu_reason}", False)
+def panel_view(state, readings: dict, unavailable: Optional[str]) -> PanelView:
+    """Rows for the kernel's grants (a kernel the server started) or for what torch uses (one no server
+    started). `unavailable`: why the kernel's torch can read no usage (reasons.usage_unavailable_reason)."""
+    held_none = no_gpu_reason(state)
+    if held_none:
+        return PanelView(held_none, False)
     rows = []
     if state.devices:
         for device in sorted(state.devices, key=lambda d: d.ordinal):
-            rows.append(_row(f"cuda:{device.ordinal} (server GPU {device.index})", device.cap, device.total, state.cap_source, readings.get(device.ordinal)))
-    else:
-        for ordinal, reading in sorted(readings.items()):
-            rows.append(_row(f"cuda:{ordinal}", None, reading.total, "not capped by a server", reading))
-    if not rows:
-        return PanelView("no GPU visible: this kernel was given no GPU", False)
-    if not readings:
-        return PanelView("GPU not in use yet: the cap applies at the first CUDA use", True, rows)
-    return PanelView("live", True, rows)
+            label = f"cuda:{device.ordinal} (server GPU {device.index})"
+            rows.append(_row(label, device.cap, device.total, state.cap_source, readings.get(device.ordinal), unavailable))
+        if not readings:
+            status = (
+                f"usage not available: {unavailable}; the caps below are this kernel's grants"
+                if unavailable
+                else "GPU not in use yet: the cap applies at the first CUDA use"
+            )
+            return PanelView(status, True, rows)
+        return PanelView("live", True, rows)
+    for ordinal, reading in sorted(readings.items()):
+        rows.append(_row(f"cuda:{ordinal}", None, reading.total, "not capped by a server", reading, None))
+    if rows:
+        return PanelView("live", True, rows)
+    if unavailable:
+        return PanelView(f"no GPU visible: {unavailable}", False)
+    return PanelView("no GPU in use: this kernel's torch has not started CUDA (no server started this kernel)", False)
 
 
-def _row(label: str, cap: Optional[int], total: Optional[int], source: str, reading: Optional[DeviceUsage]) -> DeviceRow:
+def _row(label, cap, total, source, reading: Optional[DeviceUsage], unavailable: Optional[str]) -> DeviceRow:
     return DeviceRow(
         label=label,
         cap=cap,
@@ -104,6 +104,7 @@ def _row(label: str, cap: Optional[int], total: Optional[int], source: str, read
         peak=reading.peak if reading else None,
         total=total if total is not None else (reading.total if reading else None),
         source=source,
+        unavailable=None if reading else unavailable,
     )
 
 
@@ -123,13 +124,15 @@ class GpuUsagePanel:
         self.client = client
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._no_gpu_reason: Optional[str] = None
+        self._unavailable: Optional[str] = None
         self._torch_checked = False
         self.title = widgets.HTML(value="<b>GPU memory</b>")
         self.status = widgets.HTML(value="")
         self.rows = widgets.VBox([])
         self._row_widgets: list = []
         self.widget = widgets.VBox([self.title, self.status, self.rows])
+        # However the widget is closed (the browser, close(), widget.close()), its comm goes: stop then.
+        self.widget.observe(self._on_comm, names="comm")
         self.refresh()
         if start:
             self.start()
@@ -138,10 +141,10 @@ class GpuUsagePanel:
 
     def view(self) -> PanelView:
         if not self._torch_checked and "torch" in sys.modules:
-            self._no_gpu_reason = torch_without_gpu_reason()  # fixed for the kernel's life: ask once
+            self._unavailable = usage_unavailable_reason()  # fixed for the kernel's life: ask once
             self._torch_checked = True
         ordinals = [d.ordinal for d in self.state.devices] or None
-        return panel_view(self.state, read_usage(ordinals), self._no_gpu_reason)
+        return panel_view(self.state, read_usage(ordinals), self._unavailable)
 
     def refresh(self) -> PanelView:
         """Read once and set the widgets' traits (only changed values travel to the browser)."""
@@ -158,6 +161,8 @@ class GpuUsagePanel:
             widgets["allocated"].value = row.fill(row.allocated)
             widgets["reserved"].bar_style = "danger" if row.fill(row.reserved) >= 90 else "info"
             widgets["details"].value = escape(row.details())
+            bars = "none" if row.unavailable else ""  # no reading will ever come: no empty bars
+            widgets["reserved"].layout.display = widgets["allocated"].layout.display = bars
         return view
 
     def _make_row(self) -> dict:
@@ -181,21 +186,29 @@ class GpuUsagePanel:
         self._thread = threading.Thread(target=self._run, name="gpu-quota-panel", daemon=True)
         self._thread.start()
 
+    def _on_comm(self, change) -> None:
+        if change["new"] is None:
+            self._stop.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if getattr(self.widget, "comm", None) is None:  # closed from the browser or by close()
-                break
-            try:
-                self.refresh()
-                report_to_server(self.state, self.client)
-            except Exception:
-                pass  # a failed reading must not kill the panel; the next tick tries again
+        try:
+            while not self._stop.wait(self.interval):
+                if getattr(self.widget, "comm", None) is None:  # closed before the observer was in place
+                    break
+                try:
+                    self.refresh()
+                    report_to_server(self.state, self.client)
+                except Exception:
+                    pass  # a failed reading must not kill the panel; the next tick tries again
+        finally:
+            atexit.unregister(self._stop.set)  # nothing of a stopped panel stays behind
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
+        """Stop the thread and close every widget of the panel (the browser drops its view)."""
         self._stop.set()
         for row in self._row_widgets:
             for widget in row.values():

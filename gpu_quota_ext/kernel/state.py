@@ -1,9 +1,16 @@
-"""What the bootstrap did in this kernel, for `%gpucap` and the usage panel to show. Stdlib only."""
+"""What the bootstrap did in this kernel, for `%gpucap` and the usage panel to show. Stdlib only.
+
+Nothing at kernel start reaches the notebook (no cell is running), so what the user must know about the
+start (a problem, a kernel started without a GPU although the server has some) is said once, after the
+first cell, by `tell_once`; `%gpucap` shows it whenever asked. Nothing is printed on the kernel's own
+stderr, which is the server's terminal.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -35,6 +42,8 @@ class KernelCapState:
     # The kernel's secret, moved here from the environment at start so that child processes and
     # `!env` never see it. Kept out of repr.
     token: Optional[str] = field(default=None, repr=False)
+    # True once the user was told what happened at start (tell_once, or a `%gpucap` table).
+    told: bool = False
 
     def caps_by_ordinal(self) -> List[int]:
         """The caps in force now, in torch's device order: what the lazy hook applies at CUDA start."""
@@ -81,3 +90,18 @@ def from_environment(env=os.environ) -> KernelCapState:
     except (ValueError, KeyError, TypeError) as error:
         state.problems.append(f"unreadable {DEVICES}: {error!r}")
     return state
+
+
+def tell_once(state: KernelCapState, stream=None) -> None:
+    """After the first cell: the start's problems and a CPU-only start, once, on the cell's stderr."""
+    if state.told:
+        return
+    state.told = True
+    from .reasons import no_gpu_reason
+
+    lines = []
+    if state.cpu_only_reason:  # the server has GPUs, this kernel got none: worth knowing before training
+        lines.append(f"gpu-quota: {no_gpu_reason(state)}")
+    lines += [f"gpu-quota: problem: {problem}" for problem in state.problems]
+    if lines:
+        print("\n".join(lines), file=stream or sys.stderr, flush=True)

@@ -214,8 +214,10 @@ class TorchImportWatcher(importlib.abc.MetaPathFinder):
             watcher.uninstall()
             try:
                 watcher._on_import(module)
-            except Exception as error:  # never break the user's import
-                print(f"[gpu-quota-ext] could not queue the torch cap: {error!r}", file=sys.__stderr__)
+            except Exception as error:  # never break the user's import; say it in the cell that imported torch
+                import warnings
+
+                warnings.warn(f"gpu-quota-ext could not queue the torch cap: {error!r}", RuntimeWarning, stacklevel=2)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -1,16 +1,22 @@
-"""Issue 6: examples/01-gpu-quota-tour.ipynb runs top to bottom in demo mode, as on binder.
+"""examples/01-gpu-quota-tour.ipynb runs top to bottom both ways a new user runs it, and says which.
 
-A real jupyter_server configured by binder/jupyter_server_config.py (the demo's two simulated GPUs) starts
-a kernel through its REST API, so the launch hook gives the kernel its cap, its secret and the server's
-address; nbclient then runs every cell of the notebook in that kernel, and `%gpucap` talks to the server
-for real. Any cell error fails the test, including in the cell tagged `raises-exception` (on a CPU machine
-it must not raise: only a real GPU's out-of-memory error may).
+In demo mode, as on binder and with `./run demo`: a real jupyter_server configured by
+binder/jupyter_server_config.py (the demo's two simulated GPUs) starts a kernel through its REST API, so
+the launch hook gives the kernel its cap, its secret and the server's address; nbclient then runs every
+cell of the notebook in that kernel, and `%gpucap` talks to the server for real. Any cell error fails the
+test, including in the cell tagged `raises-exception` (on a CPU machine it must not raise: only a real
+GPU's out-of-memory error may).
+
+With no server: `jupyter nbconvert --execute`, as a subprocess, in a plain kernel; the tour loads
+`%gpucap` itself and every cell runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -22,6 +28,7 @@ from traitlets.config.loader import PyFileConfigLoader
 from gpu_quota_ext.policy import format_bytes
 
 from .kernels import start_kernel
+from .test_magic import repeated_words
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "examples" / "01-gpu-quota-tour.ipynb"
@@ -74,6 +81,13 @@ def find_cell(nb, source: str):
     return cell
 
 
+def magic_output(nb) -> str:
+    """Everything gpu-quota-ext said: the first cell and the %gpucap cells (not torch's own warnings)."""
+    cells = [nb.cells[1]] + [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith("%gpucap")]
+    ours = lambda c: [line for line in cell_text(c, "stderr").splitlines(True) if line.startswith("gpu-quota")]  # noqa: E731
+    return "".join(cell_text(c, "stdout") + "".join(ours(c)) for c in cells)
+
+
 async def grant_of(jp_fetch, kernel_id: str) -> dict:
     return json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
 
@@ -101,6 +115,8 @@ async def test_tour_notebook_runs_top_to_bottom_in_demo_mode(jp_fetch, jp_server
         if cell.cell_type == "code":
             assert "error:" not in cell_text(cell, "stderr"), (cell.source, cell_text(cell, "stderr"))
 
+    assert "started by a Jupyter server with gpu-quota-ext" in cell_text(nb.cells[1], "stdout")
+    assert repeated_words(magic_output(nb)) == [], magic_output(nb)
     # What the user reads matches the server's ledger.
     shown = cell_text(find_cell(nb, "%gpucap"), "stdout")
     assert format_bytes(device["cap"]) in shown and device["cap"] == int(0.25 * total), shown
@@ -127,3 +143,26 @@ async def test_tour_notebook_on_a_real_gpu(jp_fetch, jp_serverapp):
     assert "allocated under the new cap" in "".join(cell_text(c, "stdout") for c in nb.cells if c.cell_type == "code")
     assert "granted" in cell_text(find_cell(nb, "%gpucap 0.4"), "stdout")
     assert "clamped" in cell_text(find_cell(nb, "%gpucap 0.9"), "stdout")
+
+
+@pytest.mark.timeout(240)
+def test_tour_notebook_runs_under_nbconvert_without_a_server(tmp_path):
+    """What a new user tries first: `jupyter nbconvert --execute` in a kernel no server started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_") and k != "PYTHONSTARTUP"}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    nbconvert = Path(sys.executable).with_name("jupyter-nbconvert")
+    result = subprocess.run(
+        [str(nbconvert), "--to", "notebook", "--execute", str(NOTEBOOK), "--output-dir", str(tmp_path),
+         "--ExecutePreprocessor.timeout=180"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=230,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    nb = nbformat.read(tmp_path / NOTEBOOK.name, as_version=4)
+    first = cell_text(nb.cells[1], "stdout")
+    assert "Loading %gpucap with %load_ext gpu_quota_ext:" in first
+    assert first.count("no server started this kernel") == 1, first  # the banner, said once
+    said = magic_output(nb)
+    assert "gpu-quota: error" not in said, said
+    assert "recorded for every device by this kernel alone" in cell_text(find_cell(nb, "%gpucap 0.4"), "stdout")
+    assert "local caps removed" in cell_text(find_cell(nb, "%gpucap reset\n%gpucap"), "stdout")
+    assert repeated_words(said) == [], said

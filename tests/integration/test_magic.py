@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import List
 
 import pytest
 from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
+from gpu_quota_ext.kernel.magic import NO_SERVER
 from gpu_quota_ext.policy import GiB
 
 from .cell_output import CellOutput, run_cell
@@ -263,16 +265,49 @@ def widget_models(out: CellOutput) -> dict:
     return models
 
 
-async def test_panel_arrives_as_widget_comms_in_the_no_gpu_state(jp_fetch, jp_serverapp):
+async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_available(jp_fetch, jp_serverapp):
+    # The simulated demo's case: the kernel holds a grant, its torch is a CPU build.
     kernel_id = await start_kernel(jp_fetch)
     out = await run_cell(jp_serverapp, kernel_id, "import torch\n%gpucap panel")
     assert out.status == "ok" and out.errors == [], out
     models = widget_models(out)
-    html = [m["value"] for m in models.values() if m.get("_model_name") == "HTMLModel"]
-    assert any("no GPU visible" in v and "built without CUDA" in v for v in html), html
-    assert not [m for m in models.values() if m.get("_model_name") == "FloatProgressModel"]  # no bars: no GPU
+    html = " ".join(m["value"] for m in models.values() if m.get("_model_name") == "HTMLModel")
+    assert "usage not available: this kernel&#x27;s torch" in html and "built without CUDA" in html, html
+    assert "cuda:0 (server GPU " in html  # the grant's row
+    assert "cap 20.0 GiB · device 80.0 GiB · cap set by the server, at kernel start" in html, html
     shown = [m["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for m in out.comm("display_data")]
     assert len(shown) == 1 and models[shown[0]]["_model_name"] == "VBoxModel"
+    table = await execute(jp_serverapp, kernel_id, "%gpucap")
+    assert "allocated/reserved/peak: not available: this kernel's torch" in table and "built without CUDA" in table
+    assert "20.0 GiB" in table.splitlines()[1]
+
+
+THREADS = "import threading; print(sum(1 for t in threading.enumerate() if t.name == 'gpu-quota-panel'), threading.active_count())"
+
+
+async def test_thirty_panels_leave_one_thread_and_a_closed_panel_none(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "%gpucap")  # the full magic loaded: its own imports are not counted
+    before_panels, before_all = map(int, (await execute(jp_serverapp, kernel_id, THREADS)).split())
+    assert before_panels == 0
+    for _ in range(30):
+        out = await run_cell(jp_serverapp, kernel_id, "%gpucap panel")
+        assert out.status == "ok" and out.comm("display_data"), out
+    panels, threads = map(int, (await execute(jp_serverapp, kernel_id, THREADS)).split())
+    assert panels == 1 and threads == before_all + 1, (panels, threads, before_all)
+    # The panel the user sees is the newest; closing its widget (the browser's close, or this) stops it.
+    closed = await execute(
+        jp_serverapp,
+        kernel_id,
+        "from gpu_quota_ext.kernel import magic\n"
+        "panel = magic._loaded[0].panels[-1]\n"
+        "panel.widget.close()\n"
+        "panel._thread.join(timeout=10)\n"
+        "print(panel.running)",
+    )
+    assert closed.strip() == "False"
+    panels, threads = map(int, (await execute(jp_serverapp, kernel_id, THREADS)).split())
+    assert (panels, threads) == (0, before_all)
 
 
 async def test_panel_thread_updates_widgets_while_a_cell_runs_and_stops_on_close(jp_fetch, jp_serverapp):
@@ -416,12 +451,13 @@ async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_loca
         missing = await cell("%gpucap")
         assert "`%gpucap` not found" in missing.stderr  # not loaded: no server, no bootstrap here
         loaded = await cell("%load_ext gpu_quota_ext")
-        assert "no server started this kernel" in loaded.stdout
+        assert loaded.stdout.strip() == NO_SERVER  # the banner, once
         table = await cell("%gpucap")
-        assert "no server started this kernel" in table.stdout
-        assert "torch has not started CUDA" in table.stdout
+        assert NO_SERVER not in table.stdout  # not on every %gpucap
+        assert "no device to show yet: this kernel's torch has not started CUDA (no server started this kernel)" in table.stdout
         local = await cell("%gpucap 0.3")
-        assert "cap 0.3 recorded for every device" in local.stdout
+        assert NO_SERVER not in local.stdout
+        assert "cap 0.3 recorded for every device by this kernel alone" in local.stdout
         state = await cell("from gpu_quota_ext.kernel import state; print({k: str(v) for k, v in state.STATE.local_caps.items()})")
         assert state.stdout.strip() == "{None: '0.3'}"
         bad = await cell("%gpucap abc")
@@ -429,3 +465,78 @@ async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_loca
     finally:
         client.stop_channels()
         await manager.shutdown_kernel(now=True)
+
+
+# --- what the user reads: each thing said once, and why there is no GPU ------------------------------------
+
+
+def repeated_words(text: str) -> list:
+    """Phrases said twice in a row: "clamped: clamped", "policy (policy)", "no GPU: no GPU: ..."."""
+    found = []
+    for line in text.splitlines():
+        words = re.findall(r"[a-z][\w-]*|\d[\d.,]*", line.lower())  # numbers count: "20 GiB, 40 GiB" is fine
+        found += [f"{a} {b}" for a, b in zip(words, words[1:]) if a == b and not a[0].isdigit()]
+        segments = [segment.split() for segment in line.lower().split(": ")]
+        found += [" ".join(b[:2]) for a, b in zip(segments, segments[1:]) if len(a) > 1 and a[:2] == b[:2]]
+    return found
+
+
+async def test_answers_say_each_thing_once(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    said = ""
+    for line in ("", "0.3", "0.9", "reset", "", "--device 0 10GiB", "abc"):
+        out = await run_cell(jp_serverapp, kernel_id, f"%gpucap {line}")
+        said += out.stdout + out.stderr
+    assert "gpu-quota: granted; cap now 24.0 GiB on cuda:0" in said
+    assert "gpu-quota: clamped to max_cap 40.0 GiB on device " in said
+    assert re.search(r"80\.0 GiB\s+server policy$", said, re.M), said  # after reset, not "server policy (policy)"
+    assert repeated_words(said) == [], said
+
+
+class TestNoGpuOnTheServer:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config())  # a server whose inventory lists no GPU
+
+    async def test_gpucap_and_the_panel_say_why(self, jp_fetch, jp_serverapp):
+        kernel_id = await start_kernel(jp_fetch)
+        table = await run_cell(jp_serverapp, kernel_id, "%gpucap")
+        first = table.stdout.splitlines()[0]
+        assert first.startswith("gpu-quota: no GPU on this server"), table.stdout
+        assert "no NVIDIA driver" in first or "may use" in first
+        assert repeated_words(table.stdout) == []
+        change = await run_cell(jp_serverapp, kernel_id, "%gpucap 0.3")
+        assert "no GPU on this server" in assert_one_error_line(change) and "there is no cap to change" in change.stderr
+        panel = await run_cell(jp_serverapp, kernel_id, "%gpucap panel")
+        html = " ".join(m.get("value", "") for m in widget_models(panel).values())
+        assert "no GPU on this server" in html
+
+
+class TestCpuOnlyBecauseTheBudgetIsFull:
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("80GiB", default_cap="0.6", max_cap="0.6", overcommit=1.0))
+
+    async def test_the_first_cell_and_gpucap_say_the_kernel_got_no_gpu(self, jp_fetch, jp_serverapp):
+        await start_kernel(jp_fetch)  # takes 0.6 of the only device
+        kernel_id = await start_kernel(jp_fetch)  # does not fit: starts CPU-only
+        first = await run_cell(jp_serverapp, kernel_id, "x = 1")
+        assert first.stderr.startswith("gpu-quota: this kernel started without a GPU (CPU-only): no GPU has 0.6 of budget left")
+        second = await run_cell(jp_serverapp, kernel_id, "x = 2")
+        assert second.stderr == ""  # said once
+        table = await execute(jp_serverapp, kernel_id, "%gpucap")
+        assert table.startswith("gpu-quota: this kernel started without a GPU (CPU-only): no GPU has 0.6")
+        assert repeated_words(table) == []
+
+
+async def test_a_failing_startup_is_said_in_the_notebook_not_on_the_servers_stderr(jp_fetch, jp_serverapp, tmp_path, monkeypatch, capfd):
+    startup = tmp_path / "startup.py"
+    startup.write_text("raise NameError('in my own startup file')\n")
+    monkeypatch.setenv("PYTHONSTARTUP", str(startup))
+    kernel_id = await start_kernel(jp_fetch)
+    first = await run_cell(jp_serverapp, kernel_id, "x = 1")
+    assert f"gpu-quota: problem: your PYTHONSTARTUP {startup} failed: NameError('in my own startup file')" in first.stderr
+    table = await execute(jp_serverapp, kernel_id, "%gpucap")
+    assert "in my own startup file" in table
+    # The kernel process's own stderr is this test's (inherited): nothing of ours went there.
+    assert "gpu-quota" not in capfd.readouterr().err

@@ -75,3 +75,26 @@ def test_the_magic_runs_the_full_one(stand_in):
     shell, _, loaded = stand_in
     shell.magics["gpucap"]("0.3")
     assert loaded[0].lines == ["0.3"]
+
+
+def test_a_failing_bootstrap_prints_nothing_at_start_and_tells_after_the_first_cell(monkeypatch, capfd):
+    # The kernel's stderr at start is the server's terminal: nothing goes there. The notebook hears of
+    # it after the first cell, once, and from `%gpucap`.
+    import IPython
+
+    from gpu_quota_ext.kernel import bootstrap
+    from gpu_quota_ext.launch_env import STARTUP_FILE
+
+    shell = Shell()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    monkeypatch.setattr(bootstrap, "run", lambda namespace: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setenv("PYTHONSTARTUP", str(STARTUP_FILE))  # restored after the test (the startup unsets it)
+    exec(compile(STARTUP_FILE.read_text(), str(STARTUP_FILE), "exec"), {"__name__": "__main__"})
+    assert capfd.readouterr() == ("", "")
+    said = "gpu-quota: problem: the gpu-quota-ext bootstrap failed: RuntimeError('boom'); no GPU cap applied in this kernel\n"
+    shell.events.trigger("post_run_cell", cell())
+    assert capfd.readouterr().err == said
+    shell.events.trigger("post_run_cell", cell())
+    assert capfd.readouterr().err == ""  # once
+    shell.magics["gpucap"]("")
+    assert capfd.readouterr().err == said

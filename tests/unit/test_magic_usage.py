@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -80,16 +81,70 @@ def test_cell_reporter_resets_peaks_only_when_on(monkeypatch, capsys):
 
 def test_panel_view_states():
     state = state_on()
-    no_gpu = panel_view(state, {}, "this kernel's torch 2.13.0+cpu is built without CUDA")
-    assert not no_gpu.gpu_visible and no_gpu.status.startswith("no GPU visible") and no_gpu.rows == []
-    cpu_only = panel_view(KernelCapState(kernel_id="k", cpu_only_reason="budget full"), {}, None)
-    assert cpu_only.status == "no GPU visible: budget full"
+    cpu_torch = panel_view(state, {}, "this kernel's torch 2.13.0+cpu is built without CUDA")
+    # The grant is shown, usage marked as not available, and why (the simulated demo's case).
+    assert cpu_torch.gpu_visible and len(cpu_torch.rows) == 1
+    assert cpu_torch.status == "usage not available: this kernel's torch 2.13.0+cpu is built without CUDA; the caps below are this kernel's grants"
+    row = cpu_torch.rows[0]
+    assert row.label == "cuda:0 (server GPU 3)" and row.cap == 20 * GiB and row.allocated is None
+    assert row.details().startswith("usage not available (this kernel's torch 2.13.0+cpu is built without CUDA) · cap 20.0 GiB")
+    cpu_only = panel_view(KernelCapState(kernel_id="k", cpu_only_reason="no GPU has 0.25 of budget left"), {}, None)
+    assert cpu_only.status == "this kernel started without a GPU (CPU-only): no GPU has 0.25 of budget left"
+    assert not cpu_only.gpu_visible and cpu_only.rows == []
     waiting = panel_view(state, {}, None)
     assert waiting.gpu_visible and waiting.status.startswith("GPU not in use yet") and waiting.rows[0].allocated is None
+    assert waiting.rows[0].unavailable is None
     live = panel_view(state, {0: DeviceUsage(0, 5 * GiB, 10 * GiB, 12 * GiB, 6 * GiB, 79 * GiB)}, None)
     row = live.rows[0]
     assert live.status == "live" and row.fill(row.reserved) == 50.0 and row.fill(row.allocated) == 25.0
     assert "reserved 10.0 GiB of 20.0 GiB cap" in row.details() and "peak 12.0 GiB" in row.details()
+    plain = panel_view(KernelCapState(), {}, "this kernel's torch 2.13.0+cpu is built without CUDA")
+    assert plain.status == "no GPU visible: this kernel's torch 2.13.0+cpu is built without CUDA" and plain.rows == []
+
+
+def test_no_gpu_on_the_server_says_why(monkeypatch, tmp_path):
+    from gpu_quota_ext.kernel import reasons
+
+    no_devices = KernelCapState(kernel_id="k")  # the server started it and granted nothing, for no budget reason
+    monkeypatch.setattr(reasons, "NVIDIA_DRIVER_FILE", str(tmp_path / "absent"))
+    assert reasons.no_gpu_reason(no_devices).startswith("no GPU on this server: no NVIDIA driver is loaded")
+    (tmp_path / "version").write_text("NVRM version: 580\n")
+    monkeypatch.setattr(reasons, "NVIDIA_DRIVER_FILE", str(tmp_path / "version"))
+    assert reasons.no_gpu_reason(no_devices).startswith("no GPU on this server that it may use")
+    assert reasons.no_gpu_reason(state_on()) is None and reasons.no_gpu_reason(KernelCapState()) is None
+    assert panel_view(no_devices, {}, None).status == reasons.no_gpu_reason(no_devices)
+
+
+def test_usage_unavailable_reason_never_starts_cuda(monkeypatch):
+    from gpu_quota_ext.kernel.reasons import usage_unavailable_reason
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert usage_unavailable_reason() is None  # no torch: usage comes once torch starts CUDA
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert usage_unavailable_reason() is None
+    torch.version.cuda = None
+    assert usage_unavailable_reason() == f"this kernel's torch {torch.__version__} is built without CUDA"
+    assert torch.cuda.context_calls == 0 and not torch.cuda.initialized
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def counting_refreshes(panel) -> list:
+    ticks: list = []
+    refresh = panel.refresh
+
+    def counted():
+        ticks.append(1)
+        return refresh()
+
+    panel.refresh = counted
+    return ticks
 
 
 def test_panel_widget_without_a_gpu_does_not_start_cuda(monkeypatch):
@@ -98,16 +153,51 @@ def test_panel_widget_without_a_gpu_does_not_start_cuda(monkeypatch):
 
     torch = fake_torch(80 * GiB)
     monkeypatch.setitem(sys.modules, "torch", torch)
-    panel = GpuUsagePanel(interval=0.05, state=state_on())
+    panel = GpuUsagePanel(interval=0.02, state=state_on())
     try:
+        ticks = counting_refreshes(panel)
         assert panel.running
         assert "GPU not in use yet" in panel.status.value
         assert len(panel.rows.children) == 1
-        time.sleep(0.2)
+        wait_until(lambda: len(ticks) >= 3)  # three readings by the thread
         assert torch.cuda.context_calls == 0 and not torch.cuda.initialized
     finally:
         panel.close()
     assert not panel.running
+
+
+def test_closing_the_widget_stops_the_thread(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from gpu_quota_ext.kernel.panel import GpuUsagePanel
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    panel = GpuUsagePanel(interval=3600, state=state_on())  # a thread that would sleep for an hour
+    assert panel.running
+    panel.widget.close()  # what the browser or the user does; not the panel's own close()
+    panel._thread.join(timeout=5)
+    assert not panel.running
+
+
+def test_a_new_panel_replaces_the_one_before(monkeypatch, capsys):
+    pytest.importorskip("ipywidgets")
+    from gpu_quota_ext.kernel.magic import GpuCap
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    from IPython.core.events import EventManager, available_events
+
+    shell = types.SimpleNamespace(events=EventManager(None, available_events))
+    controller = GpuCap(shell=shell, state=state_on(), client=None, env={})
+    for _ in range(5):
+        controller.magic("panel")
+    first = controller.panels[0]
+    controller.magic("panel")
+    (latest,) = controller.panels
+    assert latest is not first and latest.running and not first.running
+    assert first.widget.comm is None  # its widgets are closed: the browser drops the old view
+    live = [t for t in threading.enumerate() if t.name == "gpu-quota-panel"]
+    assert live == [latest._thread]
+    controller.unregister()  # %unload_ext: the last panel stops too
+    assert not latest.running
 
 
 # --- the HTTP client -------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 import sys
 import types
 
+import pytest
+
 from gpu_quota_ext.kernel.torch_cap import (
     TorchImportWatcher,
     alloc_conf_variable,
@@ -57,7 +59,7 @@ def test_import_watcher_calls_back_after_the_module_is_executed(tmp_path, monkey
         sys.modules.pop("torch", None)
 
 
-def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch, capfd):
+def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch):
     package = tmp_path / "torch"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -70,13 +72,14 @@ def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch, capfd
     watcher = TorchImportWatcher(boom)
     watcher.install()
     try:
-        import torch
+        # A warning, shown in the cell that imported torch; nothing on the kernel's (the server's) stderr.
+        with pytest.warns(RuntimeWarning, match="could not queue the torch cap"):
+            import torch
 
         assert isinstance(torch, types.ModuleType)
     finally:
         watcher.uninstall()
         sys.modules.pop("torch", None)
-    assert "could not queue the torch cap" in capfd.readouterr().err
 
 
 def test_bootstrap_without_torch_writes_no_allocator_option(monkeypatch):

@@ -1,0 +1,248 @@
+"""`jupyter gpu-quota`: the extension's settings from the command line, without starting a server.
+
+    jupyter gpu-quota --help-all          every setting, with its help and the value it has here
+    jupyter gpu-quota --generate-config   a commented `c.GpuQuota` section for jupyter_server_config.py
+    jupyter gpu-quota check [--config=FILE] [--GpuQuota.NAME=VALUE ...]
+                                          load the configuration as the server would and validate it:
+                                          the effective policy, the watchdog, the GPUs seen (or why none)
+
+The settings are the GpuQuota server extension's own traits, read from its class: nothing here writes a
+setting, its help or its default a second time. `check` loads config files, the command line and the
+environment through jupyter_server's own loading and validates them with the extension's own code, so a
+bad configuration ends with the very line the server would print, and exit status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Dict, List, Optional
+
+from jupyter_core.application import JupyterApp
+from traitlets import TraitError
+from traitlets.utils.text import wrap_paragraphs
+
+from .app import GpuQuota, invalid_configuration
+from .devices import StaticInventory
+from .policy import PolicyError, format_bytes
+
+
+def setting_names() -> List[str]:
+    return sorted(GpuQuota.class_own_traits(config=True))
+
+
+def environment_variable(name: str) -> Optional[str]:
+    return GpuQuota.class_traits()[name].metadata.get("env")
+
+
+def builtin_defaults() -> Dict[str, object]:
+    """Each setting's value with no config and no GPU_QUOTA_* variable: what a fresh install gets."""
+    names = [v for v in (environment_variable(n) for n in setting_names()) if v]
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        fresh = GpuQuota()
+        return {name: getattr(fresh, name) for name in setting_names()}
+    finally:
+        os.environ.update(saved)
+
+
+def python_literal(value: object) -> str:
+    if isinstance(value, type):  # a Type trait: written in config as the class's import path
+        return repr(f"{value.__module__}.{value.__qualname__}")
+    return repr(value)
+
+
+def settings_help(current: GpuQuota) -> str:
+    """--help-all's settings part: jupyter's own per-trait format, the value here and now included."""
+    lines = [
+        "GpuQuota settings",
+        "-----------------",
+        "In jupyter_server_config.py as c.GpuQuota.NAME = VALUE, on the server's command line as",
+        "--GpuQuota.NAME=VALUE; a setting that names an environment variable reads it when neither sets it.",
+        "",
+    ]
+    traits = GpuQuota.class_traits()
+    for name in setting_names():
+        lines.append(GpuQuota.class_get_trait_help(traits[name], current))
+    lines += ["", StaticInventory.class_get_help()]
+    return "\n".join(lines)
+
+
+def generate_config() -> str:
+    """Every setting, commented out at its built-in default, with its help: paste into jupyter_server_config.py."""
+    defaults = builtin_defaults()
+    traits = GpuQuota.class_traits()
+    lines = [
+        "# gpu-quota-ext: every setting of the server extension, at its built-in default.",
+        "# Put these lines in jupyter_server_config.py (in `jupyter --config-dir`, or pass the file with",
+        "# --config=FILE) and remove the '#' in front of the settings you change.",
+        "# `jupyter gpu-quota check` validates the result without starting a server.",
+        "",
+        "c = get_config()  # noqa: F821",
+        "",
+    ]
+    for name in setting_names():
+        for paragraph in wrap_paragraphs(traits[name].help, 96):
+            lines += [f"## {line}" for line in paragraph.splitlines()]
+        lines.append(f"# c.GpuQuota.{name} = {python_literal(defaults[name])}")
+        lines.append("")
+    devices = StaticInventory.class_traits()["devices"]
+    lines += [f"## {line}" for paragraph in wrap_paragraphs(devices.help, 96) for line in paragraph.splitlines()]
+    lines.append('# c.StaticInventory.devices = [{"name": "Demo GPU", "total": "80GiB"}]')
+    return "\n".join(lines) + "\n"
+
+
+# --- check ---------------------------------------------------------------------------------------------
+
+NO_GPU_HINTS = {
+    "LibraryNotFound": "the NVIDIA driver's NVML library (libnvidia-ml.so) is not on this machine: no driver",
+    "DriverNotLoaded": "the NVIDIA driver is installed but not loaded (its kernel module is not running)",
+    "NoPermission": "this user may not open the GPU devices",
+    "not installed": "pip install nvidia-ml-py in the server's environment",
+}
+
+
+def load_like_the_server(argv: List[str]):
+    """(server, extension): config files, command line and environment, loaded by jupyter_server's own
+    code the way `jupyter server` does before it starts, and linked into a GpuQuota that is never started."""
+    from jupyter_server.serverapp import ServerApp
+
+    server = ServerApp()
+    # JupyterApp's part of ServerApp.initialize: the command line, then the config files under it. The
+    # rest of ServerApp.initialize (ports, web app, kernels) is what this command must not do.
+    JupyterApp.initialize(server, argv)
+    server.find_server_extensions()  # jpserver_extensions from jupyter_server_config.d/, as the server does
+    extension = GpuQuota()
+    extension.log_level = logging.ERROR  # the report below says what its warnings would
+    extension._link_jupyter_server_extension(server)  # a bad trait type exits here, with the server's line
+    return server, extension
+
+
+def setting_source(extension: GpuQuota, name: str) -> str:
+    variable = extension.environment_source(name)
+    if variable:
+        return f"from ${variable}"
+    if f"GpuQuota.{name}" in extension.config:
+        return "from config"
+    return "default"
+
+
+def check_report(argv: List[str]) -> str:
+    """What `jupyter gpu-quota check` prints; SystemExit with the server's one line for a bad config."""
+    server, extension = load_like_the_server(argv)
+    if server.config_file and not os.path.isfile(server.config_file):
+        # The server skips a missing --config file without a word; a check should not.
+        raise SystemExit(f"gpu-quota-ext: --config={server.config_file}: no such file (a server would ignore it)")
+    try:
+        policy, enforcement, hard_cap = extension.validated_settings()
+        inventory = extension.inventory_class(parent=extension)
+        devices = inventory.list_devices()
+        problem = inventory.problem
+    except (PolicyError, TraitError) as error:
+        raise SystemExit(invalid_configuration(str(error))) from None
+
+    files = list(dict.fromkeys(list(server.loaded_config_files) + list(extension.loaded_config_files)))
+    lines = ["configuration files read (later ones win):"]
+    lines += [f"  {path}" for path in files] or ["  none (built-in defaults and the environment only)"]
+    enabled = server.jpserver_extensions.get("gpu_quota_ext")
+    lines.append(
+        "server extension: enabled"
+        if enabled
+        else "server extension: NOT enabled in this configuration: a server started with it gives kernels no cap "
+        "(jupyter server extension enable gpu_quota_ext)"
+    )
+
+    def row(name: str, shown: object) -> str:
+        return f"  {name:<14} {shown!s:<12} ({setting_source(extension, name)})"
+
+    described = policy.describe()
+    lines.append("policy:")
+    for name in ("default_cap", "max_cap", "overcommit", "placement", "on_full", "on_over_max"):
+        lines.append(row(name, described[name]))
+    rules = described["rules"]
+    lines.append(row("caps", "a callable" if rules == "callable" else f"{rules} rule(s)"))
+    lines.append("watchdog:")
+    for name, shown in enforcement.describe().items():
+        lines.append(row(name, f"{shown} s" if name in ("grace", "poll_interval") else shown))
+
+    lines.append(f"devices ({type(inventory).__name__}):")
+    if devices:
+        for device in devices:
+            budget = format_bytes(int(device.total * policy.overcommit)) if policy.overcommit else "no admission control"
+            lines.append(
+                f"  {device.index}: {device.name}, {format_bytes(device.total)} ({device.uuid}): a kernel's cap "
+                f"{format_bytes(policy.default_cap.to_bytes(device.total))}, up to "
+                f"{format_bytes(policy.max_cap.to_bytes(device.total))} on request; budget {budget}"
+            )
+    else:
+        lines.append(f"  {problem or 'no GPU'}")
+        hints = [hint for key, hint in NO_GPU_HINTS.items() if key in (problem or "")]
+        lines += [f"  ({hint})" for hint in hints]
+        lines.append("  a server with this configuration starts every kernel without a GPU cap (%gpucap says why)")
+    lines.append("configuration valid")
+    return "\n".join(lines)
+
+
+class GpuQuotaCheck(JupyterApp):
+    name = "jupyter-gpu-quota-check"
+    description = """Load the configuration the way `jupyter server` and `jupyter lab` do (jupyter_server_config.py
+    and .json on the Jupyter config path, jupyter_server_config.d/, the GPU_QUOTA_* environment variables,
+    and --config=FILE or --GpuQuota.NAME=VALUE given here), validate it with the server's own code, and
+    print the effective policy, the watchdog's settings and the GPUs the extension sees, or why it sees
+    none. Starts no server and no kernel. A bad configuration prints the one line the server would and
+    exits with status 1."""
+    examples = """
+    jupyter gpu-quota check
+    jupyter gpu-quota check --config=binder/jupyter_server_config.py
+    GPU_QUOTA_DEFAULT_CAP=0.1 jupyter gpu-quota check --GpuQuota.max_cap=0.5
+    """
+
+    server_argv: List[str] = []
+
+    def initialize(self, argv=None):
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if {"-h", "--help", "--help-all"} & set(argv):
+            super().initialize(argv)  # prints this command's help and exits
+        self.server_argv = argv
+
+    def start(self):
+        print(check_report(self.server_argv))
+
+
+class GpuQuotaCommand(JupyterApp):
+    name = "jupyter-gpu-quota"
+    description = """gpu-quota-ext's settings without a server: --help-all lists every setting (c.GpuQuota.NAME)
+    with its help; --generate-config prints a commented configuration; `check` validates the configuration
+    the server would load and shows the GPUs it sees."""
+    examples = """
+    jupyter gpu-quota --help-all
+    jupyter gpu-quota --generate-config > gpu_quota_config.py
+    jupyter gpu-quota check --config=gpu_quota_config.py
+    """
+    subcommands = {
+        "check": (GpuQuotaCheck, "Validate the configuration the server would load; show the policy and the GPUs it sees.")
+    }
+
+    def emit_help(self, classes: bool = False):
+        yield from self.emit_description()
+        yield from self.emit_subcommands_help()
+        yield from self.emit_options_help()
+        if classes:
+            yield settings_help(GpuQuota())
+            yield ""
+        yield from self.emit_examples()
+        yield from self.emit_help_epilogue(classes)
+
+    def write_default_config(self):
+        sys.stdout.write(generate_config())
+
+    def start(self):
+        super().start()  # a subcommand or --generate-config; they end with NoStart
+        self.print_help()
+
+
+main = launch_new_instance = GpuQuotaCommand.launch_instance
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`jupyter gpu-quota`, run as a user runs it: a subprocess, with its own config directory and environment.
+
+--help-all lists every setting of the GpuQuota extension with its help; --generate-config writes a config
+that loads and, uncommented, is valid and changes nothing; `check` reads the config files, the command
+line and the environment the way the server does, and a bad configuration ends with the very line a real
+server prints for it, naming the environment variable when the value came from one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_quota_ext.app import GpuQuota
+
+from .test_bad_config import start_server
+
+SETTINGS = sorted(GpuQuota.class_own_traits(config=True))
+STATIC = "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"
+
+
+def command() -> list:
+    """The installed console script (`jupyter gpu-quota` runs it), next to this Python."""
+    script = Path(sys.executable).with_name("jupyter-gpu-quota")
+    assert script.exists(), "the package's console script is not installed (pip install -e .)"
+    return [sys.executable, str(script)]
+
+
+def environment(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_")}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), **extra)
+    return env
+
+
+def gpu_quota(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*command(), *args], env=environment(tmp_path, **env), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_all_lists_every_setting_with_its_help(tmp_path):
+    result = gpu_quota(tmp_path, "--help-all")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for name in SETTINGS:
+        assert f"--GpuQuota.{name}=" in out, name
+        first_words = " ".join(GpuQuota.class_traits()[name].help.split()[:6])
+        assert first_words in " ".join(out.split()), (name, first_words)
+    assert "--StaticInventory.devices" in out
+    assert "check" in out
+
+
+def test_help_all_shows_the_value_the_environment_gives(tmp_path):
+    out = gpu_quota(tmp_path, "--help-all", GPU_QUOTA_DEFAULT_CAP="0.1").stdout
+    block = out.split("--GpuQuota.default_cap=", 1)[1].split("--GpuQuota.", 1)[0]
+    assert "Current: '0.1'" in block, block
+
+
+def test_generated_config_is_every_setting_commented_and_valid_when_uncommented(tmp_path):
+    result = gpu_quota(tmp_path, "--generate-config", GPU_QUOTA_DEFAULT_CAP="0.1")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assigned = re.findall(r"^# c\.GpuQuota\.(\w+) = ", text, re.M)
+    assert sorted(assigned) == SETTINGS
+    assert "# c.GpuQuota.default_cap = '0.25'" in text  # the built-in default, not this shell's variable
+    assert not re.search(r"^c\.GpuQuota", text, re.M)  # nothing set until the admin uncomments it
+    uncommented = tmp_path / "all_settings.py"
+    uncommented.write_text(re.sub(r"^# (c\.\w+\.\w+ = )", r"\1", text, flags=re.M))
+    checked = gpu_quota(tmp_path, "check", f"--config={uncommented}", "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory")
+    assert checked.returncode == 0, checked.stderr
+    assert "configuration valid" in checked.stdout
+    assert re.search(r"default_cap\s+0\.25\s+\(from config\)", checked.stdout), checked.stdout
+
+
+def test_check_reads_the_servers_config_files_and_environment(tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "jupyter_server_config.py").write_text(
+        "c.GpuQuota.inventory_class = 'gpu_quota_ext.devices.StaticInventory'\n"
+        "c.StaticInventory.devices = [{'name': 'Check GPU', 'total': '40GiB'}]\n"
+        "c.GpuQuota.max_cap = '0.5'\n"
+    )
+    result = gpu_quota(tmp_path, "check", "--GpuQuota.placement=pack", GPU_QUOTA_DEFAULT_CAP="0.2", GPU_QUOTA_ENFORCE="kill")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert str(tmp_path / "config" / "jupyter_server_config.py") in out
+    assert re.search(r"default_cap\s+0\.2\s+\(from \$GPU_QUOTA_DEFAULT_CAP\)", out), out
+    assert re.search(r"max_cap\s+0\.5\s+\(from config\)", out), out
+    assert re.search(r"placement\s+pack\s+\(from config\)", out), out
+    assert re.search(r"enforce\s+kill\s+\(from \$GPU_QUOTA_ENFORCE\)", out), out
+    assert re.search(r"on_full\s+cpu-only\s+\(default\)", out), out
+    assert "0: Check GPU, 40.0 GiB" in out and "a kernel's cap 8.0 GiB, up to 20.0 GiB" in out, out
+
+
+def test_check_says_why_it_sees_no_gpu(tmp_path):
+    # NVML with every device hidden: "no GPU" and why, whether or not this machine has a driver.
+    result = gpu_quota(tmp_path, "check", CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr
+    devices = result.stdout.split("devices (NvmlInventory):", 1)[1].splitlines()
+    assert devices[1].startswith("  no GPU: "), result.stdout
+    assert "starts every kernel without a GPU cap" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, env, names",
+    [
+        ([STATIC, "--GpuQuota.default_cap=abc"], {}, "c.GpuQuota.default_cap = 'abc'"),
+        ([STATIC], {"GPU_QUOTA_DEFAULT_CAP": "abc"}, "(from the environment variable GPU_QUOTA_DEFAULT_CAP)"),
+        ([STATIC], {"GPU_QUOTA_POLL_INTERVAL": "0"}, "(from the environment variable GPU_QUOTA_POLL_INTERVAL)"),
+        (["--GpuQuota.inventory_class=os.path"], {}, "inventory_class"),
+    ],
+)
+def test_a_bad_config_fails_check_with_the_servers_own_line(tmp_path, args, env, names):
+    result = gpu_quota(tmp_path, "check", *args, **env)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("gpu-quota-ext: invalid configuration: ") and names in line, line
+
+    server_dir = tmp_path / "server"
+    server_dir.mkdir()
+    returncode, log = start_server(server_dir, args, env)
+    assert returncode not in (None, 0)
+    assert [l for l in log.splitlines() if "gpu-quota-ext: invalid configuration" in l] == [line]
+
+
+def test_an_environment_value_that_config_overrides_is_not_blamed(tmp_path):
+    # The command line sets max_cap: its bad value is not the environment's, so no variable is named.
+    result = gpu_quota(tmp_path, "check", STATIC, "--GpuQuota.max_cap=2.0", GPU_QUOTA_MAX_CAP="0.5")
+    assert result.returncode == 1
+    assert "c.GpuQuota.max_cap = '2.0':" in result.stderr and "GPU_QUOTA_MAX_CAP" not in result.stderr
+
+
+def test_check_refuses_a_config_file_that_does_not_exist(tmp_path):
+    result = gpu_quota(tmp_path, "check", f"--config={tmp_path / 'missing.py'}")
+    assert result.returncode == 1
+    assert "no such file" in result.stderr
