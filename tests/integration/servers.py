@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import signal
 import subprocess
 import sys
@@ -55,7 +56,20 @@ class Server:
         return None
 
     def wait_serving(self, timeout: float = 60):
-        return wait_until(lambda: self.url() or (self.process.poll() is not None and self.fail()), timeout=timeout)
+        # jupyter_server prints its URL before its loop binds the port (the bind is a loop callback):
+        # serving means a connection is accepted, not that the line was printed.
+        return wait_until(lambda: self._accepts() or (self.process.poll() is not None and self.fail()), timeout=timeout)
+
+    def _accepts(self) -> Optional[str]:
+        url = self.url()
+        if url is None:
+            return None
+        host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError:
+            return None
+        return url
 
     def fail(self):
         raise AssertionError("the server exited:\n" + "".join(self.lines))

@@ -28,7 +28,9 @@ class LogLines(logging.Handler):
         self.records = []
 
     def emit(self, record):
-        self.records.append(record)
+        # The extension's logger writes through the server's log too: one record may reach us twice.
+        if not any(record is seen for seen in self.records[-8:]):
+            self.records.append(record)
 
     def tracebacks(self):
         return [r for r in self.records if r.exc_info or "Traceback" in r.getMessage()]
