@@ -154,16 +154,21 @@ class HubCaps:
         def apply(spawner) -> None:
             set_spawner_environment(spawner, self.environment_for(spawner.user.name, getattr(spawner.user, "groups", ())))
 
-        if previous is None:
-            return apply
+        return chain_hooks(previous, apply)
 
-        async def chained(spawner) -> None:
-            result = previous(spawner)
-            if inspect.isawaitable(result):
-                await result
-            apply(spawner)
 
-        return chained
+def chain_hooks(previous: Optional[Callable], apply: Callable) -> Callable:
+    """A spawner hook that runs `previous` (the admin's own, sync or async) first, then `apply`."""
+    if previous is None:
+        return apply
+
+    async def chained(spawner) -> None:
+        result = previous(spawner)
+        if inspect.isawaitable(result):
+            await result
+        apply(spawner)
+
+    return chained
 
 
 def hub_caps(

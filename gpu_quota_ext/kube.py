@@ -44,7 +44,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .hub import HubCaps, PROPERTY_KEY, choose_settings, environment_of, hub_caps, set_spawner_environment
+from .hub import PROPERTY_KEY, HubCaps, chain_hooks, choose_settings, environment_of, hub_caps, set_spawner_environment
 from .policy import MiB, PolicyError, parse_cap
 
 MAX_GPUS = 16  # HAMi-core keeps limits for 16 devices per container
@@ -313,7 +313,7 @@ class KubeGpu:
             spawner._gpu_quota_pod = decision
             spawner.log.info("gpu-quota-ext: pod of %s: %s", spawner.user.name, decision.describe())
 
-        return _chain(previous, apply)
+        return chain_hooks(previous, apply)
 
     def modify_pod_hook(self, previous: Optional[Callable] = None) -> Callable:
         """Runs `previous`, then holds the finished pod to the policy (see `settle_limits`)."""
@@ -362,19 +362,6 @@ def _base_of(spawner) -> Dict[str, Dict[str, Any]]:
         }
         spawner._gpu_quota_base = base
     return base
-
-
-def _chain(previous: Optional[Callable], apply: Callable) -> Callable:
-    if previous is None:
-        return apply
-
-    async def chained(spawner) -> None:
-        result = previous(spawner)
-        if inspect.isawaitable(result):
-            await result
-        apply(spawner)
-
-    return chained
 
 
 def kube_gpu(
