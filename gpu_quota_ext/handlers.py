@@ -99,11 +99,12 @@ class GpuQuotaHandler(APIHandler):
             raise web.HTTPError(403, f"this secret does not belong to kernel {shown(kernel_id)}")
         return "kernel"
 
-    def session_paths(self) -> dict:
-        """kernel id -> notebook path, in one read of jupyter_server's (in-memory sqlite) session table."""
+    async def session_paths(self) -> dict:
+        """kernel id -> notebook path, through jupyter_server's session manager (its public list_sessions)."""
         sessions = self.settings.get("session_manager")
         try:
-            return dict(sessions.cursor.execute("SELECT kernel_id, path FROM session").fetchall())
+            listed = await sessions.list_sessions()
+            return {s["kernel"]["id"]: s.get("path") for s in listed if s.get("kernel")}
         except Exception:  # no session manager, or another implementation of it: paths are optional
             return {}
 
@@ -130,11 +131,11 @@ class GpuQuotaHandler(APIHandler):
 
 class StatusHandler(GpuQuotaHandler):
     @web.authenticated
-    def get(self):
+    async def get(self):
         self.require_user("read")
         service = self.service
         monitor = service.monitor
-        paths = self.session_paths()
+        paths = await self.session_paths()
         devices = service.ledger.usage()
         for device in devices:
             device["used"] = monitor.device_used(device["index"]) if monitor else None
@@ -160,16 +161,16 @@ class StatusHandler(GpuQuotaHandler):
 
 class KernelHandler(GpuQuotaHandler):
     @allow_unauthenticated
-    def get(self, kernel_id: str):
+    async def get(self, kernel_id: str):
         """The server's user, or the kernel itself with its secret (it checks for caps changed elsewhere)."""
         self.require_user_or_kernel(kernel_id, "read")
         grant = self.service.ledger.get(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
-        self.finish(json.dumps(self.kernel_json(grant, self.session_paths())))
+        self.finish(json.dumps(self.kernel_json(grant, await self.session_paths())))
 
     @allow_unauthenticated
-    def put(self, kernel_id: str):
+    async def put(self, kernel_id: str):
         """Body: {"cap": "0.3" | "30%" | "12GiB" | bytes, "device": optional server device index}
         or {"reset": true}. Answers 200 with the outcome ("granted" / "clamped"), 409 when refused."""
         who = self.require_user_or_kernel(kernel_id, "write")
@@ -190,7 +191,7 @@ class KernelHandler(GpuQuotaHandler):
         except PolicyError as error:
             raise web.HTTPError(400, str(error)) from None
         self.log.info("gpu-quota-ext: kernel %s cap request: %s (%s)", kernel_id, outcome, message)
-        self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": self.kernel_json(grant, self.session_paths())}))
+        self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": self.kernel_json(grant, await self.session_paths())}))
 
 
 class UsageHandler(GpuQuotaHandler):

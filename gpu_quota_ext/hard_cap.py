@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from .devices import Device
 from .hard_limit import (
@@ -31,25 +31,12 @@ from .hard_limit import (
     decide,
     layers_summary,
 )
+from . import metrics
 from .ledger import Grant
 from .policy import Policy
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
 
 log = logging.getLogger("gpu_quota_ext")
-
-try:
-    from prometheus_client import Gauge
-except ImportError:  # pragma: no cover - jupyter_server depends on prometheus_client
-    Gauge = None
-
-if Gauge is not None:
-    # Module-level: a registry accepts each name once per process.
-    KERNEL_HARD_LIMIT = Gauge(
-        "gpu_quota_kernel_hard_limit_bytes",
-        "The kernel's hard limit on the device (NVIDIA MPS, CUDA context included); absent: no hard limit",
-        ["kernel_id", "device"],
-    )
-
 
 class HardCapUnavailable(Exception):
     """hard_cap = "mps" (required) and no usable MPS control daemon: the server must not start."""
@@ -74,7 +61,6 @@ class HardCapLayer:
         self.ceilings: Dict[int, int] = {}  # server device index -> the managed daemon's default limit
         self.ceiling_problem: Optional[str] = None
         self._kernels: Dict[str, KernelLayers] = {}
-        self._labels: Dict[str, Tuple[str, ...]] = {}
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._inflight: Optional[asyncio.Future] = None
@@ -90,6 +76,7 @@ class HardCapLayer:
         settings = self.settings
         if settings.mode == "off":
             return
+        metrics.COLLECTOR.publish(self.families)  # gpu_quota_kernel_hard_limit_bytes, read at each scrape
         self.directory = make_private(os.path.join(self.runtime_directory, f"gpu-quota-mps-{os.getpid()}"))
         no_mps = make_private(os.path.join(self.directory, "none"))  # stays empty: no daemon answers there
         self.binary = find_control(settings.control)
@@ -151,6 +138,7 @@ class HardCapLayer:
 
     def stop_sync(self) -> None:
         """Stop the managed daemon (if any) and forget every kernel. Idempotent."""
+        metrics.COLLECTOR.withdraw(self.families)
         daemon, self.daemon = self.daemon, None
         if daemon is not None:
             daemon.stop()
@@ -213,7 +201,6 @@ class HardCapLayer:
         with self._lock:
             self._forget_locked(kernel_id)
             self._kernels[kernel_id] = layers
-            self._export(kernel_id, layers)
         log.info("gpu-quota-ext: kernel %s: %s", kernel_id, layers_summary(layers))
         return variables
 
@@ -223,18 +210,12 @@ class HardCapLayer:
 
     def _forget_locked(self, kernel_id: str) -> None:
         self._kernels.pop(kernel_id, None)
-        for device in self._labels.pop(kernel_id, ()):
-            try:
-                KERNEL_HARD_LIMIT.remove(kernel_id, device)
-            except (KeyError, NameError):
-                pass
 
-    def _export(self, kernel_id: str, layers: KernelLayers) -> None:
-        if Gauge is None:
-            return
-        for limit in layers.limits:
-            KERNEL_HARD_LIMIT.labels(kernel_id, str(limit.index)).set(limit.limit)
-        self._labels[kernel_id] = tuple(str(limit.index) for limit in layers.limits)
+    def families(self) -> list:
+        """/metrics at scrape time: the hard limit of each kernel that holds one now."""
+        with self._lock:
+            limits = {kid: {d.index: d.limit for d in layers.limits} for kid, layers in self._kernels.items()}
+        return [metrics.hard_limit_family({kid: by_device for kid, by_device in limits.items() if by_device})]
 
     # --- what the API shows ------------------------------------------------------------------------
 

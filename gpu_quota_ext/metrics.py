@@ -1,128 +1,160 @@
-"""Prometheus gauges in jupyter_server's own /metrics (prometheus_client's default registry).
+"""Prometheus metrics in jupyter_server's own /metrics, built at scrape time by a custom collector.
 
-Set by the monitor after each sample, from its thread, never while answering a request. Label sets of
-kernels (and devices) that went away are removed, so a scrape never shows a dead kernel's last value.
-Two gauges are read at scrape time instead (`set_function`): whether the monitor is stalled and how old
-its last sample is, since a sampler stuck in NVML sets nothing. While stalled, usage gauges are removed:
-unknown, not an old sample's figure.
-The metrics are module-level because a registry accepts each name once per process.
+No gauge is ever set: each scrape builds its families from what is true now (the monitor's last sample,
+the ledger's grants, the hard-limit layer's record, the watchdog's own counts). A kernel whose grant is
+released has no series at the next scrape, by construction; there is no label bookkeeping to get wrong.
+
+jupyter_server serves prometheus_client's default registry, which accepts each metric name once per
+process. Several servers can live in one process (tests, embedders), so one process-wide collector is
+registered with the first server that publishes and unregistered with the last that withdraws; each
+server adds its sources to it. Where two sources give the same series (two servers see the same
+devices), the one published last speaks.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping, Optional, Set, Tuple
+import logging
+import threading
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 try:
-    from prometheus_client import Counter, Gauge
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ImportError:  # pragma: no cover - jupyter_server depends on prometheus_client
-    Counter = Gauge = None
+    REGISTRY = None
 
-if Gauge is not None:
-    DEVICE_TOTAL = Gauge("gpu_quota_device_total_bytes", "GPU memory of the device", ["device"])
-    DEVICE_USED = Gauge("gpu_quota_device_used_bytes", "GPU memory in use on the whole device (NVML)", ["device"])
-    DEVICE_GRANTED = Gauge("gpu_quota_device_granted_bytes", "Sum of the caps granted on the device", ["device"])
-    KERNEL_USED = Gauge(
-        "gpu_quota_kernel_used_bytes", "GPU memory the kernel's processes use (NVML)", ["kernel_id", "device"]
-    )
-    KERNEL_CAP = Gauge("gpu_quota_kernel_cap_bytes", "The kernel's cap on the device", ["kernel_id", "device"])
-    NVML_UP = Gauge("gpu_quota_nvml_up", "1 when the last sample read every device, else 0 (0 while stalled too)")
-    ACTIONS = Counter("gpu_quota_watchdog_actions", "Watchdog actions taken", ["action"])
-    STALLED = Gauge(
-        "gpu_quota_monitor_stalled", "1 while a GPU sample has been out too long (an NVML call that does not return)"
-    )
-    SAMPLE_AGE = Gauge("gpu_quota_monitor_sample_age_seconds", "Seconds since the monitor's last GPU sample came back")
+log = logging.getLogger("gpu_quota_ext")
+
+Source = Callable[[], Iterable["Metric"]]
+
+HELP = {
+    "gpu_quota_device_total_bytes": "GPU memory of the device",
+    "gpu_quota_device_used_bytes": "GPU memory in use on the whole device (NVML)",
+    "gpu_quota_device_granted_bytes": "Sum of the caps granted on the device",
+    "gpu_quota_kernel_used_bytes": "GPU memory the kernel's processes use (NVML)",
+    "gpu_quota_kernel_cap_bytes": "The kernel's cap on the device",
+    "gpu_quota_nvml_up": "1 when the last sample read every device, else 0 (0 while stalled too)",
+    "gpu_quota_watchdog_actions": "Watchdog actions taken",
+    "gpu_quota_monitor_stalled": "1 while a GPU sample has been out too long (an NVML call that does not return)",
+    "gpu_quota_monitor_sample_age_seconds": "Seconds since the monitor's last GPU sample came back",
+    "gpu_quota_kernel_hard_limit_bytes": (
+        "The kernel's hard limit on the device (NVIDIA MPS, CUDA context included); absent: no hard limit"
+    ),
+}
 
 
-class MetricsExporter:
-    """Keeps the gauges equal to the latest sample and the ledger. One per monitor."""
-
-    def __init__(self) -> None:
-        self._kernel_labels: Set[Tuple[str, str]] = set()
-        self._device_labels: Set[str] = set()
-        self.enabled = Gauge is not None
-
-    def update(
-        self,
-        devices: Mapping[int, Tuple[int, Optional[int], int]],
-        kernel_used: Mapping[str, Mapping[int, int]],
-        kernel_caps: Mapping[str, Mapping[int, int]],
-        nvml_ok: bool,
-    ) -> None:
-        """`devices`: index -> (total, used or None, granted); per-kernel used and caps by device index."""
-        if not self.enabled:
-            return
-        device_labels = set()
-        for index, (total, used, granted) in devices.items():
-            label = str(index)
-            device_labels.add(label)
-            DEVICE_TOTAL.labels(label).set(total)
-            DEVICE_GRANTED.labels(label).set(granted)
-            if used is None:
-                _remove(DEVICE_USED, [(label,)])
-            else:
-                DEVICE_USED.labels(label).set(used)
-        _remove_all((DEVICE_TOTAL, DEVICE_USED, DEVICE_GRANTED), ((l,) for l in self._device_labels - device_labels))
-        self._device_labels = device_labels
-
-        kernel_labels = set()
-        for kernel_id in set(kernel_used) | set(kernel_caps):
-            caps = kernel_caps.get(kernel_id, {})
-            used = kernel_used.get(kernel_id, {})
-            for index in set(caps) | set(used):
-                label = (kernel_id, str(index))
-                kernel_labels.add(label)
+def monitor_families(
+    devices: Mapping[int, Tuple[int, Optional[int]]],
+    kernel_used: Mapping[str, Mapping[int, int]],
+    kernel_caps: Mapping[str, Mapping[int, int]],
+    nvml_ok: bool,
+    stalled: bool,
+    sample_age: float,
+    actions: Mapping[str, int],
+) -> List["Metric"]:
+    """The monitor's families from plain facts (pure). `devices`: index -> (total, used or None: unknown);
+    `kernel_used`: usage of the kernels that are still ours, by device index; `kernel_caps`: the ledger's
+    grants now. While stalled, usage is unknown: no usage series rather than an old sample's figures."""
+    gauge = lambda name, labels=(): GaugeMetricFamily(name, HELP[name], labels=list(labels))  # noqa: E731
+    total, used, granted = (gauge(f"gpu_quota_device_{n}_bytes", ["device"]) for n in ("total", "used", "granted"))
+    k_used, k_cap = (gauge(f"gpu_quota_kernel_{n}_bytes", ["kernel_id", "device"]) for n in ("used", "cap"))
+    sums: Dict[int, int] = {index: 0 for index in devices}
+    for kernel_id, caps in sorted(kernel_caps.items()):
+        for index, cap in sorted(caps.items()):
+            sums[index] = sums.get(index, 0) + cap
+            k_cap.add_metric([kernel_id, str(index)], cap)
+    for index, (device_total, device_used) in sorted(devices.items()):
+        total.add_metric([str(index)], device_total)
+        granted.add_metric([str(index)], sums.get(index, 0))
+        if device_used is not None and not stalled:
+            used.add_metric([str(index)], device_used)
+    if not stalled:
+        for kernel_id in sorted(set(kernel_used) | set(kernel_caps)):
+            indexes = set(kernel_used.get(kernel_id, {})) | set(kernel_caps.get(kernel_id, {}))
+            for index in sorted(indexes):
                 if index in devices and devices[index][1] is None:
-                    _remove(KERNEL_USED, [label])  # NVML could not read the device: unknown, not 0
-                else:
-                    KERNEL_USED.labels(*label).set(used.get(index, 0))
-                if index in caps:
-                    KERNEL_CAP.labels(*label).set(caps[index])
-                else:
-                    _remove(KERNEL_CAP, [label])
-        _remove_all((KERNEL_USED, KERNEL_CAP), self._kernel_labels - kernel_labels)
-        self._kernel_labels = kernel_labels
-        NVML_UP.set(1 if nvml_ok else 0)
+                    continue  # NVML could not read the device: unknown, not 0
+                k_used.add_metric([kernel_id, str(index)], kernel_used.get(kernel_id, {}).get(index, 0))
+    up = gauge("gpu_quota_nvml_up")
+    up.add_metric([], 1 if nvml_ok and not stalled else 0)
+    stall = gauge("gpu_quota_monitor_stalled")
+    stall.add_metric([], 1 if stalled else 0)
+    age = gauge("gpu_quota_monitor_sample_age_seconds")
+    age.add_metric([], sample_age)
+    counted = CounterMetricFamily("gpu_quota_watchdog_actions", HELP["gpu_quota_watchdog_actions"], labels=["action"])
+    for action, count in sorted(actions.items()):
+        counted.add_metric([action], count)
+    return [total, used, granted, k_used, k_cap, up, counted, stall, age]
 
-    def watch(self, stalled: Callable[[], bool], age: Callable[[], float]) -> None:
-        """Read at every scrape: the running monitor's stall state and the age of its last sample."""
-        if self.enabled:
-            STALLED.set_function(lambda: 1.0 if stalled() else 0.0)
-            SAMPLE_AGE.set_function(age)
 
-    def unwatch(self) -> None:
-        if self.enabled:
-            STALLED.set_function(lambda: 0.0)
-            SAMPLE_AGE.set_function(lambda: 0.0)
+def hard_limit_family(limits: Mapping[str, Mapping[int, int]]) -> "Metric":
+    """kernel -> device index -> hard limit, for the kernels that hold one now (pure)."""
+    name = "gpu_quota_kernel_hard_limit_bytes"
+    family = GaugeMetricFamily(name, HELP[name], labels=["kernel_id", "device"])
+    for kernel_id, by_device in sorted(limits.items()):
+        for index, limit in sorted(by_device.items()):
+            family.add_metric([kernel_id, str(index)], limit)
+    return family
 
-    def forget_usage(self) -> None:
-        """The monitor is stalled: usage is unknown until the next sample sets it again."""
-        if self.enabled:
-            _remove_all((DEVICE_USED,), ((l,) for l in list(self._device_labels)))
-            _remove_all((KERNEL_USED,), list(self._kernel_labels))
-            NVML_UP.set(0)
 
-    def count_action(self, action: str) -> None:
-        if self.enabled:
-            ACTIONS.labels(action).inc()
+class SourcesCollector:
+    """The one collector of this process: the families of every published source, merged by name."""
 
-    def clear(self) -> None:
-        """The server stops: remove every label set this exporter made."""
-        if not self.enabled:
+    def __init__(self, registry=None) -> None:
+        self.registry = registry if registry is not None else REGISTRY
+        self._lock = threading.Lock()
+        self._sources: List[Source] = []
+
+    def publish(self, source: Source) -> None:
+        """Add a source; the first one registers the collector. Idempotent per source."""
+        if self.registry is None:
             return
-        _remove_all((DEVICE_TOTAL, DEVICE_USED, DEVICE_GRANTED), ((l,) for l in self._device_labels))
-        _remove_all((KERNEL_USED, KERNEL_CAP), self._kernel_labels)
-        self._device_labels, self._kernel_labels = set(), set()
+        with self._lock:
+            if source in self._sources:
+                return
+            self._sources.append(source)
+            if len(self._sources) == 1:
+                self.registry.register(self)
+
+    def withdraw(self, source: Source) -> None:
+        """Remove a source (a stopping server); the last one unregisters the collector."""
+        if self.registry is None:
+            return
+        with self._lock:
+            if source not in self._sources:
+                return
+            self._sources.remove(source)
+            if not self._sources:
+                self.registry.unregister(self)
+
+    def describe(self) -> list:
+        # Names are not declared: the registry then neither checks them against other collectors'
+        # nor calls collect() at registration. Ours are all "gpu_quota_*", which nothing else uses.
+        return []
+
+    def collect(self):
+        with self._lock:
+            sources = list(self._sources)
+        merged: Dict[str, "Metric"] = {}
+        seen: Dict[str, set] = {}
+        for source in reversed(sources):  # the newest first: its series win
+            try:
+                families = list(source())
+            except Exception as error:  # a scrape must not fail because one source did
+                log.warning("gpu-quota-ext: building /metrics failed: %r", error)
+                continue
+            for family in families:
+                kept = merged.setdefault(family.name, family)
+                keys = seen.setdefault(family.name, set())
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key in keys:
+                        continue
+                    keys.add(key)
+                    if kept is not family:
+                        kept.samples.append(sample)
+        return list(merged.values())
 
 
-def _remove(gauge, labels: Iterable[Tuple[str, ...]]) -> None:
-    for label in labels:
-        try:
-            gauge.remove(*label)
-        except KeyError:
-            pass
-
-
-def _remove_all(gauges, labels: Iterable[Tuple[str, ...]]) -> None:
-    labels = list(labels)
-    for gauge in gauges:
-        _remove(gauge, labels)
+# One per process, like the registry it is registered on.
+COLLECTOR = SourcesCollector()

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .devices import Device
-from .metrics import MetricsExporter
+from . import metrics
+from .jupyter_private import pending_kernels
 from .nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
 from .processes import TREE, Attribution, ProcTable, kernel_for_pid
 from .watchdog import Action, Enforcement, Watchdog
@@ -167,7 +168,7 @@ class ServerKernels:
 
     def starting_ids(self) -> Set[str]:
         # A kernel being started is not listed yet; jupyter_client keeps it in this table meanwhile.
-        return set(getattr(self.manager, "_pending_kernels", {}) or {})
+        return set(pending_kernels(self.manager) or {})
 
     def roots(self) -> Dict[int, str]:
         roots = {}
@@ -294,7 +295,6 @@ class Monitor:
         kernels: Any,
         settings: Enforcement,
         no_gpu_reason: Optional[str] = None,
-        metrics: Optional[MetricsExporter] = None,
         resolver: Optional[PidResolver] = None,
         release: Optional[Callable[[str], Any]] = None,
     ):
@@ -304,7 +304,6 @@ class Monitor:
         self.kernels = kernels
         self.settings = settings
         self.watchdog = Watchdog(settings)
-        self.metrics = metrics if metrics is not None else MetricsExporter()
         self.resolver = resolver or PidResolver()
         self.release = release or ledger.release
         self.latest = Sample(state="no-gpu", message=no_gpu_reason) if not self.devices else Sample(state="starting")
@@ -336,7 +335,7 @@ class Monitor:
         # A thread of our own: a hung NVML call stalls only the monitor, never the loop or its executor.
         self._sampler = SamplerThread("gpu-quota-monitor")
         self._sampled_at, self._started_wall = time.monotonic(), time.time()
-        self.metrics.watch(self.is_stalled, self.sample_age)
+        metrics.COLLECTOR.publish(self.families)  # /metrics reads this monitor at each scrape
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -350,7 +349,7 @@ class Monitor:
             self._task = None
         if self._sampling is not None:
             self._sampling.cancel()
-        self.metrics.unwatch()
+        metrics.COLLECTOR.withdraw(self.families)
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.finish(self._close)  # after a hung call returns, if it ever does; never waited for
@@ -359,7 +358,6 @@ class Monitor:
         if self._opened:
             self.backend.close()
             self._opened = False
-        self.metrics.clear()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -442,7 +440,6 @@ class Monitor:
             return
         self._stall_noted = True
         log.warning("gpu-quota-ext: %s", self._stall_message(self.stalled_for() or 0.0))
-        self.metrics.forget_usage()  # /metrics shows no usage rather than an old sample's
 
     def _stall_message(self, age: float) -> str:
         since = self.latest.time
@@ -496,12 +493,7 @@ class Monitor:
     # --- sampling (monitor thread) ----------------------------------------------------------------
 
     def sample(self, roots: Mapping[int, str], known: Collection[str], grants: Mapping[str, Any]) -> Sample:
-        sample = self._read(roots, known)
-        try:
-            self._export(sample, grants)
-        except Exception as error:  # metrics are a view: never let them stop sampling
-            self._problem("metrics", f"updating /metrics failed: {error!r}")
-        return sample
+        return self._read(roots, known)
 
     def _read(self, roots: Mapping[int, str], known: Collection[str]) -> Sample:
         if not self.devices:
@@ -578,18 +570,30 @@ class Monitor:
             pids={k: tuple(sorted(v)) for k, v in pids.items()},
         )
 
-    def _export(self, sample: Sample, grants: Mapping[str, Any]) -> None:
-        granted: Dict[int, int] = {index: 0 for index in self.devices}
-        caps: Dict[str, Dict[int, int]] = {}
-        for kernel_id, grant in grants.items():
-            caps[kernel_id] = dict(grant.caps)
-            for index, cap in grant.caps.items():
-                granted[index] = granted.get(index, 0) + cap
+    def families(self) -> list:
+        """/metrics at scrape time: the last sample, the ledger's grants and the watchdog's counts now.
+        Usage is shown only for kernels that still hold a grant or still run: a released kernel has
+        no series, whatever the last sample said."""
+        sample = self.latest
+        grants = {g.kernel_id: dict(g.caps) for g in self.ledger.grants()}
+        try:
+            live = set(self.kernels.kernel_ids())
+        except Exception:  # the kernel manager's table changed under us: the grants alone then
+            live = set()
+        ours = live | set(grants)
         devices = {
-            index: (device.total, getattr(sample.devices.get(index), "used", None), granted.get(index, 0))
+            index: (device.total, getattr(sample.devices.get(index), "used", None))
             for index, device in self.devices.items()
         }
-        self.metrics.update(devices, sample.kernels, caps, sample.state == "ok")
+        return metrics.monitor_families(
+            devices,
+            {kernel_id: used for kernel_id, used in sample.kernels.items() if kernel_id in ours},
+            grants,
+            nvml_ok=sample.state == "ok",
+            stalled=self.is_stalled(),
+            sample_age=self.sample_age(),
+            actions=self.watchdog.counts,
+        )
 
     # --- problems, logged once ------------------------------------------------------------------
 
@@ -605,7 +609,6 @@ class Monitor:
     # --- enforcement (event loop) ----------------------------------------------------------------
 
     def _carry_out(self, record: Action) -> None:
-        self.metrics.count_action(record.action)
         if record.action == "warn":
             log.warning("gpu-quota-ext: %s", record.describe())
             self.watchdog.finished(record, "done")

@@ -10,13 +10,21 @@
   attributed by its environment: a server running as root can read everyone's.
 
 The mapping itself (`kernel_for_pid`) is pure: it is given the process table as functions, so tests
-can hand it a snapshot. `ProcTable` reads the live table from /proc (Linux), or from psutil elsewhere.
+can hand it a snapshot. `ProcTable` reads the live table: psutil where that costs the same as reading
+/proc, /proc by hand where psutil is several times slower for a fact read for many PIDs every sample, or
+lacks what the check needs (benchmarks/proc_read_bench.py, per process, median of 31 rounds over 82
+processes, 2026-11-29, 2-core VM, psutil 7.2.2): parent PID 24 us by hand vs 137 us; existence 2.5 vs
+21 us; environment 8 vs 133 us; uids 56 vs 60 us, but psutil gives three of the four (no filesystem
+uid, which the environment check compares too). So /proc for all four on Linux; psutil elsewhere.
+The NSpid mapping has no psutil counterpart and stays on /proc.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+
+import psutil
 
 from .names import KERNEL_ID
 
@@ -141,30 +149,31 @@ class ProcTable:
         if self.has_proc:
             text = self._read(pid, "stat")
             return parse_ppid(text) if text else None
-        try:  # macOS and other systems without /proc: psutil, when installed
-            import psutil
-
+        try:  # macOS and other systems without /proc
             return psutil.Process(pid).ppid()
-        except Exception:
+        except (psutil.Error, OSError, ValueError):
             return None
 
     def kernel_in_environ(self, pid: int) -> Optional[str]:
-        data = self._read(pid, "environ", binary=True)
-        return parse_environ_kernel_id(data) if data else None
+        if self.has_proc:
+            data = self._read(pid, "environ", binary=True)
+            return parse_environ_kernel_id(data) if data else None
+        try:
+            return psutil.Process(pid).environ().get(KERNEL_ID) or None
+        except (psutil.Error, OSError, ValueError):
+            return None
 
     def uids_of(self, pid: int) -> Tuple[int, ...]:
         if self.has_proc:
             text = self._read(pid, "status")
             return parse_uids(text) if text else ()
         try:
-            import psutil
-
-            return tuple(psutil.Process(pid).uids())
-        except Exception:
+            return tuple(psutil.Process(pid).uids())  # real, effective, saved: all the system tells
+        except (psutil.Error, OSError, ValueError):
             return ()
 
     def exists(self, pid: int) -> bool:
-        return os.path.exists(os.path.join(self.proc, str(pid))) if self.has_proc else self.parent_of(pid) is not None
+        return os.path.exists(os.path.join(self.proc, str(pid))) if self.has_proc else psutil.pid_exists(pid)
 
     def namespace_aliases(self) -> Dict[int, int]:
         """Every process's NSpid list, as alias_map. A full /proc scan: called only for PIDs we cannot place."""

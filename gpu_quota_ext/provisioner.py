@@ -21,6 +21,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
+from .jupyter_private import pending_kernels
 from .ledger import AdmissionRefused
 from .policy import PolicyError
 from .service import KernelIdTaken
@@ -146,8 +147,8 @@ class GpuQuotaProvisioner(LocalProvisioner):
         # entry. A start that lost the race for its kernel id had overwritten the winner's entry:
         # the winner's goes back while it is still starting.
         multi = getattr(self.parent, "parent", None)
-        pending = getattr(multi, "_pending_kernels", None)
-        if not isinstance(pending, dict) or self._start_task is None or pending.get(self.kernel_id) is not self._start_task:
+        pending = pending_kernels(multi) if multi is not None else None
+        if pending is None or self._start_task is None or pending.get(self.kernel_id) is not self._start_task:
             return
         winner = service.holder(self.kernel_id) if service is not None else None
         winner_task = getattr(winner, "_start_task", None)

@@ -200,6 +200,7 @@ class Watchdog:
         self._watches: Dict[str, Watch] = {}
         self._last: Dict[str, Action] = {}
         self.history: Deque[Action] = deque(maxlen=HISTORY)
+        self.counts: Dict[str, int] = {}  # action -> how many were taken since the server started (/metrics)
 
     def review(
         self,
@@ -242,6 +243,7 @@ class Watchdog:
         return done
 
     def _remember(self, record: Action) -> None:
+        self.counts[record.action] = self.counts.get(record.action, 0) + 1
         self._last[record.kernel_id] = record
         self.history.append(record)
 

@@ -1,4 +1,5 @@
-"""Prometheus gauges in jupyter_server's /metrics, set by the monitor, gone with the kernel."""
+"""Prometheus metrics in jupyter_server's /metrics, built at each scrape (gpu_quota_ext.metrics' collector):
+the monitor's last sample, the ledger's grants now, the watchdog's counts; gone with the grant."""
 
 import re
 
@@ -6,7 +7,10 @@ import pytest
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_pid, next_samples, service_of  # noqa: F401
+from gpu_quota_ext import metrics as gpu_metrics
+from gpu_quota_ext.app import GpuQuota
+
+from .fake_gpu import fake_gpu_config, fake_nvml, kernel_pid, next_samples, service_of, wait_for  # noqa: F401
 from .kernels import shutdown_kernel, start_kernel
 
 
@@ -53,8 +57,81 @@ async def test_gauges_follow_the_monitor_and_drop_a_gone_kernel(jp_fetch, jp_ser
     assert metrics["gpu_quota_kernel_cap_bytes" + labels] == grant.caps[device]  # the ledger still knows
     fake_nvml.failing = None
 
-    await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
+    assert (await scrape(jp_fetch))["gpu_quota_kernel_used_bytes" + labels] == 3 * GiB
+
+    # No stale series: the moment the grant is released, the next scrape has none of the kernel's series,
+    # without waiting for a sample (the last one still lists the kernel's usage).
+    await shutdown_kernel(jp_fetch, kernel_id)
+    assert service_of(jp_serverapp).ledger.get(kernel_id) is None
     metrics = await scrape(jp_fetch)
     assert not [name for name in metrics if kernel_id in name]
     assert metrics[f'gpu_quota_device_granted_bytes{{device="{device}"}}'] == 0
+
+
+async def test_watchdog_actions_are_counted_by_the_watchdog(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    device = grant.devices[0]
+    watchdog = service_of(jp_serverapp).monitor.watchdog
+    fake_nvml.set_usage(pid, f"static-{device}", grant.caps[device] + 2 * GiB)  # over cap + 1 GiB slack
+    await wait_for(lambda: watchdog.counts.get("warn", 0) >= 1)
+    metrics = await scrape(jp_fetch)
+    assert metrics['gpu_quota_watchdog_actions_total{action="warn"}'] == watchdog.counts["warn"]
+    await shutdown_kernel(jp_fetch, kernel_id)
+
+
+async def test_two_servers_in_one_process_share_one_collector(
+    jp_fetch, jp_serverapp, jp_configurable_serverapp, fake_nvml
+):
+    """pytest-jupyter (and embedders) can run several servers in one process, all serving one registry."""
+    kernel_id = await start_kernel(jp_fetch)
+    first = service_of(jp_serverapp)
+    # pytest-jupyter initializes its (singleton) app again: a second extension app, service and monitor
+    # in the same process, on the same registry. Before the collector, the second one's gauges collided.
+    second = service_of(jp_configurable_serverapp(config=fake_gpu_config("warn")))
+    try:
+        assert second is not first and second.monitor._task is not None  # its monitor runs, and publishes
+        assert first.monitor.families in gpu_metrics.COLLECTOR._sources
+        assert second.monitor.families in gpu_metrics.COLLECTOR._sources
+
+        metrics = await scrape(jp_fetch)
+        device = first.ledger.get(kernel_id).devices[0]
+        assert f'gpu_quota_kernel_cap_bytes{{device="{device}",kernel_id="{kernel_id}"}}' in metrics
+        # One series per label set, though both servers see devices "0" and "1".
+        text = (await jp_fetch("metrics")).body.decode()
+        assert text.count('gpu_quota_device_total_bytes{device="0"}') == 1
+
+        # The second server stops: the first one's series stay, and the collector is still registered.
+        await second.monitor.stop()
+        assert second.monitor.families not in gpu_metrics.COLLECTOR._sources
+        metrics = await scrape(jp_fetch)
+        assert f'gpu_quota_kernel_cap_bytes{{device="{device}",kernel_id="{kernel_id}"}}' in metrics
+        await shutdown_kernel(jp_fetch, kernel_id)
+    finally:  # the app's own cleanup stops only the extension app it knows last
+        await second.monitor.stop()
+        await first.monitor.stop()
+    assert first.monitor.families not in gpu_metrics.COLLECTOR._sources
+
+
+def test_the_collector_registers_once_and_leaves_with_its_last_source():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    collector = gpu_metrics.SourcesCollector(registry)
+    one = lambda: gpu_metrics.monitor_families({0: (16, 4)}, {"k1": {0: 4}}, {"k1": {0: 8}}, True, False, 0.5, {"warn": 2})  # noqa: E731
+    two = lambda: [gpu_metrics.hard_limit_family({"k2": {1: 9}})]  # noqa: E731
+    collector.publish(one)
+    collector.publish(two)
+    collector.publish(one)  # idempotent
+    text = generate_latest(registry).decode()
+    assert 'gpu_quota_kernel_used_bytes{device="0",kernel_id="k1"} 4.0' in text
+    assert 'gpu_quota_kernel_hard_limit_bytes{device="1",kernel_id="k2"} 9.0' in text
+    assert 'gpu_quota_watchdog_actions_total{action="warn"} 2.0' in text
+    collector.withdraw(one)
+    assert "gpu_quota_kernel_used_bytes{" not in generate_latest(registry).decode()
+    collector.withdraw(two)
+    assert "gpu_quota" not in generate_latest(registry).decode()
+    collector.publish(one)  # registers again after the last one left, without a duplicate error
+    assert "gpu_quota_nvml_up 1.0" in generate_latest(registry).decode()

@@ -17,7 +17,6 @@ from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid
 from .kernels import execute, restart_kernel, shutdown_kernel, start_child_process, start_kernel, write_kernelspec
 
 # Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
-WITHIN = 2 * POLL + 0.3
 
 
 @pytest.fixture
@@ -36,9 +35,15 @@ async def go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid=None):
     grant = service_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
     assert grant.caps[device] == 4 * GiB
-    await next_samples(jp_serverapp, 1)  # start from a round boundary so the timing below is honest
+    await next_samples(jp_serverapp, 1)  # start from a round boundary
     began = time.time()
     fake_nvml.set_usage(pid, f"static-{device}", 6 * GiB)
+    # Acted on promptly, counted in samples, not seconds (grace 0): the sample in flight may have read
+    # the old usage, the next one cannot have. (How fast in seconds is benchmarks' business.)
+    await next_samples(jp_serverapp, 2)
+    monitor = service_of(jp_serverapp).monitor
+    if monitor.settings.enforce != "off":
+        assert [a for a in monitor.watchdog.history if a.kernel_id == kernel_id]
     return began, device
 
 
@@ -57,7 +62,7 @@ async def last_action(jp_fetch, kernel_id):
 def check_record(action, kind, device, began):
     assert action["action"] == kind
     assert (action["device"], action["used"], action["cap"], action["limit"]) == (device, 6 * GiB, 4 * GiB, 5 * GiB)
-    assert action["time"] - began <= WITHIN, f"acted {action['time'] - began:.2f} s after going over"
+    assert action["time"] >= began  # this episode's action, not an older one
 
 
 async def test_warn_records_and_leaves_the_kernel_alone(jp_fetch, jp_serverapp, fake_nvml, caplog):
@@ -79,11 +84,13 @@ async def test_warn_records_and_leaves_the_kernel_alone(jp_fetch, jp_serverapp, 
 
 
 @pytest.mark.parametrize("enforce", ["interrupt"])
-async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvml, enforce):
+async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvml, enforce, tmp_path):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, "import time; time.sleep(30)", timeout=40))
-    await asyncio.sleep(1.0)  # the cell is running
+    running = tmp_path / "running"
+    code = f"import pathlib, time; pathlib.Path({str(running)!r}).touch(); time.sleep(30)"
+    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, code, timeout=40))
+    await wait_for(running.exists)  # the cell is running
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid)
     action = await last_action(jp_fetch, kernel_id)
     check_record(action, "interrupt", device, began)

@@ -452,3 +452,41 @@ def test_the_sampler_thread_is_a_daemon_that_stop_does_not_wait_for(fake_nvml):
     release.set()
     thread.join(timeout=10)
     assert not thread.is_alive()  # it ran the close job and ended once the call returned
+
+
+# --- /metrics families, built from plain facts (gpu_quota_ext.metrics) --------------------------------
+
+
+def _series(families):
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families
+        for sample in family.samples
+    }
+
+
+def test_metric_families_show_unknown_usage_as_absent_not_zero():
+    from gpu_quota_ext.metrics import monitor_families
+
+    series = _series(
+        monitor_families(
+            {0: (16, 5), 1: (16, None)}, {"k": {0: 3, 1: 2}}, {"k": {0: 4, 1: 4}},
+            nvml_ok=False, stalled=False, sample_age=0.3, actions={"warn": 2, "kill": 1},
+        )
+    )
+    assert series[("gpu_quota_kernel_used_bytes", (("device", "0"), ("kernel_id", "k")))] == 3
+    assert ("gpu_quota_kernel_used_bytes", (("device", "1"), ("kernel_id", "k"))) not in series  # unreadable
+    assert ("gpu_quota_device_used_bytes", (("device", "1"),)) not in series
+    assert series[("gpu_quota_device_granted_bytes", (("device", "1"),))] == 4
+    assert series[("gpu_quota_nvml_up", ())] == 0
+    assert series[("gpu_quota_watchdog_actions_total", (("action", "kill"),))] == 1
+
+
+def test_metric_families_while_stalled_have_caps_but_no_usage():
+    from gpu_quota_ext.metrics import monitor_families
+
+    series = _series(monitor_families({0: (16, 5)}, {"k": {0: 3}}, {"k": {0: 4}}, True, True, 9.0, {}))
+    assert not [key for key in series if key[0].endswith("used_bytes")]
+    assert series[("gpu_quota_kernel_cap_bytes", (("device", "0"), ("kernel_id", "k")))] == 4
+    assert series[("gpu_quota_monitor_stalled", ())] == 1 and series[("gpu_quota_nvml_up", ())] == 0
+    assert series[("gpu_quota_monitor_sample_age_seconds", ())] == 9.0
