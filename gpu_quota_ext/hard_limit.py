@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
 from .ledger import Grant
-from .names import LAYERS
+from .shared.env_vars import LAYERS
 from .policy import GiB, MiB, Policy, PolicyError, format_bytes, parse_cap
 
 HARD_CAP_MODES = ("off", "auto", "mps")

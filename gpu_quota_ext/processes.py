@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
-from .names import KERNEL_ID
+from .shared.env_vars import KERNEL_ID
 
 _KERNEL_ID_PREFIX = (KERNEL_ID + "=").encode()
 

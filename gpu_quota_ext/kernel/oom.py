@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Dict, Optional
 
-from ..policy import format_bytes
+from ..shared.sizes import format_bytes
 
 PREFIX = "gpu-quota:"
 _DEVICE_RE = re.compile(r"GPU (\d+) has a total capacity")

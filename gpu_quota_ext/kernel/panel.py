@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import List, Optional
 
-from ..policy import format_bytes
+from ..shared.sizes import format_bytes
 from . import state as state_module
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server

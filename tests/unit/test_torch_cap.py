@@ -85,25 +85,25 @@ def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch):
 def test_bootstrap_without_torch_writes_no_allocator_option(monkeypatch):
     # No torch installed in the kernel's environment: nothing to read the option, so none is written;
     # the import watcher still waits, in case the user installs torch during the session.
-    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.kernel import state as state_module, torch_cap
 
-    monkeypatch.setattr(bootstrap, "installed_torch_version", lambda: None)
+    monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: None)
     state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
     env = {}
     installed = []
-    monkeypatch.setattr(bootstrap, "install_lazy_hook", lambda s: installed.append(s))
-    bootstrap.cap_torch(state, env=env)
+    monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: installed.append(s))
+    torch_cap.cap_torch(state, env=env)
     assert env == {}
     assert installed == [state]
     assert "PYTORCH" not in state.torch_route and "first CUDA use" in state.torch_route
 
 
 def test_bootstrap_with_old_torch_uses_only_the_lazy_route(monkeypatch):
-    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.kernel import state as state_module, torch_cap
 
-    monkeypatch.setattr(bootstrap, "installed_torch_version", lambda: "2.9.1")
-    monkeypatch.setattr(bootstrap, "install_lazy_hook", lambda s: None)
+    monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: "2.9.1")
+    monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: None)
     state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    bootstrap.cap_torch(state, env=env)
+    torch_cap.cap_torch(state, env=env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch 2.9 would reject the new key

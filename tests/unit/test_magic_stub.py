@@ -6,7 +6,7 @@ import types
 import pytest
 from IPython.core.events import EventManager, available_events
 
-from gpu_quota_ext.kernel import lazy
+from gpu_quota_ext.kernel import stub
 
 
 class Shell:
@@ -39,7 +39,7 @@ def stand_in(monkeypatch):
         loaded.append(controller)
         return controller
 
-    registered = lazy.register(shell)
+    registered = stub.register(shell)
     monkeypatch.setattr(registered, "controller", lambda: (registered.unregister(), load())[1])
     return shell, registered, loaded
 
