@@ -1,6 +1,6 @@
 """Pure: a grant becomes the environment a kernel starts with.
 
-What each framework reads (measured, see FACTS.md):
+What each framework reads (measured, see docs/measurements.md):
 - CUDA_VISIBLE_DEVICES: which GPUs the kernel sees (UUIDs, so the order cannot be misread);
 - CUPY_GPU_MEMORY_LIMIT: bytes, CuPy's memory pool limit per device;
 - XLA_PYTHON_CLIENT_MEM_FRACTION (or XLA_CLIENT_MEM_FRACTION, never both): JAX's limit;

@@ -4,12 +4,12 @@ The server cannot push into a kernel without running code in it. Instead, after 
 thread asks the server for this kernel's grant (one loopback GET, off the cell's thread and only in
 kernels the server started with a GPU) and puts a changed cap into force the way `%gpucap` does:
 at once if torch has started CUDA, else at its first use; child processes started later inherit it.
+The record changes through its one writer (KernelCapState.write_caps), as the magic's answer does.
 Standard library only.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from .torch_cap import put_caps_in_force
 

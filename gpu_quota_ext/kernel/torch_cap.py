@@ -17,7 +17,10 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+
+if TYPE_CHECKING:  # the record is passed in; this module reads it and never imports state at run time
+    from .state import KernelCapState
 
 FRACTION_KEY = "per_process_memory_fraction"
 
@@ -128,7 +131,7 @@ def apply_local_caps(torch, local_caps) -> List[float]:
 def cuda_torch():
     """The kernel's torch module when it is imported AND CUDA is initialized; else None.
 
-    Never imports torch and never calls anything that would create a CUDA context (FACTS.md): a kernel
+    Never imports torch and never calls anything that would create a CUDA context (docs/measurements.md): a kernel
     that has not used the GPU yet must not start paying for it because we looked.
     """
     torch = sys.modules.get("torch")
@@ -145,7 +148,7 @@ def apply_to_running_torch(torch, state) -> List[str]:
 
     Raising a cap works at once. Lowering it below what the allocator holds: the cache is emptied first;
     if the kernel still holds more than the new cap, existing tensors stay and new allocations fail
-    until usage drops (measured, FACTS.md).
+    until usage drops (measured, docs/measurements.md).
     """
     notes = []
     caps = state.caps_by_ordinal() if state.devices else None
@@ -235,6 +238,7 @@ class TorchImportWatcher(importlib.abc.MetaPathFinder):
 
 
 def cap_torch(state: "KernelCapState", env=os.environ) -> None:
+    """At kernel start: the allocator option when this torch reads it, and the lazy hook; `state.torch_route` says which."""
     version = installed_torch_version()
     routes = []
     if reads_fraction_from_alloc_conf(version):
