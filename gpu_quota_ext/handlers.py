@@ -19,8 +19,8 @@ from tornado import web
 from tornado.httputil import responses
 
 from .ledger import UnknownKernel
-from .policy import PolicyError, parse_cap, shown
 from .provisioner import SETTINGS_KEY
+from .shared.sizes import PolicyError, parse_cap, shown
 from .shared.contract import KERNEL_TOKEN_HEADER, KERNELS_PATH, MAX_BODY, STATUS_PATH, USAGE_FIELDS, USAGE_SUFFIX
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off

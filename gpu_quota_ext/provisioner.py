@@ -22,7 +22,7 @@ from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
 from .ledger import AdmissionRefused
-from .policy import PolicyError
+from .shared.sizes import PolicyError
 from .service import KernelIdTaken
 
 SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its QuotaService in the web app settings
