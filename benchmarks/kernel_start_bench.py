@@ -46,6 +46,7 @@ from tornado.websocket import websocket_connect
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, report  # noqa: E402
+from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
 
@@ -104,7 +105,7 @@ def execute_request(code: str) -> dict:
 async def check_extension(base: str, expected: bool) -> None:
     """The paired servers must differ by the extension and nothing else: ask each for its status route."""
     try:
-        body = (await AsyncHTTPClient().fetch(f"{base}/api/gpu-quota/status?token=bench")).body
+        body = (await AsyncHTTPClient().fetch(f"{base}{STATUS_PATH}?token=bench")).body
         present, devices = True, len(json.loads(body)["devices"])
     except Exception:
         present, devices = False, 0

@@ -29,6 +29,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
 from _common import save
+from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 from kernel_start_bench import execute_request, free_port, wait_ready
 
 FAKE_CONTROL = Path(__file__).parents[1] / "tests" / "fake_mps" / "nvidia-cuda-mps-control"
@@ -106,7 +107,7 @@ async def check_modes(on: str, off: str) -> str:
     client = AsyncHTTPClient()
     states = []
     for base in (on, off):
-        status = json.loads((await client.fetch(f"{base}/api/gpu-quota/status?token=bench")).body)
+        status = json.loads((await client.fetch(f"{base}{STATUS_PATH}?token=bench")).body)
         states.append(status["hard_cap"]["state"])
     if states != ["on", "off"]:
         raise RuntimeError(f"expected hard_cap on / off, the servers say {states}")

@@ -34,6 +34,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from _common import add_save_options, report  # noqa: E402
+from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 CONFIG = """
 c.ServerApp.ip = "127.0.0.1"
@@ -73,7 +74,7 @@ def start_server(work: Path, kernels: int):
     deadline = time.time() + 90
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(url + "/api/gpu-quota/status", timeout=2) as response:
+            with urllib.request.urlopen(url + STATUS_PATH, timeout=2) as response:
                 status = json.loads(response.read())
             if len(status["kernels"]) >= kernels:
                 return proc, url
@@ -91,7 +92,7 @@ def status_request_cost(url: str, n: int = 200) -> dict:
     times = []
     for _ in range(n):
         t = time.perf_counter()
-        with urllib.request.urlopen(url + "/api/gpu-quota/status", timeout=5) as response:
+        with urllib.request.urlopen(url + STATUS_PATH, timeout=5) as response:
             body = response.read()
         times.append((time.perf_counter() - t) * 1000)
     times.sort()

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, percentile, report  # noqa: E402
+from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 DEVICES = 8
 KERNELSPEC = "gpu-quota-bench-idle"
@@ -96,7 +97,7 @@ def free_port() -> int:
 
 
 def status(connection: http.client.HTTPConnection, headers: dict):
-    connection.request("GET", "/api/gpu-quota/status", headers=headers)
+    connection.request("GET", STATUS_PATH, headers=headers)
     response = connection.getresponse()
     return response.status, response.read()
 

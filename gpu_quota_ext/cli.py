@@ -25,7 +25,7 @@ from traitlets.utils.text import wrap_paragraphs
 
 from .app import GpuQuota, invalid_configuration
 from .devices import StaticInventory
-from .policy import PolicyError, format_bytes
+from .shared.sizes import PolicyError, format_bytes
 
 
 def setting_names() -> List[str]:

@@ -16,7 +16,7 @@ from traitlets import List as ListTrait
 from traitlets.config import LoggingConfigurable
 
 from .hami import describe_share, read_pod_share, share_devices
-from .policy import PolicyError, parse_cap, shown
+from .shared.sizes import PolicyError, parse_cap, shown
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
-from .policy import KiB, MiB, GiB, PolicyError, format_bytes
+from .shared.sizes import KiB, MiB, GiB, PolicyError, format_bytes
 
 if TYPE_CHECKING:  # devices.py imports this module: no import cycle at run time
     from .devices import Device

@@ -19,8 +19,9 @@ from tornado import web
 from tornado.httputil import responses
 
 from .ledger import UnknownKernel
-from .policy import PolicyError, parse_cap, shown
 from .provisioner import SETTINGS_KEY
+from .shared.sizes import PolicyError, parse_cap, shown
+from .shared.contract import KERNEL_TOKEN_HEADER, KERNELS_PATH, MAX_BODY, STATUS_PATH, USAGE_FIELDS, USAGE_SUFFIX
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
     from jupyter_server.auth.decorator import allow_unauthenticated
@@ -29,9 +30,7 @@ except ImportError:  # pragma: no cover
         return method
 
 AUTH_RESOURCE = "gpu_quota"
-KERNEL_TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
 KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
-MAX_BODY = 64 * 1024  # bytes: the largest request body any route reads (a usage report of 64 devices is ~6 KiB)
 
 
 @web.stream_request_body  # so that a body over the limit is refused before it is read
@@ -212,7 +211,6 @@ class UsageHandler(GpuQuotaHandler):
         self.finish(json.dumps({"accepted": len(entries), "last_action": monitor.last_action(kernel_id)}))
 
 
-USAGE_FIELDS = ("allocated", "reserved", "peak")
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 
 
@@ -278,10 +276,9 @@ def parse_cap_request(body: Any):
     return cap, device
 
 
-# Relative to the server's base_url (ExtensionApp prepends it).
-API_PREFIX = "/api/gpu-quota"
+# Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's.
 HANDLERS = [
-    (url_path_join(API_PREFIX, "status"), StatusHandler),
-    (url_path_join(API_PREFIX, "kernels", KERNEL_ID_PATTERN), KernelHandler),
-    (url_path_join(API_PREFIX, "kernels", KERNEL_ID_PATTERN, "usage"), UsageHandler),
+    (STATUS_PATH, StatusHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN), KernelHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),
 ]

@@ -1,7 +1,7 @@
 """Pure: the hard limit a kernel gets from NVIDIA MPS, and why a kernel gets none.
 
 MPS enforces a per-client limit in the driver, at allocation time, for every allocator, read from
-`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` when the client's CUDA context is created (measured, FACTS.md):
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` when the client's CUDA context is created (measured, docs/measurements.md):
 "10G" means 10 GiB, the ordinal is the device as the process sees it (after CUDA_VISIBLE_DEVICES),
 and the CUDA context itself counts against the limit (about 514 MiB under a 10 GiB limit). So a
 kernel's limit is the number policy chose (its max_cap, or its cap) plus a context allowance, written
@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
 from .ledger import Grant
-from .names import LAYERS
+from .shared.env_vars import LAYERS
 from .policy import GiB, MiB, Policy, PolicyError, format_bytes, parse_cap
 
 HARD_CAP_MODES = ("off", "auto", "mps")

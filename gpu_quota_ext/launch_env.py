@@ -1,12 +1,12 @@
 """Pure: a grant becomes the environment a kernel starts with.
 
-What each framework reads (measured, see FACTS.md):
+What each framework reads (measured, see docs/measurements.md):
 - CUDA_VISIBLE_DEVICES: which GPUs the kernel sees (UUIDs, so the order cannot be misread);
 - CUPY_GPU_MEMORY_LIMIT: bytes, CuPy's memory pool limit per device;
 - XLA_PYTHON_CLIENT_MEM_FRACTION (or XLA_CLIENT_MEM_FRACTION, never both): JAX's limit;
 - TF_FORCE_GPU_ALLOW_GROWTH: TensorFlow has no cap by environment; this stops it grabbing the GPU.
 torch is capped by the bootstrap inside the kernel (gpu_quota_ext/kernel), which knows the kernel's
-torch version; it reads GPU_QUOTA_DEVICES (names.py lists our own variables).
+torch version; it reads GPU_QUOTA_DEVICES (shared/env_vars.py lists our own variables).
 
 Values the kernelspec or the user already set are merged, never loosened: the smaller limit wins. An
 inherited limit that is not a positive number (CuPy reads 0 as "no limit") is ignored, never passed on;
@@ -25,7 +25,7 @@ from typing import Dict, Mapping, Optional
 
 from .devices import Device
 from .ledger import Grant
-from .names import API_URL, CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
+from .shared.env_vars import API_URL, CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
 
 STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
 JAX_FRACTION_NAMES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")

@@ -26,7 +26,7 @@ from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTup
 
 import psutil
 
-from .names import KERNEL_ID
+from .shared.env_vars import KERNEL_ID
 
 _KERNEL_ID_PREFIX = (KERNEL_ID + "=").encode()
 

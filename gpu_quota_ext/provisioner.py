@@ -23,7 +23,7 @@ from tornado import web
 
 from .jupyter_private import pending_kernels
 from .ledger import AdmissionRefused
-from .policy import PolicyError
+from .shared.sizes import PolicyError
 from .service import KernelIdTaken
 
 SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its QuotaService in the web app settings

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
-from .policy import CapSpec, PolicyError, format_bytes, parse_cap
+from .shared.sizes import CapSpec, PolicyError, format_bytes, parse_cap
 from .processes import ENVIRONMENT, TREE
 
 ACTIONS = ("off", "warn", "interrupt", "restart", "kill")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, Optional
 
-from ..policy import format_bytes
+from ..shared.sizes import format_bytes
 from .usage import DeviceUsage, read_usage, reset_peaks
 
 

@@ -1,6 +1,6 @@
 """The kernel's side of the REST API: ask the server for a cap, report allocator usage. Stdlib only.
 
-The kernel proves who it is with the secret the launch hook put in its environment (names.TOKEN). The
+The kernel proves who it is with the secret the launch hook put in its environment (shared.env_vars.TOKEN). The
 secret travels in one header and nowhere else: it is never logged, printed or put in an error message.
 """
 
@@ -13,9 +13,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..names import API_URL, KERNEL_ID, TOKEN
+from ..shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
+from ..shared.contract import USAGE_SUFFIX, kernel_path
+from ..shared.env_vars import API_URL, KERNEL_ID, TOKEN
 
-TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"  # handlers.KERNEL_TOKEN_HEADER (not imported: that module needs tornado)
 REQUEST_TIMEOUT_S = 10.0  # the user is waiting on %gpucap; the server answers in milliseconds
 USAGE_TIMEOUT_S = 2.0  # usage reports are best effort and must never pile up
 
@@ -59,8 +60,8 @@ class QuotaClient:
         return cls(api_url, kernel_id, token)
 
     def kernel_url(self, *parts: str) -> str:
-        path = "/".join(urllib.parse.quote(p, safe="") for p in ("api", "gpu-quota", "kernels", self.kernel_id) + parts)
-        return self.api_url + path
+        path = kernel_path(urllib.parse.quote(self.kernel_id, safe=""), *(urllib.parse.quote(p, safe="") for p in parts))
+        return self.api_url + path.lstrip("/")
 
     # --- cap requests ---------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class QuotaClient:
 
         def send() -> None:
             try:
-                self._send("POST", self.kernel_url("usage"), {"devices": devices}, USAGE_TIMEOUT_S)
+                self._send("POST", self.kernel_url(USAGE_SUFFIX), {"devices": devices}, USAGE_TIMEOUT_S)
             except Exception:
                 pass
             finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..policy import CapSpec, PolicyError, parse_cap
+from ..shared.sizes import CapSpec, PolicyError, parse_cap
 
 USAGE = "%gpucap [CAP | reset | panel] [--device N] [--cells on|off] [--help]"
 DESCRIPTION = """Show or change this kernel's GPU memory cap.

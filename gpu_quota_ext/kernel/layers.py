@@ -11,8 +11,8 @@ import json
 import os
 from typing import Mapping, Optional
 
-from ..names import LAYERS
-from ..policy import format_bytes
+from ..shared.env_vars import LAYERS
+from ..shared.sizes import format_bytes
 
 
 def read_layers(env: Optional[Mapping[str, str]] = None) -> Optional[dict]:

@@ -14,8 +14,8 @@ import os
 import sys
 from typing import List, Optional
 
-from ..names import KERNEL_ID
-from ..policy import format_bytes
+from ..shared.env_vars import KERNEL_ID
+from ..shared.sizes import format_bytes
 from . import state as state_module
 from .state import tell_once
 from .cells import CellReporter
@@ -24,8 +24,8 @@ from .command import Command, CommandError, help_text, parse_command
 from .layers import layer_line, restart_note
 from .oom import explain_after_cell
 from .reasons import no_gpu_reason, usage_unavailable_reason
-from .sync import after_cell, put_caps_in_force
-from .torch_cap import apply_local_caps, cuda_torch
+from .sync import after_cell
+from .torch_cap import apply_local_caps, cap_torch, cuda_torch, install_lazy_hook, put_caps_in_force
 from .usage import read_usage, report_to_server
 
 PREFIX = "gpu-quota:"
@@ -210,17 +210,12 @@ class GpuCap:
 
     def record(self, answer: CapAnswer, command: Command) -> None:
         """The server's answer becomes this kernel's caps (state.STATE), device by device."""
-        by_index = {int(d["index"]): d for d in answer.devices if "index" in d}
-        for device in self.state.devices:
-            granted = by_index.get(device.index)
-            if granted is not None:
-                device.cap = int(granted["cap"])
-                device.max_cap = int(granted.get("max_cap", device.max_cap))
         if command.action == "reset":
             # The ledger says "policy" after a plain reset: "server policy (policy)" would say it twice.
-            self.state.cap_source = "server policy" if answer.source in (None, "policy") else f"server policy ({answer.source})"
+            source = "server policy" if answer.source in (None, "policy") else f"server policy ({answer.source})"
         else:
-            self.state.cap_source = f"%gpucap, {answer.outcome} by the server"
+            source = f"%gpucap, {answer.outcome} by the server"
+        self.state.write_caps(answer.devices, source)
 
     def apply(self) -> List[str]:
         return put_caps_in_force(self.state, self.env)
@@ -242,8 +237,6 @@ class GpuCap:
             apply_local_caps(torch, self.state.local_caps)
             print(f"{PREFIX} cap {command.cap} set on {where} by this kernel alone, applied now")
         else:
-            from .bootstrap import install_lazy_hook
-
             install_lazy_hook(self.state)
             print(f"{PREFIX} cap {command.cap} recorded for {where} by this kernel alone; it applies when torch first uses CUDA")
 
@@ -296,8 +289,6 @@ def load(ipython) -> GpuCap:
         state = state_module.from_environment()
         state_module.STATE = state
         if state.devices:
-            from .bootstrap import cap_torch
-
             cap_torch(state)
     while _loaded:
         _loaded.pop().unregister()

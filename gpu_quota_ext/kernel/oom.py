@@ -4,7 +4,7 @@ The original exception and its traceback are left exactly as they are; the line 
 post_run_cell hook, after IPython has shown the traceback. Stdlib only.
 
 torch's OOM text names the device ("GPU 0 has a total capacity of ...") and contains "allowed;" only
-when a per-process cap is set (measured, FACTS.md): with it the cap was hit, without it the device
+when a per-process cap is set (measured, docs/measurements.md): with it the cap was hit, without it the device
 itself ran out (other processes hold the rest). The cudaMallocAsync backend words its error differently
 and is read as "device full".
 """
@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Dict, Optional
 
-from ..policy import format_bytes
+from ..shared.sizes import format_bytes
 
 PREFIX = "gpu-quota:"
 _DEVICE_RE = re.compile(r"GPU (\d+) has a total capacity")

@@ -8,7 +8,7 @@ traits, so the panel moves while a long cell runs. The thread stops as soon as t
 closed (from the browser, by `close()` or by `panel.widget.close()`) or the kernel exits; `%gpucap panel`
 closes the panel it opened before, so a kernel has at most one panel thread however often it is asked.
 Readings come from torch.cuda.memory_stats() only while the kernel's own torch has CUDA running: the
-panel never imports torch and never starts CUDA (that would cost the kernel a context, FACTS.md).
+panel never imports torch and never starts CUDA (that would cost the kernel a context, docs/measurements.md).
 A kernel that holds a grant always shows it, with its usage marked "not available" and why when its
 torch cannot read any (a CPU-only torch, as in the simulated demo).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import List, Optional
 
-from ..policy import format_bytes
+from ..shared.sizes import format_bytes
 from . import state as state_module
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server

@@ -1,4 +1,7 @@
-"""What the bootstrap did in this kernel, for `%gpucap` and the usage panel to show. Stdlib only.
+"""The kernel's cap record (`KernelCapState`): its caps, who set them, what its start did. Stdlib only.
+
+One writer changes the caps: `KernelCapState.write_caps`, under the record's lock, used by the magic's
+PUT answer and by the background sync after each cell (they run on different threads).
 
 Nothing at kernel start reaches the notebook (no cell is running), so what the user must know about the
 start (a problem, a kernel started without a GPU although the server has some) is said once, after the
@@ -8,11 +11,13 @@ stderr, which is the server's terminal.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Dict, Iterable, List, Optional
 
 
 @dataclass
@@ -35,15 +40,39 @@ class KernelCapState:
     # Who set the caps now in force, in words (the server's grant source after a %gpucap request).
     cap_source: str = "the server, at kernel start"
     # Kernels no server started (`%load_ext gpu_quota_ext`): caps the user set with %gpucap, applied
-    # by this kernel alone. Key: torch ordinal, or None for every device. Values are policy.CapSpec.
+    # by this kernel alone. Key: torch ordinal, or None for every device. Values are shared.sizes.CapSpec.
     local_caps: Dict[Optional[int], object] = field(default_factory=dict)
-    # True once bootstrap.cap_torch installed the lazy hook (import watcher or _lazy_call).
+    # True once torch_cap.install_lazy_hook installed the hook (import watcher or _lazy_call).
     hook_installed: bool = False
     # The kernel's secret, moved here from the environment at start so that child processes and
     # `!env` never see it. Kept out of repr.
     token: Optional[str] = field(default=None, repr=False)
     # True once the user was told what happened at start (tell_once, or a `%gpucap` table).
     told: bool = False
+    # Held while the caps, max caps and cap_source change together (write_caps).
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __deepcopy__(self, memo) -> "KernelCapState":
+        # A copy (tests compare a record before and after) gets its own lock: a lock cannot be copied.
+        values = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self) if f.name != "lock"}
+        return KernelCapState(**values)
+
+    def write_caps(self, granted: Iterable[dict], source: str, only_if_changed: bool = False) -> bool:
+        """The server's grant (its devices: {"index", "cap", "max_cap"}) becomes this kernel's caps, with
+        `source` as who set them, all under the lock. With only_if_changed, nothing is written unless a
+        cap differs. True when a cap changed."""
+        by_index = {int(d["index"]): d for d in granted if isinstance(d, dict) and "index" in d and "cap" in d}
+        with self.lock:
+            changed = any(int(by_index[d.index]["cap"]) != d.cap for d in self.devices if d.index in by_index)
+            if only_if_changed and not changed:
+                return False
+            for device in self.devices:
+                entry = by_index.get(device.index)
+                if entry is not None:
+                    device.cap = int(entry["cap"])
+                    device.max_cap = int(entry.get("max_cap", device.max_cap))
+            self.cap_source = source
+            return changed
 
     def caps_by_ordinal(self) -> List[int]:
         """The caps in force now, in torch's device order: what the lazy hook applies at CUDA start."""
@@ -80,7 +109,7 @@ STATE = KernelCapState()
 
 
 def from_environment(env=os.environ) -> KernelCapState:
-    from ..names import CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN
+    from ..shared.env_vars import CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN
 
     state = KernelCapState(kernel_id=env.get(KERNEL_ID), cpu_only_reason=env.get(CPU_ONLY_REASON), token=env.get(TOKEN))
     if env.get(CAP_SOURCE):

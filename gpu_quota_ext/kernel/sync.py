@@ -4,35 +4,16 @@ The server cannot push into a kernel without running code in it. Instead, after 
 thread asks the server for this kernel's grant (one loopback GET, off the cell's thread and only in
 kernels the server started with a GPU) and puts a changed cap into force the way `%gpucap` does:
 at once if torch has started CUDA, else at its first use; child processes started later inherit it.
+The record changes through its one writer (KernelCapState.write_caps), as the magic's answer does.
 Standard library only.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import List
+from .torch_cap import put_caps_in_force
 
 _in_flight = threading.Lock()
-
-
-def put_caps_in_force(state, env=os.environ) -> List[str]:
-    """The caps recorded in `state`, in force: now if CUDA runs, else at its first use (the lazy hook)."""
-    from .torch_cap import apply_to_running_torch, cuda_torch, write_alloc_conf_fraction
-
-    notes = []
-    written = write_alloc_conf_fraction(state, env)
-    torch = cuda_torch()
-    if torch is not None:
-        notes += apply_to_running_torch(torch, state)
-    else:
-        from .bootstrap import install_lazy_hook
-
-        install_lazy_hook(state)
-        notes.append("torch has not started CUDA in this kernel: the cap applies at its first use")
-    if written:
-        notes.append(f"{written} updated: processes started from now on get the new cap")
-    return notes
 
 
 def sync_caps(state, client) -> bool:
@@ -40,16 +21,9 @@ def sync_caps(state, client) -> bool:
     grant = client.grant()
     if not grant:
         return False
-    by_index = {int(d["index"]): d for d in grant.get("devices") or [] if "index" in d and "cap" in d}
-    changed = False
-    for device in state.devices:
-        remote = by_index.get(device.index)
-        if remote is not None and int(remote["cap"]) != device.cap:
-            device.cap = int(remote["cap"])
-            device.max_cap = int(remote.get("max_cap", device.max_cap))
-            changed = True
+    source = f"the server ({grant.get('source') or 'changed outside this kernel'})"
+    changed = state.write_caps(grant.get("devices") or [], source, only_if_changed=True)
     if changed:
-        state.cap_source = f"the server ({grant.get('source') or 'changed outside this kernel'})"
         put_caps_in_force(state)
     return changed
 

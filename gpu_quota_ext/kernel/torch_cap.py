@@ -1,6 +1,6 @@
-"""Applying the torch cap inside a kernel without creating a CUDA context.
+"""Applying caps to torch inside a kernel, without creating a CUDA context: the one module that does.
 
-Two routes, both lazy (measured on an H200, see FACTS.md):
+Two routes, both lazy (measured on an H200, see docs/measurements.md):
 - torch >= 2.10 reads `per_process_memory_fraction:F` from PYTORCH_CUDA_ALLOC_CONF when CUDA starts.
   Child processes (DataLoader workers, subprocesses) inherit it. Older torch fails on the unknown key,
   so it is only written when the installed torch is known to read it.
@@ -17,7 +17,10 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+
+if TYPE_CHECKING:  # the record is passed in; this module reads it and never imports state at run time
+    from .state import KernelCapState
 
 FRACTION_KEY = "per_process_memory_fraction"
 
@@ -128,7 +131,7 @@ def apply_local_caps(torch, local_caps) -> List[float]:
 def cuda_torch():
     """The kernel's torch module when it is imported AND CUDA is initialized; else None.
 
-    Never imports torch and never calls anything that would create a CUDA context (FACTS.md): a kernel
+    Never imports torch and never calls anything that would create a CUDA context (docs/measurements.md): a kernel
     that has not used the GPU yet must not start paying for it because we looked.
     """
     torch = sys.modules.get("torch")
@@ -145,7 +148,7 @@ def apply_to_running_torch(torch, state) -> List[str]:
 
     Raising a cap works at once. Lowering it below what the allocator holds: the cache is emptied first;
     if the kernel still holds more than the new cap, existing tensors stay and new allocations fail
-    until usage drops (measured, FACTS.md).
+    until usage drops (measured, docs/measurements.md).
     """
     notes = []
     caps = state.caps_by_ordinal() if state.devices else None
@@ -229,3 +232,83 @@ class TorchImportWatcher(importlib.abc.MetaPathFinder):
     def uninstall(self) -> None:
         while self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+# --- putting caps in force -----------------------------------------------------------------------
+
+
+def cap_torch(state: "KernelCapState", env=os.environ) -> None:
+    """At kernel start: the allocator option when this torch reads it, and the lazy hook; `state.torch_route` says which."""
+    version = installed_torch_version()
+    routes = []
+    if reads_fraction_from_alloc_conf(version):
+        # One fraction for every device and every child process: the tightest one.
+        fraction = min(d.cap / d.total for d in state.devices)
+        name = alloc_conf_variable(env)
+        env[name] = merge_alloc_conf(env.get(name), fraction)
+        routes.append(f"{name} (torch {version}, inherited by child processes)")
+    install_lazy_hook(state)
+    routes.append("set_per_process_memory_fraction at first CUDA use")
+    state.torch_route = " + ".join(routes)
+
+
+def install_lazy_hook(state: "KernelCapState") -> None:
+    """Apply `state`'s caps when the kernel first uses CUDA (at once if it already does).
+
+    The hook reads the caps from `state` when it runs, not when it is installed: a `%gpucap` change made
+    before the first CUDA use is the cap applied then. Installed once per kernel.
+    """
+    if state.hook_installed:
+        return
+    state.hook_installed = True
+
+    def on_torch_import(torch) -> None:
+        def apply() -> None:
+            try:
+                apply_current_caps(torch, state)
+            except Exception as error:
+                state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
+
+        if torch.cuda.is_initialized():
+            apply()
+            return
+        lazy_call = lazy_call_of(torch)
+        if lazy_call is None:
+            state.problems.append(no_lazy_call_problem(torch))
+        else:
+            lazy_call(apply)
+
+    if "torch" in sys.modules:
+        on_torch_import(sys.modules["torch"])
+    else:
+        TorchImportWatcher(on_torch_import).install()
+
+
+def lazy_call_of(torch) -> Optional[Callable[[Callable[[], None]], None]]:
+    """`torch.cuda._lazy_call`, the private torch API that queues a call for CUDA's first initialisation
+    (torch 1.x to 2.13 have it); None when this torch has none (tests/unit/test_torch_cap.py guards it)."""
+    lazy_call = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
+    return lazy_call if callable(lazy_call) else None
+
+
+def no_lazy_call_problem(torch) -> str:
+    version = getattr(torch, "__version__", "of unknown version")
+    return (
+        f"torch {version} has no torch.cuda._lazy_call (a private torch API): the cap cannot be queued for "
+        "CUDA's start; it applies once CUDA runs and %gpucap or the next cell puts it in force"
+    )
+
+
+def put_caps_in_force(state, env=os.environ) -> List[str]:
+    """The caps recorded in `state`, in force: now if CUDA runs, else at its first use (the lazy hook)."""
+    notes = []
+    written = write_alloc_conf_fraction(state, env)
+    torch = cuda_torch()
+    if torch is not None:
+        notes += apply_to_running_torch(torch, state)
+    else:
+        install_lazy_hook(state)
+        notes.append("torch has not started CUDA in this kernel: the cap applies at its first use")
+    if written:
+        notes.append(f"{written} updated: processes started from now on get the new cap")
+    return notes

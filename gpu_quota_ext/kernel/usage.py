@@ -2,7 +2,7 @@
 server's sidebar show. Stdlib only; torch is only looked at when the kernel itself imported it.
 
 Readings come from torch.cuda.memory_stats(), and only when CUDA is already initialized: before that
-there is nothing to read, and anything that started CUDA would cost the kernel a context (FACTS.md).
+there is nothing to read, and anything that started CUDA would cost the kernel a context (docs/measurements.md).
 """
 
 from __future__ import annotations

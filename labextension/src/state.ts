@@ -32,6 +32,8 @@ export interface IKernelDevice {
   allocated?: number | null;
   reserved?: number | null;
   peak?: number | null;
+  /** When the kernel last reported its allocator, seconds since the epoch. */
+  reported_at?: number | null;
 }
 
 export interface ILastAction {
@@ -77,6 +79,10 @@ export interface IQuotaStatus {
   kernels: IKernelStatus[];
   policy?: Record<string, unknown>;
   monitor?: IMonitorStatus | null;
+  /** The watchdog's recent actions, oldest first. */
+  actions?: ILastAction[];
+  /** The hard limit (MPS) as the server runs it; the sidebar does not show it. */
+  hard_cap?: Record<string, unknown> | null;
 }
 
 const isNumber = (value: unknown): value is number =>

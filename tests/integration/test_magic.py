@@ -22,7 +22,7 @@ from gpu_quota_ext.policy import GiB
 from .cell_output import CellOutput, run_cell
 from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
 
-TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
+from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 DEVICE_TOTAL = 80 * GiB
 
 

@@ -13,7 +13,7 @@ from gpu_quota_ext.policy import GiB
 from .fake_gpu import service_of
 from .kernels import start_kernel, static_devices_config
 
-TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
+from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
 
 
 @pytest.fixture

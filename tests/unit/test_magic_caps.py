@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_quota_ext.kernel import bootstrap
+from gpu_quota_ext.kernel import torch_cap
 from gpu_quota_ext.kernel.client import CapAnswer
 from gpu_quota_ext.kernel.magic import GpuCap, format_table
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
@@ -81,7 +81,7 @@ def torch(monkeypatch):
 
 def test_granted_cap_before_cuda_starts_is_what_the_lazy_hook_applies(torch, env, capsys):
     state = two_device_state()
-    bootstrap.install_lazy_hook(state)  # queued with the start caps (20 GiB)
+    torch_cap.install_lazy_hook(state)  # queued with the start caps (20 GiB)
     magic = magic_for(state, FakeClient(), env)
     magic.magic("0.3")
     assert state.caps_by_ordinal() == [int(0.3 * TOTAL)] * 2
@@ -175,8 +175,8 @@ def test_table_before_cuda_starts(torch, env):
 
 def test_the_lazy_hook_reads_caps_when_it_runs_not_when_it_is_installed(torch):
     state = two_device_state()
-    bootstrap.install_lazy_hook(state)
-    bootstrap.install_lazy_hook(state)  # once per kernel
+    torch_cap.install_lazy_hook(state)
+    torch_cap.install_lazy_hook(state)  # once per kernel
     assert len(torch.cuda.queued) == 1
     state.devices[0].cap = 10 * GiB
     torch.cuda.init()

@@ -11,7 +11,7 @@ import pytest
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.ledger import Ledger
 from gpu_quota_ext.monitor import Monitor, PidResolver
-from gpu_quota_ext.names import KERNEL_ID
+from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.policy import GiB, build_policy, resolve
 from gpu_quota_ext.processes import (
     ENVIRONMENT,

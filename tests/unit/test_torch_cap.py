@@ -85,25 +85,64 @@ def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch):
 def test_bootstrap_without_torch_writes_no_allocator_option(monkeypatch):
     # No torch installed in the kernel's environment: nothing to read the option, so none is written;
     # the import watcher still waits, in case the user installs torch during the session.
-    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.kernel import state as state_module, torch_cap
 
-    monkeypatch.setattr(bootstrap, "installed_torch_version", lambda: None)
+    monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: None)
     state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
     env = {}
     installed = []
-    monkeypatch.setattr(bootstrap, "install_lazy_hook", lambda s: installed.append(s))
-    bootstrap.cap_torch(state, env=env)
+    monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: installed.append(s))
+    torch_cap.cap_torch(state, env=env)
     assert env == {}
     assert installed == [state]
     assert "PYTORCH" not in state.torch_route and "first CUDA use" in state.torch_route
 
 
 def test_bootstrap_with_old_torch_uses_only_the_lazy_route(monkeypatch):
-    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.kernel import state as state_module, torch_cap
 
-    monkeypatch.setattr(bootstrap, "installed_torch_version", lambda: "2.9.1")
-    monkeypatch.setattr(bootstrap, "install_lazy_hook", lambda s: None)
+    monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: "2.9.1")
+    monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: None)
     state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    bootstrap.cap_torch(state, env=env)
+    torch_cap.cap_torch(state, env=env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch 2.9 would reject the new key
+
+
+# --- the private torch API the lazy route relies on -----------------------------------------------
+
+
+def test_the_installed_torch_has_the_private_lazy_call_we_rely_on():
+    # torch.cuda._lazy_call is private: a torch that drops or renames it must fail here, not silently
+    # leave kernels uncapped. The CPU torch of the test environment has the same torch.cuda module.
+    torch = pytest.importorskip("torch")
+    from gpu_quota_ext.kernel.torch_cap import lazy_call_of
+
+    assert callable(getattr(torch.cuda, "_lazy_call", None))
+    assert lazy_call_of(torch) is torch.cuda._lazy_call
+
+
+def test_a_torch_without_lazy_call_gives_one_clear_problem_line_at_kernel_start(monkeypatch):
+    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.shared.env_vars import DEVICES, KERNEL_ID, USER_STARTUP
+
+    from .fake_torch import fake_torch
+
+    module = fake_torch(1 << 34)
+    module.cuda = types.SimpleNamespace(is_initialized=lambda: False)  # a torch.cuda with no _lazy_call
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(state_module, "STATE", state_module.KernelCapState())
+    monkeypatch.setenv(KERNEL_ID, "k")
+    monkeypatch.setenv(DEVICES, '[{"ordinal": 0, "index": 0, "uuid": "GPU-a", "cap": 1073741824, "max_cap": 2147483648, "total": 17179869184}]')
+    monkeypatch.delenv(USER_STARTUP, raising=False)
+    monkeypatch.setenv("PYTHONSTARTUP", "")  # restored after the test (the bootstrap unsets it)
+    from gpu_quota_ext.kernel import torch_cap
+
+    monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: None)  # leaves PYTORCH_*ALLOC_CONF alone
+
+    bootstrap.run({})  # must not raise
+
+    problems = state_module.STATE.problems
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("torch 2.13.0+fake has no torch.cuda._lazy_call (a private torch API)")
+    assert "Traceback" not in problems[0] and "\n" not in problems[0]

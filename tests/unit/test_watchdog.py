@@ -14,7 +14,7 @@ def test_defaults_are_warn_with_a_slack_that_covers_a_cuda_context():
     default = Enforcement()
     assert default.enforce == "warn"
     assert default.limit(4 * GiB) == 5 * GiB
-    assert default.limit(4 * GiB) - 4 * GiB > 641_728_512  # FACTS: one CUDA context, as NVML counts it
+    assert default.limit(4 * GiB) - 4 * GiB > 641_728_512  # docs/measurements.md: one CUDA context, as NVML counts it
 
 
 @pytest.mark.parametrize(

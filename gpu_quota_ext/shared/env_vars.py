@@ -1,4 +1,4 @@
-"""Names of the environment variables the launch hook writes and the kernel reads. Stdlib only."""
+"""Names of the environment variables the launch hook writes and the kernel reads. Standard library only."""
 
 KERNEL_ID = "GPU_QUOTA_KERNEL_ID"
 DEVICES = "GPU_QUOTA_DEVICES"  # JSON list: {"ordinal", "index", "uuid", "cap", "max_cap", "total"}

@@ -6,7 +6,7 @@ import types
 import pytest
 from IPython.core.events import EventManager, available_events
 
-from gpu_quota_ext.kernel import lazy
+from gpu_quota_ext.kernel import stub
 
 
 class Shell:
@@ -39,7 +39,7 @@ def stand_in(monkeypatch):
         loaded.append(controller)
         return controller
 
-    registered = lazy.register(shell)
+    registered = stub.register(shell)
     monkeypatch.setattr(registered, "controller", lambda: (registered.unregister(), load())[1])
     return shell, registered, loaded
 
@@ -98,3 +98,65 @@ def test_a_failing_bootstrap_prints_nothing_at_start_and_tells_after_the_first_c
     assert capfd.readouterr().err == ""  # once
     shell.magics["gpucap"]("")
     assert capfd.readouterr().err == said
+
+
+# --- the stand-in's real controller: the full magic, loaded in its place -------------------------
+
+
+@pytest.fixture
+def unmanaged(monkeypatch):
+    """A kernel no server started, and no full magic loaded yet; whatever the test loads is unloaded."""
+    from gpu_quota_ext.kernel import magic, state
+    from gpu_quota_ext.shared.env_vars import KERNEL_ID
+
+    monkeypatch.delenv(KERNEL_ID, raising=False)
+    monkeypatch.setattr(state, "STATE", state.KernelCapState())
+    monkeypatch.setattr(magic, "_loaded", [])
+    yield magic
+    magic.unload(None)
+
+
+def test_the_controller_is_the_full_magic_registered_in_the_stand_ins_place(unmanaged, capsys):
+    shell = Shell()
+    registered = stub.register(shell)
+    controller = registered.controller()
+    assert isinstance(controller, unmanaged.GpuCap) and unmanaged._loaded == [controller]
+    assert shell.magics["gpucap"] == controller.magic
+    hooks = shell.events.callbacks["post_run_cell"]
+    assert registered.post_run_cell not in hooks and controller.post_run_cell in hooks
+    assert controller.pre_run_cell in shell.events.callbacks["pre_run_cell"]
+    assert unmanaged.NO_SERVER in capsys.readouterr().out
+
+
+def test_no_second_controller_when_load_ext_already_loaded_the_magic(unmanaged, capsys):
+    shell = Shell()
+    first = unmanaged.load(shell)  # `%load_ext gpu_quota_ext`
+    registered = stub.register(shell)
+    assert registered.controller() is None
+    assert unmanaged._loaded == [first]
+    assert registered.post_run_cell not in shell.events.callbacks["post_run_cell"]
+
+
+def test_the_stand_ins_magic_runs_the_loaded_one_through_the_shell_when_already_loaded(unmanaged):
+    shell = Shell()
+    unmanaged.load(shell)
+    lines = []
+    shell.run_line_magic = lambda name, line: lines.append((name, line))
+    stub.register(shell).magic("0.3")
+    assert lines == [("gpucap", "0.3")]
+
+
+def test_a_plain_cell_starts_the_background_sync_and_tells_the_start_once(unmanaged, monkeypatch, capfd):
+    from gpu_quota_ext.kernel import state, sync
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    synced = []
+    monkeypatch.setattr(sync, "after_cell", lambda record: synced.append(record))
+    state.STATE.problems.append("something at start")
+    shell = Shell()
+    stub.register(shell)
+    shell.events.trigger("post_run_cell", cell())
+    shell.events.trigger("post_run_cell", cell())
+    assert synced == [state.STATE, state.STATE]
+    assert capfd.readouterr().err == "gpu-quota: problem: something at start\n"
+    assert unmanaged._loaded == []  # the full magic is still not loaded

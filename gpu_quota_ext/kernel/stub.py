@@ -1,4 +1,4 @@
-"""`%gpucap` and its cell hooks, registered at kernel start without being imported.
+"""The stand-in `%gpucap` and its one cell hook, registered at kernel start in place of the full magic.
 
 The full magic (policy parsing, the HTTP client, allocator readings, the panel) costs 30 to 60 ms of
 imports, on every kernel start. Here a stand-in magic and one cheap post_run_cell hook load it at its
@@ -22,7 +22,9 @@ def _cuda_started() -> bool:
         return False
 
 
-class LazyGpuCap:
+class GpuCapStub:
+    """Stands in for magic.GpuCap until the first `%gpucap`, failed cell or CUDA start, then loads it."""
+
     def __init__(self, shell):
         self.shell = shell
 
@@ -70,7 +72,7 @@ class LazyGpuCap:
             controller.post_run_cell(result)
 
 
-def register(shell) -> LazyGpuCap:
-    stand_in = LazyGpuCap(shell)
+def register(shell) -> GpuCapStub:
+    stand_in = GpuCapStub(shell)
     stand_in.register()
     return stand_in

@@ -1,0 +1,40 @@
+"""The REST API's contract: its routes, the kernel-secret header, the body fields and the status answer's fields.
+
+One place for what the server (handlers.py), the kernel (kernel/client.py), the benchmarks and the
+sidebar (labextension/src/state.ts mirrors it; a test checks the names) must agree on. Standard library only.
+Paths are relative to the server's base_url.
+"""
+
+from __future__ import annotations
+
+API_PREFIX = "/api/gpu-quota"
+STATUS_PATH = API_PREFIX + "/status"  # GET: devices, kernels, policy, monitor (the sidebar's poll)
+KERNELS_PATH = API_PREFIX + "/kernels"  # + "/<kernel id>": GET a grant, PUT a cap; + "/usage": POST a usage report
+USAGE_SUFFIX = "usage"
+
+# A kernel may read, change and report on itself with its own secret (GPU_QUOTA_KERNEL_TOKEN), sent here.
+KERNEL_TOKEN_HEADER = "X-GPU-Quota-Kernel-Token"
+
+MAX_BODY = 64 * 1024  # bytes: the largest request body any route reads (a usage report of 64 devices is ~6 KiB)
+MAX_BODY_TEXT = "64 KiB"
+
+# PUT kernels/<id>: {"cap": "0.3" | "30%" | "12GiB" | bytes, "device": optional server device index}, or {"reset": true}
+CAP_REQUEST_FIELDS = ("cap", "device", "reset")
+# POST kernels/<id>/usage: {"devices": [{"index": 0, "allocated": int, "reserved": int, "peak": int}]}
+USAGE_REPORT_FIELDS = ("devices",)
+USAGE_FIELDS = ("allocated", "reserved", "peak")  # per device of a usage report, next to "index"
+
+# GET status: the answer's fields, at the top, per device, per kernel and per device of a kernel.
+STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap")
+STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used")
+KERNEL_FIELDS = (
+    "id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers",
+)
+KERNEL_DEVICE_FIELDS = (
+    "index", "cap", "max_cap", "policy_cap", "used", "allocated", "reserved", "peak", "reported_at",
+)
+
+
+def kernel_path(kernel_id: str, *parts: str) -> str:
+    """kernels/<id>[/parts], under API_PREFIX (the caller quotes the id when it builds a URL)."""
+    return "/".join((KERNELS_PATH, kernel_id) + parts)

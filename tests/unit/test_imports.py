@@ -1,0 +1,191 @@
+"""The package's import graph, read from the source (nothing is imported): no import cycle anywhere;
+`gpu_quota_ext.kernel` imports from the server side only `gpu_quota_ext.shared`; the shared core imports
+only the standard library and itself.
+
+Module-level and function-level imports both count (a function-level import is a cycle waiting for its
+first call); imports under `if TYPE_CHECKING:` do not (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import sys
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import gpu_quota_ext
+
+PACKAGE = "gpu_quota_ext"
+KERNEL = PACKAGE + ".kernel"
+SHARED = PACKAGE + ".shared"
+
+
+def modules() -> Dict[str, Path]:
+    """Every module of the package: name -> source file."""
+    found = {PACKAGE: Path(gpu_quota_ext.__file__)}
+    for info in pkgutil.walk_packages(gpu_quota_ext.__path__, PACKAGE + "."):
+        spec = info.module_finder.find_spec(info.name.rpartition(".")[2])
+        found[info.name] = Path(spec.origin)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported_names(name: str, path: Path) -> List[Tuple[str, int]]:
+    """(absolute module name, line) for every import statement that runs, wherever it is in the module.
+    `from X import Y` counts as X.Y when X.Y is a module (the caller decides), else X."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found: List[Tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.append((base, node.lineno))
+            found.extend((f"{base}.{alias.name}", node.lineno) for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def package_graph() -> Tuple[Dict[str, Set[str]], Dict[str, List[Tuple[str, int]]]]:
+    """Intra-package edges (module -> modules it imports) and every import of every module."""
+    sources = modules()
+    graph: Dict[str, Set[str]] = {}
+    everything: Dict[str, List[Tuple[str, int]]] = {}
+    for name, path in sources.items():
+        imports = imported_names(name, path)
+        everything[name] = imports
+        # `from . import state` names a module; `from .policy import GiB` names policy, not policy.GiB.
+        graph[name] = {target for target, _ in imports if target in sources and target != name}
+    return graph, everything
+
+
+def find_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a path."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    components: List[List[str]] = []
+
+    def strongconnect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                strongconnect(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            strongconnect(node)
+    return [_cycle_through(graph, set(component)) for component in components]
+
+
+def _cycle_through(graph: Dict[str, Set[str]], component: Set[str]) -> List[str]:
+    """A path start -> ... -> start inside one strongly connected component (for the message)."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        node = frontier.pop(0)
+        for other in sorted(graph[node] & component):
+            if other == start:
+                return paths[node] + [start]
+            if other not in paths:
+                paths[other] = paths[node] + [other]
+                frontier.append(other)
+    raise AssertionError("not a cycle")  # pragma: no cover
+
+
+def test_the_package_has_no_import_cycle():
+    graph, _ = package_graph()
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_kernel_code_imports_from_the_server_side_only_the_shared_core():
+    _, imports = package_graph()
+    outside = sorted({
+        # `from ..policy import format_bytes` is one line: name the module, not each imported name.
+        f"{module}:{line} imports {target}"
+        for module, found in imports.items()
+        if module == KERNEL or module.startswith(KERNEL + ".")
+        for target, line in found
+        if (target == PACKAGE or target.startswith(PACKAGE + "."))
+        and not any(target == allowed or target.startswith(allowed + ".") for allowed in (KERNEL, SHARED))
+        and (target.rpartition(".")[0], line) not in found
+    })
+    assert not outside, "kernel/ may import only gpu_quota_ext.kernel and gpu_quota_ext.shared:\n" + "\n".join(outside)
+
+
+def test_the_shared_core_imports_only_the_standard_library_and_itself():
+    _, imports = package_graph()
+    shared = {m: found for m, found in imports.items() if m == SHARED or m.startswith(SHARED + ".")}
+    assert SHARED + ".sizes" in shared and SHARED + ".contract" in shared and SHARED + ".env_vars" in shared
+    foreign = [
+        f"{module}:{line} imports {target}"
+        for module, found in sorted(shared.items())
+        for target, line in found
+        if not (target == SHARED or target.startswith(SHARED + "."))
+        and target.partition(".")[0] not in sys.stdlib_module_names
+        and target != "__future__"
+    ]
+    assert not foreign, "the shared core must stay standard library only:\n" + "\n".join(foreign)
+
+
+# --- the checks themselves can fail ------------------------------------------------------------------
+
+
+def test_the_cycle_finder_reports_a_cycle_and_ignores_a_tree():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_function_level_imports_count_and_type_checking_ones_do_not(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import sibling\n"
+        "if TYPE_CHECKING:\n"
+        "    from .typed_only import Thing\n"
+        "def later():\n"
+        "    from ..outer import helper\n"
+        "    import json\n"
+    )
+    found = {target for target, _ in imported_names("pkg.sub.mod", source)}
+    assert {"pkg.sub.sibling", "pkg.outer", "pkg.outer.helper", "json"} <= found
+    assert not any("typed_only" in target for target in found)
