@@ -205,20 +205,23 @@ def test_a_new_panel_replaces_the_one_before(monkeypatch, capsys):
 
 class Recorder(BaseHTTPRequestHandler):
     requests: list = []
-    delay = 0.0
+    hold = None  # a threading.Event: when given, each answer waits until it is set
+    answered = 0  # answers written so far
     answer = (200, {"outcome": "granted", "message": "ok", "kernel": {"source": "kernel request", "devices": [{"index": 3, "cap": 1}]}})
 
     def _handle(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         headers = {k.lower(): v for k, v in self.headers.items()}  # HTTP header names are case-insensitive
         Recorder.requests.append((self.command, self.path, headers, json.loads(body)))
-        time.sleep(Recorder.delay)
+        if Recorder.hold is not None:
+            Recorder.hold.wait(timeout=30)
         status, reply = Recorder.answer
         raw = json.dumps(reply).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
+        Recorder.answered += 1
 
     do_PUT = do_POST = _handle
 
@@ -228,7 +231,7 @@ class Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    Recorder.requests, Recorder.delay = [], 0.0
+    Recorder.requests, Recorder.hold, Recorder.answered = [], None, 0
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -272,25 +275,39 @@ def test_unreachable_server_is_an_error_answer():
 
 
 def test_usage_report_is_fire_and_forget(server, monkeypatch):
-    Recorder.delay = 0.5
+    Recorder.hold = threading.Event()  # the server keeps every answer until the test lets it go
     client = QuotaClient(server, "kernel-1", SECRET)
     torch = fake_torch(80 * GiB)
     monkeypatch.setitem(sys.modules, "torch", torch)
     torch.cuda.init()
     torch.cuda.allocated[0] = GiB
-    started = time.monotonic()
     report_to_server(state_on(index=3), client)
     report_to_server(state_on(index=3), client)  # skipped: the first is still in flight
-    assert time.monotonic() - started < 0.2
-    deadline = time.monotonic() + 5
-    while not Recorder.requests and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.6)
+    # Both calls returned before the server answered (it cannot answer until the test lets it): the cell
+    # never waits for the report.
+    assert Recorder.answered == 0
+    wait_for(lambda: Recorder.requests)
+    Recorder.hold.set()
+    wait_for(lambda: _report_finished(client))
     assert len(Recorder.requests) == 1
     method, path, headers, body = Recorder.requests[0]
     assert (method, path) == ("POST", "/base%40x/api/gpu-quota/kernels/kernel-1/usage")
     assert headers[TOKEN_HEADER.lower()] == SECRET
     assert body == {"devices": [{"index": 3, "allocated": GiB, "reserved": 0, "peak": 0}]}
+
+
+def _report_finished(client) -> bool:
+    if not client._usage_in_flight.acquire(blocking=False):
+        return False
+    client._usage_in_flight.release()
+    return True
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
 
 
 def test_no_usage_report_before_cuda_starts(server, monkeypatch):
