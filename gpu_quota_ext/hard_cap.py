@@ -31,8 +31,8 @@ from .hard_limit import (
     decide,
     layers_summary,
 )
-from . import metrics
 from .ledger import Grant
+from .metrics import COLLECTOR, hard_limit_family
 from .policy import Policy
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
 
@@ -76,7 +76,7 @@ class HardCapLayer:
         settings = self.settings
         if settings.mode == "off":
             return
-        metrics.COLLECTOR.publish(self.families)  # gpu_quota_kernel_hard_limit_bytes, read at each scrape
+        COLLECTOR.publish(self.families)  # gpu_quota_kernel_hard_limit_bytes, read at each scrape
         self.directory = make_private(os.path.join(self.runtime_directory, f"gpu-quota-mps-{os.getpid()}"))
         no_mps = make_private(os.path.join(self.directory, "none"))  # stays empty: no daemon answers there
         self.binary = find_control(settings.control)
@@ -138,7 +138,7 @@ class HardCapLayer:
 
     def stop_sync(self) -> None:
         """Stop the managed daemon (if any) and forget every kernel. Idempotent."""
-        metrics.COLLECTOR.withdraw(self.families)
+        COLLECTOR.withdraw(self.families)
         daemon, self.daemon = self.daemon, None
         if daemon is not None:
             daemon.stop()
@@ -215,7 +215,7 @@ class HardCapLayer:
         """/metrics at scrape time: the hard limit of each kernel that holds one now."""
         with self._lock:
             limits = {kid: {d.index: d.limit for d in layers.limits} for kid, layers in self._kernels.items()}
-        return [metrics.hard_limit_family({kid: by_device for kid, by_device in limits.items() if by_device})]
+        return [hard_limit_family({kid: by_device for kid, by_device in limits.items() if by_device})]
 
     # --- what the API shows ------------------------------------------------------------------------
 

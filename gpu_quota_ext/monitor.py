@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .devices import Device
-from . import metrics
+from .metrics import COLLECTOR, monitor_families
 from .jupyter_private import pending_kernels
 from .nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
 from .processes import TREE, Attribution, ProcTable, kernel_for_pid
@@ -335,7 +335,7 @@ class Monitor:
         # A thread of our own: a hung NVML call stalls only the monitor, never the loop or its executor.
         self._sampler = SamplerThread("gpu-quota-monitor")
         self._sampled_at, self._started_wall = time.monotonic(), time.time()
-        metrics.COLLECTOR.publish(self.families)  # /metrics reads this monitor at each scrape
+        COLLECTOR.publish(self.families)  # /metrics reads this monitor at each scrape
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -349,7 +349,7 @@ class Monitor:
             self._task = None
         if self._sampling is not None:
             self._sampling.cancel()
-        metrics.COLLECTOR.withdraw(self.families)
+        COLLECTOR.withdraw(self.families)
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.finish(self._close)  # after a hung call returns, if it ever does; never waited for
@@ -585,7 +585,7 @@ class Monitor:
             index: (device.total, getattr(sample.devices.get(index), "used", None))
             for index, device in self.devices.items()
         }
-        return metrics.monitor_families(
+        return monitor_families(
             devices,
             {kernel_id: used for kernel_id, used in sample.kernels.items() if kernel_id in ours},
             grants,
