@@ -340,7 +340,7 @@ class KernelRow {
         invalid: trans.__('Not a cap')
       };
       this._showFeedback(
-        `${labels[result.outcome] || result.outcome}: ${result.message}`,
+        labelled(labels[result.outcome] || result.outcome, result.message),
         result.outcome === 'granted' ? 'ok' : result.outcome === 'clamped' ? 'warning' : 'over'
       );
       if (result.outcome === 'granted' || result.outcome === 'clamped') {

@@ -160,7 +160,22 @@ export function serverMessage(body: unknown, fallback: string): string {
  * translator as a format argument, whose "%%" handling would change a message that contains one.
  */
 export function labelled(label: string, message: string | null | undefined): string {
-  return message ? `${label}: ${message}` : label;
+  if (!message) {
+    return label;
+  }
+  const wanted = label.toLowerCase();
+  let said = message;
+  // The server's message may open with a shorter form of the label ("no GPU: ..." under "No GPU on
+  // this server"): say it once.
+  const colon = said.indexOf(':');
+  if (colon > 0 && wanted.startsWith(said.slice(0, colon).trim().toLowerCase())) {
+    said = said.slice(colon + 1).trim();
+  }
+  // ... or already say what the label says ("clamped to ..." under "Clamped"): then it stands alone.
+  if (said.toLowerCase().includes(wanted)) {
+    return said.charAt(0).toUpperCase() + said.slice(1);
+  }
+  return said ? `${label}: ${said}` : label;
 }
 
 export type MonitorProblem = 'stalled' | 'error' | 'degraded';

@@ -271,6 +271,17 @@ describe('labelled', () => {
     expect(labelled('Failed', '')).toBe('Failed');
     expect(labelled('Failed', null)).toBe('Failed');
   });
+
+  it('says each thing once when the server\'s words already say the label', () => {
+    expect(labelled('No GPU on this server', 'no GPU: NVML could not start (NVMLError_LibraryNotFound)')).toBe(
+      'No GPU on this server: NVML could not start (NVMLError_LibraryNotFound)'
+    );
+    expect(labelled('Clamped', 'clamped to max_cap 40.0 GiB on device 0')).toBe('Clamped to max_cap 40.0 GiB on device 0');
+    expect(labelled('Not a cap', "cap: 'lots' is not a cap; use a fraction like 0.25")).toBe(
+      "Cap: 'lots' is not a cap; use a fraction like 0.25"
+    );
+    expect(labelled('Granted', 'cap set to 20.0 GiB on device 0')).toBe('Granted: cap set to 20.0 GiB on device 0');
+  });
 });
 
 describe('monitorNotice', () => {

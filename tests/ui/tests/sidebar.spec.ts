@@ -212,7 +212,7 @@ test.describe('GPU quota sidebar without a GPU or without the server extension',
     await page.goto();
     await openPanel(page);
     await expect(page.locator(`${PANEL} .jp-GpuQuota-message`)).toHaveText(
-      'No GPU on this server: no GPU: NVML library not found'
+      'No GPU on this server: NVML library not found'
     );
   });
 });
