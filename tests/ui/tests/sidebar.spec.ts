@@ -137,7 +137,7 @@ test.describe('GPU quota sidebar', () => {
     await expect(r.locator('.jp-GpuQuota-figure')).toHaveText('0 / 12 GiB');
     await r.locator('.jp-GpuQuota-capInput').fill('lots');
     await r.getByRole('button', { name: 'Set cap' }).click();
-    await expect(r.locator('.jp-GpuQuota-feedback')).toContainText('Not a cap');
+    await expect(r.locator('.jp-GpuQuota-feedback')).toContainText("'lots' is not a cap");
     await expect(r.locator('.jp-GpuQuota-figure')).toHaveText('0 / 12 GiB');
     await r.getByRole('button', { name: 'Reset' }).click();
     await expect(r.locator('.jp-GpuQuota-figure')).toHaveText('0 / 20 GiB');
