@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(config, items):
 FIGURES_FILE = os.environ.get("GPU_QUOTA_FIGURES", "")
 
 
+def gpu_count() -> int:
+    """How many GPUs NVML sees here (0 without a driver): the two-GPU checks skip below two."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
 def record(name: str, value) -> None:
     """Print a measured figure and append it to $GPU_QUOTA_FIGURES (JSON lines) when set."""
     print(f"FIGURE {name} = {value}", flush=True)

@@ -24,7 +24,7 @@ from ..integration.fake_gpu import wait_for
 from ..integration.fake_mps import alive, jp_runtime_dir, other_user, short_tmp, wait_until  # noqa: F401
 from ..integration.kernels import execute, kernel_env, restart_kernel, start_kernel, write_kernelspec
 from ..integration.servers import Server
-from .conftest import kernel_pid, record
+from .conftest import gpu_count, kernel_pid, record
 
 pytestmark = pytest.mark.gpu
 
@@ -35,16 +35,6 @@ OVER = 20 * GiB  # above the hard limit
 UNDER = 15 * GiB  # under the cap, with room for the context
 CONTROL = shutil.which("nvidia-cuda-mps-control") or "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
 MPS_VARIABLES = ["CUDA_VISIBLE_DEVICES", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"]
-
-
-def gpu_count() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return 0
 
 
 def hard_config(**more) -> Config:

@@ -10,19 +10,9 @@ import pytest
 from traitlets.config import Config
 
 from ..integration.kernels import execute, kernel_env, start_kernel
-from .conftest import kernel_pid, nvml_used_by_pid, record
+from .conftest import gpu_count, kernel_pid, nvml_used_by_pid, record
 
 pytestmark = pytest.mark.gpu
-
-
-def gpu_count() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return 0
 
 
 needs_two = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
