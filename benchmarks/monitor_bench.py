@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_save_options, percentile, report  # noqa: E402
 
 from gpu_quota_ext.devices import Device, read_nvml_devices  # noqa: E402
-from gpu_quota_ext.ledger import Ledger  # noqa: E402
+from gpu_quota_ext.local_ledger import LocalLedger  # noqa: E402
 from gpu_quota_ext.monitor import Monitor  # noqa: E402
 from gpu_quota_ext.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
-from gpu_quota_ext.testing import FakeNvml  # noqa: E402
+from gpu_quota_ext.fake_nvml import FakeNvml  # noqa: E402
 from gpu_quota_ext.watchdog import build_enforcement  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main() -> None:
         devices = [Device(i, f"Fake {i}", f"fake-{i}", 80 * GiB, i) for i in range(args.devices)]
         backend = FakeNvml()
     policy = build_policy("0.02", "1.0")
-    ledger = Ledger(devices, policy)
+    ledger = LocalLedger(devices, policy)
     pairs = start_kernels(args.kernels)
     try:
         roots = {}

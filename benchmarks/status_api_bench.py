@@ -56,7 +56,7 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
 
     from gpu_quota_ext.policy import GiB
     from gpu_quota_ext.provisioner import SETTINGS_KEY
-    from gpu_quota_ext.testing import FakeNvml
+    from gpu_quota_ext.fake_nvml import FakeNvml
 
     config = Config(
         {
@@ -64,7 +64,7 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
             "IdentityProvider": {"token": token},
             "GpuQuota": {
                 "inventory_class": "gpu_quota_ext.devices.StaticInventory",
-                "nvml_class": "gpu_quota_ext.testing.FakeNvml",
+                "nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml",
                 "default_cap": "0.02",
                 "poll_interval": 1.0,
             },

@@ -21,12 +21,12 @@ from .devices import DeviceInventory, NvmlInventory
 from .handlers import HANDLERS
 from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
-from .monitor import Monitor, ServerKernels
+from .monitor import Monitor, KernelManagerView
 from .nvml import NvmlBackend, PynvmlBackend
 from .policy import Policy, PolicyError, build_policy
 from .provisioner import SETTINGS_KEY
-from .service import QuotaService
-from .watchdog import Enforcement, build_enforcement
+from .manager import GpuQuotaManager
+from .watchdog import WatchdogSettings, build_enforcement
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -172,7 +172,7 @@ class GpuQuota(ExtensionApp):
         default_value=PynvmlBackend,
         klass=NvmlBackend,
         help="""Where the monitor reads per-process GPU memory: the driver through nvidia-ml-py (default), or
-        gpu_quota_ext.testing.FakeNvml (tests, benchmarks).""",
+        gpu_quota_ext.fake_nvml.FakeNvml (tests, benchmarks).""",
     ).tag(config=True)
 
     hard_cap = Unicode(
@@ -250,7 +250,7 @@ class GpuQuota(ExtensionApp):
             return None
         return variable if getattr(self, name) == os.environ[variable] else None
 
-    def validated_settings(self) -> Tuple[Policy, Enforcement, HardCapSettings]:
+    def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardCapSettings]:
         """The policy, the watchdog's and the hard limit's settings, validated. The server's start and `jupyter gpu-quota
         check` both come here: PolicyError names the first bad setting, and its environment variable
         when the value came from there."""
@@ -288,7 +288,7 @@ class GpuQuota(ExtensionApp):
             devices = inventory.list_devices()
         except (PolicyError, TraitError) as error:
             self._stop_server(str(error))
-        service = QuotaService(
+        service = GpuQuotaManager(
             policy,
             devices,
             api_url=self._api_url,
@@ -303,7 +303,7 @@ class GpuQuota(ExtensionApp):
             devices,
             service.ledger,
             self.nvml_class(),
-            ServerKernels(self.serverapp.kernel_manager),
+            KernelManagerView(self.serverapp.kernel_manager),
             enforcement,
             no_gpu_reason=inventory.problem,
             release=service.release,

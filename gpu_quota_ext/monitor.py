@@ -35,7 +35,7 @@ from .metrics import COLLECTOR, monitor_families
 from .jupyter_private import pending_kernels
 from .nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
 from .processes import TREE, Attribution, ProcTable, kernel_for_pid
-from .watchdog import Action, Enforcement, Watchdog
+from .watchdog import WatchdogAction, WatchdogSettings, Watchdog
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -157,7 +157,7 @@ def kernel_pid(kernel_manager: Any) -> Optional[int]:
     return pid if isinstance(pid, int) else None
 
 
-class ServerKernels:
+class KernelManagerView:
     """The server's kernel manager, as the monitor needs it: PIDs in, actions out."""
 
     def __init__(self, multi_kernel_manager: Any):
@@ -293,7 +293,7 @@ class Monitor:
         ledger: Any,
         backend: NvmlBackend,
         kernels: Any,
-        settings: Enforcement,
+        settings: WatchdogSettings,
         no_gpu_reason: Optional[str] = None,
         resolver: Optional[PidResolver] = None,
         release: Optional[Callable[[str], Any]] = None,
@@ -608,7 +608,7 @@ class Monitor:
 
     # --- enforcement (event loop) ----------------------------------------------------------------
 
-    def _carry_out(self, record: Action) -> None:
+    def _carry_out(self, record: WatchdogAction) -> None:
         if record.action == "warn":
             log.warning("gpu-quota-ext: %s", record.describe())
             self.watchdog.finished(record, "done")
@@ -622,7 +622,7 @@ class Monitor:
         self._actions.add(task)
         task.add_done_callback(self._actions.discard)
 
-    async def _act(self, record: Action) -> None:
+    async def _act(self, record: WatchdogAction) -> None:
         try:
             await self.kernels.act(record.kernel_id, record.action)
         except Exception as error:

@@ -1,7 +1,7 @@
 """What the monitor asks the driver: per device, the memory used and which processes use how much.
 
 One small interface (`NvmlBackend`) with the real pynvml-backed implementation here and a fake for tests
-in `gpu_quota_ext.testing`. Devices are named by UUID, never by NVML index: the UUID is what
+in `gpu_quota_ext.fake_nvml`. Devices are named by UUID, never by NVML index: the UUID is what
 `devices.Device` carries and it survives reordering. Every NVML error becomes one of two exceptions so
 the monitor can degrade to a clear state instead of crashing:
 

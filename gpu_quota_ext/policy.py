@@ -183,7 +183,7 @@ def _choice(value: Any, allowed: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
-class Resolved:
+class PolicyDecision:
     """What policy gives one kernel: its cap and the most it may ask for, on how many devices, and why."""
 
     cap: CapSpec
@@ -192,10 +192,10 @@ class Resolved:
     source: str
 
 
-def resolve(policy: Policy, user: str, kernelspec: str) -> Resolved:
+def resolve(policy: Policy, user: str, kernelspec: str) -> PolicyDecision:
     """The first matching rule wins; a callable rule returns a cap, a rule dict, or None (= default).
 
-    The server calls a callable off its event loop and handles its failures (QuotaService); here a
+    The server calls a callable off its event loop and handles its failures (GpuQuotaManager); here a
     failure is a PolicyError."""
     if callable(policy.rules):
         try:
@@ -205,24 +205,24 @@ def resolve(policy: Policy, user: str, kernelspec: str) -> Resolved:
         return resolve_answer(policy, answer)
     for rule in policy.rules:
         if rule.matches(user, kernelspec):
-            return Resolved(rule.cap, rule.max_cap or policy.max_cap, rule.devices, rule.label)
-    return default_resolved(policy)
+            return PolicyDecision(rule.cap, rule.max_cap or policy.max_cap, rule.devices, rule.label)
+    return default_decision(policy)
 
 
-def default_resolved(policy: Policy, source: str = "default") -> Resolved:
-    return Resolved(policy.default_cap, policy.max_cap, 1, source)
+def default_decision(policy: Policy, source: str = "default") -> PolicyDecision:
+    return PolicyDecision(policy.default_cap, policy.max_cap, 1, source)
 
 
-def resolve_answer(policy: Policy, answer: Any) -> Resolved:
+def resolve_answer(policy: Policy, answer: Any) -> PolicyDecision:
     """A caps callable's answer, treated like a rule: None is the default policy; a cap or a rule dict
     gets the rule's max_cap (its own, else c.GpuQuota.max_cap), and a cap above it is clamped to it
     (a list rule above its max_cap stops the server at start; a callable's answer cannot, so it is clamped).
     PolicyError when the answer is not a cap or a rule."""
     if answer is None:
-        return default_resolved(policy)
+        return default_decision(policy)
     rule = parse_rule(answer if isinstance(answer, Mapping) else {"cap": answer}, 0, where="the caps callable's answer")
     maximum = rule.max_cap or policy.max_cap
     if _is_above(rule.cap, maximum):
-        return Resolved(maximum, maximum, rule.devices, f"caps callable (clamped to max_cap {maximum})")
+        return PolicyDecision(maximum, maximum, rule.devices, f"caps callable (clamped to max_cap {maximum})")
     # Mixed forms (a size against a fraction) are compared per device: the ledger never grants above max_cap.
-    return Resolved(rule.cap, maximum, rule.devices, "caps callable")
+    return PolicyDecision(rule.cap, maximum, rule.devices, "caps callable")

@@ -24,9 +24,9 @@ from tornado import web
 from .jupyter_private import pending_kernels
 from .ledger import AdmissionRefused
 from .shared.sizes import PolicyError
-from .service import KernelIdTaken
+from .manager import KernelIdTaken
 
-SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its QuotaService in the web app settings
+SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its GpuQuotaManager in the web app settings
 
 log = logging.getLogger("gpu_quota_ext")
 

@@ -1,4 +1,4 @@
-"""Enforcement: what to do about a kernel whose measured usage stays over its cap.
+"""WatchdogSettings: what to do about a kernel whose measured usage stays over its cap.
 
 The decision (`decide`) and the settings (`build_enforcement`) are pure. `Watchdog` keeps the per-kernel
 state between samples and the record of every action; the monitor carries the actions out through the
@@ -29,7 +29,7 @@ HISTORY = 200  # actions the status API can show; older ones are in the server l
 
 
 @dataclass(frozen=True)
-class Enforcement:
+class WatchdogSettings:
     """The admin's enforcement settings, validated."""
 
     enforce: str = "warn"
@@ -79,7 +79,7 @@ def parse_seconds(value: Any, low: float, high: float) -> float:
     return seconds
 
 
-def build_enforcement(enforce: Any, slack: Any, grace: Any, poll_interval: Any) -> Enforcement:
+def build_enforcement(enforce: Any, slack: Any, grace: Any, poll_interval: Any) -> WatchdogSettings:
     """Validate the watchdog's settings; PolicyError names the first bad one and its value."""
 
     def setting(name, parse, value):
@@ -93,7 +93,7 @@ def build_enforcement(enforce: Any, slack: Any, grace: Any, poll_interval: Any) 
             raise PolicyError(f"must be one of {', '.join(repr(a) for a in ACTIONS)}")
         return value.strip().lower()
 
-    return Enforcement(
+    return WatchdogSettings(
         enforce=setting("enforce", choice, enforce),
         slack=setting("slack", parse_slack, slack),
         grace=setting("grace", lambda v: parse_seconds(v, 0, 3600), grace),
@@ -105,7 +105,7 @@ def build_enforcement(enforce: Any, slack: Any, grace: Any, poll_interval: Any) 
 
 
 @dataclass(frozen=True)
-class Watch:
+class OverLimitEpisode:
     """What the watchdog remembers about one kernel between samples."""
 
     over_since: Optional[float] = None  # monotonic time the current over-limit episode began
@@ -114,8 +114,8 @@ class Watch:
 
 
 def decide(
-    watch: Watch, over: bool, now: float, settings: Enforcement, proven: bool = True
-) -> Tuple[Watch, Optional[str]]:
+    watch: OverLimitEpisode, over: bool, now: float, settings: WatchdogSettings, proven: bool = True
+) -> Tuple[OverLimitEpisode, Optional[str]]:
     """(new state, action or None) for one kernel given whether it is over its limit now.
 
     An episode starts at the first sample over the limit and ends at the first one within it. "warn"
@@ -124,7 +124,7 @@ def decide(
     `proven`: the kernel's own process tree is over the limit by itself; when only usage found through
     environments puts it over, "warn" is the most that happens."""
     if settings.enforce == "off" or not over:
-        return Watch(quiet_until=watch.quiet_until), None
+        return OverLimitEpisode(quiet_until=watch.quiet_until), None
     over_since = watch.over_since if watch.over_since is not None else now
     held = replace(watch, over_since=over_since)
     if now - over_since < settings.grace or now < watch.quiet_until:
@@ -133,11 +133,11 @@ def decide(
         if watch.warned:
             return held, None
         return replace(held, warned=True), "warn"
-    return Watch(over_since=None, quiet_until=now + settings.cooldown), settings.enforce
+    return OverLimitEpisode(over_since=None, quiet_until=now + settings.cooldown), settings.enforce
 
 
 def worst_device(
-    used: Mapping[int, int], caps: Mapping[int, int], settings: Enforcement
+    used: Mapping[int, int], caps: Mapping[int, int], settings: WatchdogSettings
 ) -> Optional[Tuple[int, int, int, int]]:
     """(device, used, cap, limit) of the device where the kernel is furthest over its limit, or None."""
     worst = None
@@ -153,7 +153,7 @@ def worst_device(
 
 
 @dataclass(frozen=True)
-class Action:
+class WatchdogAction:
     """One thing the watchdog did (or tried): shown by the status API, logged, counted in /metrics."""
 
     kernel_id: str
@@ -195,11 +195,11 @@ class Action:
 class Watchdog:
     """Per-kernel watch state and the action record. Used from the event loop only."""
 
-    def __init__(self, settings: Enforcement):
+    def __init__(self, settings: WatchdogSettings):
         self.settings = settings
-        self._watches: Dict[str, Watch] = {}
-        self._last: Dict[str, Action] = {}
-        self.history: Deque[Action] = deque(maxlen=HISTORY)
+        self._watches: Dict[str, OverLimitEpisode] = {}
+        self._last: Dict[str, WatchdogAction] = {}
+        self.history: Deque[WatchdogAction] = deque(maxlen=HISTORY)
         self.counts: Dict[str, int] = {}  # action -> how many were taken since the server started (/metrics)
 
     def review(
@@ -209,7 +209,7 @@ class Watchdog:
         now: Optional[float] = None,
         wall: Optional[float] = None,
         in_tree: Optional[Mapping[str, Mapping[int, int]]] = None,
-    ) -> List[Action]:
+    ) -> List[WatchdogAction]:
         """Actions to take for this sample. `usage`: kernel -> device -> used, every process attributed to
         the kernel; `in_tree`: the same for its process tree alone (None: all of `usage` is); `caps`: the
         ledger's caps of every kernel it holds a grant for (kernels without a grant are not ours to police)."""
@@ -220,19 +220,19 @@ class Watchdog:
             over = worst_device(usage.get(kernel_id, {}), kernel_caps, self.settings)
             proven = over if in_tree is None else worst_device(in_tree.get(kernel_id, {}), kernel_caps, self.settings)
             watch, action = decide(
-                self._watches.get(kernel_id, Watch()), over is not None, now, self.settings, proven is not None
+                self._watches.get(kernel_id, OverLimitEpisode()), over is not None, now, self.settings, proven is not None
             )
             self._watches[kernel_id] = watch
             if action is not None and over is not None:
                 device, used, cap, limit = proven or over
-                record = Action(
+                record = WatchdogAction(
                     kernel_id, action, device, used, cap, limit, wall, attributed=TREE if proven else ENVIRONMENT
                 )
                 self._remember(record)
                 actions.append(record)
         return actions
 
-    def finished(self, record: Action, outcome: str) -> Action:
+    def finished(self, record: WatchdogAction, outcome: str) -> WatchdogAction:
         """The monitor reports how an action went; the record shown by the API is updated."""
         done = replace(record, outcome=outcome)
         if self._last.get(record.kernel_id) is record:
@@ -242,12 +242,12 @@ class Watchdog:
                 self.history[position] = done
         return done
 
-    def _remember(self, record: Action) -> None:
+    def _remember(self, record: WatchdogAction) -> None:
         self.counts[record.action] = self.counts.get(record.action, 0) + 1
         self._last[record.kernel_id] = record
         self.history.append(record)
 
-    def last_action(self, kernel_id: str) -> Optional[Action]:
+    def last_action(self, kernel_id: str) -> Optional[WatchdogAction]:
         return self._last.get(kernel_id)
 
     def forget_all_but(self, kernel_ids) -> None:

@@ -112,7 +112,7 @@ class TestDefaultInventoryInAPod:
         monkeypatch.setattr(devices_module, "read_nvml_devices", lambda: ([gpu], None))
         return Config({
             "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
-            "GpuQuota": {"default_cap": "0.5", "nvml_class": "gpu_quota_ext.testing.FakeNvml"},
+            "GpuQuota": {"default_cap": "0.5", "nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml"},
         })
 
     async def test_it_just_works_in_the_pod(self, jp_fetch, jp_serverapp):

@@ -17,7 +17,7 @@ from .kernels import static_devices_config
 
 # A real server whose monitor cannot open NVML: the monitor's module logger says so once, at WARNING.
 CONFIG = """
-from gpu_quota_ext.testing import FakeNvml
+from gpu_quota_ext.fake_nvml import FakeNvml
 
 class NoNvml(FakeNvml):
     unavailable = "NVML is switched off in this test"

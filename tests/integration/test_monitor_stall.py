@@ -97,7 +97,7 @@ SERVER_CONFIG = """
 c.ServerApp.jpserver_extensions = {"gpu_quota_ext": True}
 c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
 c.StaticInventory.devices = [{"name": "Test GPU 0", "total": "16GiB"}]
-c.GpuQuota.nvml_class = "gpu_quota_ext.testing.HungNvml"
+c.GpuQuota.nvml_class = "gpu_quota_ext.fake_nvml.HungNvml"
 c.GpuQuota.poll_interval = 0.2
 """
 

@@ -36,10 +36,10 @@ def test_missing_or_reshaped_gives_none_and_one_clear_warning(value, caplog):
 
 
 def test_the_monitor_sees_no_starting_kernels_without_it():
-    from gpu_quota_ext.monitor import ServerKernels
+    from gpu_quota_ext.monitor import KernelManagerView
 
     manager = Manager()
     manager._pending_kernels = ("not", "a", "dict")
-    assert ServerKernels(manager).starting_ids() == set()
+    assert KernelManagerView(manager).starting_ids() == set()
     manager._pending_kernels = {"k1": None}
-    assert ServerKernels(manager).starting_ids() == {"k1"}
+    assert KernelManagerView(manager).starting_ids() == {"k1"}

@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
+from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
+from gpu_quota_ext.local_ledger import LocalLedger
 from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
 
 TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b", 80 * GiB, 1)]
@@ -13,7 +14,7 @@ TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b"
 
 def make(devices=TWO_GPUS, **settings):
     policy = build_policy(settings.pop("default_cap", "0.25"), settings.pop("max_cap", "0.5"), **settings)
-    return Ledger(devices, policy), policy
+    return LocalLedger(devices, policy), policy
 
 
 def admit(ledger, policy, kernel_id, user="u", kernelspec="python3"):
@@ -230,3 +231,16 @@ def test_a_cap_never_exceeds_max_cap_even_written_in_another_form():
     ledger, policy = make(default_cap="12GiB", max_cap="0.1")
     grant = admit(ledger, policy, "k")
     assert grant.caps == {0: int(0.1 * 80 * GiB)} and grant.max_caps == {0: int(0.1 * 80 * GiB)}
+
+
+def test_local_ledger_implements_the_ledger_interface():
+    from gpu_quota_ext.ledger import Ledger
+
+    ledger, _ = make()
+    assert isinstance(ledger, Ledger)
+    # Every method of the interface has the same parameters in the local ledger.
+    import inspect
+
+    for name in ("grant", "change", "reset", "release", "get", "grants", "usage"):
+        expected = list(inspect.signature(getattr(Ledger, name)).parameters)
+        assert list(inspect.signature(getattr(LocalLedger, name)).parameters) == expected, name

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.ledger import Ledger
+from gpu_quota_ext.local_ledger import LocalLedger
 from gpu_quota_ext.monitor import Monitor, PidResolver
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.policy import GiB, build_policy, resolve
@@ -25,7 +25,7 @@ from gpu_quota_ext.processes import (
     parse_ppid,
     parse_uids,
 )
-from gpu_quota_ext.testing import FakeNvml
+from gpu_quota_ext.fake_nvml import FakeNvml
 from gpu_quota_ext.watchdog import build_enforcement
 
 # --- pure parts ---------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def fake_nvml():
 
 def make_monitor(enforce="warn", roots=None, kernels=("k1",)):
     policy = build_policy("0.25", "1.0")
-    ledger = Ledger(DEVICES, policy)
+    ledger = LocalLedger(DEVICES, policy)
     for kernel_id in kernels:
         ledger.grant(kernel_id, "me", "python3", resolve(policy, "me", "python3"))
     source = Kernels(roots if roots is not None else {os.getpid(): "k1"})
@@ -281,7 +281,7 @@ def test_failing_mid_run_degrades_then_recovers_logging_once_each(fake_nvml, cap
 
 
 def test_no_devices_means_no_gpu_without_touching_nvml(fake_nvml):
-    monitor = Monitor([], Ledger([], build_policy("0.25", "1.0")), FakeNvml(), Kernels({}), build_enforcement("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here")
+    monitor = Monitor([], LocalLedger([], build_policy("0.25", "1.0")), FakeNvml(), Kernels({}), build_enforcement("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here")
     run(monitor.tick())
     assert monitor.latest.state == "no-gpu" and monitor.latest.message == "no GPU: none here"
     assert fake_nvml.calls == 0
@@ -384,7 +384,7 @@ def test_a_dead_kernel_with_no_restarter_gives_its_grant_back_in_one_round(fake_
     monitor, ledger, source = make_monitor(kernels=("k1",))
     run(monitor.tick())
     assert ledger.get("k1") is not None
-    source.dead = {"k1"}  # what ServerKernels.dead_ids says once the process is gone (autorestart off)
+    source.dead = {"k1"}  # what KernelManagerView.dead_ids says once the process is gone (autorestart off)
     run(monitor.tick())
     assert ledger.get("k1") is None
 

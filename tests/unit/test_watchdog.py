@@ -3,7 +3,7 @@
 import pytest
 
 from gpu_quota_ext.policy import GiB, MiB, PolicyError
-from gpu_quota_ext.watchdog import Enforcement, Watch, Watchdog, build_enforcement, decide, parse_slack, worst_device
+from gpu_quota_ext.watchdog import WatchdogSettings, OverLimitEpisode, Watchdog, build_enforcement, decide, parse_slack, worst_device
 
 
 def settings(enforce="kill", slack="1GiB", grace=0, poll=1):
@@ -11,7 +11,7 @@ def settings(enforce="kill", slack="1GiB", grace=0, poll=1):
 
 
 def test_defaults_are_warn_with_a_slack_that_covers_a_cuda_context():
-    default = Enforcement()
+    default = WatchdogSettings()
     assert default.enforce == "warn"
     assert default.limit(4 * GiB) == 5 * GiB
     assert default.limit(4 * GiB) - 4 * GiB > 641_728_512  # docs/measurements.md: one CUDA context, as NVML counts it
@@ -53,19 +53,19 @@ def test_enforce_is_case_insensitive_and_slack_zero_is_allowed():
 
 def test_under_the_limit_nothing_happens_and_the_episode_ends():
     s = settings()
-    watch, action = decide(Watch(over_since=5.0, warned=True), over=False, now=10.0, settings=s)
+    watch, action = decide(OverLimitEpisode(over_since=5.0, warned=True), over=False, now=10.0, settings=s)
     assert action is None and watch.over_since is None and not watch.warned
 
 
 def test_acts_on_the_first_sample_over_with_no_grace():
-    watch, action = decide(Watch(), over=True, now=10.0, settings=settings("interrupt"))
+    watch, action = decide(OverLimitEpisode(), over=True, now=10.0, settings=settings("interrupt"))
     assert action == "interrupt"
     assert watch.quiet_until == 10.0 + settings().cooldown
 
 
 def test_grace_waits_until_the_kernel_has_been_over_that_long():
     s = settings("restart", grace=3)
-    watch, action = decide(Watch(), True, 10.0, s)
+    watch, action = decide(OverLimitEpisode(), True, 10.0, s)
     assert action is None and watch.over_since == 10.0
     watch, action = decide(watch, True, 12.9, s)
     assert action is None
@@ -75,7 +75,7 @@ def test_grace_waits_until_the_kernel_has_been_over_that_long():
 
 def test_dipping_under_restarts_the_grace_period():
     s = settings("kill", grace=2)
-    watch, _ = decide(Watch(), True, 0.0, s)
+    watch, _ = decide(OverLimitEpisode(), True, 0.0, s)
     watch, _ = decide(watch, False, 1.0, s)
     watch, action = decide(watch, True, 2.5, s)
     assert action is None and watch.over_since == 2.5
@@ -83,7 +83,7 @@ def test_dipping_under_restarts_the_grace_period():
 
 def test_warn_once_per_episode():
     s = settings("warn")
-    watch, first = decide(Watch(), True, 0.0, s)
+    watch, first = decide(OverLimitEpisode(), True, 0.0, s)
     watch, second = decide(watch, True, 1.0, s)
     watch, _ = decide(watch, False, 2.0, s)
     watch, third = decide(watch, True, 3.0, s)
@@ -92,7 +92,7 @@ def test_warn_once_per_episode():
 
 def test_strong_actions_repeat_only_after_the_cooldown():
     s = settings("interrupt", poll=1)
-    watch, first = decide(Watch(), True, 0.0, s)
+    watch, first = decide(OverLimitEpisode(), True, 0.0, s)
     watch, again = decide(watch, True, 1.0, s)
     assert first == "interrupt" and again is None
     watch, later = decide(watch, True, s.cooldown, s)
@@ -100,7 +100,7 @@ def test_strong_actions_repeat_only_after_the_cooldown():
 
 
 def test_off_never_acts():
-    assert decide(Watch(), True, 100.0, settings("off"))[1] is None
+    assert decide(OverLimitEpisode(), True, 100.0, settings("off"))[1] is None
 
 
 def test_worst_device_and_ungranted_devices_count_as_cap_zero():
@@ -127,12 +127,12 @@ def test_watchdog_records_actions_per_kernel_and_forgets_gone_kernels():
 def test_usage_not_proven_to_be_the_kernels_gets_a_warning_at_most():
     for enforce in ("interrupt", "restart", "kill"):
         s = settings(enforce)
-        watch, first = decide(Watch(), True, 0.0, s, proven=False)
+        watch, first = decide(OverLimitEpisode(), True, 0.0, s, proven=False)
         watch, second = decide(watch, True, 1.0, s, proven=False)
         assert (first, second) == ("warn", None)  # once per episode, like enforce="warn"
         watch, third = decide(watch, True, 2.0, s, proven=True)  # now its own tree is over too
         assert third == enforce
-    assert decide(Watch(), True, 0.0, settings("off"), proven=False)[1] is None
+    assert decide(OverLimitEpisode(), True, 0.0, settings("off"), proven=False)[1] is None
 
 
 def test_review_acts_on_the_process_tree_and_only_warns_on_the_rest():

@@ -21,7 +21,8 @@ from .hard_cap import HardCapLayer
 from .hard_limit import HardCapSettings, Probe
 from .launch_env import is_python_kernel, launch_env
 from .ledger import Grant, Ledger
-from .policy import Policy, Resolved, default_resolved, format_bytes, resolve, resolve_answer, shown
+from .local_ledger import LocalLedger
+from .policy import Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -50,7 +51,7 @@ def server_user() -> str:
     return os.environ.get("JUPYTERHUB_USER") or fallback
 
 
-class QuotaService:
+class GpuQuotaManager:
     def __init__(
         self,
         policy: Policy,
@@ -62,7 +63,7 @@ class QuotaService:
     ):
         self.policy = policy
         self.devices: Dict[int, Device] = {d.index: d for d in devices}
-        self.ledger = ledger if ledger is not None else Ledger(devices, policy)
+        self.ledger = ledger if ledger is not None else LocalLedger(devices, policy)
         self.user = user or server_user()
         self.no_gpu_reason = no_gpu_reason
         self._api_url = api_url
@@ -138,7 +139,7 @@ class QuotaService:
 
     # --- what policy gives a kernel -------------------------------------------------------------
 
-    async def resolve_caps(self, kernelspec: str) -> Resolved:
+    async def resolve_caps(self, kernelspec: str) -> PolicyDecision:
         """Policy's answer for this server's user and `kernelspec`. A caps callable (the admin's code) runs
         in a thread, never on the event loop; if it fails, hangs or answers nonsense, the kernel gets the
         default policy and the log one warning line."""
@@ -152,7 +153,7 @@ class QuotaService:
                 "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the default policy",
                 shown(self.user), shown(kernelspec), _one_line(error),
             )
-            return default_resolved(policy, "default (caps callable failed)")
+            return default_decision(policy, "default (caps callable failed)")
 
     async def _call_caps(self, kernelspec: str) -> Any:
         # A daemon thread per call, not an executor: a callable that never returns would hold an executor's
