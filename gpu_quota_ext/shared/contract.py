@@ -38,3 +38,28 @@ KERNEL_DEVICE_FIELDS = (
 def kernel_path(kernel_id: str, *parts: str) -> str:
     """kernels/<id>[/parts], under API_PREFIX (the caller quotes the id when it builds a URL)."""
     return "/".join((KERNELS_PATH, kernel_id) + parts)
+
+# --- parking (idle kernels' GPU memory moved to host memory and back) -----------------------------
+# POST kernels/<id>/park: park once the current cell has finished (202, answer: {"park": PARK_FIELDS});
+# POST kernels/<id>/resume: bring it back now (202, same answer). Same authorization as the other
+# kernel routes: the server's user, or the kernel itself with its own secret.
+PARK_SUFFIX = "park"
+RESUME_SUFFIX = "resume"
+# A kernel's park state, in the status answer (each kernel's "park") and in the park/resume answers.
+PARK_STATES = (
+    "busy",  # running a cell (or a widget message): holds its GPU memory, as it should
+    "idle",  # holds GPU memory, runs nothing (for `idle_seconds`)
+    "pending",  # asked to park: parks as soon as its current cell has finished
+    "parking",  # the driver is moving its GPU memory to host memory
+    "parked",  # its GPU memory is on the host (`host_bytes`), its grant kept
+    "resuming",  # the driver is moving it back
+    "waiting",  # a resume waits for device memory others hold (`reason` says what for); it retries
+)
+PARK_FIELDS = (
+    "state",  # one of PARK_STATES
+    "since",  # wall clock (seconds) the state began
+    "idle_seconds",  # seconds since jupyter_server last saw the kernel active, or null
+    "host_bytes",  # bytes the driver holds on the host for it while parked, or null
+    "parkable",  # false: parking cannot work for it (no checkpoint driver, MPS client, another user, no GPU)
+    "reason",  # why not parkable, why it did not park, or what a waiting resume waits for; null if none
+)

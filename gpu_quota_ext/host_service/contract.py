@@ -1,0 +1,42 @@
+"""The wire contract between user servers and the host's quota service (a JupyterHub service).
+
+The service holds the one ledger of the host. A user server's ledger (RemoteLedger) asks it for every
+grant, change, reset and release; the service learns the user from the hub (the token's owner), never
+from the request body. Paths are relative to the service's prefix (JUPYTERHUB_SERVICE_PREFIX, e.g.
+"/services/gpu-quota/"), reached through the hub's proxy or directly at the service's URL.
+
+Authentication: every API call carries `Authorization: token <the user server's JUPYTERHUB_API_TOKEN>`.
+The service asks the hub who owns the token (HubAuth); the owner is the user the grant is for.
+Admins (hub admin, or the ADMIN_SCOPE custom scope) see every user; everyone else sees their own only.
+
+Devices are named by UUID on the wire: a user server and the service may number them differently.
+"""
+
+from __future__ import annotations
+
+SERVICE_NAME = "gpu-quota"  # the default name in c.JupyterHub.services
+API = "api/"
+# POST: {"server": str, "kernel_id": str, "kernelspec": str, "allowed": [uuid, ...] | null}
+#   201 {"grant": GRANT}   403 not yours   409 {"message": str} refused (budget full, on_full="refuse")
+#   A kernel id the same server holds already (a restart) gets its grant back, 200.
+GRANTS_PATH = API + "grants"
+# + "/<kernel id>": GET {"grant": GRANT}; PUT {"cap": ..., "device": uuid | null} or {"reset": true}
+#   -> {"status": "granted" | "clamped" | "refused", "message": str, "grant": GRANT}; DELETE -> 204.
+# POST {"server": str, "kernels": [{"kernel_id": str, "pids": [int, ...]}]}: the server's lease, renewed
+#   every LEASE_RENEW seconds; it lists every kernel the server runs (re-registration after a service
+#   restart). Grants of kernels not listed, and of servers whose lease ran out, are released.
+#   -> {"lease_seconds": int, "released": [kernel id, ...]}
+LEASE_PATH = API + "lease"
+STATUS_PATH = API + "status"  # GET: users, kernels, devices, caps, usage, unmanaged usage, last actions
+METRICS_PATH = "metrics"  # Prometheus, per user and kernel (admin scope)
+ADMIN_PAGE = ""  # the admin's page, behind hub OAuth
+
+LEASE_SECONDS = 60  # a server not heard of for this long has stopped or crashed: its grants go
+LEASE_RENEW = 15  # seconds between a server's lease renewals
+CALL_TIMEOUT = 5.0  # seconds a user server waits for one answer
+START_RETRIES = 3  # a kernel start retries this often (1 s apart) before it is refused: "quota service unreachable"
+
+ADMIN_SCOPE = "custom:gpu-quota:admin"  # sees and acts on every user's kernels
+
+# GRANT on the wire: Grant.to_json() of the service's ledger with each device's "uuid" added;
+# the user server maps uuids to its own device indexes.
