@@ -1,0 +1,1 @@
+"""The host quota service: one ledger for every user of a JupyterHub host (see contract.py)."""
