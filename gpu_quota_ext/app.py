@@ -22,6 +22,10 @@ from .handlers import HANDLERS
 from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
 from .monitor import Monitor, KernelManagerView
+from .checkpoint import CheckpointDriver, CudaCheckpointDriver
+from .park_handlers import PARK_HANDLERS
+from .parker import Parker
+from .parking import build_park_settings
 from .nvml import NvmlBackend, PynvmlBackend
 from .policy import Policy, PolicyError, build_policy
 from .provisioner import SETTINGS_KEY
@@ -232,6 +236,33 @@ class GpuQuota(ExtensionApp):
     def _default_mps_timeout(self):
         return self._from_env("mps_timeout", "5")
 
+    # --- parking (issue 13): idle kernels' GPU memory to host memory and back ---------------------
+    park_idle_after = Unicode(
+        help="""Park a kernel that holds GPU memory and has been idle this long (jupyter_server's own view of
+        its activity): seconds ("1800") or a duration ("30min", "2h"); "off" never parks by itself (the park
+        route and %gpucap park still do). Default: $GPU_QUOTA_PARK_IDLE_AFTER or "off".""",
+    ).tag(config=True, env="GPU_QUOTA_PARK_IDLE_AFTER")
+
+    @default("park_idle_after")
+    def _default_park_idle_after(self):
+        return self._from_env("park_idle_after", "off")
+
+    park_host_margin = Unicode(
+        help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
+        goes to its own host memory; the server's memory cgroup counts too). Default: $GPU_QUOTA_PARK_HOST_MARGIN or "2GiB".""",
+    ).tag(config=True, env="GPU_QUOTA_PARK_HOST_MARGIN")
+
+    @default("park_host_margin")
+    def _default_park_host_margin(self):
+        return self._from_env("park_host_margin", "2GiB")
+
+    checkpoint_class = Type(
+        default_value=CudaCheckpointDriver,
+        klass=CheckpointDriver,
+        help="""What parks kernels: the CUDA driver's checkpoint API through ctypes (default), or
+        gpu_quota_ext.fake_checkpoint.FakeCheckpoint (tests, with the fake NVML).""",
+    ).tag(config=True)
+
     def _link_jupyter_server_extension(self, serverapp):
         try:
             super()._link_jupyter_server_extension(serverapp)
@@ -308,6 +339,8 @@ class GpuQuota(ExtensionApp):
             no_gpu_reason=inventory.problem,
             release=service.release,
         )
+        service.parker = self._parker(service)
+        service.monitor.sample_hooks.append(service.parker.on_sample)
         self.settings[SETTINGS_KEY] = service
         try:
             asyncio.get_running_loop()
@@ -316,6 +349,7 @@ class GpuQuota(ExtensionApp):
         else:
             # Embedders that initialize on a running loop (pytest-jupyter) never call that hook.
             service.monitor.start()
+            service.parker.start()
         # Every kernelspec without a provisioner stanza of its own now starts through our hook.
         KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
         self.log.info(
@@ -332,16 +366,26 @@ class GpuQuota(ExtensionApp):
         service = self.settings.get(SETTINGS_KEY)
         if service is not None and service.monitor is not None:
             service.monitor.start()
+            service.parker.start()
 
     async def stop_extension(self):
         service = self.settings.get(SETTINGS_KEY)
         if service is not None and service.monitor is not None:
             await service.monitor.stop()
+        if service is not None and service.parker is not None:
+            await service.parker.stop()
         if service is not None:
             await service.hard_cap.stop(self.serverapp.kernel_manager)
 
     def initialize_handlers(self):
-        self.handlers.extend(HANDLERS)
+        self.handlers.extend(HANDLERS + PARK_HANDLERS)
+
+    def _parker(self, service) -> Parker:
+        try:
+            settings = build_park_settings(self.park_idle_after, self.park_host_margin)
+        except PolicyError as error:
+            self._stop_server(self._name_the_environment(str(error)))
+        return Parker(settings, self.checkpoint_class(), self.serverapp.kernel_manager, service.ledger, service.hard_cap)
 
     def _log_through_the_server(self) -> None:
         # The package's module loggers ("gpu_quota_ext", "gpu_quota_ext.*") write through the server's

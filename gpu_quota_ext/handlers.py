@@ -117,6 +117,7 @@ class GpuQuotaHandler(APIHandler):
             device.update(kernel_device_usage(monitor, grant.kernel_id, device["index"]))
         data["last_action"] = monitor.last_action(grant.kernel_id) if monitor else None
         data["layers"] = self.service.hard_cap.kernel_json(grant)
+        data["park"] = self.service.parker.kernel_json(grant.kernel_id) if getattr(self.service, "parker", None) else None
         return data
 
     def read_json_body(self) -> Any:

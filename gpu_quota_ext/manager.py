@@ -75,6 +75,7 @@ class GpuQuotaManager:
         self._caps_slots = threading.BoundedSemaphore(CAPS_CALLABLE_THREADS)
         # Usage lives in the monitor (set by the app once the server's kernel manager exists); caps in the ledger.
         self.monitor = None
+        self.parker = None  # parking (parker.py), set by the app like the monitor
         # The hard limit (MPS): off until the app starts it from c.GpuQuota.hard_cap.
         self.hard_cap = HardCapLayer(HardCapSettings())
 

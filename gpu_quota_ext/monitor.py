@@ -325,6 +325,7 @@ class Monitor:
         self._watched: Set[str] = set()  # kernels whose "dead" event we listen to
         self._task: Optional[asyncio.Task] = None
         self._actions: Set[asyncio.Task] = set()
+        self.sample_hooks: List[Callable[[Sample], None]] = []  # called on the loop after each sample (the parker's)
 
     # --- lifecycle (event loop) -------------------------------------------------------------------
 
@@ -414,6 +415,8 @@ class Monitor:
         grants = {g.kernel_id: g for g in self.ledger.grants()}
         known = set(self.kernels.kernel_ids()) | set(grants)
         self._forget_gone(known)
+        for hook in self.sample_hooks:
+            hook(sample)
         if sample.state in ("ok", "degraded"):
             caps = {kid: dict(g.caps) for kid, g in grants.items()}
             for record in self.watchdog.review(sample.kernels, caps, in_tree=sample.in_tree):

@@ -110,8 +110,17 @@ class GpuQuotaProvisioner(LocalProvisioner):
             self._give_back(self._service())
             raise
 
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        await super().shutdown_requested(restart=restart)
+        parker = getattr(self._service(), "parker", None)
+        if parker is not None and parker.holds_gpu_state(self.kernel_id):
+            # A parked process cannot run its CUDA exit handlers: its state is being thrown away anyway.
+            await self.kill(restart=restart)
+
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
+        if getattr(self._service(), "parker", None) is not None:
+            self._service().parker.forget(self.kernel_id)  # its processes are gone: so is their parking
         if not restart:
             self._release(self._service())
 

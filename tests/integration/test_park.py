@@ -1,0 +1,401 @@
+"""Parking on a real server with real kernels, the driver faked (gpu_quota_ext.fake_checkpoint, tied to the
+fake NVML: a parked process shows 0 B). What a user and an admin see: the idle timer parks, a cell
+resumes, the routes answer, a resume that finds no device memory waits, refusals say why, restart /
+shutdown / interrupt of a parked kernel work and leave nothing behind, a hung driver call hangs nothing."""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+
+import psutil
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.fake_nvml import FakeNvml
+from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_FIELDS
+
+from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
+from .kernels import execute, restart_kernel, shutdown_kernel, start_child_process, start_kernel
+
+FAKE_DRIVER = "gpu_quota_ext.fake_checkpoint.FakeCheckpoint"
+WAIT = 30.0  # seconds a state may take to come on a busy 2-core machine (a deadline, not a threshold)
+
+
+@pytest.fixture
+def park():
+    """GpuQuota settings of the test's server; a test overrides it with @pytest.mark.parametrize("park", ...)."""
+    return {"checkpoint_class": FAKE_DRIVER}
+
+
+@pytest.fixture
+def jp_server_config(park):
+    return fake_gpu_config("warn", **park)
+
+
+@pytest.fixture
+def fake_driver(fake_nvml):
+    FakeCheckpoint.reset()
+    yield FakeCheckpoint
+    FakeCheckpoint.reset()
+
+
+def parker_of(serverapp):
+    return service_of(serverapp).parker
+
+
+async def park_state(jp_fetch, kernel_id) -> dict:
+    return kernel_entry(await status(jp_fetch), kernel_id)["park"]
+
+
+async def wait_state(jp_fetch, kernel_id, *states, timeout=WAIT) -> dict:
+    async def check():
+        park = await park_state(jp_fetch, kernel_id)
+        return park if park["state"] in states else None
+
+    return await wait_for(check, timeout=timeout)
+
+
+async def holding_gpu(serverapp, kernel_id, nbytes=2 * GiB, pid=None) -> int:
+    """The kernel's process 'uses' nbytes on its device (fake NVML) and the parker has seen it."""
+    pid = pid or await kernel_pid(serverapp, kernel_id)
+    device = service_of(serverapp).ledger.get(kernel_id).devices[0]
+    FakeNvml.set_usage(pid, f"static-{device}", nbytes)
+    parker = parker_of(serverapp)
+    await wait_for(lambda: pid in parker.pids.get(kernel_id, ()) and parker.driver_problem is None, timeout=WAIT)
+    return pid
+
+
+async def post(jp_fetch, kernel_id, action, body="{}", headers=None):
+    response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, action, method="POST", body=body, headers=headers or {})
+    return response.code, json.loads(response.body)
+
+
+async def post_error(jp_fetch, kernel_id, action, body="{}", headers=None):
+    with pytest.raises(HTTPClientError) as error:
+        await post(jp_fetch, kernel_id, action, body, headers)
+    return error.value.code, json.loads(error.value.response.body)
+
+
+def calls(name):
+    return [pid for call, pid in FakeCheckpoint.calls if call == name]
+
+
+# --- on demand ----------------------------------------------------------------------------------------
+
+
+async def test_park_route_moves_the_memory_to_the_host_and_resume_brings_it_back(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    before = await park_state(jp_fetch, kernel_id)
+    assert set(before) == set(PARK_FIELDS) and before["state"] == "idle" and before["parkable"] is True
+
+    code, answer = await post(jp_fetch, kernel_id, "park")
+    assert code == 202 and answer["park"]["state"] in ("parking", "parked")
+    parked = await wait_state(jp_fetch, kernel_id, "parked")
+    assert parked["host_bytes"] == 2 * GiB and parked["parkable"] is True
+    assert pid not in FakeNvml.usage  # NVML: 0 B for the parked process
+    assert FakeCheckpoint.parked_pids() == {pid: {f"static-{grant.devices[0]}": 2 * GiB}}
+    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == grant.caps  # the grant is kept
+
+    code, answer = await post(jp_fetch, kernel_id, "park")  # again: nothing more to do
+    assert code == 202 and answer["park"]["state"] == "parked"
+
+    code, answer = await post(jp_fetch, kernel_id, "resume", body="")
+    assert code == 202
+    back = await wait_state(jp_fetch, kernel_id, "idle")
+    assert back["host_bytes"] is None
+    assert FakeNvml.usage[pid] and FakeCheckpoint.parked_pids() == {}
+    assert calls("cuCheckpointProcessUnlock") == [pid]  # locked through the park, unlocked once restored
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip() == "42"
+
+
+async def test_every_cuda_process_of_the_kernel_parks_and_resumes_together(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    child = await start_child_process(jp_serverapp, kernel_id)
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    await holding_gpu(jp_serverapp, kernel_id, GiB, pid=child)
+    await post(jp_fetch, kernel_id, "park")
+    parked = await wait_state(jp_fetch, kernel_id, "parked")
+    assert parked["host_bytes"] == 3 * GiB
+    assert set(FakeCheckpoint.parked_pids()) == {pid, child}
+    # All locked before any is checkpointed.
+    order = [call for call, _ in FakeCheckpoint.calls]
+    assert order[:4] == ["cuCheckpointProcessLock"] * 2 + ["cuCheckpointProcessCheckpoint"] * 2
+    await post(jp_fetch, kernel_id, "resume")
+    await wait_state(jp_fetch, kernel_id, "idle")
+    assert set(FakeNvml.usage) >= {pid, child}
+
+
+async def test_a_cell_sent_to_a_parked_kernel_resumes_it_and_runs(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    await post(jp_fetch, kernel_id, "park")
+    await wait_state(jp_fetch, kernel_id, "parked")
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip() == "42"
+    await wait_state(jp_fetch, kernel_id, "idle", "busy")
+    assert calls("cuCheckpointProcessRestore") == [pid]
+    assert pid in FakeNvml.usage
+
+
+async def test_park_while_a_cell_runs_waits_for_the_cell_to_finish(jp_fetch, jp_serverapp, fake_driver, tmp_path):
+    kernel_id = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, kernel_id)
+    go = tmp_path / "go"
+    cell = asyncio.ensure_future(
+        execute(jp_serverapp, kernel_id, f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint('done')")
+    )
+    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    await wait_for(lambda: km.execution_state == "busy", timeout=WAIT)
+    code, answer = await post(jp_fetch, kernel_id, "park")
+    assert code == 202 and answer["park"]["state"] == "pending"
+    assert calls("cuCheckpointProcessLock") == []  # nothing parks under a running cell
+    go.write_text("")
+    assert (await cell).strip() == "done"
+    await wait_state(jp_fetch, kernel_id, "parked")
+
+
+async def test_resume_calls_off_a_pending_park(jp_fetch, jp_serverapp, fake_driver, tmp_path):
+    kernel_id = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, kernel_id)
+    go = tmp_path / "go"
+    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)"))
+    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    await wait_for(lambda: km.execution_state == "busy", timeout=WAIT)
+    assert (await post(jp_fetch, kernel_id, "park"))[1]["park"]["state"] == "pending"
+    assert (await post(jp_fetch, kernel_id, "resume"))[1]["park"]["state"] == "busy"
+    go.write_text("")
+    await cell
+    await wait_for(lambda: km.execution_state == "idle", timeout=WAIT)
+    await next_samples(jp_serverapp, 2)
+    assert (await park_state(jp_fetch, kernel_id))["state"] == "idle"
+    assert FakeCheckpoint.calls == []
+
+
+# --- the routes' authorization and bodies ------------------------------------------------------------
+
+
+async def test_a_kernel_may_park_itself_with_its_secret_but_not_another(jp_fetch, jp_serverapp, fake_driver):
+    mine, other = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, mine)
+    service = service_of(jp_serverapp)
+    code, answer = await post(jp_fetch, mine, "park", headers={KERNEL_TOKEN_HEADER: service.token_for(mine)})
+    assert code == 202
+    await wait_state(jp_fetch, mine, "parked")
+    for action in ("park", "resume"):
+        code, error = await post_error(jp_fetch, mine, action, headers={KERNEL_TOKEN_HEADER: service.token_for(other)})
+        assert code == 403 and "does not belong" in error["message"]
+    assert (await park_state(jp_fetch, mine))["state"] == "parked"  # nothing changed
+
+
+@pytest.mark.parametrize("body", ['{"now": true}', "[]", '"park"', "not json", "1"])
+async def test_bad_bodies_are_refused_and_change_nothing(jp_fetch, jp_serverapp, fake_driver, body):
+    kernel_id = await start_kernel(jp_fetch)
+    code, error = await post_error(jp_fetch, kernel_id, "park", body=body)
+    assert code == 400 and error["message"]
+    assert FakeCheckpoint.calls == [] and parker_of(jp_serverapp).records == {}
+
+
+async def test_unknown_kernel_is_404(jp_fetch, fake_driver):
+    for action in ("park", "resume"):
+        code, error = await post_error(jp_fetch, "no-such-kernel", action)
+        assert code == 404 and "no-such-kernel" in error["message"]
+
+
+# --- refusals, with reasons ---------------------------------------------------------------------------
+
+
+async def test_a_kernel_without_gpu_memory_is_refused_with_the_reason(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    await next_samples(jp_serverapp, 2)
+    park = await park_state(jp_fetch, kernel_id)
+    assert park["parkable"] is False and park["reason"] == "this kernel holds no GPU memory"
+    code, answer = await post_error(jp_fetch, kernel_id, "park")
+    assert code == 409 and answer["message"] == "this kernel holds no GPU memory" and answer["park"]["state"] == "idle"
+    assert FakeCheckpoint.calls == []
+
+
+async def test_an_mps_client_the_driver_refuses_with_801_stays_running_with_the_reason(jp_fetch, jp_serverapp, fake_driver, caplog):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    FakeCheckpoint.refuse(801)
+    caplog.set_level(logging.INFO, "gpu_quota_ext")
+    await post(jp_fetch, kernel_id, "park")
+
+    async def refused():
+        park = await park_state(jp_fetch, kernel_id)
+        return park if park["state"] == "idle" and park["reason"] else None
+
+    park = await wait_for(refused, timeout=WAIT)
+    assert "MPS" in park["reason"] and "CUDA_ERROR_NOT_SUPPORTED" in park["reason"]
+    assert pid in FakeNvml.usage  # still on the GPU, untouched
+    assert (await execute(jp_serverapp, kernel_id, "print(6 * 7)")).strip() == "42"
+
+
+async def test_another_users_process_is_refused_and_the_kernel_keeps_running(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    FakeCheckpoint.foreign.add(pid)
+    await post(jp_fetch, kernel_id, "park")
+
+    async def refused():
+        park = await park_state(jp_fetch, kernel_id)
+        return park if park["reason"] and "another Unix user" in park["reason"] else None
+
+    park = await wait_for(refused, timeout=WAIT)
+    assert park["state"] == "idle"
+    assert all(call == "cuCheckpointProcessLock" for call, _ in FakeCheckpoint.calls)
+
+
+@pytest.mark.parametrize("park", [{"checkpoint_class": FAKE_DRIVER, "park_host_margin": "60TiB"}])
+async def test_the_host_guard_refuses_when_host_memory_cannot_hold_it(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, kernel_id)
+    code, answer = await post_error(jp_fetch, kernel_id, "park")
+    assert code == 409
+    assert answer["message"].startswith("did not park: the host has") and "margin of 60.0 TiB" not in answer["message"]
+    assert answer["park"]["state"] == "idle"
+    assert FakeCheckpoint.calls == []
+
+
+@pytest.mark.parametrize("park", [{}])  # the real driver: this machine has no CUDA driver
+async def test_no_checkpoint_driver_is_said_and_nothing_raises(jp_fetch, jp_serverapp, fake_nvml):
+    kernel_id = await start_kernel(jp_fetch)
+    await parker_of(jp_serverapp).ready()
+    park = await park_state(jp_fetch, kernel_id)
+    assert park["parkable"] is False and park["reason"].startswith("no checkpoint driver: ")
+    code, answer = await post_error(jp_fetch, kernel_id, "park")
+    assert code == 409 and answer["message"].startswith("no checkpoint driver: ")
+
+
+# --- resume waits for device memory --------------------------------------------------------------------
+
+
+async def test_a_resume_without_device_memory_waits_and_retries_with_the_grant_kept(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
+    await post(jp_fetch, kernel_id, "park")
+    await wait_state(jp_fetch, kernel_id, "parked")
+    FakeCheckpoint.fail_restores(2)
+    await post(jp_fetch, kernel_id, "resume")
+    waiting = await wait_state(jp_fetch, kernel_id, "waiting")
+    assert "waiting for device memory" in waiting["reason"] and "2.0 GiB on GPU" in waiting["reason"]
+    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps
+    assert pid in FakeCheckpoint.parked_pids()  # nothing lost
+    await wait_state(jp_fetch, kernel_id, "idle")  # the retries found the memory
+    assert calls("cuCheckpointProcessRestore") == [pid, pid, pid]
+    assert pid in FakeNvml.usage
+    assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
+
+
+# --- the idle timer ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("park", [{"checkpoint_class": FAKE_DRIVER, "park_idle_after": "1s"}])
+async def test_the_idle_timer_parks_an_idle_kernel_and_its_next_cell_brings_it_back(jp_fetch, jp_serverapp, fake_driver, caplog):
+    caplog.set_level(logging.INFO, "gpu_quota_ext")
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    parked = await wait_state(jp_fetch, kernel_id, "parked")
+    assert parked["idle_seconds"] >= 1
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip() == "42"
+    await wait_for(lambda: calls("cuCheckpointProcessRestore") == [pid], timeout=WAIT)
+    lines = [r.getMessage() for r in caplog.records if f"kernel {kernel_id} park state" in r.getMessage()]
+    assert lines[:3] == [
+        f"gpu-quota-ext: kernel {kernel_id} park state idle -> parking: idle for 1 s",
+        f"gpu-quota-ext: kernel {kernel_id} park state parking -> parked: 2.0 GiB of GPU memory moved to host memory (processes {pid})",
+        f"gpu-quota-ext: kernel {kernel_id} park state parked -> resuming",
+    ]
+
+
+# --- interrupt, restart, shutdown of a parked kernel ------------------------------------------------------
+
+
+async def parked_kernel(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    await post(jp_fetch, kernel_id, "park")
+    await wait_state(jp_fetch, kernel_id, "parked")
+    return kernel_id, pid
+
+
+async def test_shutdown_of_a_parked_kernel_leaves_nothing_behind(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id, pid = await parked_kernel(jp_fetch, jp_serverapp)
+    await shutdown_kernel(jp_fetch, kernel_id)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert FakeCheckpoint.parked_pids() == {}
+    parker = parker_of(jp_serverapp)
+    assert kernel_id not in parker.records and kernel_id not in parker._streams
+    assert service_of(jp_serverapp).ledger.get(kernel_id) is None
+
+
+async def test_restart_of_a_parked_kernel_starts_it_fresh_with_its_grant(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id, pid = await parked_kernel(jp_fetch, jp_serverapp)
+    caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
+    await restart_kernel(jp_fetch, kernel_id)
+    new_pid = await kernel_pid(jp_serverapp, kernel_id)
+    assert new_pid != pid
+    assert FakeCheckpoint.parked_pids() == {}
+    assert kernel_id not in parker_of(jp_serverapp).records
+    park = await park_state(jp_fetch, kernel_id)
+    assert park["state"] in ("idle", "busy") and park["host_bytes"] is None
+    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps
+    assert "41" not in await execute(jp_serverapp, kernel_id, "print(globals().get('x'))")
+
+
+async def test_interrupt_of_a_parked_kernel_keeps_it_parked_and_usable(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id, pid = await parked_kernel(jp_fetch, jp_serverapp)
+    await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="{}")
+    await next_samples(jp_serverapp, 2)
+    assert (await park_state(jp_fetch, kernel_id))["state"] == "parked"
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip() == "42"
+    await wait_for(lambda: calls("cuCheckpointProcessRestore") == [pid], timeout=WAIT)
+
+
+# --- a driver call that does not return ---------------------------------------------------------------------
+
+
+async def test_a_hung_driver_call_hangs_nothing_and_the_state_says_so(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await holding_gpu(jp_serverapp, kernel_id)
+    parker = parker_of(jp_serverapp)
+    parker.settings = dataclasses.replace(parker.settings, call_timeout=0.2)
+    release = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")
+    code, answer = await post(jp_fetch, kernel_id, "park")
+    assert code == 202 and answer["park"]["state"] == "parking"
+
+    async def says_so():
+        park = await park_state(jp_fetch, kernel_id)
+        return park if park["reason"] and "has not returned" in park["reason"] else None
+
+    park = await wait_for(says_so, timeout=WAIT)
+    assert park["state"] == "parking" and park["parkable"] is False
+    other = await start_kernel(jp_fetch)  # the server goes on
+    assert (await execute(jp_serverapp, other, "print(1)")).strip() == "1"
+    await shutdown_kernel(jp_fetch, kernel_id)  # and a kernel caught in the call can still go
+    assert kernel_id not in parker.records
+    release.set()
+    await wait_for(lambda: not parker._ops, timeout=WAIT)
+    assert kernel_id not in parker.records  # the late answer did not bring it back
+    assert FakeCheckpoint.parked_pids() == {}
+
+
+# --- what an admin sees --------------------------------------------------------------------------------------
+
+
+async def test_prometheus_shows_each_kernels_park_state_and_host_bytes(jp_fetch, jp_serverapp, fake_driver):
+    kernel_id, pid = await parked_kernel(jp_fetch, jp_serverapp)
+    text = (await jp_fetch("metrics")).body.decode()
+    assert re.search(r'gpu_quota_kernel_park_state\{kernel_id="%s",state="parked"\} 1\.0' % kernel_id, text)
+    assert re.search(r'gpu_quota_kernel_park_state\{kernel_id="%s",state="idle"\} 0\.0' % kernel_id, text)
+    host = re.search(r'gpu_quota_kernel_parked_host_bytes\{kernel_id="%s"\} (\S+)' % kernel_id, text)
+    assert host and float(host.group(1)) == 2 * GiB

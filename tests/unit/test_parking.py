@@ -1,0 +1,247 @@
+"""Parking's decisions without a server: durations, settings, the host guard, the idle timer, retries,
+refusals, and the driver sequences (park all processes or none, resume all) against the fake driver."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu_quota_ext.checkpoint import (
+    CHECKPOINTED,
+    CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    RUNNING,
+    CheckpointError,
+    CheckpointUnavailable,
+    CudaCheckpointDriver,
+)
+from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.fake_nvml import FakeNvml
+from gpu_quota_ext.parker import park_processes, resume_processes
+from gpu_quota_ext.parking import (
+    MPS_REASON,
+    ParkRecord,
+    ParkSettings,
+    build_park_settings,
+    due_for_park,
+    host_guard,
+    idle_seconds,
+    moved,
+    not_parkable,
+    park_json,
+    retry_delay,
+    waiting_reason,
+)
+from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
+from gpu_quota_ext.shared.durations import parse_duration
+from gpu_quota_ext.shared.sizes import GiB, PolicyError
+
+
+# --- durations and settings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("30min", 1800), ("90s", 90), ("1.5h", 5400), ("2d", 172800), (300, 300), ("300", 300), (" 45 MIN ", 2700), (0.5, 0.5)],
+)
+def test_durations_in_seconds_or_with_a_unit(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("off", [None, "", "off", "OFF", "never", "0", 0])
+def test_off_is_none(off):
+    assert parse_duration(off) is None
+
+
+@pytest.mark.parametrize("bad", ["soon", "-5", "5 parsecs", "1e999", float("nan"), float("inf"), True, [], "400d", -1, "min"])
+def test_bad_durations_say_what_is_accepted(bad):
+    with pytest.raises(PolicyError, match="duration"):
+        parse_duration(bad)
+
+
+@given(st.one_of(st.text(max_size=20), st.integers(), st.floats(), st.none(), st.booleans()))
+def test_parse_duration_answers_seconds_none_or_policy_error(value):
+    try:
+        seconds = parse_duration(value)
+    except PolicyError:
+        return
+    assert seconds is None or 0 < seconds <= 366 * 86400
+
+
+def test_park_settings_default_off_and_name_the_bad_setting():
+    assert build_park_settings("off", "2GiB") == ParkSettings(idle_after=None, host_margin=2 * GiB)
+    assert build_park_settings("30min", "0").idle_after == 1800
+    with pytest.raises(PolicyError, match=r"c.GpuQuota.park_idle_after = 'soon'"):
+        build_park_settings("soon", "2GiB")
+    with pytest.raises(PolicyError, match=r"c.GpuQuota.park_host_margin = '0.5'"):
+        build_park_settings("off", "0.5")  # a fraction of what? a margin is a size
+
+
+# --- the host guard ------------------------------------------------------------------------------------
+
+
+def test_host_guard_needs_the_gpu_bytes_plus_the_margin_on_the_host_and_in_the_cgroup():
+    assert host_guard(10 * GiB, 13 * GiB, None, 2 * GiB) is None
+    assert "host has 11.0 GiB" in host_guard(10 * GiB, 11 * GiB, None, 2 * GiB)
+    assert "cgroup has room for 4.0 GiB" in host_guard(10 * GiB, 100 * GiB, 4 * GiB, 2 * GiB)
+    assert host_guard(10 * GiB, None, None, 2 * GiB) is None  # unknown: the driver answers for itself
+
+
+@given(st.integers(0, 1 << 45), st.integers(0, 1 << 45), st.one_of(st.none(), st.integers(0, 1 << 45)), st.integers(0, 1 << 35))
+def test_host_guard_parks_exactly_when_both_can_hold_it(gpu, available, room, margin):
+    refused = host_guard(gpu, available, room, margin) is not None
+    assert refused == (available < gpu + margin or (room is not None and room < gpu + margin))
+
+
+# --- the idle timer, refusals, retries -------------------------------------------------------------------
+
+
+def test_the_idle_timer_parks_only_idle_kernels_past_the_setting_and_never_when_off():
+    on = ParkSettings(idle_after=60)
+    assert due_for_park(on, "idle", 60)
+    assert not due_for_park(on, "idle", 59.9)
+    assert not due_for_park(on, "busy", 1000)
+    assert not due_for_park(on, "idle", None)
+    assert not due_for_park(ParkSettings(idle_after=None), "idle", 1e9)
+
+
+def test_idle_seconds_from_jupyter_servers_last_activity():
+    assert idle_seconds("idle", 100.0, 160.0) == 60.0
+    assert idle_seconds("busy", 100.0, 160.0) is None
+    assert idle_seconds("idle", None, 160.0) is None
+    assert idle_seconds("idle", 200.0, 160.0) == 0.0  # a clock step back is not negative idleness
+
+
+def test_not_parkable_gives_the_most_basic_reason_first():
+    assert not_parkable("libcuda.so.1 missing", True, False, 0, ()).startswith("no checkpoint driver: libcuda")
+    assert not_parkable(None, True, True, GiB, (5,)) == MPS_REASON
+    assert not_parkable(None, False, False, 0, ()) == "this kernel has no GPU"
+    assert "another Unix user" in not_parkable(None, False, True, GiB, (5, 6), foreign=(6,))
+    assert not_parkable(None, False, True, 0, (5,)) == "this kernel holds no GPU memory"
+    assert not_parkable(None, False, True, GiB, ()) == "this kernel holds no GPU memory"
+    assert not_parkable(None, False, True, GiB, (5,)) is None
+
+
+@given(st.integers(1, 10_000))
+def test_retries_back_off_doubling_and_never_past_the_most(attempt):
+    delay = retry_delay(attempt)
+    assert 1.0 <= delay <= 30.0
+    assert retry_delay(attempt + 1) >= delay
+
+
+def test_a_waiting_resume_says_what_it_waits_for():
+    reason = waiting_reason({0: 2 * GiB}, 3, 4.0)
+    assert "2.0 GiB on GPU 0" in reason and "retry 3 in 4 s" in reason and "grant is kept" in reason
+
+
+@given(st.lists(st.sampled_from(PARK_STATES), max_size=20), st.floats(0, 1e9))
+def test_a_record_moves_through_contract_states_and_since_changes_only_with_the_state(states, start):
+    record = ParkRecord(state="idle", since=start)
+    now = start
+    for state in states:
+        now += 1
+        before = record
+        record = moved(record, state, now)
+        assert record.state in PARK_STATES
+        assert record.since == (before.since if state == before.state else now)
+
+
+def test_the_park_object_has_the_contracts_fields():
+    assert tuple(park_json("parked", 1.0, 5.0, GiB, True, None)) == PARK_FIELDS
+
+
+# --- the driver sequences, against the fake --------------------------------------------------------------
+
+
+@pytest.fixture
+def fake():
+    FakeNvml.reset()
+    FakeCheckpoint.reset()
+    yield FakeCheckpoint()
+    FakeCheckpoint.reset()
+    FakeNvml.reset()
+
+
+@pytest.fixture
+def children():
+    started = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    yield tuple(p.pid for p in started)
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+def test_every_process_parks_to_0_bytes_and_comes_back(fake, children):
+    for pid in children:
+        FakeNvml.set_usage(pid, "GPU-0", GiB)
+    park_processes(fake, children, 1000)
+    assert FakeNvml.usage == {}
+    assert all(fake.state(pid) == CHECKPOINTED for pid in children)
+    assert FakeCheckpoint.parked_pids() == {pid: {"GPU-0": GiB} for pid in children}
+    resume_processes(fake, children)
+    assert FakeNvml.usage == {pid: {"GPU-0": GiB} for pid in children}
+    assert all(fake.state(pid) == RUNNING for pid in children)
+
+
+def test_a_refused_process_leaves_every_process_of_the_kernel_running(fake, children):
+    FakeCheckpoint.foreign.add(children[1])
+    for pid in children:
+        FakeNvml.set_usage(pid, "GPU-0", GiB)
+    with pytest.raises(CheckpointError) as refused:
+        park_processes(fake, children, 1000)
+    assert refused.value.code == 800
+    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert set(FakeNvml.usage) == set(children)
+
+
+def test_an_mps_client_is_refused_with_the_drivers_801(fake, children):
+    FakeCheckpoint.refuse(CUDA_ERROR_NOT_SUPPORTED)
+    with pytest.raises(CheckpointError) as refused:
+        park_processes(fake, children, 1000)
+    assert refused.value.code == 801 and "CUDA_ERROR_NOT_SUPPORTED" in str(refused.value)
+
+
+def test_a_resume_out_of_memory_keeps_the_rest_parked_and_the_next_attempt_finishes(fake, children):
+    for pid in children:
+        FakeNvml.set_usage(pid, "GPU-0", GiB)
+    park_processes(fake, children, 1000)
+    FakeCheckpoint.fail_restores(1)
+    with pytest.raises(CheckpointError) as failed:
+        resume_processes(fake, children)
+    assert failed.value.code == CUDA_ERROR_OUT_OF_MEMORY
+    assert fake.state(children[0]) == CHECKPOINTED  # nothing was unlocked while one is still parked
+    resume_processes(fake, children)
+    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert set(FakeNvml.usage) == set(children)
+
+
+def test_a_process_that_exited_while_parked_is_skipped_on_resume_and_its_host_state_is_gone(fake):
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    FakeNvml.set_usage(process.pid, "GPU-0", GiB)
+    park_processes(fake, (process.pid,), 1000)
+    process.kill()
+    process.wait()
+    resume_processes(fake, (process.pid,))
+    assert FakeCheckpoint.parked_pids() == {}
+
+
+def test_the_real_driver_says_plainly_when_there_is_none():
+    driver = CudaCheckpointDriver(library="libcuda-that-is-not-here.so.1")
+    with pytest.raises(CheckpointUnavailable, match="no CUDA driver here"):
+        driver.open()
+    with pytest.raises(CheckpointError, match="CUDA_ERROR_NOT_INITIALIZED"):
+        driver.lock(os.getpid(), 0)
+
+
+def test_a_driver_without_the_checkpoint_calls_is_named(tmp_path):
+    # Any shared library without the cu* symbols stands for a driver older than the checkpoint API.
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m")
+    if libm is None:
+        pytest.skip("no libm to stand for an old driver")
+    with pytest.raises(CheckpointUnavailable, match="has no checkpoint API .*cuCheckpointProcessLock"):
+        CudaCheckpointDriver(library=libm).open()
