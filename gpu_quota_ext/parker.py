@@ -116,6 +116,21 @@ def _read(path: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def foreign_processes(pids: Tuple[int, ...], own_uid: int) -> Tuple[int, ...]:
+    """The processes among `pids` that belong to another Unix user than `own_uid` (none for root, which
+    may checkpoint anyone's process)."""
+    if own_uid == 0:
+        return ()
+    foreign = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).uids().real != own_uid:
+                foreign.append(pid)
+        except psutil.Error:
+            continue  # gone, or unreadable: the driver answers for it
+    return tuple(foreign)
+
+
 def _in_thread(name: str, fn: Callable, *args: Any) -> "asyncio.Future":
     """Run `fn` in a daemon thread of its own; its result as a future of the running loop. Not an
     executor: a driver call that never returns would hold an executor's worker, and the interpreter
@@ -303,16 +318,7 @@ class Parker:
         )
 
     def _foreign(self, pids: Tuple[int, ...]) -> Tuple[int, ...]:
-        if self.own_uid == 0:
-            return ()  # root may checkpoint anyone's process
-        foreign = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).uids().real != self.own_uid:
-                    foreign.append(pid)
-            except psutil.Error:
-                continue  # gone, or unreadable: the driver answers for it
-        return tuple(foreign)
+        return foreign_processes(pids, self.own_uid)
 
     def families(self) -> list:
         if GaugeMetricFamily is None:

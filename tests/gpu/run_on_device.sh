@@ -22,6 +22,7 @@ timeout 480 python3 -m pytest tests/gpu tests/integration/test_examples.py -m gp
 if [ -z "${GPU_QUOTA_SKIP_BENCH:-}" ]; then
   timeout 200 python3 benchmarks/kernel_start_bench.py --nvml --rounds 15 --out "$OUT/kernel_start_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
   timeout 300 python3 benchmarks/mps_bench.py --rounds 8 --save --out "$OUT/mps_bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  timeout 400 python3 benchmarks/park_bench.py --sizes 2,20 --rounds 3 --save --out "$OUT/park_bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
   if [ -f benchmarks/monitor_bench.py ]; then
     timeout 120 python3 benchmarks/monitor_bench.py --real --out "$OUT/monitor_real_nvml.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
   fi

@@ -245,3 +245,12 @@ def test_a_driver_without_the_checkpoint_calls_is_named(tmp_path):
         pytest.skip("no libm to stand for an old driver")
     with pytest.raises(CheckpointUnavailable, match="has no checkpoint API .*cuCheckpointProcessLock"):
         CudaCheckpointDriver(library=libm).open()
+
+
+def test_another_users_process_is_found_before_the_driver_is_asked(children):
+    from gpu_quota_ext.parker import foreign_processes
+
+    me = os.geteuid()
+    assert foreign_processes(children, me + 1) == children  # as seen by a server of another uid
+    assert foreign_processes(children, me) == () or me == 0
+    assert foreign_processes(children, 0) == ()  # root may park anyone's
