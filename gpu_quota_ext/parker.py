@@ -439,9 +439,16 @@ class Parker:
 
     def on_sample(self, sample: Any) -> None:
         """After each monitor sample (event loop): its usage and PIDs, then the idle timer, pending parks,
-        and parked kernels that turned busy without our stream seeing it."""
+        and parked kernels that turned busy without our stream seeing it. Never raises: the monitor's
+        watchdog runs after it on the same sample."""
         if self._stopped:
             return
+        try:
+            self._review(sample)
+        except Exception as error:
+            log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
+
+    def _review(self, sample: Any) -> None:
         if getattr(sample, "state", None) in ("ok", "degraded"):
             self.usage = {k: dict(v) for k, v in sample.kernels.items()}
             self.pids = dict(sample.pids)

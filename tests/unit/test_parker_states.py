@@ -168,3 +168,10 @@ class ParkerMachine(RuleBasedStateMachine):
 
 ParkerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 TestParkerStates = ParkerMachine.TestCase
+
+
+def test_a_sample_parking_cannot_read_is_logged_and_never_reaches_the_monitor(caplog):
+    ledger = SimpleNamespace(get=lambda kernel_id: None)
+    parker = Parker(ParkSettings(), FakeCheckpoint(), Kernels(), ledger)
+    parker.on_sample(SimpleNamespace(state="ok", kernels=None, pids=None))  # the watchdog runs after this
+    assert "parking skipped one sample" in caplog.text
