@@ -70,7 +70,7 @@ def kernel_activity(multi_kernel_manager: Any, kernel_id: str) -> Tuple[Optional
     """(execution state, wall clock of its last activity) as jupyter_server's activity monitor keeps them."""
     try:
         kernel = multi_kernel_manager.get_kernel(kernel_id)
-    except KeyError:
+    except Exception:  # KeyError, or jupyter_server's 404 for a kernel still starting (it has a grant already)
         return None, None
     last = getattr(kernel, "last_activity", None)
     return getattr(kernel, "execution_state", None), (last.timestamp() if last is not None else None)
