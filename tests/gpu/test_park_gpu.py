@@ -66,6 +66,8 @@ async def wait_park(jp_fetch, kernel_id, states, timeout=PARK_WAIT) -> dict:
         park = await park_of(jp_fetch, kernel_id)
         if park["state"] in states:
             return park
+        if "parked" in states and park["state"] in ("idle", "busy") and (park["reason"] or "").startswith("did not park"):
+            raise AssertionError(f"kernel {kernel_id} did not park: {park}")  # say why at once, not after the deadline
         if time.monotonic() > deadline:
             raise AssertionError(f"kernel {kernel_id} not {states} within {timeout} s: {park}")
         await asyncio.sleep(0.05)
@@ -241,6 +243,8 @@ def server_wait(server, kernel_id, states, timeout=PARK_WAIT) -> dict:
         park = next(k for k in kernels if k["id"] == kernel_id)["park"]
         if park["state"] in states and (park["parkable"] or park["state"] != "idle"):
             return park
+        if "parked" in states and (park["reason"] or "").startswith("did not park"):
+            raise AssertionError(f"did not park: {park}")
         if time.monotonic() > deadline:
             raise AssertionError(f"not {states} within {timeout} s: {park}")
         time.sleep(0.1)
