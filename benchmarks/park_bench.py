@@ -95,6 +95,8 @@ class BenchServer:
             park = self.park_state(kernel_id)
             if park["state"] in states:
                 return park
+            if "parked" in states and (park["reason"] or "").startswith("did not park"):
+                raise SystemExit(f"kernel {kernel_id} did not park: {park}")
             if time.monotonic() > deadline:
                 raise SystemExit(f"kernel {kernel_id}: not {states} within {timeout} s: {park}")
             time.sleep(step)
