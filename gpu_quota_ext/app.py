@@ -10,22 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Any as AnyTrait
 from traitlets import TraitError, Type, Unicode, default
 
-from .devices import DeviceInventory, NvmlInventory
+from .devices import Device, DeviceInventory, NvmlInventory
 from .handlers import HANDLERS
 from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
-from .monitor import Monitor, KernelManagerView
 from .nvml import NvmlBackend, PynvmlBackend
+from .ledger import Ledger
+from .local_ledger import LocalLedger
 from .policy import Policy, PolicyError, build_policy
 from .provisioner import SETTINGS_KEY
 from .manager import GpuQuotaManager
+from .usage.kernel_manager import KernelManagerView
 from .watchdog import WatchdogSettings, build_enforcement
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
@@ -43,6 +45,11 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{'https' if tls else 'http'}://{host}:{port}{base_url}"
+
+
+def _make_ledger(devices: List[Device], policy: Policy) -> Ledger:
+    """The ledger this server's grants go through: this server's own, in memory."""
+    return LocalLedger(devices, policy)
 
 
 def _env(name: str, fallback):
@@ -288,34 +295,30 @@ class GpuQuota(ExtensionApp):
             devices = inventory.list_devices()
         except (PolicyError, TraitError) as error:
             self._stop_server(str(error))
-        service = GpuQuotaManager(
+        hard_layer = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
+        try:
+            hard_layer.start(policy, devices)
+        except HardCapUnavailable as error:
+            self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
+        manager = GpuQuotaManager(
             policy,
             devices,
+            _make_ledger(devices, policy),
+            KernelManagerView(self.serverapp.kernel_manager),
+            self.nvml_class(),
+            watchdog_settings=enforcement,
+            hard_cap=hard_layer,
             api_url=self._api_url,
             no_gpu_reason=inventory.problem,
         )
-        service.hard_cap = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
-        try:
-            service.hard_cap.start(policy, devices)
-        except HardCapUnavailable as error:
-            self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
-        service.monitor = Monitor(
-            devices,
-            service.ledger,
-            self.nvml_class(),
-            KernelManagerView(self.serverapp.kernel_manager),
-            enforcement,
-            no_gpu_reason=inventory.problem,
-            release=service.release,
-        )
-        self.settings[SETTINGS_KEY] = service
+        self.settings[SETTINGS_KEY] = manager
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            pass  # the usual case: the loop starts later and _start_jupyter_server_extension starts the monitor
+            pass  # the usual case: the loop starts later and _start_jupyter_server_extension starts the manager
         else:
             # Embedders that initialize on a running loop (pytest-jupyter) never call that hook.
-            service.monitor.start()
+            manager.start()
         # Every kernelspec without a provisioner stanza of its own now starts through our hook.
         KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
         self.log.info(
@@ -328,17 +331,16 @@ class GpuQuota(ExtensionApp):
         )
 
     async def _start_jupyter_server_extension(self, serverapp):
-        # The loop runs now: the monitor's task can start.
-        service = self.settings.get(SETTINGS_KEY)
-        if service is not None and service.monitor is not None:
-            service.monitor.start()
+        # The loop runs now: the monitor's and the lifecycle's tasks can start.
+        manager = self.settings.get(SETTINGS_KEY)
+        if manager is not None:
+            manager.start()
 
     async def stop_extension(self):
-        service = self.settings.get(SETTINGS_KEY)
-        if service is not None and service.monitor is not None:
-            await service.monitor.stop()
-        if service is not None:
-            await service.hard_cap.stop(self.serverapp.kernel_manager)
+        manager = self.settings.get(SETTINGS_KEY)
+        if manager is not None:
+            await manager.stop()
+            await manager.hard_cap.stop(self.serverapp.kernel_manager)
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS)

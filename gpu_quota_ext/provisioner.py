@@ -112,8 +112,9 @@ class GpuQuotaProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
-        if not restart:
-            self._release(self._service())
+        service = self._service()
+        if not restart and service is not None and self.kernel_id:
+            await service.release(self.kernel_id, holder=self)  # the ledger's call in a thread
 
     def _refuse(self, service: Any, status: int, message: str, reason: str) -> StartRefused:
         self._give_back(service)
@@ -158,5 +159,6 @@ class GpuQuotaProvisioner(LocalProvisioner):
             pending.pop(self.kernel_id, None)
 
     def _release(self, service: Any) -> None:
+        # Sync (a failed start's give-back): the bookkeeping now, the ledger's call in a thread.
         if service is not None and self.kernel_id:
-            service.release(self.kernel_id, holder=self)
+            service.release_soon(self.kernel_id, holder=self)

@@ -3,7 +3,8 @@
 import pytest
 
 from gpu_quota_ext.policy import GiB, MiB, PolicyError
-from gpu_quota_ext.watchdog import WatchdogSettings, OverLimitEpisode, Watchdog, build_enforcement, decide, parse_slack, worst_device
+from gpu_quota_ext.usage.watchdog import OverLimitEpisode, Watchdog, decide, worst_device
+from gpu_quota_ext.watchdog import WatchdogSettings, build_enforcement, parse_slack
 
 
 def settings(enforce="kill", slack="1GiB", grace=0, poll=1):
