@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
 from .hard_cap import HardCapLayer
-from .hard_limit import HardCapSettings, Probe
+from .hard_limit import HardCapSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
 from .metrics import COLLECTOR

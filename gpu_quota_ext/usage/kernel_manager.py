@@ -14,7 +14,12 @@ import asyncio
 import datetime
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from tornado.web import HTTPError
+
 from ..jupyter_private import pending_kernels
+
+# What get_kernel raises for a kernel that is gone: jupyter_client's KeyError, jupyter_server's 404.
+GONE = (KeyError, HTTPError)
 
 
 def kernel_pid(kernel_manager: Any) -> Optional[int]:
@@ -50,20 +55,24 @@ class KernelManagerView:
     def roots(self) -> Dict[int, str]:
         roots = {}
         for kernel_id in self.kernel_ids():
-            try:
-                pid = kernel_pid(self.manager.get_kernel(kernel_id))
-            except KeyError:
-                continue  # shut down between the two calls
+            kernel = self._kernel(kernel_id)
+            pid = kernel_pid(kernel) if kernel is not None else None
             if pid is not None:
                 roots[pid] = kernel_id
         return roots
 
+    def _kernel(self, kernel_id: str) -> Any:
+        """The kernel's own manager, or None once it is gone (shut down since it was listed)."""
+        try:
+            return self.manager.get_kernel(kernel_id)
+        except GONE:
+            return None
+
     def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
         """(execution_state, last_activity) as jupyter_server keeps them for the kernel ("idle", "busy",
         "starting", ...; a UTC datetime); (None, None) for a kernel the server does not have."""
-        try:
-            kernel = self.manager.get_kernel(kernel_id)
-        except KeyError:
+        kernel = self._kernel(kernel_id)
+        if kernel is None:
             return None, None
         return getattr(kernel, "execution_state", None), getattr(kernel, "last_activity", None)
 
@@ -72,7 +81,7 @@ class KernelManagerView:
         A kernel without a restarter (autorestart off) never fires it: see dead_ids."""
         try:
             self.manager.add_restart_callback(kernel_id, callback, "dead")
-        except KeyError:
+        except GONE:
             pass  # shut down meanwhile
 
     async def dead_ids(self) -> List[str]:
@@ -81,9 +90,8 @@ class KernelManagerView:
         `shutting_down` while the process is briefly gone)."""
         dead = []
         for kernel_id in self.kernel_ids():
-            try:
-                manager = self.manager.get_kernel(kernel_id)
-            except KeyError:
+            manager = self._kernel(kernel_id)
+            if manager is None:
                 continue
             if getattr(manager, "autorestart", True) or getattr(manager, "shutting_down", False):
                 continue

@@ -23,6 +23,8 @@ import functools
 import logging
 from typing import Any, Callable, Optional, Set
 
+from .periodic import every
+
 log = logging.getLogger("gpu_quota_ext")
 
 
@@ -54,16 +56,10 @@ class KernelLifecycle:
                 pass
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            began = loop.time()
-            try:
-                await self.poll()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # the lifecycle must outlive anything one poll does
-                log.warning("gpu-quota-ext: following the kernels' lifecycle failed one round: %r", error)
-            await asyncio.sleep(max(0.0, self.poll_interval - (loop.time() - began)))
+        await every(lambda: self.poll_interval, self.poll, self._failed)
+
+    def _failed(self, error: Exception) -> None:
+        log.warning("gpu-quota-ext: following the kernels' lifecycle failed one round: %r", error)
 
     async def poll(self) -> None:
         """One round: listen to new kernels' deaths, release the grants of kernels that are gone."""

@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Opt
 from ..devices import Device
 from ..nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
 from .attribution import TREE, PidResolver
+from .periodic import every
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -206,16 +207,10 @@ class Monitor:
             self._opened = False
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            began = loop.time()
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # the monitor must outlive anything a tick does
-                self._problem("tick", f"the GPU monitor failed one round: {error!r}")
-            await asyncio.sleep(max(0.0, self.poll_interval - (loop.time() - began)))
+        await every(lambda: self.poll_interval, self.tick, self._round_failed)
+
+    def _round_failed(self, error: Exception) -> None:
+        self._problem("tick", f"the GPU monitor failed one round: {error!r}")
 
     async def tick(self) -> None:
         """One round: the kernels' PIDs (loop), a sample (thread) unless the last one has not come back,
@@ -241,7 +236,7 @@ class Monitor:
             return
         error = future.exception()
         if error is not None:
-            self._problem("tick", f"the GPU monitor failed one round: {error!r}")
+            self._round_failed(error)
             return
         self._apply(future.result())
 

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..shared.sizes import format_bytes
@@ -99,17 +99,7 @@ class WatchdogAction:
     attributed: str = TREE  # how the usage over the limit was found: TREE, or ENVIRONMENT (warn only)
 
     def to_json(self) -> dict:
-        return {
-            "kernel_id": self.kernel_id,
-            "action": self.action,
-            "device": self.device,
-            "used": self.used,
-            "cap": self.cap,
-            "limit": self.limit,
-            "time": self.time,
-            "outcome": self.outcome,
-            "attributed": self.attributed,
-        }
+        return asdict(self)
 
     def describe(self) -> str:
         text = (
