@@ -8,7 +8,7 @@ environment that carries it, and knows which start holds each kernel id, so two 
 same id cannot share one grant.
 
 Every ledger write (grant, change, reset, release) runs in a thread, never on the event loop: a remote
-ledger may block up to its timeout. The writes of one kernel run in the order asked (a release asked
+ledger may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at once). The writes of one kernel run in the order asked (a release asked
 before a restart's grant is made before it). A release asked from a sync callback (jupyter_client's
 "dead" event, a failed start) does its bookkeeping at once and the ledger's call in a thread; one asked
 again while it is under way is the same release. Reads (get, grants, usage, devices) stay direct.
@@ -46,6 +46,37 @@ log = logging.getLogger("gpu_quota_ext")
 
 CAPS_CALLABLE_TIMEOUT = 5.0  # seconds a caps callable may take before its kernel gets the default policy
 CAPS_CALLABLE_THREADS = 4  # callables still running at once; past that, starts get the default policy
+LEDGER_THREADS = 8  # ledger calls at once; more wait their turn
+
+
+def in_daemon_thread(call: Callable[[], Any], name: str, finished: Callable[[], Any] = lambda: None) -> "asyncio.Future":
+    """Run `call` in a daemon thread of its own; `(True, result)` or `(False, exception)` comes back as a
+    future of the running loop, and `finished()` runs in the thread once `call` has returned.
+
+    Not an executor: the interpreter joins an executor's workers at exit, so a call that never returns
+    (an admin's callable, a ledger waiting for its service) would hold the server's exit; and an executor
+    keeps its idle threads for good. A caller that stops waiting (a timeout) cancels the future."""
+    loop = asyncio.get_running_loop()
+    answered = loop.create_future()
+
+    def settle(outcome) -> None:
+        if not answered.done():  # done: the caller gave up on it
+            answered.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome = (True, call())
+        except BaseException as error:
+            outcome = (False, error)
+        finally:
+            finished()
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop closed while the call ran
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return answered
 
 
 class KernelIdTaken(Exception):
@@ -103,6 +134,7 @@ class GpuQuotaManager:
         self._caps_slots = threading.BoundedSemaphore(CAPS_CALLABLE_THREADS)
         # kernel id -> (what, task) of its latest ledger write in a thread: the next one waits for it.
         self._writes: Dict[str, Tuple[str, asyncio.Task]] = {}
+        self._slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
         # The hard limit (MPS): off unless the app gives a layer built from c.GpuQuota.hard_cap.
         self.hard_cap = hard_cap if hard_cap is not None else HardCapLayer(HardCapSettings())
         # Usage: measured by the monitor, reported by kernels; caps stay in the ledger.
@@ -257,7 +289,11 @@ class GpuQuotaManager:
         async def write() -> Any:
             if before is not None:
                 await asyncio.wait({before[1]})  # whatever its outcome: its caller hears of that
-            return await asyncio.to_thread(call)
+            async with self._ledger_slots():
+                ok, value = await in_daemon_thread(call, "gpu-quota-ledger")
+            if not ok:
+                raise value
+            return value
 
         task = asyncio.get_running_loop().create_task(write())
         self._writes[kernel_id] = (what, task)
@@ -270,6 +306,14 @@ class GpuQuotaManager:
         error = None if task.cancelled() else task.exception()  # retrieved here: a release has no awaiter
         if error is not None and what == "release":
             log.error("gpu-quota-ext: releasing kernel %s's grant failed: %r", kernel_id, error)
+
+    def _ledger_slots(self) -> asyncio.Semaphore:
+        """At most LEDGER_THREADS ledger calls at once (a slow remote ledger, a storm of requests): the
+        rest wait their turn on the loop. One semaphore per event loop (tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(LEDGER_THREADS))
+        return self._slots[1]
 
     def _pending(self, kernel_id: str, what: str) -> Optional[asyncio.Task]:
         """The kernel's last ledger write, if it is a `what` still under way."""
@@ -315,31 +359,12 @@ class GpuQuotaManager:
             return default_decision(policy, "default (caps callable failed)")
 
     async def _call_caps(self, kernelspec: str) -> Any:
-        # A daemon thread per call, not an executor: a callable that never returns would hold an executor's
-        # worker, and the interpreter joins those at exit, so the server could never stop. At most
-        # CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
+        # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-
-        def settle(outcome) -> None:
-            if not answered.done():  # done: the wait timed out and gave up on it
-                answered.set_result(outcome)
-
-        def call() -> None:
-            try:
-                outcome = (True, self.policy.rules(self.user, kernelspec))
-            except BaseException as error:
-                outcome = (False, error)
-            finally:
-                self._caps_slots.release()
-            try:
-                loop.call_soon_threadsafe(settle, outcome)
-            except RuntimeError:  # the loop closed while the callable ran
-                pass
-
-        threading.Thread(target=call, name="gpu-quota-caps-callable", daemon=True).start()
+        answered = in_daemon_thread(
+            functools.partial(self.policy.rules, self.user, kernelspec), "gpu-quota-caps-callable", self._caps_slots.release
+        )
         try:
             ok, value = await asyncio.wait_for(answered, self.caps_timeout)
         except asyncio.TimeoutError:

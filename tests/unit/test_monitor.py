@@ -334,6 +334,8 @@ def test_ledger_writes_run_off_the_loop_in_order_and_a_release_is_made_once(fake
         # A change of a released kernel runs after the release, and says so.
         with pytest.raises(UnknownKernel):
             await manager.change("k1", parse_cap("0.5"))
+        # A thread per call, gone once it has answered: nothing is kept for good (an executor would).
+        await until(lambda: not [t for t in threading.enumerate() if t.name == "gpu-quota-ledger"])
 
     run(scenario())
 
