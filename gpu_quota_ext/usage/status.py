@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from ..ledger import Grant, Ledger
 from ..metrics import monitor_families
 from ..policy import Policy
+from ..shared.contract import KERNEL_FIELDS
 from ..watchdog import WatchdogSettings
 from .reports import KernelReports
 from .sampling import Monitor
@@ -52,7 +53,7 @@ class StatusView:
     def add_kernel_field(self, name: str, value: KernelField) -> None:
         """Every kernel's entry gets `name: value(kernel_id)` (JSON-able). A name the view already
         writes, or one added before, is refused: two parts must not write the same field."""
-        if name in self._fields or name in _KERNEL_KEYS:
+        if name in self._fields or name in KERNEL_FIELDS:  # the contract's fields are the view's own
             raise ValueError(f"the status view's kernels already have a field {name!r}")
         self._fields[name] = value
 
@@ -128,10 +129,6 @@ class StatusView:
             sample_age=monitor.sample_age(),
             actions=self.watchdog.counts,
         )
-
-
-# What `kernel` writes itself: Grant.to_json's keys, renamed, plus the view's own.
-_KERNEL_KEYS = frozenset({"id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers"})
 
 
 def _listed(kernels: Any) -> set:
