@@ -14,13 +14,15 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from ..ledger import Grant, Ledger
 from ..metrics import monitor_families
 from ..policy import Policy
-from ..shared.contract import KERNEL_FIELDS
 from ..watchdog import WatchdogSettings
 from .reports import KernelReports
 from .sampling import Monitor
 from .watchdog import Watchdog
 
 KernelField = Callable[[str], Any]  # kernel id -> a JSON-able value
+
+# The fields `kernel` writes itself (all in the contract's KERNEL_FIELDS); others come from add_kernel_field.
+VIEW_FIELDS = ("id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers")
 
 
 class StatusView:
@@ -53,7 +55,7 @@ class StatusView:
     def add_kernel_field(self, name: str, value: KernelField) -> None:
         """Every kernel's entry gets `name: value(kernel_id)` (JSON-able). A name the view already
         writes, or one added before, is refused: two parts must not write the same field."""
-        if name in self._fields or name in KERNEL_FIELDS:  # the contract's fields are the view's own
+        if name in self._fields or name in VIEW_FIELDS:
             raise ValueError(f"the status view's kernels already have a field {name!r}")
         self._fields[name] = value
 

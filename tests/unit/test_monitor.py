@@ -14,7 +14,9 @@ from gpu_quota_ext.ledger import UnknownKernel
 from gpu_quota_ext.local_ledger import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.policy import GiB, build_policy, parse_cap, resolve
+from gpu_quota_ext.shared.contract import KERNEL_FIELDS
 from gpu_quota_ext.usage.attribution import PidResolver
+from gpu_quota_ext.usage.status import VIEW_FIELDS
 from gpu_quota_ext.watchdog import build_enforcement
 
 ME = 1000
@@ -183,6 +185,8 @@ def test_other_parts_add_fields_to_each_kernels_entry(fake_nvml):
         manager.status.add_kernel_field("devices", lambda kernel_id: None)  # nor one the view writes
     (entry,) = manager.status.answer({})["kernels"]
     assert entry["park"] == {"state": "running", "of": "k1"} and entry["id"] == "k1"
+    assert set(entry) == {*VIEW_FIELDS, "park"}  # the view's own fields and the added one
+    assert set(VIEW_FIELDS) <= set(KERNEL_FIELDS)  # all in the REST contract
 
 
 # --- usage found by environment, and the watchdog -------------------------------------------------
