@@ -31,7 +31,7 @@ from gpu_quota_ext.monitor import Monitor  # noqa: E402
 from gpu_quota_ext.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
 from gpu_quota_ext.fake_nvml import FakeNvml  # noqa: E402
-from gpu_quota_ext.watchdog import build_enforcement  # noqa: E402
+from gpu_quota_ext.policy import watchdog_settings  # noqa: E402
 
 
 class Kernels:
@@ -115,7 +115,7 @@ def main() -> None:
             grant = ledger.grant(kernel_id, "bench", "python3", resolve(policy, "bench", "python3"))
             if not args.real:
                 FakeNvml.set_usage(child, devices[grant.devices[0]].uuid, GiB)
-        monitor = Monitor(devices, ledger, backend, Kernels(roots), build_enforcement("warn", "1GiB", 0, args.interval))
+        monitor = Monitor(devices, ledger, backend, Kernels(roots), watchdog_settings("warn", "1GiB", 0, args.interval))
         wall, cpu, ticks, timings = asyncio.run(measure(monitor, args.seconds, warmup=3))
         attributed = sum(len(v) for v in monitor.latest.kernels.values())
         assert monitor.latest.state == "ok", monitor.latest.message

@@ -1,8 +1,9 @@
 """WatchdogSettings: what to do about a kernel whose measured usage stays over its cap.
 
-The decision (`decide`) and the settings (`build_enforcement`) are pure. `Watchdog` keeps the per-kernel
-state between samples and the record of every action; the monitor carries the actions out through the
-kernel manager and reports back here, so the status API can show what was done and whether it worked.
+The decision (`decide`) is pure; the settings are validated next to the policy
+(`policy.watchdog_settings`). `Watchdog` keeps the per-kernel state between samples and the record of
+every action; the monitor carries the actions out through the kernel manager and reports back here, so
+the status API can show what was done and whether it worked.
 
 A kernel is "over" on a device when NVML's `used` for its processes exceeds its cap plus the slack
 (the slack covers the CUDA context, about 600 MiB per process, that no in-process cap counts). It is acted
@@ -15,27 +16,26 @@ gets a warning at most, whatever `enforce` says.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Deque, Dict, List, Mapping, Optional, Tuple
 
-from .shared.sizes import CapSpec, PolicyError, format_bytes, parse_cap
+from .settings import DEFAULTS
+from .shared.sizes import CapSpec, format_bytes, parse_cap
 from .processes import ENVIRONMENT, TREE
 
-ACTIONS = ("off", "warn", "interrupt", "restart", "kill")
 HISTORY = 200  # actions the status API can show; older ones are in the server log
 
 
 @dataclass(frozen=True)
 class WatchdogSettings:
-    """The admin's enforcement settings, validated."""
+    """The admin's enforcement settings, validated (policy.watchdog_settings builds them)."""
 
-    enforce: str = "warn"
-    slack: CapSpec = CapSpec(nbytes=1 << 30, text="1GiB")
-    grace: float = 0.0  # seconds over the limit before acting
-    poll_interval: float = 1.0
+    enforce: str = DEFAULTS["enforce"]
+    slack: CapSpec = parse_cap(DEFAULTS["slack"])
+    grace: float = float(DEFAULTS["grace"])  # seconds over the limit before acting
+    poll_interval: float = float(DEFAULTS["poll_interval"])
 
     @property
     def cooldown(self) -> float:
@@ -56,49 +56,6 @@ class WatchdogSettings:
             "grace": self.grace,
             "poll_interval": self.poll_interval,
         }
-
-
-def parse_slack(value: Any) -> CapSpec:
-    """Slack over the cap: bytes ("1GiB", 1073741824), a fraction of the kernel's cap ("0.1", "10%") or 0."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return CapSpec(nbytes=0, text="0")
-    if isinstance(value, str) and value.strip() in ("0", "0B", "0b", "0%"):
-        return CapSpec(nbytes=0, text=value.strip())
-    return parse_cap(value)
-
-
-def parse_seconds(value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool):
-        raise PolicyError(f"must be a number of seconds from {low} to {high}")
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise PolicyError(f"must be a number of seconds from {low} to {high}") from None
-    if not math.isfinite(seconds) or not low <= seconds <= high:
-        raise PolicyError(f"must be a number of seconds from {low} to {high}")
-    return seconds
-
-
-def build_enforcement(enforce: Any, slack: Any, grace: Any, poll_interval: Any) -> WatchdogSettings:
-    """Validate the watchdog's settings; PolicyError names the first bad one and its value."""
-
-    def setting(name, parse, value):
-        try:
-            return parse(value)
-        except PolicyError as error:
-            raise PolicyError(f"c.GpuQuota.{name} = {value!r}: {error}") from None
-
-    def choice(value):
-        if not isinstance(value, str) or value.strip().lower() not in ACTIONS:
-            raise PolicyError(f"must be one of {', '.join(repr(a) for a in ACTIONS)}")
-        return value.strip().lower()
-
-    return WatchdogSettings(
-        enforce=setting("enforce", choice, enforce),
-        slack=setting("slack", parse_slack, slack),
-        grace=setting("grace", lambda v: parse_seconds(v, 0, 3600), grace),
-        poll_interval=setting("poll_interval", lambda v: parse_seconds(v, 0.05, 60), poll_interval),
-    )
 
 
 # --- the decision --------------------------------------------------------------------------------

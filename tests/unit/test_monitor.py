@@ -26,7 +26,7 @@ from gpu_quota_ext.processes import (
     parse_uids,
 )
 from gpu_quota_ext.fake_nvml import FakeNvml
-from gpu_quota_ext.watchdog import build_enforcement
+from gpu_quota_ext.policy import watchdog_settings
 
 # --- pure parts ---------------------------------------------------------------------------------------
 
@@ -208,7 +208,7 @@ def make_monitor(enforce="warn", roots=None, kernels=("k1",)):
     for kernel_id in kernels:
         ledger.grant(kernel_id, "me", "python3", resolve(policy, "me", "python3"))
     source = Kernels(roots if roots is not None else {os.getpid(): "k1"})
-    monitor = Monitor(DEVICES, ledger, FakeNvml(), source, build_enforcement(enforce, "1GiB", 0, 0.1))
+    monitor = Monitor(DEVICES, ledger, FakeNvml(), source, watchdog_settings(enforce, "1GiB", 0, 0.1))
     return monitor, ledger, source
 
 
@@ -281,7 +281,7 @@ def test_failing_mid_run_degrades_then_recovers_logging_once_each(fake_nvml, cap
 
 
 def test_no_devices_means_no_gpu_without_touching_nvml(fake_nvml):
-    monitor = Monitor([], LocalLedger([], build_policy("0.25", "1.0")), FakeNvml(), Kernels({}), build_enforcement("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here")
+    monitor = Monitor([], LocalLedger([], build_policy("0.25", "1.0")), FakeNvml(), Kernels({}), watchdog_settings("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here")
     run(monitor.tick())
     assert monitor.latest.state == "no-gpu" and monitor.latest.message == "no GPU: none here"
     assert fake_nvml.calls == 0
