@@ -126,7 +126,7 @@ def setting_trait(name: str) -> TraitType:
     elif row.kind == RULES:
         trait = RulesOrCallable([List(), Callable()], **common)
     elif row.kind == TEXT:
-        trait = Text(**common)
+        trait = Text(allow_none=row.default is None, **common)
     elif row.kind == CLASS:
         trait = PluginClass(klass=row.klass, **common)
     else:

@@ -200,6 +200,8 @@ def parse_value(name: str, value: Any) -> Any:
             raise PolicyError(row.must)
         return value.strip().lower()
     if row.kind == SECONDS:
+        if value is None and row.default is None:
+            return None
         seconds = _number(value, row.must)
         if not row.low <= seconds <= row.high:
             raise PolicyError(row.must)

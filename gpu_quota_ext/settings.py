@@ -42,7 +42,7 @@ class Setting:
     name: str
     kind: str
     part: str
-    default: Any  # as a config file would write it
+    default: Any  # as a config file would write it; None (SECONDS, FACTOR, TEXT): the setting may be None
     help: str  # what it does; the variable and the default are added from the row (app.py)
     env: Optional[str] = None  # the environment variable it is read from when config does not set it
     choices: Tuple[str, ...] = ()  # CHOICE
@@ -57,7 +57,8 @@ class Setting:
         if self.kind == CHOICE:
             return f"must be one of {', '.join(repr(choice) for choice in self.choices)}"
         if self.kind == SECONDS:
-            return f"must be a number of seconds from {self.low:g} to {self.high:g}"
+            off = " or None (off)" if self.default is None else ""
+            return f"must be a number of seconds from {self.low:g} to {self.high:g}{off}"
         if self.kind == FACTOR:
             return f"must be a positive number up to {self.high:g} (1.0 = never grant more than the device) or None"
         if self.kind == CLASS:
