@@ -55,7 +55,7 @@ def invalid_configuration(message: str) -> str:
 
 class _SettingTrait(TraitType):
     """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
-    value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`."""
+    value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
 
     row: Setting
 
@@ -64,30 +64,35 @@ class _SettingTrait(TraitType):
 
     def validate(self, obj, value):
         try:
-            return super().validate(obj, value)
+            typed = self.coerce(value)
+            return typed if typed is None and self.allow_none else super().validate(obj, typed)
         except (TraitError, ValueError):
             raise TraitError(str(SettingError(self.name, value, self.row.must))) from None
 
+    def coerce(self, value):
+        """A value as written in a config file, on the command line or in the environment, made the trait's type."""
+        return value
+
 
 class ChoiceEnum(_SettingTrait, CaselessStrEnum):
-    def validate(self, obj, value):
-        return super().validate(obj, value.strip() if isinstance(value, str) else value)
+    def from_string(self, s):
+        return s  # validate reads the text, so that a refusal shows it as written
+
+    def coerce(self, value):
+        return value.strip() if isinstance(value, str) else value
 
 
 class Number(_SettingTrait, Float):
-    """A number with a range; a string (a config file's "0.5") is read as the command line reads it."""
+    """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number."""
 
     def from_string(self, s):
-        text = s.strip()
-        return None if self.allow_none and text.lower() in ("", "none") else super().from_string(text)
+        return s  # validate reads the text, so that a refusal shows it as written
 
-    def validate(self, obj, value):
-        if isinstance(value, str):
-            try:
-                value = self.from_string(value)
-            except ValueError:
-                pass  # refused below, with the text as written
-        return super().validate(obj, value)
+    def coerce(self, value):
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        return None if self.allow_none and text.lower() in ("", "none") else float(text)
 
 
 class SizeOrFraction(_SettingTrait, UnionTrait):
@@ -181,8 +186,7 @@ class GpuQuota(ExtensionApp):
         text = os.environ[row.env]
         trait = self.traits()[name]
         try:
-            value = trait.from_string(text)
-            return value if value is None and trait.allow_none else trait.validate(self, value)
+            return trait.validate(self, trait.from_string(text))
         except (TraitError, ValueError):
             raise TraitError(str(SettingError(name, text, row.must, row.env))) from None
 

@@ -97,6 +97,9 @@ def test_a_number_or_its_text_is_accepted_for_each_number_setting(name):
     with pytest.raises(TraitError) as refused:
         extension(**{name: row.high * 2}).validated_settings()
     assert str(refused.value) == f"c.GpuQuota.{name} = {row.high * 2!r}: {row.must}"
+    with pytest.raises(TraitError) as refused:
+        extension(**{name: "-1"})  # text, as the command line gives it: refused as written
+    assert str(refused.value) == f"c.GpuQuota.{name} = '-1': {row.must}"
 
 
 @pytest.mark.parametrize("name", CHOICES)
