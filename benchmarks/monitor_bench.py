@@ -31,7 +31,7 @@ from gpu_quota_ext.manager import GpuQuotaManager  # noqa: E402
 from gpu_quota_ext.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
 from gpu_quota_ext.fake_nvml import FakeNvml  # noqa: E402
-from gpu_quota_ext.watchdog import build_enforcement  # noqa: E402
+from gpu_quota_ext.policy import watchdog_settings  # noqa: E402
 
 
 class Kernels:
@@ -119,7 +119,7 @@ def main() -> None:
             if not args.real:
                 FakeNvml.set_usage(child, devices[grant.devices[0]].uuid, GiB)
         manager = GpuQuotaManager(
-            policy, devices, ledger, Kernels(roots), backend, build_enforcement("warn", "1GiB", 0, args.interval), user="bench"
+            policy, devices, ledger, Kernels(roots), backend, watchdog_settings("warn", "1GiB", 0, args.interval), user="bench"
         )
         monitor = manager.monitor
         wall, cpu, ticks, timings = asyncio.run(measure(manager, args.seconds, warmup=3))

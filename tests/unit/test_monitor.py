@@ -17,7 +17,7 @@ from gpu_quota_ext.policy import GiB, build_policy, parse_cap, resolve
 from gpu_quota_ext.shared.contract import KERNEL_FIELDS
 from gpu_quota_ext.usage.attribution import PidResolver
 from gpu_quota_ext.usage.status import VIEW_FIELDS
-from gpu_quota_ext.watchdog import build_enforcement
+from gpu_quota_ext.policy import watchdog_settings
 
 ME = 1000
 
@@ -63,7 +63,7 @@ def make_manager(enforce="warn", roots=None, kernels=("k1",)):
     for kernel_id in kernels:
         ledger.grant(kernel_id, "me", "python3", resolve(policy, "me", "python3"))
     source = Kernels(roots if roots is not None else {os.getpid(): "k1"})
-    manager = GpuQuotaManager(policy, DEVICES, ledger, source, FakeNvml(), build_enforcement(enforce, "1GiB", 0, 0.1), user="me")
+    manager = GpuQuotaManager(policy, DEVICES, ledger, source, FakeNvml(), watchdog_settings(enforce, "1GiB", 0, 0.1), user="me")
     return manager, ledger, source
 
 
@@ -155,7 +155,7 @@ def test_failing_mid_run_degrades_then_recovers_logging_once_each(fake_nvml, cap
 def test_no_devices_means_no_gpu_without_touching_nvml(fake_nvml):
     policy = build_policy("0.25", "1.0")
     manager = GpuQuotaManager(
-        policy, [], LocalLedger([], policy), Kernels({}), FakeNvml(), build_enforcement("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here"
+        policy, [], LocalLedger([], policy), Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here"
     )
     monitor = manager.monitor  # exists without a GPU, and says why there is none
     run(monitor.tick())
@@ -326,7 +326,7 @@ def test_ledger_writes_run_off_the_loop_in_order_and_a_release_is_made_once(fake
         policy = build_policy("0.25", "1.0")
         ledger = SlowLedger(DEVICES, policy)
         ledger.grant("k1", "me", "python3", resolve(policy, "me", "python3"))
-        manager = GpuQuotaManager(policy, DEVICES, ledger, Kernels({}), FakeNvml(), build_enforcement("warn", "1GiB", 0, 0.1))
+        manager = GpuQuotaManager(policy, DEVICES, ledger, Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 0.1))
         assert manager.release_soon("k1") is True  # returns at once although the ledger blocks
         assert manager.release_soon("k1") is False  # under way: the same release
         assert await asyncio.to_thread(ledger.entered.wait, 10)  # the loop runs while the ledger blocks
