@@ -20,6 +20,7 @@ from gpu_quota_ext.kernel.magic import NO_SERVER
 from gpu_quota_ext.policy import GiB
 
 from .cell_output import CellOutput, run_cell
+from .fake_gpu import wait_for
 from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
 
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
@@ -155,9 +156,9 @@ async def test_a_cap_set_from_outside_the_kernel_reaches_it_after_its_next_cell(
         kernel_id,
         "import os, time\n"
         "from gpu_quota_ext.kernel.state import STATE\n"
-        "for _ in range(100):\n"
-        "    if STATE.devices[0].cap != %d: break\n"
-        "    time.sleep(0.05)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while STATE.devices[0].cap == %d and time.monotonic() < deadline:  # the background check's answer\n"
+        "    time.sleep(0.02)\n"
         "print(STATE.devices[0].cap, os.environ['PYTORCH_CUDA_ALLOC_CONF'])" % int(0.25 * DEVICE_TOTAL),
     )
     cap, conf = seen.split()
@@ -324,9 +325,15 @@ async def test_panel_thread_updates_widgets_while_a_cell_runs_and_stops_on_close
         "panel_module.read_usage = lambda ordinals=None: {0: DeviceUsage(0, reading['allocated'], 8 << 30, 9 << 30, 0, 80 << 30)}\n"
         "p = GpuUsagePanel(interval=0.1)\n"
         "display(p)\n"
-        "for step in range(1, 6):\n"
+        "def shown(step):\n"
+        "    return any(f'allocated {step}.0 GiB' in row.children[-1].value for row in p.rows.children)\n"
+        # Up to 6: a reading is on show before its update is sent; 6 on show means 5's update went out.
+        "for step in range(1, 7):\n"
         "    reading['allocated'] = step << 30\n"
-        "    time.sleep(0.3)\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while not shown(step):  # the panel's thread, not this cell, puts the reading on show\n"
+        "        assert time.monotonic() < deadline, f'the panel did not show {step} GiB'\n"
+        "        time.sleep(0.02)\n"
         "print(p.running)\n",
     )
     assert out.status == "ok" and out.errors == [], out
@@ -397,8 +404,6 @@ async def test_per_cell_report_is_opt_in(jp_fetch, jp_serverapp):
 
 
 async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverapp):
-    import asyncio
-
     kernel_id = await start_kernel(jp_fetch)
     # At kernel start a stand-in waits for CUDA to start before loading the reporter; CUDA cannot start
     # here, so load the full magic (its first use does) and give it fake readings, as torch would give.
@@ -410,11 +415,12 @@ async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverap
         "usage.read_usage = lambda ordinals=None: {0: usage.DeviceUsage(0, 3 << 30, 4 << 30, 5 << 30, 5 << 30, 80 << 30)}",
     )
     await execute(jp_serverapp, kernel_id, "x = 1")  # post_run_cell sends the report, off the cell's thread
-    for _ in range(50):
+
+    async def reported():
         device = (await ledger_record(jp_fetch, kernel_id))["devices"][0]
-        if device.get("reported_at"):
-            break
-        await asyncio.sleep(0.1)
+        return device if device.get("reported_at") else None
+
+    device = await wait_for(reported, timeout=30)
     assert (device["allocated"], device["reserved"], device["peak"]) == (3 * GiB, 4 * GiB, 5 * GiB)
 
 
