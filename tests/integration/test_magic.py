@@ -22,6 +22,7 @@ from gpu_quota_ext.policy import GiB
 from .cell_output import CellOutput, run_cell
 from .fake_gpu import wait_for
 from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
+from .servers import serving
 
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 DEVICE_TOTAL = 80 * GiB
@@ -30,6 +31,15 @@ DEVICE_TOTAL = 80 * GiB
 @pytest.fixture
 def jp_server_config():
     return Config(static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5"))
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server (the same config) and one kernel for the checks that leave its caps as they were:
+    `%gpucap`'s table, its help, refused lines, the CPU-only panel, OOM explanations."""
+    config = static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5")
+    with serving(tmp_path_factory.mktemp("magic"), config) as server:
+        yield server, server.start_kernel()
 
 
 async def ledger_record(jp_fetch, kernel_id: str) -> dict:
@@ -61,9 +71,9 @@ def assert_one_error_line(out: CellOutput) -> str:
 # --- the magic is there, and shows the kernel's caps -----------------------------------------------
 
 
-async def test_gpucap_exists_without_load_ext_and_shows_the_table(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await execute(jp_serverapp, kernel_id, "%gpucap")
+def test_gpucap_exists_without_load_ext_and_shows_the_table(shared):
+    server, kernel_id = shared
+    out = server.run(kernel_id, "%gpucap")
     header = out.splitlines()[0]
     for column in ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by"):
         assert column in header
@@ -234,18 +244,18 @@ async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, j
         ("0.3 0.4", "unrecognized arguments"),
     ],
 )
-async def test_bad_input_is_one_error_line_and_changes_nothing(jp_fetch, jp_serverapp, line, says):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"%gpucap {line}")
+def test_bad_input_is_one_error_line_and_changes_nothing(shared, line, says):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"%gpucap {line}")
     assert says in assert_one_error_line(out)
-    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.25 * DEVICE_TOTAL)]
-    state = await execute(jp_serverapp, kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
+    assert caps_of(server.api(f"/api/gpu-quota/kernels/{kernel_id}")) == [int(0.25 * DEVICE_TOTAL)]
+    state = server.run(kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
     assert state.strip() == str([int(0.25 * DEVICE_TOTAL)])
 
 
-async def test_help(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, "%gpucap --help")
+def test_help(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, "%gpucap --help")
     assert out.status == "ok" and out.errors == []
     assert "%gpucap --device 1 8GiB" in out.stdout
     assert "--cells" in out.stdout
@@ -266,10 +276,10 @@ def widget_models(out: CellOutput) -> dict:
     return models
 
 
-async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_available(jp_fetch, jp_serverapp):
+def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_available(shared):
     # The simulated demo's case: the kernel holds a grant, its torch is a CPU build.
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, "import torch\n%gpucap panel")
+    server, kernel_id = shared
+    out = server.cell(kernel_id, "import torch\n%gpucap panel")
     assert out.status == "ok" and out.errors == [], out
     models = widget_models(out)
     html = " ".join(m["value"] for m in models.values() if m.get("_model_name") == "HTMLModel")
@@ -278,7 +288,7 @@ async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_
     assert "cap 20.0 GiB · device 80.0 GiB · cap set by the server, at kernel start" in html, html
     shown = [m["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for m in out.comm("display_data")]
     assert len(shown) == 1 and models[shown[0]]["_model_name"] == "VBoxModel"
-    table = await execute(jp_serverapp, kernel_id, "%gpucap")
+    table = server.run(kernel_id, "%gpucap")
     assert "allocated/reserved/peak: not available: this kernel's torch" in table and "built without CUDA" in table
     assert "20.0 GiB" in table.splitlines()[1]
 
@@ -361,9 +371,9 @@ OOM_DEVICE_TEXT = (
 )
 
 
-async def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_CAP_TEXT!r})")
+def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_CAP_TEXT!r})")
     assert out.status == "error"
     assert [e["ename"] for e in out.errors] == ["OutOfMemoryError"]
     assert OOM_CAP_TEXT in out.errors[0]["evalue"]  # the original exception, unchanged
@@ -377,14 +387,14 @@ async def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(jp_fetc
     assert order == ["error", "explanation"]
 
 
-async def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
+def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
     lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
     assert len(lines) == 1, out.stderr
     assert "cuda:0 itself is full: other processes hold the rest" in lines[0]
     assert "your quota was not the limit" in lines[0]
-    other = await run_cell(jp_serverapp, kernel_id, "raise ValueError('not memory')")
+    other = server.cell(kernel_id, "raise ValueError('not memory')")
     assert other.status == "error" and other.errors[0]["ename"] == "ValueError"
     assert "gpu-quota" not in other.stderr
 
