@@ -102,6 +102,7 @@ class TestCallableAnsweringZero:
         assert len(warnings) == 1 and "1 MiB" in warnings[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, config, expected",
     [

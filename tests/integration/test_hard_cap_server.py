@@ -14,6 +14,8 @@ import pytest
 from .fake_mps import FAKE_CONTROL, alive, control, fake_processes, short_tmp, wait_until  # noqa: F401
 from .servers import Server
 
+pytestmark = pytest.mark.slow  # whole servers started and stopped, each test
+
 DEVICES = '[{"name": "Test GPU", "total": "80GiB", "uuid": "GPU-0000-test"}]'
 STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory", f"--StaticInventory.devices={DEVICES}"]
 

@@ -296,6 +296,7 @@ def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_availa
 THREADS = "import threading; print(sum(1 for t in threading.enumerate() if t.name == 'gpu-quota-panel'), threading.active_count())"
 
 
+@pytest.mark.slow
 async def test_thirty_panels_leave_one_thread_and_a_closed_panel_none(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "%gpucap")  # the full magic loaded: its own imports are not counted
