@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
@@ -57,13 +57,12 @@ class HardCapSettings:
     timeout: float = float(DEFAULTS["mps_timeout"])  # seconds any one call of the control program may take
 
     def describe(self) -> dict:
-        return {
-            "mode": self.mode,
-            "daemon": self.daemon,
-            "hard_limit": self.limit,
-            "context_allowance": self.context_allowance,
-            "timeout": self.timeout,
-        }
+        """As the status answer shows them: `limit` under its setting's name, and without the control
+        program (a path on the server)."""
+        shown = asdict(self)
+        del shown["control"]
+        shown["hard_limit"] = shown.pop("limit")
+        return shown
 
 
 def build_hard_cap_settings(
