@@ -142,11 +142,12 @@ class QuotaClient:
             return ParkAnswer("accepted", str(message or ""), park, status)
         if status in (400, 409) and message:  # the server's reason: not parkable, host memory short, ...
             return ParkAnswer("refused", str(message), park if isinstance(park, dict) else None, status)
-        if status == 403:
+        if status in (403, 404, 405) and reply is None:
+            # Not our API's answer (ours are JSON) but jupyter_server's own error page: no handler has
+            # this path. For a POST its catch-all asks for an XSRF cookie first, hence a 403, not a 404.
+            message = f"this server cannot park kernels: it has no {suffix} route (HTTP {status}; its gpu-quota-ext predates parking)"
+        elif status == 403:
             message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
-        elif status == 404 and (not message or str(message).strip().lower() == "not found"):
-            # jupyter_server's own 404 page: the route itself is missing, not the kernel.
-            message = f"this server cannot park kernels: it has no {suffix} route (HTTP 404; its gpu-quota-ext predates parking)"
         return ParkAnswer("error", str(message or f"the server answered HTTP {status}"), status=status)
 
     # --- usage reports --------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_accepted_but_not_parking_says_why(capsys):
 
 
 def test_a_server_without_the_route_or_unreachable_is_one_line(capsys):
-    for message in ("this server cannot park kernels: it has no park route (HTTP 404; its gpu-quota-ext predates parking)",
+    for message in ("this server cannot park kernels: it has no park route (HTTP 403; its gpu-quota-ext predates parking)",
                     "cannot reach the GPU quota server at http://127.0.0.1:1/: refused"):
         out = run("park", FakeParkClient(ParkAnswer("error", message)), capsys)
         assert out.out == ""
@@ -191,3 +191,31 @@ def test_panel_shows_the_park_state():
     assert view.park == "park: idle for 3 min"
     assert panel_view(kernel_state(), {}, None, park("busy", parkable=False, reason="no GPU")).park == "park: not parkable: no GPU"
     assert panel_view(kernel_state(), {}, None, None).park == ""
+
+
+# --- the client reads the server's answers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status, reply, outcome, says",
+    [
+        (202, {"park": {"state": "pending"}}, "accepted", ""),
+        (409, {"message": "not parkable: MPS client"}, "refused", "not parkable: MPS client"),
+        (403, {"message": "this secret does not belong to kernel k1"}, "error", "refused this kernel's credentials (403)"),
+        (403, None, "error", "it has no park route (HTTP 403"),  # jupyter_server's HTML page: no such route
+        (404, None, "error", "it has no park route (HTTP 404"),
+        (404, {"message": "no GPU grant for kernel k1"}, "error", "no GPU grant for kernel k1"),
+        (500, None, "error", "the server answered HTTP 500"),
+    ],
+)
+def test_client_reads_park_answers(status, reply, outcome, says):
+    from gpu_quota_ext.kernel.client import QuotaClient
+
+    client = QuotaClient("http://127.0.0.1:1/", "k1", "s3cr3t-value")
+    sent = []
+    client._send = lambda method, url, body, timeout: sent.append((method, url)) or (status, reply)
+    answer = client.park()
+    assert sent == [("POST", "http://127.0.0.1:1/api/gpu-quota/kernels/k1/park")]
+    assert answer.outcome == outcome and says in answer.message and "s3cr3t-value" not in answer.message
+    client.resume()
+    assert sent[-1] == ("POST", "http://127.0.0.1:1/api/gpu-quota/kernels/k1/resume")
