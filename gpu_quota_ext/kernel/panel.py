@@ -23,13 +23,13 @@ import atexit
 import sys
 import threading
 from dataclasses import dataclass, field
-from html import escape
 import time
+from html import escape
 from typing import List, Optional
 
 from ..shared.sizes import format_bytes
 from . import state as state_module
-from .park import state_words
+from .park import not_parkable_words, state_words
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server
 
@@ -80,8 +80,7 @@ def park_text(park: Optional[dict]) -> str:
     if not park:
         return ""
     if park.get("parkable") is False:
-        reason = park.get("reason")
-        return f"park: not parkable: {reason}" if reason else "park: not parkable"
+        return f"park: {not_parkable_words(park.get('reason'))}"
     return f"park: {state_words(park)}"
 
 

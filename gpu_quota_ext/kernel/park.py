@@ -70,6 +70,14 @@ def state_words(park: dict) -> str:
     return str(state or "unknown")
 
 
+def not_parkable_words(reason: Optional[str]) -> str:
+    """Why the kernel cannot be parked, "not parkable" said once whether or not the server's reason says it."""
+    reason = " ".join((reason or "").split())
+    if not reason:
+        return "not parkable"
+    return reason if reason.lower().startswith(_REFUSAL_OPENINGS) else f"not parkable: {reason}"
+
+
 def table_line(park: Optional[dict]) -> Optional[str]:
     """`%gpucap`'s line about parking, or None when the server says nothing about it. The cell that
     asks runs, so the kernel is "busy" then: the line says whether it can park, and how."""
@@ -77,7 +85,7 @@ def table_line(park: Optional[dict]) -> Optional[str]:
         return None
     reason = park.get("reason")
     if park.get("parkable") is False:
-        return f"parking: not possible: {reason}" if reason else "parking: not possible for this kernel"
+        return f"parking: {not_parkable_words(reason)}"
     if park.get("state") in ("busy", "idle"):
         line = "parking: possible: %gpucap park moves its GPU memory to host memory when the cell ends"
         return f"{line} (last time: {reason})" if reason else line

@@ -24,6 +24,7 @@ import {
   IParkButton,
   labelled,
   monitorNotice,
+  notParkableText,
   parkButtons,
   parkFeedback,
   parkWords,
@@ -405,9 +406,7 @@ class KernelRow {
     const park = kernel.park || null;
     setHidden(this._park, !park);
     if (park) {
-      const words = park.parkable === false
-        ? labelled(this._trans.__('Not parkable'), park.reason)
-        : parkWords(park);
+      const words = park.parkable === false ? notParkableText(park.reason) : parkWords(park);
       setText(this._park, words);
       setAttr(this._park, 'data-park-state', park.state);
       setLevel(this._park, park.state === 'waiting' ? 'warning' : 'ok');

@@ -601,6 +601,18 @@ export function refusalText(message: string | null | undefined, action: 'park' |
   return said ? `Cannot ${action}: ${shorten(said)}` : `Cannot ${action}`;
 }
 
+/** Why a kernel cannot be parked, "Not parkable" said once whether or not the server's reason says it. */
+export function notParkableText(reason: string | null | undefined): string {
+  const said = (reason || '').trim().replace(/\s+/g, ' ');
+  if (!said) {
+    return 'Not parkable';
+  }
+  if (REFUSAL_OPENINGS.some(opening => said.toLowerCase().startsWith(opening))) {
+    return shorten(said.charAt(0).toUpperCase() + said.slice(1));
+  }
+  return `Not parkable: ${shorten(said)}`;
+}
+
 export interface IParkFeedback {
   text: string;
   level: Level;

@@ -9,6 +9,7 @@ import { requestPark } from '../src/api';
 import {
   IKernelPark,
   normalizeStatus,
+  notParkableText,
   PARK_STATES,
   PARK_TITLE,
   parkButtons,
@@ -100,6 +101,12 @@ describe('parkFeedback and refusalText', () => {
     expect(
       parkFeedback('park', 'accepted', '', park('busy', { parkable: false, reason: 'not parkable: no GPU' }))
     ).toEqual({ text: 'Not parkable: no GPU', level: 'over' });
+  });
+
+  it('says "not parkable" once in the row', () => {
+    expect(notParkableText('not parkable: MPS client')).toBe('Not parkable: MPS client');
+    expect(notParkableText('MPS client')).toBe('Not parkable: MPS client');
+    expect(notParkableText(null)).toBe('Not parkable');
   });
 
   it('says what the server will do', () => {

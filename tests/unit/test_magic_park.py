@@ -170,7 +170,9 @@ def test_state_words():
 def test_table_line_says_parkable_or_why_not():
     assert table_line(None) is None
     assert table_line(park("busy")).startswith("parking: possible: %gpucap park")
-    assert table_line(park("busy", parkable=False, reason="MPS client")) == "parking: not possible: MPS client"
+    assert table_line(park("busy", parkable=False, reason="MPS client")) == "parking: not parkable: MPS client"
+    # The server's reason may say "not parkable" itself: said once.
+    assert table_line(park("busy", parkable=False, reason="not parkable: MPS client")) == "parking: not parkable: MPS client"
     assert table_line(park("pending")) == "parking: parks when its current cell ends"
 
 
@@ -179,7 +181,7 @@ def test_plain_gpucap_shows_the_park_line_when_the_server_sends_one(capsys, monk
     client = FakeParkClient(None, current=park("busy", parkable=False, reason="MPS client"))
     out = run("", client, capsys)
     assert client.calls == ["state"]
-    assert out.out.strip().splitlines()[-1] == "parking: not possible: MPS client"
+    assert out.out.strip().splitlines()[-1] == "parking: not parkable: MPS client"
     # A server that sends no park state (older, or unreachable): no park line at all.
     out = run("", FakeParkClient(None, current=None), capsys)
     assert "parking" not in out.out
@@ -190,6 +192,8 @@ def test_panel_shows_the_park_state():
     view = panel_view(kernel_state(), {}, None, park("idle", idle_seconds=180))
     assert view.park == "park: idle for 3 min"
     assert panel_view(kernel_state(), {}, None, park("busy", parkable=False, reason="no GPU")).park == "park: not parkable: no GPU"
+    said_twice = park("busy", parkable=False, reason="not parkable: no GPU")
+    assert panel_view(kernel_state(), {}, None, said_twice).park == "park: not parkable: no GPU"
     assert panel_view(kernel_state(), {}, None, None).park == ""
 
 
