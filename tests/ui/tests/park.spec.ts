@@ -14,7 +14,7 @@ const PANEL_ID = 'gpu-quota-ext-panel';
 const PANEL = `#${PANEL_ID}`;
 const GiB = 1024 ** 3;
 // shared/contract.py: PARK_SUFFIX, RESUME_SUFFIX
-const PARK_ROUTE = /\/api\/gpu-quota\/kernels\/[^/]+\/(park|resume)$/;
+const PARK_ROUTE = /\/api\/gpu-quota\/kernels\/[^/?]+\/(park|resume)(\?|$)/;
 
 async function openPanel(page: IJupyterLabPageFixture): Promise<void> {
   await page.sidebar.openTab(PANEL_ID);
