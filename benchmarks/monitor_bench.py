@@ -27,11 +27,11 @@ from _common import add_save_options, percentile, report  # noqa: E402
 
 from gpu_quota_ext.devices import Device, read_nvml_devices  # noqa: E402
 from gpu_quota_ext.local_ledger import LocalLedger  # noqa: E402
-from gpu_quota_ext.monitor import Monitor  # noqa: E402
+from gpu_quota_ext.manager import GpuQuotaManager  # noqa: E402
 from gpu_quota_ext.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
 from gpu_quota_ext.fake_nvml import FakeNvml  # noqa: E402
-from gpu_quota_ext.watchdog import build_enforcement  # noqa: E402
+from gpu_quota_ext.policy import watchdog_settings  # noqa: E402
 
 
 class Kernels:
@@ -64,7 +64,10 @@ def start_kernels(count: int):
     return pairs
 
 
-async def measure(monitor: Monitor, seconds: float, warmup: int):
+async def measure(manager: GpuQuotaManager, seconds: float, warmup: int):
+    """Sample timings, and the CPU of everything the manager runs per poll (sampling, the watchdog's
+    review, the lifecycle's poll)."""
+    monitor = manager.monitor
     timings = []
     original = monitor.sample
 
@@ -76,13 +79,13 @@ async def measure(monitor: Monitor, seconds: float, warmup: int):
             timings.append(time.perf_counter() - began)
 
     monitor.sample = timed
-    monitor.start()
+    manager.start()
     while monitor.ticks < warmup:
         await asyncio.sleep(0.01)
     wall0, cpu0, ticks0 = time.monotonic(), time.process_time(), monitor.ticks
     await asyncio.sleep(seconds)
     wall, cpu, ticks = time.monotonic() - wall0, time.process_time() - cpu0, monitor.ticks - ticks0
-    await monitor.stop()
+    await manager.stop()
     return wall, cpu, ticks, timings
 
 
@@ -115,8 +118,11 @@ def main() -> None:
             grant = ledger.grant(kernel_id, "bench", "python3", resolve(policy, "bench", "python3"))
             if not args.real:
                 FakeNvml.set_usage(child, devices[grant.devices[0]].uuid, GiB)
-        monitor = Monitor(devices, ledger, backend, Kernels(roots), build_enforcement("warn", "1GiB", 0, args.interval))
-        wall, cpu, ticks, timings = asyncio.run(measure(monitor, args.seconds, warmup=3))
+        manager = GpuQuotaManager(
+            policy, devices, ledger, Kernels(roots), backend, watchdog_settings("warn", "1GiB", 0, args.interval), user="bench"
+        )
+        monitor = manager.monitor
+        wall, cpu, ticks, timings = asyncio.run(measure(manager, args.seconds, warmup=3))
         attributed = sum(len(v) for v in monitor.latest.kernels.values())
         assert monitor.latest.state == "ok", monitor.latest.message
         if not args.real:

@@ -23,7 +23,7 @@ import psutil  # noqa: E402
 
 from _common import add_save_options, report  # noqa: E402
 
-from gpu_quota_ext.processes import parse_environ_kernel_id, parse_ppid, parse_uids  # noqa: E402
+from gpu_quota_ext.usage.attribution import parse_environ_kernel_id, parse_ppid, parse_uids  # noqa: E402
 
 
 def _read(pid: int, name: str, binary: bool = False):

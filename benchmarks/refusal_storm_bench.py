@@ -53,6 +53,7 @@ def serve(port: int, token: str) -> None:
     from tornado import web
     from traitlets.config import Config
 
+    from gpu_quota_ext.jupyter_private import pending_kernels
     from gpu_quota_ext.provisioner import SETTINGS_KEY
 
     class Leftovers(APIHandler):
@@ -64,7 +65,7 @@ def serve(port: int, token: str) -> None:
                 json.dumps(
                     {
                         "reserved ports": len(LocalPortCache.instance().currently_used_ports),
-                        "pending kernels": len(km._pending_kernels),
+                        "pending kernels": len(pending_kernels(km) or {}),
                         "kernels": len(km.list_kernel_ids()),
                         "grants": len(service.ledger.grants()),
                         "kernel secrets": len(service._tokens),

@@ -84,7 +84,7 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
                 pids.write(f"{pid}\n")
             device = service.ledger.get(kernel_id).devices[0]
             FakeNvml.set_usage(pid, f"static-{device}", GiB + number)
-            service.monitor.report(kernel_id, [{"index": device, "allocated": number, "reserved": 2 * number, "peak": 3 * number}])
+            service.reports.report(kernel_id, [{"index": device, "allocated": number, "reserved": 2 * number, "peak": 3 * number}])
 
     app.io_loop.add_callback(start_kernels)
     app.start()  # until SIGTERM; shutting down, the server stops every kernel

@@ -8,29 +8,33 @@ the setting and the value: a quota extension that failed to load would let kerne
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Any as AnyTrait
-from traitlets import TraitError, Type, Unicode, default
+from traitlets import Callable, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Type, Unicode
+from traitlets import Union as UnionTrait
 
-from .devices import DeviceInventory, NvmlInventory
+from .devices import Device
 from .handlers import HANDLERS
+from .park_handlers import PARK_HANDLERS
+from .parking import ParkSettings, build_park_settings
 from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
-from .monitor import Monitor, KernelManagerView
-from .checkpoint import CheckpointDriver, CudaCheckpointDriver
-from .park_handlers import PARK_HANDLERS
-from .parker import Parker
-from .parking import build_park_settings
-from .nvml import NvmlBackend, PynvmlBackend
-from .policy import Policy, PolicyError, build_policy
-from .provisioner import SETTINGS_KEY
+from .ledger import Ledger
+from .local_ledger import LocalLedger
 from .manager import GpuQuotaManager
-from .watchdog import WatchdogSettings, build_enforcement
+from .policy import Policy, PolicyError, build_policy, watchdog_settings
+from .provisioner import SETTINGS_KEY
+from .settings import (
+    CAP, CHOICE, CLASS, FACTOR, HARD_CAP, PARK, POLICY, RULES, SECONDS, SETTINGS, SIZE, SLACK, TEXT, WATCHDOG,
+    Setting, SettingError, as_text, names_of,
+)
+from .usage.kernel_manager import KernelManagerView
+from .watchdog import WatchdogSettings
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -49,13 +53,101 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
     return f"{'https' if tls else 'http'}://{host}:{port}{base_url}"
 
 
-def _env(name: str, fallback):
-    return os.environ.get(name, fallback)
+def _make_ledger(devices: Sequence[Device], policy: Policy) -> Ledger:
+    """The ledger this server's grants go through: this server's own, in memory."""
+    return LocalLedger(devices, policy)
 
 
 def invalid_configuration(message: str) -> str:
     """The one line a bad setting gives, the same from the server and from `jupyter gpu-quota check`."""
     return f"gpu-quota-ext: invalid configuration: {message}"
+
+
+class _SettingTrait(TraitType):
+    """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
+    value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
+
+    row: Setting
+
+    def default(self, obj=None):
+        return super().default(obj) if obj is None else obj._from_env(self.name)
+
+    def validate(self, obj, value):
+        try:
+            typed = self.coerce(value)
+            return typed if typed is None and self.allow_none else super().validate(obj, typed)
+        except (TraitError, ValueError):
+            raise TraitError(str(SettingError(self.name, value, self.row.must))) from None
+
+    def coerce(self, value):
+        """A value as written in a config file, on the command line or in the environment, made the trait's type."""
+        return value
+
+
+class ChoiceEnum(_SettingTrait, CaselessStrEnum):
+    def from_string(self, s):
+        return s  # validate reads the text, so that a refusal shows it as written
+
+    def coerce(self, value):
+        return value.strip() if isinstance(value, str) else value
+
+
+class Number(_SettingTrait, Float):
+    """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number."""
+
+    def from_string(self, s):
+        return s  # validate reads the text, so that a refusal shows it as written
+
+    def coerce(self, value):
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        return None if self.allow_none and text.lower() in ("", "none") else float(text)
+
+
+class SizeOrFraction(_SettingTrait, UnionTrait):
+    """A string ("0.25", "25%", "12GiB") or a number (0.25, 2**30), kept as the text the environment
+    variable would carry: policy.py parses a number from a config file as it parses the same text."""
+
+    def validate(self, obj, value):
+        value = super().validate(obj, value)
+        return value if isinstance(value, (str, bool)) else as_text(value)
+
+
+class RulesOrCallable(_SettingTrait, UnionTrait):
+    pass
+
+
+class Text(_SettingTrait, Unicode):
+    pass
+
+
+class PluginClass(_SettingTrait, Type):
+    pass
+
+
+def setting_trait(name: str) -> TraitType:
+    """The trait of one row of the settings table: its type from the row's kind, its default the row's
+    (or its environment variable's), its help the row's with the variable named."""
+    row = SETTINGS[name]
+    help_text = row.help + (f" Read from ${row.env} when neither config nor the command line sets it." if row.env else "")
+    common = dict(default_value=row.default, help=help_text)
+    if row.kind == CHOICE:
+        trait = ChoiceEnum(row.choices, **common)
+    elif row.kind in (SECONDS, FACTOR):
+        trait = Number(min=row.low, max=row.high, allow_none=row.default is None, **common)
+    elif row.kind in (CAP, SIZE, SLACK):
+        trait = SizeOrFraction([Unicode(), Int(), Float()], **common)
+    elif row.kind == RULES:
+        trait = RulesOrCallable([List(), Callable()], **common)
+    elif row.kind == TEXT:
+        trait = Text(allow_none=row.default is None, **common)
+    elif row.kind == CLASS:
+        trait = PluginClass(klass=row.klass, **common)
+    else:
+        raise ValueError(f"settings.SETTINGS[{name!r}]: unknown kind {row.kind!r}")
+    trait.row = row
+    return trait.tag(config=True, env=row.env)
 
 
 class GpuQuota(ExtensionApp):
@@ -64,292 +156,126 @@ class GpuQuota(ExtensionApp):
     name = "gpu_quota_ext"
     load_other_extensions = True
 
-    default_cap = Unicode(
-        help="""Cap every kernel gets at start, on each GPU it is given: a fraction of the device
-        ("0.25"), a percentage ("25%"), a size ("12GiB", "12GB") or bytes. Default: $GPU_QUOTA_DEFAULT_CAP or "0.25".""",
-    ).tag(config=True, env="GPU_QUOTA_DEFAULT_CAP")
-
-    @default("default_cap")
-    def _default_cap(self):
-        return self._from_env("default_cap", "0.25")
-
-    max_cap = Unicode(
-        help="""The most a kernel may ask for later with %gpucap or the API, same forms as default_cap.
-        Default: $GPU_QUOTA_MAX_CAP or "1.0" (users may opt into the whole device).""",
-    ).tag(config=True, env="GPU_QUOTA_MAX_CAP")
-
-    @default("max_cap")
-    def _default_max_cap(self):
-        return self._from_env("max_cap", "1.0")
-
-    caps = AnyTrait(
-        default_value=[],
-        help="""Rules that give some kernels another cap, first match wins: a list of dicts with keys
-        'user' and 'kernelspec' (glob patterns, default '*'), 'cap', and optional 'max_cap' and 'devices'
-        (how many GPUs the kernel gets, default 1). Or a callable (user, kernelspec) -> cap, rule dict or None.""",
-    ).tag(config=True)
-
-    overcommit = AnyTrait(
-        help="""Admission control: each device's budget is its memory x overcommit; a kernel whose cap does
-        not fit on any device is handled by on_full. None = no admission control (never blocks a start).
-        Default: $GPU_QUOTA_OVERCOMMIT or None.""",
-    ).tag(config=True, env="GPU_QUOTA_OVERCOMMIT")
-
-    @default("overcommit")
-    def _default_overcommit(self):
-        return self._from_env("overcommit", None)
-
-    placement = Unicode(
-        help="""Which GPU a kernel is put on (through CUDA_VISIBLE_DEVICES): "spread" (the least granted),
-        "pack" (fill GPU 0 first) or "none" (the kernel sees every GPU, capped on each). Default: $GPU_QUOTA_PLACEMENT or "spread".""",
-    ).tag(config=True, env="GPU_QUOTA_PLACEMENT")
-
-    @default("placement")
-    def _default_placement(self):
-        return self._from_env("placement", "spread")
-
-    on_full = Unicode(
-        help="""When no device has budget left: "refuse" (the start fails with a clear message) or
-        "cpu-only" (the kernel starts with no GPU visible). Default: $GPU_QUOTA_ON_FULL or "cpu-only".""",
-    ).tag(config=True, env="GPU_QUOTA_ON_FULL")
-
-    @default("on_full")
-    def _default_on_full(self):
-        return self._from_env("on_full", "cpu-only")
-
-    on_over_max = Unicode(
-        help="""A cap request above max_cap or the device's budget: "clamp" (grant the most allowed) or
-        "refuse". Default: $GPU_QUOTA_ON_OVER_MAX or "clamp".""",
-    ).tag(config=True, env="GPU_QUOTA_ON_OVER_MAX")
-
-    @default("on_over_max")
-    def _default_on_over_max(self):
-        return self._from_env("on_over_max", "clamp")
-
-    inventory_class = Type(
-        default_value=NvmlInventory,
-        klass=DeviceInventory,
-        help="""Where the list of GPUs comes from: NVML (default) or
-        gpu_quota_ext.devices.StaticInventory with c.StaticInventory.devices (tests, demos without a GPU).""",
-    ).tag(config=True)
-
-    enforce = Unicode(
-        help="""What the watchdog does to a kernel whose processes use more GPU memory than its cap plus slack
-        (measured by NVML, so CuPy, raw CUDA and subprocesses count): "off", "warn" (log it and show it in the
-        status API and sidebar), "interrupt", "restart" or "kill" the kernel. Default: $GPU_QUOTA_ENFORCE or "warn":
-        in-process caps already stop the common frameworks cleanly, and a false alarm (a usage spike, a large
-        CUDA context) must not cost a user their kernel's state unless the admin chose so.""",
-    ).tag(config=True, env="GPU_QUOTA_ENFORCE")
-
-    @default("enforce")
-    def _default_enforce(self):
-        return self._from_env("enforce", "warn")
-
-    slack = AnyTrait(
-        help="""How far over its cap a kernel may go before the watchdog acts: a size ("1GiB", bytes) or a
-        fraction of the kernel's cap ("0.1", "10%"). NVML counts the CUDA context (about 600 MiB per process)
-        that no in-process cap counts. Default: $GPU_QUOTA_SLACK or "1GiB".""",
-    ).tag(config=True, env="GPU_QUOTA_SLACK")
-
-    @default("slack")
-    def _default_slack(self):
-        return self._from_env("slack", "1GiB")
-
-    grace = AnyTrait(
-        help="""Seconds a kernel must stay over cap plus slack before the watchdog acts (0: on the first sample
-        over it). Default: $GPU_QUOTA_GRACE or 0.""",
-    ).tag(config=True, env="GPU_QUOTA_GRACE")
-
-    @default("grace")
-    def _default_grace(self):
-        return self._from_env("grace", "0")
-
-    poll_interval = AnyTrait(
-        help="""Seconds between two NVML samples of every GPU (0.05 to 60). Default: $GPU_QUOTA_POLL_INTERVAL or 1.""",
-    ).tag(config=True, env="GPU_QUOTA_POLL_INTERVAL")
-
-    @default("poll_interval")
-    def _default_poll_interval(self):
-        return self._from_env("poll_interval", "1")
-
-    nvml_class = Type(
-        default_value=PynvmlBackend,
-        klass=NvmlBackend,
-        help="""Where the monitor reads per-process GPU memory: the driver through nvidia-ml-py (default), or
-        gpu_quota_ext.fake_nvml.FakeNvml (tests, benchmarks).""",
-    ).tag(config=True)
-
-    hard_cap = Unicode(
-        help="""A hard limit at allocation time through NVIDIA MPS, on top of the soft caps: "off", "auto" (MPS
-        when a usable MPS control daemon answers; otherwise soft caps only, and the status says why) or "mps"
-        (required: the server refuses to start without a usable daemon). Default: $GPU_QUOTA_HARD_CAP or "off".""",
-    ).tag(config=True, env="GPU_QUOTA_HARD_CAP")
-
-    @default("hard_cap")
-    def _default_hard_cap(self):
-        return self._from_env("hard_cap", "off")
-
-    mps_daemon = Unicode(
-        help="""Which MPS control daemon kernels use: "managed" (this server starts its own, with pipe and log
-        directories under its runtime directory, and stops it at shutdown) or "external" (an admin's, at
-        $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps). Default: $GPU_QUOTA_MPS_DAEMON or "managed".""",
-    ).tag(config=True, env="GPU_QUOTA_MPS_DAEMON")
-
-    @default("mps_daemon")
-    def _default_mps_daemon(self):
-        return self._from_env("mps_daemon", "managed")
-
-    hard_limit = Unicode(
-        help="""Which number a kernel's hard limit is: "max_cap" (%gpucap stays live up to max_cap, nothing ever
-        passes it) or "cap" (the cap at kernel start; a raise above it takes effect at the next restart).
-        Default: $GPU_QUOTA_HARD_LIMIT or "max_cap".""",
-    ).tag(config=True, env="GPU_QUOTA_HARD_LIMIT")
-
-    @default("hard_limit")
-    def _default_hard_limit(self):
-        return self._from_env("hard_limit", "max_cap")
-
-    mps_context_allowance = AnyTrait(
-        help="""Added to each hard limit for the CUDA context, which MPS counts against the limit (about 514 MiB
-        measured on an H200): a size or 0. Default: $GPU_QUOTA_MPS_CONTEXT_ALLOWANCE or "640MiB".""",
-    ).tag(config=True, env="GPU_QUOTA_MPS_CONTEXT_ALLOWANCE")
-
-    @default("mps_context_allowance")
-    def _default_mps_context_allowance(self):
-        return self._from_env("mps_context_allowance", "640MiB")
-
-    mps_control = Unicode(
-        help="""The MPS control program, a name looked up on PATH and in /usr/local/nvidia/bin, or a path.
-        Default: $GPU_QUOTA_MPS_CONTROL or "nvidia-cuda-mps-control".""",
-    ).tag(config=True, env="GPU_QUOTA_MPS_CONTROL")
-
-    @default("mps_control")
-    def _default_mps_control(self):
-        return self._from_env("mps_control", "nvidia-cuda-mps-control")
-
-    mps_timeout = AnyTrait(
-        help="""Seconds one call of the MPS control program may take (it is asked before every kernel start;
-        a daemon that does not answer in time gives that kernel soft caps only). Default: $GPU_QUOTA_MPS_TIMEOUT or 5.""",
-    ).tag(config=True, env="GPU_QUOTA_MPS_TIMEOUT")
-
-    @default("mps_timeout")
-    def _default_mps_timeout(self):
-        return self._from_env("mps_timeout", "5")
-
-    # --- parking (issue 13): idle kernels' GPU memory to host memory and back ---------------------
-    park_idle_after = Unicode(
-        help="""Park a kernel that holds GPU memory and has been idle this long (jupyter_server's own view of
-        its activity): seconds ("1800") or a duration ("30min", "2h"); "off" never parks by itself (the park
-        route and %gpucap park still do). Default: $GPU_QUOTA_PARK_IDLE_AFTER or "off".""",
-    ).tag(config=True, env="GPU_QUOTA_PARK_IDLE_AFTER")
-
-    @default("park_idle_after")
-    def _default_park_idle_after(self):
-        return self._from_env("park_idle_after", "off")
-
-    park_host_margin = Unicode(
-        help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
-        goes to its own host memory; the server's memory cgroup counts too). Default: $GPU_QUOTA_PARK_HOST_MARGIN or "2GiB".""",
-    ).tag(config=True, env="GPU_QUOTA_PARK_HOST_MARGIN")
-
-    @default("park_host_margin")
-    def _default_park_host_margin(self):
-        return self._from_env("park_host_margin", "2GiB")
-
-    checkpoint_class = Type(
-        default_value=CudaCheckpointDriver,
-        klass=CheckpointDriver,
-        help="""What parks kernels: the CUDA driver's checkpoint API through ctypes (default), or
-        gpu_quota_ext.fake_checkpoint.FakeCheckpoint (tests, with the fake NVML).""",
-    ).tag(config=True)
+    # Every setting's trait, from its row in settings.SETTINGS (type, default, environment variable, help).
+    default_cap = setting_trait("default_cap")
+    max_cap = setting_trait("max_cap")
+    caps = setting_trait("caps")
+    overcommit = setting_trait("overcommit")
+    placement = setting_trait("placement")
+    on_full = setting_trait("on_full")
+    on_over_max = setting_trait("on_over_max")
+    enforce = setting_trait("enforce")
+    slack = setting_trait("slack")
+    grace = setting_trait("grace")
+    poll_interval = setting_trait("poll_interval")
+    hard_cap = setting_trait("hard_cap")
+    mps_daemon = setting_trait("mps_daemon")
+    hard_limit = setting_trait("hard_limit")
+    mps_context_allowance = setting_trait("mps_context_allowance")
+    mps_control = setting_trait("mps_control")
+    mps_timeout = setting_trait("mps_timeout")
+    inventory_class = setting_trait("inventory_class")
+    nvml_class = setting_trait("nvml_class")
+    park_idle_after = setting_trait("park_idle_after")
+    park_host_margin = setting_trait("park_host_margin")
+    checkpoint_class = setting_trait("checkpoint_class")
 
     def _link_jupyter_server_extension(self, serverapp):
         try:
             super()._link_jupyter_server_extension(serverapp)
+            # Every value read now, while a TraitError still stops the server: the extension's
+            # initialize() reads them all before initialize_settings, where an error would only
+            # fail the extension's loading, and the server would run without caps.
+            self._setting_values()
         except TraitError as error:
             self._stop_server(str(error))
 
-    def _from_env(self, name: str, fallback):
-        """A setting's default: its environment variable (the trait's `env` tag) when set, else `fallback`."""
-        return _env(self.trait_metadata(name, "env"), fallback)
+    def _from_env(self, name: str):
+        """A setting's default: its environment variable when set, read as the command line reads a value;
+        else the built-in default. An invalid variable is refused in one line that names it."""
+        row = SETTINGS[name]
+        if row.env is None or row.env not in os.environ:
+            return copy.deepcopy(row.default)
+        text = os.environ[row.env]
+        trait = self.traits()[name]
+        try:
+            return trait.validate(self, trait.from_string(text))
+        except (TraitError, ValueError):
+            raise TraitError(str(SettingError(name, text, row.must, row.env))) from None
 
     def environment_source(self, name: str) -> Optional[str]:
         """The environment variable a setting's value came from; None when config, the command line or
         the built-in default gave it."""
-        variable = self.trait_metadata(name, "env")
+        variable = SETTINGS[name].env
         if not variable or variable not in os.environ or f"GpuQuota.{name}" in self.config:
             return None
-        return variable if getattr(self, name) == os.environ[variable] else None
+        return variable if getattr(self, name) == self._from_env(name) else None
+
+    def _setting_values(self) -> dict:
+        """Every setting's value; a bad type, choice or range (config or environment): a TraitError, one line."""
+        return {name: getattr(self, name) for name in SETTINGS}
 
     def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardCapSettings]:
         """The policy, the watchdog's and the hard limit's settings, validated. The server's start and `jupyter gpu-quota
-        check` both come here: PolicyError names the first bad setting, and its environment variable
-        when the value came from there."""
-        try:
-            policy = build_policy(
-                self.default_cap,
-                self.max_cap,
-                self.caps,
-                self.overcommit,
-                self.placement,
-                self.on_full,
-                self.on_over_max,
-            )
-            enforcement = build_enforcement(self.enforce, self.slack, self.grace, self.poll_interval)
-            hard_cap = build_hard_cap_settings(
-                self.hard_cap, self.mps_daemon, self.hard_limit, self.mps_context_allowance, self.mps_control, self.mps_timeout
-            )
-        except PolicyError as error:
-            raise PolicyError(self._name_the_environment(str(error))) from None
-        return policy, enforcement, hard_cap
+        check` both come here: a SettingError (a PolicyError) or a TraitError names the first bad setting, and its
+        environment variable when the value came from there."""
+        values = self._setting_values()
 
-    def _name_the_environment(self, message: str) -> str:
-        for name in self.class_own_traits(config=True):
-            variable = self.environment_source(name)
-            written = f"c.GpuQuota.{name} = {getattr(self, name)!r}"
-            if variable and message.startswith(written + ": "):
-                return f"{written} (from the environment variable {variable}){message[len(written):]}"
-        return message
+        def part(name: str) -> dict:
+            return {setting: values[setting] for setting in names_of(name)}
+
+        try:
+            return build_policy(**part(POLICY)), watchdog_settings(**part(WATCHDOG)), build_hard_cap_settings(**part(HARD_CAP))
+        except SettingError as error:
+            raise self._named_with_its_variable(error) from None
+
+    def park_settings(self) -> ParkSettings:
+        """The park settings (the table's PARK rows), validated like the parts above."""
+        try:
+            return build_park_settings(**{name: getattr(self, name) for name in names_of(PARK)})
+        except SettingError as error:
+            raise self._named_with_its_variable(error) from None
+
+    def _named_with_its_variable(self, error: SettingError) -> SettingError:
+        """The refusal said of the environment variable's text when the value came from there."""
+        variable = self.environment_source(error.name)
+        return error if variable is None else error.from_environment(variable, os.environ[variable])
 
     def initialize_settings(self):
         self._log_through_the_server()
         try:
             policy, enforcement, hard_cap = self.validated_settings()
+            parking = self.park_settings()
             inventory = self.inventory_class(parent=self)
             devices = inventory.list_devices()
         except (PolicyError, TraitError) as error:
             self._stop_server(str(error))
-        service = GpuQuotaManager(
-            policy,
-            devices,
-            api_url=self._api_url,
-            no_gpu_reason=inventory.problem,
-        )
-        service.hard_cap = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
+        hard_layer = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
         try:
-            service.hard_cap.start(policy, devices)
+            hard_layer.start(policy, devices)
         except HardCapUnavailable as error:
             self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
-        service.monitor = Monitor(
+        manager = GpuQuotaManager(
+            policy,
             devices,
-            service.ledger,
-            self.nvml_class(),
+            _make_ledger(devices, policy),
             KernelManagerView(self.serverapp.kernel_manager),
-            enforcement,
+            self.nvml_class(),
+            watchdog_settings=enforcement,
+            hard_cap=hard_layer,
+            api_url=self._api_url,
             no_gpu_reason=inventory.problem,
-            release=service.release,
+            park_settings=parking,
+            checkpoint=self.checkpoint_class(),
         )
-        service.parker = self._parker(service)
-        service.monitor.sample_hooks.append(service.parker.on_sample)
-        self.settings[SETTINGS_KEY] = service
+        self.settings[SETTINGS_KEY] = manager
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            pass  # the usual case: the loop starts later and _start_jupyter_server_extension starts the monitor
+            pass  # the usual case: the loop starts later and _start_jupyter_server_extension starts the manager
         else:
             # Embedders that initialize on a running loop (pytest-jupyter) never call that hook.
-            service.monitor.start()
-            service.parker.start()
+            manager.start()
         # Every kernelspec without a provisioner stanza of its own now starts through our hook.
         KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
         self.log.info(
@@ -362,30 +288,19 @@ class GpuQuota(ExtensionApp):
         )
 
     async def _start_jupyter_server_extension(self, serverapp):
-        # The loop runs now: the monitor's task can start.
-        service = self.settings.get(SETTINGS_KEY)
-        if service is not None and service.monitor is not None:
-            service.monitor.start()
-            service.parker.start()
+        # The loop runs now: the monitor's and the lifecycle's tasks can start.
+        manager = self.settings.get(SETTINGS_KEY)
+        if manager is not None:
+            manager.start()
 
     async def stop_extension(self):
-        service = self.settings.get(SETTINGS_KEY)
-        if service is not None and service.monitor is not None:
-            await service.monitor.stop()
-        if service is not None and service.parker is not None:
-            await service.parker.stop()
-        if service is not None:
-            await service.hard_cap.stop(self.serverapp.kernel_manager)
+        manager = self.settings.get(SETTINGS_KEY)
+        if manager is not None:
+            await manager.stop()
+            await manager.hard_cap.stop(self.serverapp.kernel_manager)
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS + PARK_HANDLERS)
-
-    def _parker(self, service) -> Parker:
-        try:
-            settings = build_park_settings(self.park_idle_after, self.park_host_margin)
-        except PolicyError as error:
-            self._stop_server(self._name_the_environment(str(error)))
-        return Parker(settings, self.checkpoint_class(), self.serverapp.kernel_manager, service.ledger, service.hard_cap)
 
     def _log_through_the_server(self) -> None:
         # The package's module loggers ("gpu_quota_ext", "gpu_quota_ext.*") write through the server's

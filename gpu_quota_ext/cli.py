@@ -6,8 +6,8 @@
                                           load the configuration as the server would and validate it:
                                           the effective policy, the watchdog, the GPUs seen (or why none)
 
-The settings are the GpuQuota server extension's own traits, read from its class: nothing here writes a
-setting, its help or its default a second time. `check` loads config files, the command line and the
+The settings are the rows of gpu_quota_ext.settings and the GpuQuota traits made from them: nothing here
+writes a setting, its help or its default a second time. `check` loads config files, the command line and the
 environment through jupyter_server's own loading and validates them with the extension's own code, so a
 bad configuration ends with the very line the server would print, and exit status 1.
 """
@@ -25,32 +25,21 @@ from traitlets.utils.text import wrap_paragraphs
 
 from .app import GpuQuota, invalid_configuration
 from .devices import StaticInventory
+from .settings import DEFAULTS, POLICY, SETTINGS, names_of
 from .shared.sizes import PolicyError, format_bytes
 
 
 def setting_names() -> List[str]:
-    return sorted(GpuQuota.class_own_traits(config=True))
+    return sorted(SETTINGS)
 
 
 def environment_variable(name: str) -> Optional[str]:
-    return GpuQuota.class_traits()[name].metadata.get("env")
+    return SETTINGS[name].env
 
 
 def builtin_defaults() -> Dict[str, object]:
     """Each setting's value with no config and no GPU_QUOTA_* variable: what a fresh install gets."""
-    names = [v for v in (environment_variable(n) for n in setting_names()) if v]
-    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
-    try:
-        fresh = GpuQuota()
-        return {name: getattr(fresh, name) for name in setting_names()}
-    finally:
-        os.environ.update(saved)
-
-
-def python_literal(value: object) -> str:
-    if isinstance(value, type):  # a Type trait: written in config as the class's import path
-        return repr(f"{value.__module__}.{value.__qualname__}")
-    return repr(value)
+    return dict(DEFAULTS)
 
 
 def settings_help(current: GpuQuota) -> str:
@@ -64,6 +53,11 @@ def settings_help(current: GpuQuota) -> str:
     ]
     traits = GpuQuota.class_traits()
     for name in setting_names():
+        try:
+            getattr(current, name)
+        except TraitError as error:  # a bad environment variable: say so where its value would be
+            lines.append(GpuQuota.class_get_trait_help(traits[name]) + f"\n    Current: invalid ({error})")
+            continue
         lines.append(GpuQuota.class_get_trait_help(traits[name], current))
     lines += ["", StaticInventory.class_get_help()]
     return "\n".join(lines)
@@ -85,7 +79,7 @@ def generate_config() -> str:
     for name in setting_names():
         for paragraph in wrap_paragraphs(traits[name].help, 96):
             lines += [f"## {line}" for line in paragraph.splitlines()]
-        lines.append(f"# c.GpuQuota.{name} = {python_literal(defaults[name])}")
+        lines.append(f"# c.GpuQuota.{name} = {defaults[name]!r}")
         lines.append("")
     devices = StaticInventory.class_traits()["devices"]
     lines += [f"## {line}" for paragraph in wrap_paragraphs(devices.help, 96) for line in paragraph.splitlines()]
@@ -158,8 +152,9 @@ def check_report(argv: List[str]) -> str:
 
     described = policy.describe()
     lines.append("policy:")
-    for name in ("default_cap", "max_cap", "overcommit", "placement", "on_full", "on_over_max"):
-        lines.append(row(name, described[name]))
+    for name in names_of(POLICY):
+        if name != "caps":
+            lines.append(row(name, described[name]))
     rules = described["rules"]
     lines.append(row("caps", "a callable" if rules == "callable" else f"{rules} rule(s)"))
     lines.append("watchdog:")

@@ -38,7 +38,8 @@ class GpuQuotaHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
-    def service(self):
+    def manager(self):
+        """The extension's GpuQuotaManager."""
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
@@ -94,7 +95,7 @@ class GpuQuotaHandler(APIHandler):
         if token is None:
             self.require_user(action)
             return "user"
-        if not self.service.token_matches(kernel_id, token):
+        if not self.manager.token_matches(kernel_id, token):
             raise web.HTTPError(403, f"this secret does not belong to kernel {shown(kernel_id)}")
         return "kernel"
 
@@ -106,19 +107,6 @@ class GpuQuotaHandler(APIHandler):
             return {s["kernel"]["id"]: s.get("path") for s in listed if s.get("kernel")}
         except Exception:  # no session manager, or another implementation of it: paths are optional
             return {}
-
-    def kernel_json(self, grant, paths: dict) -> dict:
-        """The ledger's grant (caps) with the monitor's usage next to each cap, and the last action."""
-        data = grant.to_json()
-        data["id"] = data.pop("kernel_id")
-        data["path"] = paths.get(grant.kernel_id)
-        monitor = self.service.monitor
-        for device in data["devices"]:
-            device.update(kernel_device_usage(monitor, grant.kernel_id, device["index"]))
-        data["last_action"] = monitor.last_action(grant.kernel_id) if monitor else None
-        data["layers"] = self.service.hard_cap.kernel_json(grant)
-        data["park"] = self.service.parker.kernel_json(grant.kernel_id) if getattr(self.service, "parker", None) else None
-        return data
 
     def read_json_body(self) -> Any:
         if self._body_too_large:
@@ -133,30 +121,7 @@ class StatusHandler(GpuQuotaHandler):
     @web.authenticated
     async def get(self):
         self.require_user("read")
-        service = self.service
-        monitor = service.monitor
-        paths = await self.session_paths()
-        devices = service.ledger.usage()
-        for device in devices:
-            device["used"] = monitor.device_used(device["index"]) if monitor else None
-        policy = service.policy.describe()
-        if monitor is not None:
-            policy.update(monitor.settings.describe())
-        self.finish(
-            json.dumps(
-                {
-                    "gpu": bool(service.devices),
-                    "message": service.no_gpu_reason,
-                    "user": service.user,
-                    "devices": devices,
-                    "kernels": [self.kernel_json(g, paths) for g in service.ledger.grants()],
-                    "policy": policy,
-                    "monitor": monitor.describe() if monitor else {"state": "off", "message": None},
-                    "actions": [a.to_json() for a in monitor.watchdog.history] if monitor else [],
-                    "hard_cap": service.hard_cap.describe(),
-                }
-            )
-        )
+        self.finish(json.dumps(self.manager.status.answer(await self.session_paths())))
 
 
 class KernelHandler(GpuQuotaHandler):
@@ -164,10 +129,10 @@ class KernelHandler(GpuQuotaHandler):
     async def get(self, kernel_id: str):
         """The server's user, or the kernel itself with its secret (it checks for caps changed elsewhere)."""
         self.require_user_or_kernel(kernel_id, "read")
-        grant = self.service.ledger.get(kernel_id)
+        grant = self.manager.ledger.get(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
-        self.finish(json.dumps(self.kernel_json(grant, await self.session_paths())))
+        self.finish(json.dumps(self.manager.status.kernel(grant, await self.session_paths())))
 
     @allow_unauthenticated
     async def put(self, kernel_id: str):
@@ -176,13 +141,13 @@ class KernelHandler(GpuQuotaHandler):
         who = self.require_user_or_kernel(kernel_id, "write")
         body = self.read_json_body()
         request = parse_cap_request(body)
-        ledger = self.service.ledger
+        manager = self.manager
         try:
             if request == "reset":
-                result = ledger.reset(kernel_id, source=f"{who} request")
+                result = await manager.reset(kernel_id, source=f"{who} request")
             else:
                 cap, device = request
-                result = ledger.change(kernel_id, cap, device, source=f"{who} request")
+                result = await manager.change(kernel_id, cap, device, source=f"{who} request")
             if result.status == "refused":
                 self.set_status(409)
             grant, outcome, message = result.grant, result.status, result.message
@@ -191,25 +156,24 @@ class KernelHandler(GpuQuotaHandler):
         except PolicyError as error:
             raise web.HTTPError(400, str(error)) from None
         self.log.info("gpu-quota-ext: kernel %s cap request: %s (%s)", kernel_id, outcome, message)
-        self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": self.kernel_json(grant, await self.session_paths())}))
+        kernel = manager.status.kernel(grant, await self.session_paths())
+        self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": kernel}))
 
 
 class UsageHandler(GpuQuotaHandler):
     @allow_unauthenticated
     def post(self, kernel_id: str):
         """A kernel reports its own allocator after a cell: {"devices": [{"index": 0, "allocated": int,
-        "reserved": int, "peak": int}]}. Stored by the monitor (usage), never the ledger (caps).
+        "reserved": int, "peak": int}]}. Stored with the usage (reports), never the ledger (caps).
         Answers with the kernel's last watchdog action, so the kernel can tell its user."""
         self.require_user_or_kernel(kernel_id, "write")
-        grant = self.service.ledger.get(kernel_id)
+        manager = self.manager
+        grant = manager.ledger.get(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
         entries = parse_usage_report(self.read_json_body(), grant.devices)
-        monitor = self.service.monitor
-        if monitor is None:
-            raise web.HTTPError(503, "the GPU monitor is not running")
-        monitor.report(kernel_id, entries)
-        self.finish(json.dumps({"accepted": len(entries), "last_action": monitor.last_action(kernel_id)}))
+        manager.reports.report(kernel_id, entries)
+        self.finish(json.dumps({"accepted": len(entries), "last_action": manager.status.last_action(kernel_id)}))
 
 
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
@@ -246,12 +210,6 @@ def parse_usage_report(body: Any, granted: Any) -> list:
             clean[name] = value
         entries.append(clean)
     return entries
-
-
-def kernel_device_usage(monitor, kernel_id: str, index: int) -> dict:
-    if monitor is None:
-        return {"used": None, "allocated": None, "reserved": None, "peak": None, "reported_at": None}
-    return monitor.kernel_device_usage(kernel_id, index)
 
 
 def parse_cap_request(body: Any):

@@ -17,21 +17,19 @@ No I/O here: the daemon, the probe and the processes are gpu_quota_ext/mps.py's.
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
 from .ledger import Grant
 from .shared.env_vars import LAYERS
-from .policy import GiB, MiB, Policy, PolicyError, format_bytes, parse_cap
+from .policy import GiB, MiB, Policy, PolicyError, format_bytes, parse_cap, parse_setting
+from .settings import DEFAULTS, parsed
 
-HARD_CAP_MODES = ("off", "auto", "mps")
-MPS_DAEMONS = ("managed", "external")
-HARD_LIMIT_NUMBERS = ("max_cap", "cap")
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where MPS looks when CUDA_MPS_PIPE_DIRECTORY is unset
-DEFAULT_CONTEXT_ALLOWANCE = 640 * MiB  # measured context: 514 MiB (538,968,064 B) on an H200, CUDA 13
+# 640 MiB: the measured context is 514 MiB (538,968,064 B) on an H200, CUDA 13
+DEFAULT_CONTEXT_ALLOWANCE = parse_cap(DEFAULTS["mps_context_allowance"]).nbytes
 MAX_CONTEXT_ALLOWANCE = 16 * GiB
 
 LIMIT_VARIABLE = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
@@ -51,46 +49,38 @@ PARK_REASON = (
 class HardCapSettings:
     """The admin's hard-cap settings, validated (c.GpuQuota.hard_cap, mps_*, hard_limit)."""
 
-    mode: str = "off"  # "off", "auto" (MPS when usable) or "mps" (required)
-    daemon: str = "managed"  # "managed" (this server starts and stops one) or "external" (an admin's)
-    limit: str = "max_cap"  # which number goes in the limit: the kernel's "max_cap" or its "cap"
+    mode: str = DEFAULTS["hard_cap"]  # "off", "auto" (MPS when usable) or "mps" (required)
+    daemon: str = DEFAULTS["mps_daemon"]  # "managed" (this server starts and stops one) or "external" (an admin's)
+    limit: str = DEFAULTS["hard_limit"]  # which number goes in the limit: the kernel's "max_cap" or its "cap"
     context_allowance: int = DEFAULT_CONTEXT_ALLOWANCE
-    control: str = "nvidia-cuda-mps-control"
-    timeout: float = 5.0  # seconds any one call of the control program may take
+    control: str = DEFAULTS["mps_control"]
+    timeout: float = float(DEFAULTS["mps_timeout"])  # seconds any one call of the control program may take
 
     def describe(self) -> dict:
-        return {
-            "mode": self.mode,
-            "daemon": self.daemon,
-            "hard_limit": self.limit,
-            "context_allowance": self.context_allowance,
-            "timeout": self.timeout,
-        }
+        """As the status answer shows them: `limit` under its setting's name, and without the control
+        program (a path on the server)."""
+        shown = asdict(self)
+        del shown["control"]
+        shown["hard_limit"] = shown.pop("limit")
+        return shown
 
 
 def build_hard_cap_settings(
-    hard_cap: Any = "off",
-    mps_daemon: Any = "managed",
-    hard_limit: Any = "max_cap",
-    mps_context_allowance: Any = DEFAULT_CONTEXT_ALLOWANCE,
-    mps_control: Any = "nvidia-cuda-mps-control",
-    mps_timeout: Any = 5.0,
+    hard_cap: Any = DEFAULTS["hard_cap"],
+    mps_daemon: Any = DEFAULTS["mps_daemon"],
+    hard_limit: Any = DEFAULTS["hard_limit"],
+    mps_context_allowance: Any = DEFAULTS["mps_context_allowance"],
+    mps_control: Any = DEFAULTS["mps_control"],
+    mps_timeout: Any = DEFAULTS["mps_timeout"],
 ) -> HardCapSettings:
-    """Validate every setting; raise PolicyError naming the first bad one and its value."""
-
-    def setting(name: str, parse, value: Any) -> Any:
-        try:
-            return parse(value)
-        except PolicyError as error:
-            raise PolicyError(f"c.GpuQuota.{name} = {value!r}: {error}") from None
-
+    """Validate every setting; raise a SettingError (a PolicyError) naming the first bad one and its value."""
     return HardCapSettings(
-        mode=setting("hard_cap", lambda v: _choice(v, HARD_CAP_MODES), hard_cap),
-        daemon=setting("mps_daemon", lambda v: _choice(v, MPS_DAEMONS), mps_daemon),
-        limit=setting("hard_limit", lambda v: _choice(v, HARD_LIMIT_NUMBERS), hard_limit),
-        context_allowance=setting("mps_context_allowance", parse_allowance, mps_context_allowance),
-        control=setting("mps_control", _program, mps_control),
-        timeout=setting("mps_timeout", _timeout, mps_timeout),
+        mode=parse_setting("hard_cap", hard_cap),
+        daemon=parse_setting("mps_daemon", mps_daemon),
+        limit=parse_setting("hard_limit", hard_limit),
+        context_allowance=parsed("mps_context_allowance", parse_allowance, mps_context_allowance),
+        control=parsed("mps_control", _program, mps_control),
+        timeout=parse_setting("mps_timeout", mps_timeout),
     )
 
 
@@ -108,26 +98,10 @@ def parse_allowance(value: Any) -> int:
     return spec.nbytes
 
 
-def _choice(value: Any, allowed: Sequence[str]) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in allowed:
-        raise PolicyError(f"must be one of {', '.join(repr(a) for a in allowed)}")
-    return value.strip().lower()
-
-
 def _program(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise PolicyError("must be the name or path of nvidia-cuda-mps-control")
     return value.strip()
-
-
-def _timeout(value: Any) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise PolicyError("must be a number of seconds (0.1 to 120)") from None
-    if isinstance(value, bool) or not math.isfinite(seconds) or not 0.1 <= seconds <= 120:
-        raise PolicyError("must be a number of seconds (0.1 to 120)")
-    return seconds
 
 
 # --- the limit of one kernel ----------------------------------------------------------------------
@@ -274,7 +248,7 @@ class KernelLayers:
     limits: Tuple[DeviceLimit, ...] = ()  # empty: no hard limit
     reason: Optional[str] = None  # why there is no hard limit
     mode: str = "off"
-    number: str = "max_cap"
+    number: str = DEFAULTS["hard_limit"]
     context_allowance: int = DEFAULT_CONTEXT_ALLOWANCE
 
     @property

@@ -1,7 +1,8 @@
 """JupyterHub side: per-user and per-group caps, carried to each user's server through its environment.
 
 The extension in a user's server reads its settings' defaults from environment variables
-(GPU_QUOTA_DEFAULT_CAP, GPU_QUOTA_MAX_CAP, ... see app.py). Any spawner passes `spawner.environment`
+(GPU_QUOTA_DEFAULT_CAP, GPU_QUOTA_MAX_CAP, ...: the table in gpu_quota_ext/settings.py, whose rows
+marked per_user are the keys this mapping takes). Any spawner passes `spawner.environment`
 to the server it starts (LocalProcessSpawner, SystemdSpawner, KubeSpawner, DockerSpawner), so the hub
 decides a user's caps by filling that dict just before the server starts. In `jupyterhub_config.py`:
 
@@ -40,23 +41,14 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .policy import PolicyError, build_policy, parse_cap, parse_overcommit
+from .policy import PolicyError, build_policy, parse_value
+from .settings import DEFAULTS, POLICY, SETTINGS, as_text, names_of
 
-# Setting name (as in c.GpuQuota) -> the environment variable the extension reads it from.
-SETTING_ENV: Dict[str, str] = {
-    "default_cap": "GPU_QUOTA_DEFAULT_CAP",
-    "max_cap": "GPU_QUOTA_MAX_CAP",
-    "overcommit": "GPU_QUOTA_OVERCOMMIT",
-    "placement": "GPU_QUOTA_PLACEMENT",
-    "on_full": "GPU_QUOTA_ON_FULL",
-    "on_over_max": "GPU_QUOTA_ON_OVER_MAX",
-}
+# The keys of the mapping: setting name (as in c.GpuQuota) -> the environment variable the extension reads
+# it from. The table's rows marked per_user (gpu_quota_ext.settings).
+SETTING_ENV: Dict[str, str] = {name: row.env for name, row in SETTINGS.items() if row.per_user and row.env}
 ENV_NAMES = tuple(SETTING_ENV.values())
 PROPERTY_KEY = "gpu_quota"
-
-# The extension's built-in defaults (app.py), used only to check a combination as the server will see it.
-_SERVER_DEFAULTS = {"default_cap": "0.25", "max_cap": "1.0", "overcommit": None, "placement": "spread",
-                    "on_full": "cpu-only", "on_over_max": "clamp"}
 
 Settings = Dict[str, str]
 # Keys a caller adds to the mapping (kube.py: the pod's GPU keys): name -> parser(value) -> normalized
@@ -92,13 +84,8 @@ def parse_settings(entry: Any, where: str, extra_keys: Optional[ExtraKeys] = Non
             if key in extra_keys:
                 settings[key] = extra_keys[key](value)
                 continue
-            text = _as_text(value)
-            if key in ("default_cap", "max_cap"):
-                parse_cap(text)
-            elif key == "overcommit":
-                parse_overcommit(text)
-            else:
-                build_policy("0.25", "1.0", **{key: text})
+            text = as_text(value)
+            parse_value(key, text)
         except PolicyError as error:
             raise PolicyError(f"{where}[{key!r}] = {value!r}: {error}") from None
         settings[key] = text
@@ -112,25 +99,14 @@ def server_settings(settings: Mapping[str, str]) -> Settings:
     return {key: value for key, value in settings.items() if key in SETTING_ENV}
 
 
-def _as_text(value: Any) -> str:
-    # Environment variables are strings; the server parses these exactly as it parses its own config.
-    if isinstance(value, bool):
-        raise PolicyError(f"{value!r} is not a setting value")
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (int, str)):
-        return str(value).strip()
-    raise PolicyError(f"{value!r} is not a setting value; use a string like '0.25' or '12GiB'")
-
-
 def _check_combination(settings: Mapping[str, str], where: str) -> None:
     """The settings as one server would end up with them (missing ones at the server's defaults)."""
     settings = server_settings(settings)
-    merged = {**_SERVER_DEFAULTS, **settings}
+    merged = {name: settings.get(name, DEFAULTS[name]) for name in names_of(POLICY)}
     try:
         build_policy(**merged)
     except PolicyError as error:
-        builtin = [f"{key} {_SERVER_DEFAULTS[key]}" for key in ("default_cap", "max_cap") if key not in settings]
+        builtin = [f"{key} {DEFAULTS[key]}" for key in ("default_cap", "max_cap") if key not in settings]
         note = f" (where the mapping sets none, the server's built-in {' and '.join(builtin)} apply)" if builtin else ""
         raise PolicyError(f"{where}: {error}{note}") from None
 

@@ -364,38 +364,29 @@ def _base_of(spawner) -> Dict[str, Dict[str, Any]]:
     return base
 
 
-def kube_gpu(
-    users: Optional[Mapping[str, Any]] = None,
-    groups: Optional[Mapping[str, Any]] = None,
-    default: Optional[Mapping[str, Any]] = None,
-    property_key: Optional[str] = PROPERTY_KEY,
-    resource_names: Optional[Mapping[str, str]] = None,
-) -> KubeGpu:
-    """Validate the mapping, pod keys included (raises PolicyError naming the first bad entry)."""
+def kube_gpu(*, resource_names: Optional[Mapping[str, str]] = None, **mapping: Any) -> KubeGpu:
+    """Validate the mapping, pod keys included (raises PolicyError naming the first bad entry).
+
+    `mapping`: hub_caps's keywords (users, groups, default, property_key), whose entries may also hold
+    the pod keys above; `resource_names`: HAMi's resource names where a cluster renamed them."""
     try:
         names = HamiResources(**dict(resource_names or {}))
     except TypeError:
         raise PolicyError(
             f"resource_names = {resource_names!r}: known keys are count, memory, memory_percentage, cores"
         ) from None
-    return KubeGpu(caps=hub_caps(users, groups, default, property_key, extra_keys=POD_KEYS), names=names)
+    return KubeGpu(caps=hub_caps(**mapping, extra_keys=POD_KEYS), names=names)
 
 
-def configure_kubespawner_gpu(
-    c,
-    users: Optional[Mapping[str, Any]] = None,
-    groups: Optional[Mapping[str, Any]] = None,
-    default: Optional[Mapping[str, Any]] = None,
-    property_key: Optional[str] = PROPERTY_KEY,
-    resource_names: Optional[Mapping[str, str]] = None,
-) -> KubeGpu:
+def configure_kubespawner_gpu(c, **mapping: Any) -> KubeGpu:
     """For jupyterhub_config.py (z2jh: hub.extraConfig): validate, then set KubeSpawner's two hooks.
 
     Hooks already in `c` (c.KubeSpawner's, else c.Spawner's pre_spawn_hook; c.KubeSpawner's
     modify_pod_hook) keep running, first. Call it after any line that sets them, and instead of
-    configure_hub_caps (it sets the same environment). Returns the validated KubeGpu.
+    configure_hub_caps (it sets the same environment). Takes kube_gpu's keywords; returns the validated
+    KubeGpu.
     """
-    kube = kube_gpu(users, groups, default, property_key, resource_names)
+    kube = kube_gpu(**mapping)
     section = c.KubeSpawner
     previous = section.pre_spawn_hook if "pre_spawn_hook" in section else c.Spawner.get("pre_spawn_hook")
     section.pre_spawn_hook = kube.pre_spawn_hook(previous if callable(previous) else None)

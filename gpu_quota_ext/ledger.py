@@ -12,7 +12,6 @@ memory at once: a remote ledger keeps a copy of this server's grants as the serv
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 

@@ -1,33 +1,85 @@
-"""The server-side quota service: what the launch hook, the REST API and the monitor share.
+"""GpuQuotaManager: the one object the extension shares (the launch hook, the REST API, /metrics).
 
-It holds the validated policy, the device inventory, the ledger and the kernels' secrets, and turns
-"kernel K of kernelspec S is starting" into a grant and the environment that carries it. It also knows
-which start holds each kernel id, so two starts that chose the same id cannot share one grant.
+It is built whole and owns its parts: the validated policy, the device inventory, the ledger (any
+`Ledger`: the server depends on that interface only), the kernels' secrets, the hard-limit layer, and
+the usage side (the monitor that samples, the kernels' allocator reports, the kernels' lifecycle, the
+watchdog, the status view) and parking (the parker, parker.py). It turns "kernel K of kernelspec S is starting" into a grant and the
+environment that carries it, and knows which start holds each kernel id, so two starts that chose the
+same id cannot share one grant.
+
+Every ledger write (grant, change, reset, release) runs in a thread, never on the event loop: a remote
+ledger may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at once). The writes of one kernel run in the order asked (a release asked
+before a restart's grant is made before it). A release asked from a sync callback (jupyter_client's
+"dead" event, a failed start) does its bookkeeping at once and the ledger's call in a thread; one asked
+again while it is under way is the same release. Reads (get, grants, usage, devices) stay direct.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import getpass
 import hmac
 import logging
 import os
 import secrets
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
 from .hard_cap import HardCapLayer
-from .hard_limit import HardCapSettings, Probe
+from .hard_limit import HardCapSettings
 from .launch_env import is_python_kernel, launch_env
-from .ledger import Grant, Ledger
-from .local_ledger import LocalLedger
-from .policy import Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
+from .checkpoint import CheckpointDriver, CudaCheckpointDriver
+from .ledger import ChangeOutcome, Grant, Ledger
+from .metrics import COLLECTOR
+from .nvml import NvmlBackend
+from .parker import Parker
+from .parking import ParkSettings
+from .policy import CapSpec, Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
+from .usage.attribution import PidResolver
+from .usage.lifecycle import KernelLifecycle
+from .usage.reports import KernelReports
+from .usage.sampling import Monitor, Sample
+from .usage.status import StatusView
+from .usage.watchdog import Watchdog
+from .watchdog import WatchdogSettings
 
 log = logging.getLogger("gpu_quota_ext")
 
 CAPS_CALLABLE_TIMEOUT = 5.0  # seconds a caps callable may take before its kernel gets the default policy
 CAPS_CALLABLE_THREADS = 4  # callables still running at once; past that, starts get the default policy
+LEDGER_THREADS = 8  # ledger calls at once; more wait their turn
+
+
+def in_daemon_thread(call: Callable[[], Any], name: str, finished: Callable[[], Any] = lambda: None) -> "asyncio.Future":
+    """Run `call` in a daemon thread of its own; `(True, result)` or `(False, exception)` comes back as a
+    future of the running loop, and `finished()` runs in the thread once `call` has returned.
+
+    Not an executor: the interpreter joins an executor's workers at exit, so a call that never returns
+    (an admin's callable, a ledger waiting for its service) would hold the server's exit; and an executor
+    keeps its idle threads for good. A caller that stops waiting (a timeout) cancels the future."""
+    loop = asyncio.get_running_loop()
+    answered = loop.create_future()
+
+    def settle(outcome) -> None:
+        if not answered.done():  # done: the caller gave up on it
+            answered.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome = (True, call())
+        except BaseException as error:
+            outcome = (False, error)
+        finally:
+            finished()
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop closed while the call ran
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return answered
 
 
 class KernelIdTaken(Exception):
@@ -52,18 +104,30 @@ def server_user() -> str:
 
 
 class GpuQuotaManager:
+    """`kernels`: the server's kernel manager as the usage side needs it (usage.kernel_manager.
+    KernelManagerView); `backend`: where the monitor reads NVML; `hard_cap`: the hard-limit layer
+    (off when not given); `checkpoint`: what parks kernels (the CUDA driver's checkpoint API when not given)."""
+
     def __init__(
         self,
         policy: Policy,
         devices: List[Device],
-        ledger: Optional[Ledger] = None,
+        ledger: Ledger,
+        kernels: Any,
+        backend: NvmlBackend,
+        watchdog_settings: WatchdogSettings = WatchdogSettings(),
+        hard_cap: Optional[HardCapLayer] = None,
         api_url: Callable[[], Optional[str]] = lambda: None,
         user: Optional[str] = None,
         no_gpu_reason: Optional[str] = None,
+        resolver: Optional[PidResolver] = None,
+        park_settings: ParkSettings = ParkSettings(),
+        checkpoint: Optional[CheckpointDriver] = None,
     ):
         self.policy = policy
         self.devices: Dict[int, Device] = {d.index: d for d in devices}
-        self.ledger = ledger if ledger is not None else LocalLedger(devices, policy)
+        self.ledger = ledger
+        self.kernels = kernels
         self.user = user or server_user()
         self.no_gpu_reason = no_gpu_reason
         self._api_url = api_url
@@ -73,11 +137,72 @@ class GpuQuotaManager:
         self._holders_lock = threading.RLock()
         self.caps_timeout = CAPS_CALLABLE_TIMEOUT
         self._caps_slots = threading.BoundedSemaphore(CAPS_CALLABLE_THREADS)
-        # Usage lives in the monitor (set by the app once the server's kernel manager exists); caps in the ledger.
-        self.monitor = None
-        self.parker = None  # parking (parker.py), set by the app like the monitor
-        # The hard limit (MPS): off until the app starts it from c.GpuQuota.hard_cap.
-        self.hard_cap = HardCapLayer(HardCapSettings())
+        # kernel id -> (what, task) of its latest ledger write in a thread: the next one waits for it.
+        self._writes: Dict[str, Tuple[str, asyncio.Task]] = {}
+        self._slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
+        # The hard limit (MPS): off unless the app gives a layer built from c.GpuQuota.hard_cap.
+        self.hard_cap = hard_cap if hard_cap is not None else HardCapLayer(HardCapSettings())
+        # Usage: measured by the monitor, reported by kernels; caps stay in the ledger.
+        self.watchdog_settings = watchdog_settings
+        self.monitor = Monitor(
+            devices,
+            backend,
+            kernels,
+            watchdog_settings.poll_interval,
+            no_gpu_reason=no_gpu_reason,
+            resolver=resolver,
+            holders=lambda: [g.kernel_id for g in self.ledger.grants()],
+        )
+        self.reports = KernelReports()
+        self.watchdog = Watchdog(watchdog_settings, kernels)
+        self.lifecycle = KernelLifecycle(kernels, self.ledger, self.release_soon, watchdog_settings.poll_interval)
+        self.status = StatusView(
+            policy=policy,
+            settings=watchdog_settings,
+            user=self.user,
+            no_gpu_reason=no_gpu_reason,
+            ledger=self.ledger,
+            monitor=self.monitor,
+            reports=self.reports,
+            watchdog=self.watchdog,
+            hard_cap=self.hard_cap,
+            kernels=kernels,
+        )
+        # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
+        self.parker = Parker(park_settings, checkpoint or CudaCheckpointDriver(), kernels, self.ledger, self.hard_cap)
+        self.monitor.on_sample(self.parker.on_sample)
+        self.status.add_kernel_field("park", self.parker.kernel_json)
+        self.monitor.on_sample(self._review)
+
+    # --- start and stop (event loop) ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start sampling and following the kernels on the running event loop; publish /metrics. Idempotent."""
+        self.monitor.start()
+        self.lifecycle.start()
+        self.parker.start()
+        COLLECTOR.publish(self.status.metric_families)  # /metrics reads the status view at each scrape
+
+    async def stop(self) -> None:
+        """Stop sampling and following; wait for the ledger writes under way. Idempotent."""
+        COLLECTOR.withdraw(self.status.metric_families)
+        await self.monitor.stop()
+        await self.lifecycle.stop()
+        await self.parker.stop()
+        await self.settled()
+
+    def _review(self, sample: Sample) -> None:
+        """After each sample: forget kernels that are gone, and let the watchdog act on the sample."""
+        # The ledger as it is now: a late sample must not act on a kernel released meanwhile.
+        grants = {g.kernel_id: dict(g.caps) for g in self.ledger.grants()}
+        known = set(self.kernels.kernel_ids()) | set(grants)
+        self.reports.forget_all_but(known)
+        self.watchdog.forget_all_but(known)
+        self.watchdog.act_on(sample, grants)
+
+    def gpu_pids(self, kernel_id: str) -> Tuple[int, ...]:
+        """The kernel's processes on the GPUs in the last sample (parking checkpoints these)."""
+        return self.monitor.gpu_pids(kernel_id)
 
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 
@@ -93,10 +218,21 @@ class GpuQuotaManager:
             self._check_free(kernel_id, holder)
             resolved = await self.resolve_caps(kernelspec)
             with self._holders_lock:
-                # Another start of this id may have won while the caps callable ran.
+                # Another start of this id may have won while the caps callable ran; from here this
+                # start holds the id, while the ledger's grant is made in a thread.
                 self._check_free(kernel_id, holder)
-                grant = self.ledger.grant(kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env))
                 self._holders[kernel_id] = holder
+            try:
+                grant = await self._write(
+                    kernel_id,
+                    "grant",
+                    functools.partial(self.ledger.grant, kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env)),
+                )
+            except BaseException:
+                with self._holders_lock:
+                    if self._holders.get(kernel_id) is holder:
+                        del self._holders[kernel_id]
+                raise
             log.info("gpu-quota-ext: kernel %s (%s) %s", kernel_id, kernelspec, describe_grant(grant))
         # Only a Python kernel's bootstrap moves the secret out of its environment: no one else gets it.
         python = is_python_kernel(argv)
@@ -111,17 +247,94 @@ class GpuQuotaManager:
             hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
 
-    def release(self, kernel_id: str, holder: Any = None) -> Optional[Grant]:
-        """Free the kernel's grant and secret. With `holder`, only if that start holds them (a start that
-        lost the race for its kernel id must not release the winner's grant)."""
+    async def release(self, kernel_id: str, holder: Any = None) -> Optional[Grant]:
+        """Free the kernel's grant and secret; the grant that was released, or None. With `holder`, only
+        if that start holds them (a start that lost the race for its kernel id must not release the
+        winner's grant). Idempotent."""
+        if not self._forget(kernel_id, holder):
+            return None
+        task = self._pending(kernel_id, "release") or self._write(kernel_id, "release", functools.partial(self.ledger.release, kernel_id))
+        return await task
+
+    def release_soon(self, kernel_id: str, holder: Any = None) -> bool:
+        """`release` for sync callers on the event loop (jupyter_client's callbacks, a start that failed):
+        the bookkeeping at once, the ledger's call in a thread. False when the holder check refused or
+        this kernel's release is already under way."""
+        if self._pending(kernel_id, "release") is not None or not self._forget(kernel_id, holder):
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop here (a script): nothing to keep from blocking
+            self.ledger.release(kernel_id)
+            return True
+        self._write(kernel_id, "release", functools.partial(self.ledger.release, kernel_id))
+        return True
+
+    def _forget(self, kernel_id: str, holder: Any) -> bool:
+        """The release's bookkeeping: who holds the id, the secret, the hard limit. False (nothing done)
+        when `holder` is given and another start holds the id."""
         with self._holders_lock:
             if holder is not None and self._holders.get(kernel_id, holder) is not holder:
-                return None
+                return False
             self._holders.pop(kernel_id, None)
         with self._tokens_lock:
             self._tokens.pop(kernel_id, None)
         self.hard_cap.forget(kernel_id)
-        return self.ledger.release(kernel_id)
+        return True
+
+    # --- cap changes (the REST API) -------------------------------------------------------------
+
+    async def change(self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request") -> ChangeOutcome:
+        """The ledger's answer to a new cap on one granted device (or all). Raises UnknownKernel, PolicyError."""
+        return await self._write(kernel_id, "change", functools.partial(self.ledger.change, kernel_id, requested, device, source=source))
+
+    async def reset(self, kernel_id: str, source: str = "kernel request") -> ChangeOutcome:
+        """Back to what policy gave the kernel at start, as far as the budget allows."""
+        return await self._write(kernel_id, "reset", functools.partial(self.ledger.reset, kernel_id, source=source))
+
+    # --- ledger writes, off the event loop, in order per kernel ------------------------------------
+
+    def _write(self, kernel_id: str, what: str, call: Callable[[], Any]) -> asyncio.Task:
+        before = self._writes.get(kernel_id)
+
+        async def write() -> Any:
+            if before is not None:
+                await asyncio.wait({before[1]})  # whatever its outcome: its caller hears of that
+            async with self._ledger_slots():
+                ok, value = await in_daemon_thread(call, "gpu-quota-ledger")
+            if not ok:
+                raise value
+            return value
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._writes[kernel_id] = (what, task)
+        task.add_done_callback(functools.partial(self._written, kernel_id, what))
+        return task
+
+    def _written(self, kernel_id: str, what: str, task: asyncio.Task) -> None:
+        if self._writes.get(kernel_id, (None, None))[1] is task:
+            del self._writes[kernel_id]
+        error = None if task.cancelled() else task.exception()  # retrieved here: a release has no awaiter
+        if error is not None and what == "release":
+            log.error("gpu-quota-ext: releasing kernel %s's grant failed: %r", kernel_id, error)
+
+    def _ledger_slots(self) -> asyncio.Semaphore:
+        """At most LEDGER_THREADS ledger calls at once (a slow remote ledger, a storm of requests): the
+        rest wait their turn on the loop. One semaphore per event loop (tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(LEDGER_THREADS))
+        return self._slots[1]
+
+    def _pending(self, kernel_id: str, what: str) -> Optional[asyncio.Task]:
+        """The kernel's last ledger write, if it is a `what` still under way."""
+        last = self._writes.get(kernel_id)
+        return last[1] if last is not None and last[0] == what and not last[1].done() else None
+
+    async def settled(self) -> None:
+        """Wait until every ledger write asked so far is made (tests, the server's stop)."""
+        while self._writes:
+            await asyncio.wait([task for _, task in list(self._writes.values())])
 
     def holder(self, kernel_id: str) -> Any:
         with self._holders_lock:
@@ -157,31 +370,12 @@ class GpuQuotaManager:
             return default_decision(policy, "default (caps callable failed)")
 
     async def _call_caps(self, kernelspec: str) -> Any:
-        # A daemon thread per call, not an executor: a callable that never returns would hold an executor's
-        # worker, and the interpreter joins those at exit, so the server could never stop. At most
-        # CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
+        # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-
-        def settle(outcome) -> None:
-            if not answered.done():  # done: the wait timed out and gave up on it
-                answered.set_result(outcome)
-
-        def call() -> None:
-            try:
-                outcome = (True, self.policy.rules(self.user, kernelspec))
-            except BaseException as error:
-                outcome = (False, error)
-            finally:
-                self._caps_slots.release()
-            try:
-                loop.call_soon_threadsafe(settle, outcome)
-            except RuntimeError:  # the loop closed while the callable ran
-                pass
-
-        threading.Thread(target=call, name="gpu-quota-caps-callable", daemon=True).start()
+        answered = in_daemon_thread(
+            functools.partial(self.policy.rules, self.user, kernelspec), "gpu-quota-caps-callable", self._caps_slots.release
+        )
         try:
             ok, value = await asyncio.wait_for(answered, self.caps_timeout)
         except asyncio.TimeoutError:

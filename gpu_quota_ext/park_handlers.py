@@ -4,7 +4,7 @@ Same authorization as the other kernel routes: the server's user, or the kernel 
 secret. The body is empty or `{}`. Both answer at once, without waiting for the driver: 202 with the
 kernel's park object (`{"park": {...}}`, shared.contract.PARK_FIELDS) when the request was taken, 409
 with the same object (`parkable` false, `reason` saying why) and a `message` when parking cannot work
-for it, 404 for a kernel this server does not have, 503 when parking is not wired on this server.
+for it, 404 for a kernel this server does not have.
 """
 
 from __future__ import annotations
@@ -32,11 +32,8 @@ class _ParkRoute(GpuQuotaHandler):
         body = self.read_json_body()
         if body not in (None, {}):
             raise web.HTTPError(400, f"POST {self.action} takes no fields: send no body or {{}}")
-        parker = getattr(self.service, "parker", None)
-        if parker is None:
-            raise web.HTTPError(503, "parking is not running on this server")
         try:
-            accepted, park = await self._request(parker, kernel_id, who)
+            accepted, park = await self._request(self.manager.parker, kernel_id, who)
         except UnknownKernel:
             raise web.HTTPError(404, f"no kernel {shown(kernel_id)} on this server") from None
         answer = {"park": park}
@@ -68,8 +65,3 @@ PARK_HANDLERS = [
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, RESUME_SUFFIX), ResumeHandler),
 ]
 
-
-def park_field(service, kernel_id: str):
-    """The "park" field of a kernel in the status view: None when parking is not wired."""
-    parker = getattr(service, "parker", None)
-    return parker.kernel_json(kernel_id) if parker is not None else None

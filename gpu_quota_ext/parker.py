@@ -13,9 +13,12 @@ of the kernel runs against a half-parked set. A parked kernel resumes by itself 
 monitor reads it), so the user's next cell just runs. A resume that finds no device memory waits and
 retries with backoff; nothing is killed and the grant is kept.
 
-Seams to the rest of the server (one each): `on_sample(sample)` after every monitor sample,
-`kernel_json(kernel_id)` for the status view, `forget(kernel_id)` from the provisioner's cleanup,
-`holds_gpu_state(kernel_id)` from the provisioner's shutdown, `kernel_activity()` for jupyter_server's view.
+The manager (manager.py) builds and owns it. Seams to the rest of the server (one each): `on_sample(sample)`
+subscribed to the monitor (before the watchdog's review), `kernel_json(kernel_id)` as the status view's
+"park" field, `forget(kernel_id)` from the provisioner's cleanup, `holds_gpu_state(kernel_id)` from the
+provisioner's shutdown, and usage.kernel_manager.KernelManagerView for jupyter_server's view of each kernel
+(`kernel_ids`, `activity`). A park waits for a sample taken after it was asked (at most `fresh_sample_wait` seconds),
+so its PIDs and `host_bytes` are what the kernel's processes hold right before the checkpoint.
 """
 
 from __future__ import annotations
@@ -63,17 +66,10 @@ class UnknownKernel(KeyError):
     """No kernel of this server has that id."""
 
 
-# --- jupyter_server's view of a kernel (the seam KernelManagerView.activity will replace) -------------
-
-
-def kernel_activity(multi_kernel_manager: Any, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
-    """(execution state, wall clock of its last activity) as jupyter_server's activity monitor keeps them."""
-    try:
-        kernel = multi_kernel_manager.get_kernel(kernel_id)
-    except Exception:  # KeyError, or jupyter_server's 404 for a kernel still starting (it has a grant already)
-        return None, None
-    last = getattr(kernel, "last_activity", None)
-    return getattr(kernel, "execution_state", None), (last.timestamp() if last is not None else None)
+def kernel_activity(kernels: Any, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
+    """(execution state, wall clock of its last activity) from KernelManagerView.activity."""
+    state, last = kernels.activity(kernel_id)
+    return state, (last.timestamp() if last is not None else None)
 
 
 def host_room() -> Tuple[Optional[int], Optional[int]]:
@@ -218,7 +214,7 @@ class Parker:
         self,
         settings: ParkSettings,
         driver: CheckpointDriver,
-        kernel_manager: Any,
+        kernels: Any,
         ledger: Any,
         hard_cap: Any = None,
         host: Callable[[], Tuple[Optional[int], Optional[int]]] = host_room,
@@ -226,7 +222,7 @@ class Parker:
     ):
         self.settings = settings
         self.driver = driver
-        self.kernel_manager = kernel_manager
+        self.kernels = kernels  # usage.kernel_manager.KernelManagerView
         self.ledger = ledger
         self.hard_cap = hard_cap
         self.host = host
@@ -236,6 +232,7 @@ class Parker:
         self.usage: Dict[str, Dict[int, int]] = {}  # the last sample's: kernel -> device -> bytes
         self.pids: Dict[str, Tuple[int, ...]] = {}  # the last sample's: kernel -> its processes on a GPU
         self.transitions = 0  # state changes logged (tests wait on it)
+        self._sampled: Optional[asyncio.Event] = None  # set by each sample: a park waits for a fresh one
         self._ops: Dict[str, object] = {}  # kernel -> the token of its park or resume in progress
         self._stuck: Dict[str, str] = {}  # kernel -> a driver call that has not returned
         self._refused: Dict[str, str] = {}  # kernel -> why its last park failed (no automatic retry until busy)
@@ -287,7 +284,7 @@ class Parker:
 
     def kernel_json(self, kernel_id: str) -> dict:
         now = time.time()
-        execution_state, last = kernel_activity(self.kernel_manager, kernel_id)
+        execution_state, last = kernel_activity(self.kernels, kernel_id)
         idle_for = idle_seconds(execution_state, last, now)
         record = self.records.get(kernel_id)
         if record is not None and (record.state in HELD or record.state == "pending"):
@@ -341,7 +338,7 @@ class Parker:
 
     def _kernel_ids(self) -> set:
         try:
-            return set(self.kernel_manager.list_kernel_ids())
+            return set(self.kernels.kernel_ids())
         except Exception:
             return set(self.records)
 
@@ -368,7 +365,7 @@ class Parker:
             self._unwatch(kernel_id)
 
     def _activity(self, kernel_id: str) -> str:
-        return activity_state(kernel_activity(self.kernel_manager, kernel_id)[0])
+        return activity_state(kernel_activity(self.kernels, kernel_id)[0])
 
     def _note(self, kernel_id: str, reason: Optional[str]) -> None:
         """Why the last park did not happen (shown until the kernel is busy again); logged once per reason."""
@@ -408,7 +405,8 @@ class Parker:
         self._known(kernel_id)
         record = self.records.get(kernel_id)
         if record is None:
-            return True, self.kernel_json(kernel_id)
+            # Nothing to resume; where parking cannot work at all, the answer says why (409), as park's does.
+            return self._not_parkable(kernel_id) is None, self.kernel_json(kernel_id)
         if record.state == "pending":
             self._set(kernel_id, None)
         elif record.state == "parking":
@@ -452,6 +450,8 @@ class Parker:
         if getattr(sample, "state", None) in ("ok", "degraded"):
             self.usage = {k: dict(v) for k, v in sample.kernels.items()}
             self.pids = dict(sample.pids)
+            if self._sampled is not None:
+                self._sampled.set()  # the parks waiting for a fresh reading have it
         live = self._kernel_ids()
         for kernel_id in [k for k in list(self.records) + list(self._refused) if k not in live]:
             self.forget(kernel_id)
@@ -460,7 +460,7 @@ class Parker:
         now = time.time()
         for kernel_id in live:
             record = self.records.get(kernel_id)
-            execution_state, last = kernel_activity(self.kernel_manager, kernel_id)
+            execution_state, last = kernel_activity(self.kernels, kernel_id)
             if record is not None:
                 if record.state in ("parked", "waiting") and execution_state == "busy" and kernel_id not in self._retries:
                     self._begin_resume(kernel_id)
@@ -548,8 +548,33 @@ class Parker:
             return error
         return CheckpointError(call, -1, -1, repr(error))
 
+    async def _fresh_sample(self) -> None:
+        """Wait for the next sample (one taken after now), at most `fresh_sample_wait` seconds."""
+        wait = self.settings.fresh_sample_wait
+        if wait <= 0:
+            return
+        if self._sampled is None or self._sampled.is_set():
+            self._sampled = asyncio.Event()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._sampled.wait()), wait)
+        except asyncio.TimeoutError:
+            log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
+
     async def _park(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
         token = self._ops[kernel_id] = object()
+        # The sample that made it parkable may predate what the kernel holds now (a tensor made just before
+        # the request): its processes and bytes are read again, right before the checkpoint.
+        await self._fresh_sample()
+        if self._ops.get(kernel_id) is not token:
+            return  # forgotten meanwhile
+        pids, gpu_bytes = self.pids.get(kernel_id, pids), dict(self.usage.get(kernel_id, {}))
+        refused = host_guard(sum(gpu_bytes.values()), *self.host(), self.settings.host_margin)
+        if refused is not None or not pids:
+            del self._ops[kernel_id]
+            self._set(kernel_id, None)
+            self._note(kernel_id, refused or "did not park: its processes no longer hold GPU memory")
+            return
+        self.records[kernel_id] = moved(self.records[kernel_id], "parking", time.time(), pids=pids, gpu_bytes=gpu_bytes, host_bytes=sum(gpu_bytes.values()))
         error = await self._drive(kernel_id, token, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms)
         if self._ops.get(kernel_id) is not token:
             return  # forgotten meanwhile (restarted, shut down): its processes are gone
@@ -596,7 +621,7 @@ class Parker:
         """Listen to the kernel's iopub status messages while it is pending or parked, as jupyter_server's
         activity monitor does (the same tracked message types), so a cell resumes it at once."""
         try:
-            kernel = self.kernel_manager.get_kernel(kernel_id)
+            kernel = self.kernels.manager.get_kernel(kernel_id)
             stream = kernel.connect_iopub()
         except Exception as error:  # no channel (a kernel going away): the per-sample check still resumes it
             log.debug("gpu-quota-ext: kernel %s: no iopub stream for parking: %r", kernel_id, error)
@@ -604,7 +629,7 @@ class Parker:
         from jupyter_client.session import Session
 
         session = Session(config=kernel.session.config, key=kernel.session.key)
-        track = getattr(self.kernel_manager, "track_message_type", lambda kind: True)
+        track = getattr(self.kernels.manager, "track_message_type", lambda kind: True)
 
         def on_message(parts) -> None:
             try:

@@ -26,12 +26,14 @@ from .checkpoint import (
 )
 from .shared.contract import PARK_FIELDS, PARK_STATES
 from .shared.durations import format_duration, parse_duration
+from .settings import DEFAULTS, parsed
 from .shared.sizes import GiB, PolicyError, format_bytes, parse_cap
 
 HELD = ("parking", "parked", "resuming", "waiting")  # the driver holds (or is moving) the kernel's GPU state
 RETRY_FIRST = 1.0  # seconds before the first retry of a resume that found no device memory
 RETRY_MOST = 30.0  # ... doubling up to this
 LOCK_TIMEOUT_MS = 10_000  # how long the lock waits for a kernel's GPU work to finish before parking gives up
+FRESH_SAMPLE_WAIT = 10.0  # seconds; then a park goes by the last sample
 CALL_TIMEOUT = 600.0  # seconds a park or resume may take before its state says the driver does not answer
 
 MPS_REASON = "an MPS client cannot be parked: the driver's checkpoint lock refuses it (CUDA_ERROR_NOT_SUPPORTED, 801)"
@@ -43,24 +45,23 @@ class ParkSettings:
     host_margin: int = 2 * GiB  # host memory that must stay free beyond the kernel's GPU bytes
     call_timeout: float = CALL_TIMEOUT
     lock_timeout_ms: int = LOCK_TIMEOUT_MS
+    fresh_sample_wait: float = FRESH_SAMPLE_WAIT  # seconds a park waits for a sample taken after it was asked
 
     def describe(self) -> dict:
         return {"park_idle_after": self.idle_after, "park_host_margin": self.host_margin}
 
 
-def build_park_settings(idle_after: Any, host_margin: Any) -> ParkSettings:
-    """Validate the park settings; PolicyError names the bad one and its value."""
-    try:
-        idle = parse_duration(idle_after)
-    except PolicyError as error:
-        raise PolicyError(f"c.GpuQuota.park_idle_after = {idle_after!r}: {error}") from None
-    try:
-        margin = 0 if str(host_margin).strip() in ("0", "0B") else parse_cap(host_margin).nbytes
-        if margin is None:
-            raise PolicyError("must be a size like 2GiB (not a fraction)")
-    except PolicyError as error:
-        raise PolicyError(f"c.GpuQuota.park_host_margin = {host_margin!r}: {error}") from None
-    return ParkSettings(idle_after=idle, host_margin=margin)
+def build_park_settings(park_idle_after: Any = DEFAULTS["park_idle_after"], park_host_margin: Any = DEFAULTS["park_host_margin"]) -> ParkSettings:
+    """Validate the park settings (the settings table's PARK rows); a SettingError names the bad one and its value."""
+    idle = parsed("park_idle_after", parse_duration, park_idle_after)
+    return ParkSettings(idle_after=idle, host_margin=parsed("park_host_margin", _margin, park_host_margin))
+
+
+def _margin(value: Any) -> int:
+    margin = 0 if str(value).strip() in ("0", "0B") else parse_cap(value).nbytes
+    if margin is None:
+        raise PolicyError("must be a size like 2GiB (not a fraction)")
+    return margin
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""Who gets which cap: parsing rules and the policy, resolving a kernel's cap.
+"""Who gets which cap, and what the watchdog does: the admin's settings validated, a kernel's cap resolved.
 
-Pure: no I/O, no Jupyter imports, stdlib only. Sizes and their parsing live in `shared.sizes` (the
-kernel's `%gpucap` uses them too); they are imported here so the policy's callers find them in one place.
+Pure: no I/O, no Jupyter imports, stdlib only. Each setting's name, default, choices and range come from
+the table in `settings`; its parsing is here (`parse_value`), used by the server's start, `jupyter
+gpu-quota check` and the hub alike. Sizes and their parsing live in `shared.sizes` (the kernel's `%gpucap`
+uses them too); they are imported here so the policy's callers find them in one place.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
+from .settings import CHOICE, DEFAULTS, SECONDS, SETTINGS, SettingError, parsed
 from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports sizes with the policy)
     GiB,
     KiB,
@@ -24,9 +27,8 @@ from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports
     shown,
 )
 
-PLACEMENTS = ("spread", "pack", "none")
-ON_FULL = ("refuse", "cpu-only")
-ON_OVER_MAX = ("clamp", "refuse")
+from .watchdog import WatchdogSettings
+
 RULE_KEYS = ("user", "kernelspec", "cap", "max_cap", "devices")
 
 
@@ -90,10 +92,10 @@ class Policy:
     default_cap: CapSpec
     max_cap: CapSpec
     rules: Union[tuple, Callable[[str, str], Any]] = ()
-    overcommit: Optional[float] = None
-    placement: str = "spread"
-    on_full: str = "cpu-only"
-    on_over_max: str = "clamp"
+    overcommit: Optional[float] = DEFAULTS["overcommit"]
+    placement: str = DEFAULTS["placement"]
+    on_full: str = DEFAULTS["on_full"]
+    on_over_max: str = DEFAULTS["on_over_max"]
 
     def describe(self) -> dict:
         """What the status API and the magic show of the policy (JSON-ready)."""
@@ -111,39 +113,47 @@ class Policy:
 def build_policy(
     default_cap: Any,
     max_cap: Any,
-    caps: RuleSource = (),
-    overcommit: Any = None,
-    placement: str = "spread",
-    on_full: str = "cpu-only",
-    on_over_max: str = "clamp",
+    caps: RuleSource = DEFAULTS["caps"],
+    overcommit: Any = DEFAULTS["overcommit"],
+    placement: str = DEFAULTS["placement"],
+    on_full: str = DEFAULTS["on_full"],
+    on_over_max: str = DEFAULTS["on_over_max"],
 ) -> Policy:
-    """Validate every setting; raise PolicyError naming the first bad one and its value."""
-
-    def setting(name: str, parse: Callable[[Any], Any], value: Any) -> Any:
-        try:
-            return parse(value)
-        except PolicyError as error:
-            raise PolicyError(f"c.GpuQuota.{name} = {shown(value)}: {error}") from None
-
-    default = setting("default_cap", parse_cap, default_cap)
-    maximum = setting("max_cap", parse_cap, max_cap)
+    """Validate every setting; raise a SettingError (a PolicyError) naming the first bad one and its value."""
+    default = parsed("default_cap", parse_cap, default_cap)
+    maximum = parsed("max_cap", parse_cap, max_cap)
     _check_not_above("default_cap", default, maximum)
     if callable(caps):
         rules: Union[tuple, Callable[[str, str], Any]] = caps
     else:
         if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
-            raise PolicyError(f"c.GpuQuota.caps = {shown(caps)}: must be a list of rules or a callable")
-        rules = tuple(setting("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(caps))
+            raise SettingError("caps", caps, SETTINGS["caps"].must)
+        rules = tuple(parsed("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(caps))
         for rule in rules:
             _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or maximum)
     return Policy(
         default_cap=default,
         max_cap=maximum,
         rules=rules,
-        overcommit=setting("overcommit", parse_overcommit, overcommit),
-        placement=setting("placement", lambda v: _choice(v, PLACEMENTS), placement),
-        on_full=setting("on_full", lambda v: _choice(v, ON_FULL), on_full),
-        on_over_max=setting("on_over_max", lambda v: _choice(v, ON_OVER_MAX), on_over_max),
+        overcommit=parse_setting("overcommit", overcommit),
+        placement=parse_setting("placement", placement),
+        on_full=parse_setting("on_full", on_full),
+        on_over_max=parse_setting("on_over_max", on_over_max),
+    )
+
+
+def watchdog_settings(
+    enforce: Any = DEFAULTS["enforce"],
+    slack: Any = DEFAULTS["slack"],
+    grace: Any = DEFAULTS["grace"],
+    poll_interval: Any = DEFAULTS["poll_interval"],
+) -> WatchdogSettings:
+    """The watchdog's settings, validated; a SettingError names the first bad one and its value."""
+    return WatchdogSettings(
+        enforce=parse_setting("enforce", enforce),
+        slack=parse_setting("slack", slack),
+        grace=parse_setting("grace", grace),
+        poll_interval=parse_setting("poll_interval", poll_interval),
     )
 
 
@@ -165,21 +175,63 @@ def parse_overcommit(value: Any) -> Optional[float]:
     """None / "" / "none" = no admission control; else a positive factor (1.0 = grant at most the device)."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
-    if isinstance(value, bool):
-        raise PolicyError("must be a positive number (1.0 = never grant more than the device) or None")
-    try:
-        factor = float(value)
-    except (TypeError, ValueError):
-        raise PolicyError("must be a positive number (1.0 = never grant more than the device) or None") from None
-    if not math.isfinite(factor) or factor <= 0 or factor > 1000:
-        raise PolicyError("must be a positive number up to 1000 (1.0 = never grant more than the device) or None")
+    row = SETTINGS["overcommit"]
+    factor = _number(value, row.must)
+    if factor <= row.low or factor > row.high:
+        raise PolicyError(row.must)
     return factor
 
 
-def _choice(value: Any, allowed: Sequence[str]) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in allowed:
-        raise PolicyError(f"must be one of {', '.join(repr(a) for a in allowed)}")
-    return value.strip().lower()
+def parse_slack(value: Any) -> CapSpec:
+    """Slack over the cap: bytes ("1GiB", 1073741824), a fraction of the kernel's cap ("0.1", "10%") or 0."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return CapSpec(nbytes=0, text="0")
+    if isinstance(value, str) and value.strip() in ("0", "0B", "0b", "0%"):
+        return CapSpec(nbytes=0, text=value.strip())
+    return parse_cap(value)
+
+
+def parse_value(name: str, value: Any) -> Any:
+    """One setting's value parsed the way the server parses it (choices and ranges from the table);
+    PolicyError says why not. The server's settings and the hub's per-user mapping both come here."""
+    row = SETTINGS[name]
+    if row.kind == CHOICE:
+        if not isinstance(value, str) or value.strip().lower() not in row.choices:
+            raise PolicyError(row.must)
+        return value.strip().lower()
+    if row.kind == SECONDS:
+        if value is None and row.default is None:
+            return None
+        seconds = _number(value, row.must)
+        if not row.low <= seconds <= row.high:
+            raise PolicyError(row.must)
+        return seconds
+    return _PARSERS[name](value)
+
+
+def parse_setting(name: str, value: Any) -> Any:
+    """`parse_value`, its refusal naming the setting and the value (a SettingError)."""
+    return parsed(name, lambda v: parse_value(name, v), value)
+
+
+def _number(value: Any, must: str) -> float:
+    if isinstance(value, bool):
+        raise PolicyError(must)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError(must) from None
+    if not math.isfinite(number):
+        raise PolicyError(must)
+    return number
+
+
+_PARSERS: Dict[str, Callable[[Any], Any]] = {
+    "default_cap": parse_cap,
+    "max_cap": parse_cap,
+    "overcommit": parse_overcommit,
+    "slack": parse_slack,
+}
 
 
 @dataclass(frozen=True)

@@ -112,17 +112,18 @@ class GpuQuotaProvisioner(LocalProvisioner):
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         await super().shutdown_requested(restart=restart)
-        parker = getattr(self._service(), "parker", None)
-        if parker is not None and parker.holds_gpu_state(self.kernel_id):
+        service = self._service()
+        if service is not None and service.parker.holds_gpu_state(self.kernel_id):
             # A parked process cannot run its CUDA exit handlers: its state is being thrown away anyway.
             await self.kill(restart=restart)
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
-        if getattr(self._service(), "parker", None) is not None:
-            self._service().parker.forget(self.kernel_id)  # its processes are gone: so is their parking
-        if not restart:
-            self._release(self._service())
+        service = self._service()
+        if service is not None:
+            service.parker.forget(self.kernel_id)  # its processes are gone: so is their parking
+        if not restart and service is not None and self.kernel_id:
+            await service.release(self.kernel_id, holder=self)  # the ledger's call in a thread
 
     def _refuse(self, service: Any, status: int, message: str, reason: str) -> StartRefused:
         self._give_back(service)
@@ -167,5 +168,6 @@ class GpuQuotaProvisioner(LocalProvisioner):
             pending.pop(self.kernel_id, None)
 
     def _release(self, service: Any) -> None:
+        # Sync (a failed start's give-back): the bookkeeping now, the ledger's call in a thread.
         if service is not None and self.kernel_id:
-            service.release(self.kernel_id, holder=self)
+            service.release_soon(self.kernel_id, holder=self)

@@ -1,4 +1,5 @@
-"""The kernel's side of the REST API: ask the server for a cap, report allocator usage. Stdlib only.
+"""The kernel's side of the REST API: ask the server for a cap, ask it to park or resume this kernel,
+report allocator usage. Stdlib only.
 
 The kernel proves who it is with the secret the launch hook put in its environment (shared.env_vars.TOKEN). The
 secret travels in one header and nowhere else: it is never logged, printed or put in an error message.
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
-from ..shared.contract import USAGE_SUFFIX, kernel_path
+from ..shared.contract import PARK_SUFFIX, RESUME_SUFFIX, USAGE_SUFFIX, kernel_path
 from ..shared.env_vars import API_URL, KERNEL_ID, TOKEN
 
 REQUEST_TIMEOUT_S = 10.0  # the user is waiting on %gpucap; the server answers in milliseconds
@@ -34,6 +35,18 @@ class CapAnswer:
     @property
     def changed(self) -> bool:
         return self.outcome in ("granted", "clamped")
+
+
+@dataclass
+class ParkAnswer:
+    """The server's answer to a park or resume request: "accepted" (202, `park` is the kernel's park
+    state, shared.contract.PARK_FIELDS), "refused" (the server said no, `message` says why) or "error"
+    (no answer, no such route, bad credentials)."""
+
+    outcome: str
+    message: str = ""
+    park: Optional[dict] = None
+    status: Optional[int] = None
 
 
 class QuotaClient:
@@ -100,6 +113,42 @@ class QuotaClient:
         if status == 403:
             message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
         return CapAnswer("error", message or f"the server answered HTTP {status}", status=status)
+
+    # --- parking ----------------------------------------------------------------------------------
+
+    def park(self) -> ParkAnswer:
+        """Ask the server to park this kernel once its current cell has finished."""
+        return self._post_park(PARK_SUFFIX)
+
+    def resume(self) -> ParkAnswer:
+        """Ask the server to bring this kernel's GPU memory back now (or to drop a park not yet done)."""
+        return self._post_park(RESUME_SUFFIX)
+
+    def park_state(self) -> Optional[dict]:
+        """This kernel's park state as the server has it now (PARK_FIELDS), or None: no answer, or a
+        server that does not park."""
+        record = self.grant()
+        park = record.get("park") if record else None
+        return park if isinstance(park, dict) else None
+
+    def _post_park(self, suffix: str) -> ParkAnswer:
+        try:
+            status, reply = self._send("POST", self.kernel_url(suffix), {}, REQUEST_TIMEOUT_S)
+        except OSError as error:
+            return ParkAnswer("error", f"cannot reach the GPU quota server at {self.api_url}: {_reason(error)}")
+        park = reply.get("park") if isinstance(reply, dict) else None
+        message = reply.get("message") if isinstance(reply, dict) else None
+        if 200 <= status < 300 and isinstance(park, dict):
+            return ParkAnswer("accepted", str(message or ""), park, status)
+        if status in (400, 409) and message:  # the server's reason: not parkable, host memory short, ...
+            return ParkAnswer("refused", str(message), park if isinstance(park, dict) else None, status)
+        if status in (403, 404, 405) and reply is None:
+            # Not our API's answer (ours are JSON) but jupyter_server's own error page: no handler has
+            # this path. For a POST its catch-all asks for an XSRF cookie first, hence a 403, not a 404.
+            message = f"this server cannot park kernels: it has no {suffix} route (HTTP {status}; its gpu-quota-ext predates parking)"
+        elif status == 403:
+            message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
+        return ParkAnswer("error", str(message or f"the server answered HTTP {status}"), status=status)
 
     # --- usage reports --------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from ..shared.sizes import CapSpec, PolicyError, parse_cap
 
-USAGE = "%gpucap [CAP | reset | panel] [--device N] [--cells on|off] [--help]"
+USAGE = "%gpucap [CAP | reset | panel | park | resume] [--device N] [--cells on|off] [--help]"
 DESCRIPTION = """Show or change this kernel's GPU memory cap.
 
   %gpucap                  table: device, cap, allocated, reserved, peak, device total, who set the cap
@@ -20,9 +20,16 @@ DESCRIPTION = """Show or change this kernel's GPU memory cap.
   %gpucap --device 1 8GiB  ask for a new cap on cuda:1 only
   %gpucap reset            back to the cap the server's policy gives this kernel
   %gpucap panel            a live usage panel (ipywidgets)
+  %gpucap park             when this cell ends, move this kernel's GPU memory to host memory; the next
+                           cell brings it back (a few seconds), tensors unchanged
+  %gpucap resume           bring a parked kernel back now (rarely needed: the next cell resumes it)
   %gpucap --cells on|off   one line after each cell: its peak and its change in allocated memory
 
 The server decides: a request is granted, clamped to what the admin allows, or refused."""
+
+
+# The words %gpucap takes in place of a cap; none takes --device (each acts on the whole kernel).
+WORDS = ("reset", "panel", "park", "resume")
 
 
 class CommandError(ValueError):
@@ -31,7 +38,7 @@ class CommandError(ValueError):
 
 @dataclass(frozen=True)
 class Command:
-    action: str  # "show", "set", "reset", "panel", "help" or "cells"
+    action: str  # "show", "set", "reset", "panel", "park", "resume", "help" or "cells"
     cap: Optional[CapSpec] = None  # for "set"
     ordinal: Optional[int] = None  # for "set": torch's cuda:N; None = every device of the kernel
     cells: Optional[bool] = None  # for "cells"
@@ -46,7 +53,7 @@ def _gpucap_parser():
         from IPython.core.magic_arguments import argument, magic_arguments
 
         @magic_arguments()
-        @argument("value", nargs="?", help="a cap (0.3, 30%%, 12GiB, 12GB), 'reset' or 'panel'")
+        @argument("value", nargs="?", help="a cap (0.3, 30%%, 12GiB, 12GB), 'reset', 'panel', 'park' or 'resume'")
         @argument("-d", "--device", type=int, metavar="N", help="only this device: the kernel's cuda:N")
         @argument("--cells", choices=["on", "off"], help="report each cell's GPU memory after it runs")
         @argument("-h", "--help", action="store_true", help="show this help")
@@ -79,7 +86,7 @@ def parse_command(line: str, ordinals: Optional[Sequence[int]] = None) -> Comman
         if value is not None or args.device is not None:
             raise CommandError("--cells on|off stands alone: %gpucap --cells on")
         return Command("cells", cells=args.cells == "on")
-    if value in ("reset", "panel"):
+    if value in WORDS:
         if args.device is not None:
             raise CommandError(f"--device cannot be used with '{value}'")
         return Command(value)

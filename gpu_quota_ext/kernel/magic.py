@@ -1,4 +1,5 @@
-"""`%gpucap`: show this kernel's caps and usage, ask the server for another cap, open the usage panel.
+"""`%gpucap`: show this kernel's caps and usage, ask the server for another cap, park or resume this
+kernel, open the usage panel.
 
 Loaded in every kernel the server starts (the bootstrap loads the extension) and by
 `%load_ext gpu_quota_ext` anywhere else; there, no server grants caps and the magic sets them locally.
@@ -23,6 +24,7 @@ from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
 from .layers import layer_line, restart_note
 from .oom import explain_after_cell
+from .park import PARK_ANNOUNCEMENT, RESUME_NOTE, refusal_text, state_words, table_line
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .sync import after_cell
 from .torch_cap import apply_local_caps, cap_torch, cuda_torch, install_lazy_hook, put_caps_in_force
@@ -46,9 +48,10 @@ def headline(answer: CapAnswer) -> str:
     return f"{answer.outcome}: {message}"
 
 
-def format_table(state, readings: dict, unavailable: Optional[str] = None) -> str:
+def format_table(state, readings: dict, unavailable: Optional[str] = None, park: Optional[dict] = None) -> str:
     """`%gpucap` with no arguments: one row per device, then what the user may ask for. `unavailable`:
-    why the kernel's torch can read no usage (reasons.usage_unavailable_reason), if it cannot."""
+    why the kernel's torch can read no usage (reasons.usage_unavailable_reason), if it cannot. `park`:
+    the kernel's park state as the server sent it (PARK_FIELDS), if it sent one."""
     header = ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by")
     rows = []
     if state.devices:
@@ -108,6 +111,9 @@ def format_table(state, readings: dict, unavailable: Optional[str] = None) -> st
             )
         maxima = sorted({d.max_cap for d in state.devices})
         lines.append("you may ask for up to " + ", ".join(format_bytes(m) for m in maxima) + " per device: %gpucap 0.3, %gpucap 12GiB")
+    parking = table_line(park)
+    if parking:
+        lines.append(parking)
     for problem in state.problems:
         lines.append(f"{PREFIX} problem: {problem}")
     return "\n".join(lines)
@@ -145,12 +151,14 @@ class GpuCap:
         elif command.action == "show":
             self.state.told = True  # the table says what the first cell's notice would
             readings = read_usage([d.ordinal for d in self.state.devices] or None)
-            print(format_table(self.state, readings, usage_unavailable_reason()))
+            print(format_table(self.state, readings, usage_unavailable_reason(), self.park_state()))
         elif command.action == "cells":
             self.cells.enabled = bool(command.cells)
             print(f"{PREFIX} per-cell report {'on' if command.cells else 'off'}")
         elif command.action == "panel":
             return self.open_panel()
+        elif command.action in ("park", "resume"):
+            self.park_or_resume(command.action)
         elif not self.state.managed:
             self.change_locally(command)
         else:
@@ -180,6 +188,43 @@ class GpuCap:
     def close_panels(self) -> None:
         while self.panels:
             self.panels.pop().close()
+
+    # --- parking --------------------------------------------------------------------------------
+
+    def park_state(self) -> Optional[dict]:
+        """The server's park state for this kernel, or None (no server, no answer, a server that does not park)."""
+        if self.client is None:
+            return None
+        try:
+            return self.client.park_state()
+        except Exception:  # the table must show even when this extra reading fails
+            return None
+
+    def park_or_resume(self, action: str) -> None:
+        """Ask the server to park this kernel when the cell ends, or to resume it; say its answer once."""
+        if not self.state.managed or self.client is None:
+            self.error(f"cannot {action}: no server started this kernel (or gave it no address), so none can {action} it")
+            return
+        answer = self.client.park() if action == "park" else self.client.resume()
+        if answer.outcome == "refused":
+            self.error(refusal_text(answer.message, action))
+            return
+        if answer.outcome != "accepted":
+            self.error(answer.message)
+            return
+        park = answer.park or {}
+        state = park.get("state")
+        if park.get("parkable") is False:
+            self.error(refusal_text(park.get("reason") or "not parkable", action))
+        elif action == "park":
+            if state in ("pending", "parking", "parked"):
+                print(f"{PREFIX} {PARK_ANNOUNCEMENT}")
+            else:  # accepted, yet the server will not park it (host memory short, ...): say why
+                self.error(refusal_text(park.get("reason") or f"the server left it {state_words(park)}", action))
+        elif state in ("parked", "parking", "resuming", "waiting"):
+            print(f"{PREFIX} {state_words(park)}; {RESUME_NOTE}")
+        else:
+            print(f"{PREFIX} this kernel is not parked ({state_words(park)}); {RESUME_NOTE}")
 
     # --- changes --------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ closes the panel it opened before, so a kernel has at most one panel thread howe
 Readings come from torch.cuda.memory_stats() only while the kernel's own torch has CUDA running: the
 panel never imports torch and never starts CUDA (that would cost the kernel a context, docs/measurements.md).
 A kernel that holds a grant always shows it, with its usage marked "not available" and why when its
-torch cannot read any (a CPU-only torch, as in the simulated demo).
+torch cannot read any (a CPU-only torch, as in the simulated demo). Under the rows, the kernel's park
+state as the server has it ("running", "parked since 14:02, ...", "not parkable: ..."), read every
+`PARK_READ_S` seconds, when the server sends one.
 
 Module import is stdlib-only; ipywidgets is imported when a panel is made.
 """
@@ -21,13 +23,18 @@ import atexit
 import sys
 import threading
 from dataclasses import dataclass, field
+import time
 from html import escape
 from typing import List, Optional
 
 from ..shared.sizes import format_bytes
 from . import state as state_module
+from .park import not_parkable_words, state_words
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server
+
+
+PARK_READ_S = 5.0  # the park state changes over minutes; one small GET every few seconds is plenty
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,27 @@ class PanelView:
     status: str
     gpu_visible: bool
     rows: List[DeviceRow] = field(default_factory=list)
+    park: str = ""  # the kernel's park state in words; "" when the server sends none
 
 
-def panel_view(state, readings: dict, unavailable: Optional[str]) -> PanelView:
+def park_text(park: Optional[dict]) -> str:
+    """The panel's park line: "park: idle for 12 min", "park: not parkable: <the server's reason>"."""
+    if not park:
+        return ""
+    if park.get("parkable") is False:
+        return f"park: {not_parkable_words(park.get('reason'))}"
+    return f"park: {state_words(park)}"
+
+
+def panel_view(state, readings: dict, unavailable: Optional[str], park: Optional[dict] = None) -> PanelView:
     """Rows for the kernel's grants (a kernel the server started) or for what torch uses (one no server
-    started). `unavailable`: why the kernel's torch can read no usage (reasons.usage_unavailable_reason)."""
+    started). `unavailable`: why the kernel's torch can read no usage (reasons.usage_unavailable_reason).
+    `park`: the kernel's park state as the server sent it (PARK_FIELDS), if it sent one."""
+    view = _device_view(state, readings, unavailable)
+    return PanelView(view.status, view.gpu_visible, view.rows, park_text(park))
+
+
+def _device_view(state, readings: dict, unavailable: Optional[str]) -> PanelView:
     held_none = no_gpu_reason(state)
     if held_none:
         return PanelView(held_none, False)
@@ -129,8 +152,11 @@ class GpuUsagePanel:
         self.title = widgets.HTML(value="<b>GPU memory</b>")
         self.status = widgets.HTML(value="")
         self.rows = widgets.VBox([])
+        self.park = widgets.HTML(value="")
+        self._park: Optional[dict] = None
+        self._park_read_at: Optional[float] = None
         self._row_widgets: list = []
-        self.widget = widgets.VBox([self.title, self.status, self.rows])
+        self.widget = widgets.VBox([self.title, self.status, self.rows, self.park])
         # However the widget is closed (the browser, close(), widget.close()), its comm goes: stop then.
         self.widget.observe(self._on_comm, names="comm")
         self.refresh()
@@ -144,7 +170,20 @@ class GpuUsagePanel:
             self._unavailable = usage_unavailable_reason()  # fixed for the kernel's life: ask once
             self._torch_checked = True
         ordinals = [d.ordinal for d in self.state.devices] or None
-        return panel_view(self.state, read_usage(ordinals), self._unavailable)
+        return panel_view(self.state, read_usage(ordinals), self._unavailable, self.park_state())
+
+    def park_state(self) -> Optional[dict]:
+        """The server's park state for this kernel, read at most every PARK_READ_S seconds."""
+        if self.client is None:
+            return None
+        now = time.monotonic()
+        if self._park_read_at is None or now - self._park_read_at >= PARK_READ_S:
+            self._park_read_at = now
+            try:
+                self._park = self.client.park_state()
+            except Exception:
+                self._park = None
+        return self._park
 
     def refresh(self) -> PanelView:
         """Read once and set the widgets' traits (only changed values travel to the browser)."""
@@ -163,6 +202,9 @@ class GpuUsagePanel:
             widgets["details"].value = escape(row.details())
             bars = "none" if row.unavailable else ""  # no reading will ever come: no empty bars
             widgets["reserved"].layout.display = widgets["allocated"].layout.display = bars
+        park = f"<span class='gpu-quota-park'>{escape(view.park)}</span>" if view.park else ""
+        if self.park.value != park:
+            self.park.value = park
         return view
 
     def _make_row(self) -> dict:
@@ -213,7 +255,7 @@ class GpuUsagePanel:
         for row in self._row_widgets:
             for widget in row.values():
                 widget.close()
-        for widget in (self.title, self.status, self.rows, self.widget):
+        for widget in (self.title, self.status, self.rows, self.park, self.widget):
             widget.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(2.0, 2 * self.interval))

@@ -29,6 +29,7 @@ STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "moni
 STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used")
 KERNEL_FIELDS = (
     "id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers",
+    "park",  # PARK_FIELDS below (the parker's, through the status view's add_kernel_field)
 )
 KERNEL_DEVICE_FIELDS = (
     "index", "cap", "max_cap", "policy_cap", "used", "allocated", "reserved", "peak", "reported_at",

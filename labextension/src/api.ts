@@ -5,7 +5,16 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { IKernelStatus, IQuotaStatus, normalizeStatus, serverMessage, shorten } from './state';
+import {
+  IKernelPark,
+  IKernelStatus,
+  IQuotaStatus,
+  normalizeStatus,
+  PARK_SUFFIX,
+  RESUME_SUFFIX,
+  serverMessage,
+  shorten
+} from './state';
 
 /** The status route answered 404: the server extension is not installed or not enabled. */
 export class MissingExtensionError extends Error {
@@ -84,6 +93,62 @@ export async function requestCap(
       message: typeof body.message === 'string' ? shorten(body.message) : '',
       kernel: body.kernel || null
     };
+  }
+  throw new ApiError(await readMessage(response), response.status);
+}
+
+export interface IParkResult {
+  /** "accepted" (202: `park` is the kernel's park state now) or "refused" (the message says why). */
+  outcome: 'accepted' | 'refused';
+  message: string;
+  park: IKernelPark | null;
+}
+
+/**
+ * POST kernels/<id>/park (park once its current cell has finished) or /resume (bring it back now),
+ * with the server's auth and XSRF header like every request of the sidebar. A refusal (400, 409: not
+ * parkable, host memory short) is an answer; anything else that is not a 2xx throws an ApiError.
+ */
+export async function requestPark(
+  settings: ServerConnection.ISettings,
+  kernelId: string,
+  action: 'park' | 'resume'
+): Promise<IParkResult> {
+  const url = URLExt.join(
+    settings.baseUrl,
+    'api/gpu-quota/kernels',
+    encodeURIComponent(kernelId),
+    action === 'park' ? PARK_SUFFIX : RESUME_SUFFIX
+  );
+  const response = await ServerConnection.makeRequest(url, { method: 'POST', body: '{}' }, settings);
+  if (response.status === 400 || response.status === 409) {
+    return { outcome: 'refused', message: await readMessage(response), park: null };
+  }
+  if (response.ok) {
+    let body: any = null;
+    try {
+      body = await response.json();
+    } catch {
+      body = null;
+    }
+    const park = body && body.park && typeof body.park.state === 'string' ? body.park : null;
+    return {
+      outcome: 'accepted',
+      message: body && typeof body.message === 'string' ? shorten(body.message) : '',
+      park
+    };
+  }
+  if (response.status === 404) {
+    let message = '';
+    try {
+      message = serverMessage(await response.json(), '');
+    } catch {
+      message = '';
+    }
+    if (!message || message.toLowerCase() === 'not found') {
+      message = `this server cannot park kernels: it has no ${action} route (HTTP 404)`;
+    }
+    throw new ApiError(message, 404);
   }
   throw new ApiError(await readMessage(response), response.status);
 }

@@ -15,7 +15,7 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 
-import { requestCap } from './api';
+import { requestCap, requestPark } from './api';
 import { DEFAULT_INTERVAL_MS, DEFAULT_WARNING_THRESHOLD, QuotaModel } from './model';
 import { PANEL_ID, QuotaPanel } from './panel';
 import { IKernelStatus } from './state';
@@ -91,6 +91,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     panel = new QuotaPanel(model, trans, {
       setCap: async (kernelId, request) => {
         const result = await requestCap(serverSettings, kernelId, request);
+        void model.refresh(true);
+        return result;
+      },
+      park: async (kernelId, action) => {
+        const result = await requestPark(serverSettings, kernelId, action);
         void model.refresh(true);
         return result;
       },

@@ -9,7 +9,7 @@ import { TranslationBundle } from '@jupyterlab/translation';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { ICapResult } from './api';
+import { ICapResult, IParkResult } from './api';
 import { formatAge, formatBytes, formatPair } from './format';
 import { layersLine } from './layers';
 import { QuotaModel } from './model';
@@ -21,8 +21,13 @@ import {
   IMonitorNotice,
   IState,
   kernelDeviceUsage,
+  IParkButton,
   labelled,
   monitorNotice,
+  notParkableText,
+  parkButtons,
+  parkFeedback,
+  parkWords,
   sortKernels,
   UsageSource,
   usageLevel
@@ -35,6 +40,8 @@ export interface IPanelActions {
     kernelId: string,
     request: { cap: string } | { reset: true }
   ): Promise<ICapResult>;
+  /** POST kernels/<id>/park or /resume (shared/contract.py: PARK_SUFFIX, RESUME_SUFFIX). */
+  park(kernelId: string, action: 'park' | 'resume'): Promise<IParkResult>;
   /** Resolves true when the kernel was shut down (false: the user cancelled). */
   shutdown(kernel: IKernelStatus): Promise<boolean>;
   open(path: string): void;
@@ -69,6 +76,16 @@ function setHidden(node: HTMLElement, hidden: boolean): void {
   if (node.hidden !== hidden) {
     node.hidden = hidden;
   }
+}
+
+/** A Park or Resume button as parkButtons() decided: shown or not, enabled or not, its tooltip. */
+function setButton(button: HTMLButtonElement, wanted: IParkButton, busy: boolean): void {
+  setHidden(button, !wanted.visible);
+  const disabled = busy || !wanted.enabled;
+  if (button.disabled !== disabled) {
+    button.disabled = disabled;
+  }
+  setAttr(button, 'title', wanted.title);
 }
 
 const LEVEL_CLASSES = ['jp-mod-ok', 'jp-mod-warning', 'jp-mod-over'];
@@ -202,6 +219,10 @@ class KernelRow {
   private _cpuOnly = h('div', 'jp-GpuQuota-cpuOnly');
   private _layers = h('div', 'jp-GpuQuota-layers');
   private _action = h('div', 'jp-GpuQuota-action');
+  private _park = h('div', 'jp-GpuQuota-park');
+  private _parkButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-parkButton');
+  private _resumeButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-resumeButton');
+  private _parkBusy = false;
   private _capInput = h('input', 'jp-GpuQuota-capInput');
   private _setButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-setCap jp-mod-accept');
   private _resetButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-reset');
@@ -234,7 +255,18 @@ class KernelRow {
     this._shutdownButton.type = 'button';
     this._shutdownButton.textContent = trans.__('Shut down');
     this._shutdownButton.title = trans.__('Shut this kernel down');
-    form.append(this._capInput, this._setButton, this._resetButton, this._shutdownButton);
+    this._parkButton.type = 'button';
+    this._parkButton.textContent = trans.__('Park');
+    this._resumeButton.type = 'button';
+    this._resumeButton.textContent = trans.__('Resume');
+    form.append(
+      this._capInput,
+      this._setButton,
+      this._resetButton,
+      this._parkButton,
+      this._resumeButton,
+      this._shutdownButton
+    );
     form.addEventListener('submit', event => {
       event.preventDefault();
       const cap = this._capInput.value.trim();
@@ -244,6 +276,8 @@ class KernelRow {
     });
     this._resetButton.addEventListener('click', () => void this._request({ reset: true }));
     this._shutdownButton.addEventListener('click', () => void this._shutdown());
+    this._parkButton.addEventListener('click', () => void this._parkOrResume('park'));
+    this._resumeButton.addEventListener('click', () => void this._parkOrResume('resume'));
     this._path.addEventListener('click', event => {
       event.preventDefault();
       if (this._kernel?.path) {
@@ -252,7 +286,19 @@ class KernelRow {
     });
     setHidden(this._feedback, true);
     setHidden(this._layers, true);
-    this.node.append(head, this._devices, this._layers, this._cpuOnly, this._action, form, this._feedback);
+    setHidden(this._park, true);
+    setHidden(this._parkButton, true);
+    setHidden(this._resumeButton, true);
+    this.node.append(
+      head,
+      this._devices,
+      this._layers,
+      this._cpuOnly,
+      this._park,
+      this._action,
+      form,
+      this._feedback
+    );
   }
 
   update(kernel: IKernelStatus, current: boolean, threshold: number, now: number): void {
@@ -306,6 +352,8 @@ class KernelRow {
     setHidden(this._setButton, cpuOnly);
     setHidden(this._resetButton, cpuOnly);
 
+    this._updatePark(kernel);
+
     const action = kernel.last_action;
     setHidden(this._action, !action);
     if (action) {
@@ -350,6 +398,42 @@ class KernelRow {
       this._showFeedback(labelled(trans.__('Failed'), String((error as Error)?.message || error)), 'over');
     } finally {
       this._setButton.disabled = this._resetButton.disabled = false;
+    }
+  }
+
+  /** The park state in words, and the Park / Resume buttons as parkButtons() decides. */
+  private _updatePark(kernel: IKernelStatus): void {
+    const park = kernel.park || null;
+    setHidden(this._park, !park);
+    if (park) {
+      const words = park.parkable === false ? notParkableText(park.reason) : parkWords(park);
+      setText(this._park, words);
+      setAttr(this._park, 'data-park-state', park.state);
+      setLevel(this._park, park.state === 'waiting' ? 'warning' : 'ok');
+    }
+    const buttons = parkButtons(park);
+    setButton(this._parkButton, buttons.park, this._parkBusy);
+    setButton(this._resumeButton, buttons.resume, this._parkBusy);
+  }
+
+  private async _parkOrResume(action: 'park' | 'resume'): Promise<void> {
+    this._parkBusy = true;
+    this._parkButton.disabled = this._resumeButton.disabled = true;
+    try {
+      const result = await this._actions.park(this.id, action);
+      const feedback = parkFeedback(action, result.outcome, result.message, result.park);
+      this._showFeedback(feedback.text, feedback.level);
+      if (result.park && this._kernel) {
+        this._kernel = { ...this._kernel, park: result.park };
+      }
+    } catch (error) {
+      const failed = action === 'park' ? this._trans.__('Park failed') : this._trans.__('Resume failed');
+      this._showFeedback(labelled(failed, String((error as Error)?.message || error)), 'over');
+    } finally {
+      this._parkBusy = false;
+      if (this._kernel) {
+        this._updatePark(this._kernel);
+      }
     }
   }
 

@@ -4,7 +4,7 @@
  * ordered, which usage figure a bar shows and when it turns to a warning. No JupyterLab imports.
  */
 
-import { formatPair } from './format';
+import { formatBytes, formatPair, toMillis } from './format';
 import { IKernelLayers } from './layers';
 
 // --- the server's contract: GET /api/gpu-quota/status (fields marked ? may be missing) ----------
@@ -57,6 +57,40 @@ export interface IKernelStatus {
   devices: IKernelDevice[];
   last_action?: ILastAction | null;
   layers?: IKernelLayers | null;
+  /** Parking: where the kernel's GPU memory is (absent from a server that does not park). */
+  park?: IKernelPark | null;
+}
+
+// --- parking: each kernel's "park" object, and the park / resume routes (shared/contract.py) ------
+
+/** POST kernels/<id>/park: park once the current cell has finished; /resume: bring it back now. */
+export const PARK_SUFFIX = 'park';
+export const RESUME_SUFFIX = 'resume';
+
+/** A kernel's park state, as the contract lists them (PARK_STATES). */
+export const PARK_STATES = [
+  'busy',
+  'idle',
+  'pending',
+  'parking',
+  'parked',
+  'resuming',
+  'waiting'
+] as const;
+export type ParkState = (typeof PARK_STATES)[number];
+
+export interface IKernelPark {
+  state: ParkState;
+  /** When the state began, wall clock in seconds. */
+  since?: number | null;
+  /** Seconds since jupyter_server last saw the kernel active. */
+  idle_seconds?: number | null;
+  /** Bytes the driver holds on the host for it while parked. */
+  host_bytes?: number | null;
+  /** False: parking cannot work for it (the reason says why). */
+  parkable: boolean;
+  /** Why not parkable, why it did not park, or what a waiting resume waits for. */
+  reason?: string | null;
 }
 
 /** The server's GPU monitor: how fresh its usage figures are. */
@@ -109,7 +143,11 @@ export function normalizeStatus(raw: any): IQuotaStatus {
           ...k,
           devices: Array.isArray(k.devices)
             ? k.devices.filter((d: any) => d && isNumber(d.index) && isNumber(d.cap))
-            : []
+            : [],
+          park:
+            k.park && typeof k.park === 'object' && typeof k.park.state === 'string'
+              ? { ...k.park, parkable: k.park.parkable !== false }
+              : null
         }))
     : [];
   const monitor: IMonitorStatus | null =
@@ -437,4 +475,165 @@ export function statusBarInfo(state: IState, threshold = 0.9): IStatusBarInfo | 
     device: best,
     usage: bestUsage
   };
+}
+
+// --- parking in words, and which of the Park / Resume buttons a kernel row offers ----------------
+
+/** "40 s", "12 min", "2 h 5 min". */
+export function formatDuration(seconds: number): string {
+  const s = Math.max(0, Math.floor(seconds));
+  if (s < 60) {
+    return `${s} s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)} min`;
+  }
+  const hours = Math.floor(s / 3600);
+  const minutes = Math.floor((s % 3600) / 60);
+  return minutes ? `${hours} h ${minutes} min` : `${hours} h`;
+}
+
+/** "14:02" in the browser's time zone; "" when the time cannot be read. */
+export function formatClock(time: number | null | undefined): string {
+  const millis = toMillis(time);
+  if (millis === null) {
+    return '';
+  }
+  const date = new Date(millis);
+  const pad = (n: number) => String(n).padStart(2, '0');
+  return `${pad(date.getHours())}:${pad(date.getMinutes())}`;
+}
+
+/**
+ * A kernel's park state as the sidebar says it ("running", "idle for 12 min", "parked since 14:02,
+ * 17.8 GiB on host", "resuming", "waiting for device memory: <reason>"); the same words as %gpucap
+ * (gpu_quota_ext/kernel/park.py).
+ */
+export function parkWords(park: IKernelPark): string {
+  const reason = typeof park.reason === 'string' && park.reason ? shorten(park.reason) : '';
+  switch (park.state) {
+    case 'busy':
+      return 'running';
+    case 'idle':
+      return isNumber(park.idle_seconds) ? `idle for ${formatDuration(park.idle_seconds)}` : 'idle';
+    case 'pending':
+      return 'parks when its current cell ends';
+    case 'parking':
+      return 'parking: its GPU memory is moving to host memory';
+    case 'parked': {
+      let words = 'parked';
+      const since = formatClock(park.since);
+      if (since) {
+        words += ` since ${since}`;
+      }
+      if (isNumber(park.host_bytes)) {
+        words += `, ${formatBytes(park.host_bytes)} on host`;
+      }
+      return words;
+    }
+    case 'resuming':
+      return 'resuming';
+    case 'waiting':
+      return reason ? `waiting for device memory: ${reason}` : 'waiting for device memory';
+    default:
+      return String(park.state || 'unknown');
+  }
+}
+
+export interface IParkButton {
+  visible: boolean;
+  enabled: boolean;
+  /** The tooltip: what the button does, or why it cannot be used now. */
+  title: string;
+}
+
+export interface IParkButtons {
+  park: IParkButton;
+  resume: IParkButton;
+}
+
+const HIDDEN: IParkButton = { visible: false, enabled: false, title: '' };
+export const PARK_TITLE =
+  'Move this kernel\'s GPU memory to host memory once its current cell has finished; its next cell brings it back';
+export const RESUME_TITLE = 'Bring this kernel\'s GPU memory back now (its next cell would too)';
+
+/**
+ * Park when parkable and not parked; Resume when parked or waiting; a kernel that cannot be parked
+ * shows Park disabled with the server's reason as its tooltip. No park object (a server that does
+ * not park): neither button.
+ */
+export function parkButtons(park: IKernelPark | null | undefined): IParkButtons {
+  if (!park) {
+    return { park: HIDDEN, resume: HIDDEN };
+  }
+  if (park.parkable === false) {
+    const why = typeof park.reason === 'string' && park.reason ? shorten(park.reason) : 'not parkable';
+    return { park: { visible: true, enabled: false, title: why }, resume: HIDDEN };
+  }
+  switch (park.state) {
+    case 'busy':
+    case 'idle':
+      return { park: { visible: true, enabled: true, title: PARK_TITLE }, resume: HIDDEN };
+    case 'pending':
+    case 'parking':
+      return { park: { visible: true, enabled: false, title: parkWords(park) }, resume: HIDDEN };
+    case 'parked':
+    case 'waiting':
+      return { park: HIDDEN, resume: { visible: true, enabled: true, title: RESUME_TITLE } };
+    case 'resuming':
+      return { park: HIDDEN, resume: { visible: true, enabled: false, title: 'resuming' } };
+    default:
+      return { park: HIDDEN, resume: HIDDEN };
+  }
+}
+
+// Openings that already say the server refused: said once ("not parkable: MPS client", never
+// "Cannot park: not parkable: MPS client"). The same list as gpu_quota_ext/kernel/park.py.
+const REFUSAL_OPENINGS = ['cannot park', 'cannot resume', 'not parkable', 'not parked', 'did not park', 'not resumed'];
+
+/** The server's refusal of a park or resume, as written and said once, capitalised. */
+export function refusalText(message: string | null | undefined, action: 'park' | 'resume'): string {
+  const said = (message || '').trim().replace(/\s+/g, ' ');
+  const capital = (text: string) => text.charAt(0).toUpperCase() + text.slice(1);
+  if (REFUSAL_OPENINGS.some(opening => said.toLowerCase().startsWith(opening))) {
+    return capital(shorten(said));
+  }
+  return said ? `Cannot ${action}: ${shorten(said)}` : `Cannot ${action}`;
+}
+
+/** Why a kernel cannot be parked, "Not parkable" said once whether or not the server's reason says it. */
+export function notParkableText(reason: string | null | undefined): string {
+  const said = (reason || '').trim().replace(/\s+/g, ' ');
+  if (!said) {
+    return 'Not parkable';
+  }
+  if (REFUSAL_OPENINGS.some(opening => said.toLowerCase().startsWith(opening))) {
+    return shorten(said.charAt(0).toUpperCase() + said.slice(1));
+  }
+  return `Not parkable: ${shorten(said)}`;
+}
+
+export interface IParkFeedback {
+  text: string;
+  level: Level;
+}
+
+/** What a row says after its Park or Resume button was answered. */
+export function parkFeedback(
+  action: 'park' | 'resume',
+  outcome: 'accepted' | 'refused',
+  message: string,
+  park: IKernelPark | null
+): IParkFeedback {
+  if (outcome === 'refused') {
+    return { text: refusalText(message, action), level: 'over' };
+  }
+  if (park && park.parkable === false) {
+    return { text: refusalText(park.reason || 'not parkable', action), level: 'over' };
+  }
+  if (!park) {
+    return { text: action === 'park' ? 'Park asked' : 'Resume asked', level: 'ok' };
+  }
+  const words = parkWords(park);
+  return { text: words.charAt(0).toUpperCase() + words.slice(1), level: 'ok' };
 }

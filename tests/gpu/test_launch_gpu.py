@@ -121,7 +121,10 @@ async def test_a_kernel_that_never_uses_cuda_holds_no_device_memory(jp_fetch, jp
     touched = await start_kernel(jp_fetch)
     # The cost of a CUDA context: one tiny tensor (also shows NVML does see kernel processes here).
     await execute(jp_serverapp, touched, "import torch; x = torch.ones(1, device='cuda')", timeout=180)
-    time.sleep(1)
+    # NVML lists a process's memory once its context exists: wait for the touched kernel's, then read all.
+    deadline = time.monotonic() + 30
+    while nvml_used_by_pid().get(kernel_pid(jp_serverapp, touched), 0) <= 100 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     used = nvml_used_by_pid()
     lazy_bytes = used.get(kernel_pid(jp_serverapp, lazy), 0)
     eager_bytes = used.get(kernel_pid(jp_serverapp, eager), 0)

@@ -190,10 +190,10 @@ async def test_a_subprocess_that_clears_its_environment_is_caught_by_a_layer(jp_
         return
     assert found["over"] == "ok", found
 
-    monitor = jp_serverapp.web_app.settings["gpu_quota_service"].monitor
+    manager = jp_serverapp.web_app.settings["gpu_quota_service"]
 
     def warned():
-        action = monitor.last_action(kernel_id)
+        action = manager.status.last_action(kernel_id)
         return action if action and action["action"] == "warn" else None
 
     action = await wait_for(warned, timeout=30)  # async: the monitor samples on this event loop

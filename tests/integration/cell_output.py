@@ -20,6 +20,18 @@ class CellOutput:
     def comm(self, kind: str) -> List[dict]:
         return [m["content"] for m in self.messages if m["msg_type"] == kind]
 
+    def add(self, msg: dict) -> None:
+        """An iopub message of the cell (the output hook of execute_interactive)."""
+        self.messages.append(msg)
+        kind = msg["msg_type"]
+        if kind == "stream":
+            if msg["content"]["name"] == "stdout":
+                self.stdout += msg["content"]["text"]
+            else:
+                self.stderr += msg["content"]["text"]
+        elif kind == "error":
+            self.errors.append(msg["content"])
+
 
 async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) -> CellOutput:
     """Like kernels.execute, but keeps stderr, errors and comm messages instead of failing on them."""
@@ -28,19 +40,7 @@ async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) ->
     try:
         await client.wait_for_ready(timeout=timeout)
         out = CellOutput(status="")
-
-        def on_output(msg) -> None:
-            out.messages.append(msg)
-            kind = msg["msg_type"]
-            if kind == "stream":
-                if msg["content"]["name"] == "stdout":
-                    out.stdout += msg["content"]["text"]
-                else:
-                    out.stderr += msg["content"]["text"]
-            elif kind == "error":
-                out.errors.append(msg["content"])
-
-        reply = await client.execute_interactive(code, output_hook=on_output, timeout=timeout)
+        reply = await client.execute_interactive(code, output_hook=out.add, timeout=timeout)
         out.status = reply["content"]["status"]
         return out
     finally:

@@ -1,5 +1,7 @@
 """A whole jupyter_server with gpu_quota_ext as a subprocess (for what an in-process server cannot show:
-its exit, signals, another Unix user), and code run in its kernels through their connection files."""
+its exit, signals, another Unix user; and for one server shared by a module's read-only checks, which
+pytest-jupyter's per-test server and event loop cannot give), and code run in its kernels through their
+connection files."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+from .cell_output import CellOutput
 from .fake_mps import wait_until
 
 TOKEN = "hard-cap-test"
@@ -25,10 +29,14 @@ class Server:
     """`python -m jupyter_server` with gpu_quota_ext, its stderr collected by a thread.
 
     `prefix` runs it through another program (`["runuser", "-u", "alice", "--"]`); `runtime` is its
-    JUPYTER_RUNTIME_DIR (connection files and the managed MPS daemon's directories go there)."""
+    JUPYTER_RUNTIME_DIR (connection files and the managed MPS daemon's directories go there); `config`
+    (a Config as a dict, as pytest-jupyter's jp_server_config) becomes its jupyter_server_config.json."""
 
-    def __init__(self, runtime: Path, args: Sequence[str], env_extra=None, prefix: Sequence[str] = ()):
+    def __init__(self, runtime: Path, args: Sequence[str], env_extra=None, prefix: Sequence[str] = (), config=None):
         self.runtime = Path(runtime)
+        if config is not None:
+            (self.runtime / "config").mkdir(parents=True, exist_ok=True)
+            (self.runtime / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
         env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {}))
         command = [
@@ -75,19 +83,41 @@ class Server:
         raise AssertionError("the server exited:\n" + "".join(self.lines))
 
     def api(self, path, method="GET", body=None, timeout: float = 60):
+        """The answer's JSON; any HTTP error fails, with the server's log."""
+        status, answer = self.answer(path, method, body, timeout)
+        if status >= 400:
+            raise AssertionError(f"{method} {path}: HTTP {status} {answer}\n" + "".join(self.lines))
+        return answer
+
+    def answer(self, path, method="GET", body=None, timeout: float = 60, headers=None):
+        """(HTTP status, the answer's JSON or None), errors included; no answer at all fails."""
         request = urllib.request.Request(
             self.url() + path, method=method, data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {TOKEN}"},
+            headers={"Authorization": f"token {TOKEN}", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return json.loads(answer.read() or b"null")
+                return answer.status, json.loads(answer.read() or b"null")
+        except urllib.error.HTTPError as error:
+            text = error.read()
+            try:
+                return error.code, json.loads(text or b"null")
+            except ValueError:
+                return error.code, None
         except urllib.error.URLError as error:
             raise AssertionError(f"{method} {path}: {error}\n" + "".join(self.lines)) from None
+
+    def start_kernel(self, name: str = "python3") -> str:
+        """A kernel started the way the browser starts one (POST /api/kernels); its id."""
+        return self.api("/api/kernels", "POST", {"name": name})["id"]
 
     def run(self, kernel_id: str, code: str, timeout: float = 120) -> str:
         """Run `code` in one of this server's kernels (through its connection file); its stdout."""
         return run_in_kernel(self.runtime / f"kernel-{kernel_id}.json", code, timeout)
+
+    def cell(self, kernel_id: str, code: str, timeout: float = 120) -> CellOutput:
+        """Run `code` in one of this server's kernels; everything it sent, errors included."""
+        return cell_in_kernel(self.runtime / f"kernel-{kernel_id}.json", code, timeout)
 
     def exit_code(self, timeout=60):
         code = self.process.wait(timeout=timeout)
@@ -112,27 +142,39 @@ class Server:
             pass
 
 
-def run_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> str:
-    """Execute `code` in the kernel of `connection_file`; its stdout. A cell error or a timeout fails."""
+@contextmanager
+def serving(runtime: Path, config=None, args: Sequence[str] = ()) -> Iterator[Server]:
+    """A Server, serving, for the length of the block (a module-scoped fixture's); killed after it."""
+    server = Server(runtime, args, config=config)
+    try:
+        server.wait_serving()
+        yield server
+    finally:
+        server.kill()
+
+
+def cell_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> CellOutput:
+    """Execute `code` in the kernel of `connection_file`; everything it sent on iopub."""
     from jupyter_client import BlockingKernelClient
 
     client = BlockingKernelClient(connection_file=str(connection_file))
     client.load_connection_file()
-    client.start_channels()
+    # No heartbeat channel: a client that no KernelManager made reads one missed beat (a busy machine, a
+    # kernel still starting) as a dead kernel; without it, only the timeout decides.
+    client.start_channels(hb=False)
     try:
         client.wait_for_ready(timeout=timeout)
-        chunks: list = []
-        errors: list = []
-
-        def on_output(msg) -> None:
-            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-                chunks.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                errors.append("\n".join(msg["content"]["traceback"]))
-
-        reply = client.execute_interactive(code, output_hook=on_output, timeout=timeout)
-        if reply["content"]["status"] != "ok" or errors:
-            raise AssertionError(f"cell failed:\n{code}\n" + "\n".join(errors))
-        return "".join(chunks)
+        out = CellOutput(status="")
+        reply = client.execute_interactive(code, output_hook=out.add, timeout=timeout)
+        out.status = reply["content"]["status"]
+        return out
     finally:
         client.stop_channels()
+
+
+def run_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> str:
+    """Execute `code` in the kernel of `connection_file`; its stdout. A cell error or a timeout fails."""
+    out = cell_in_kernel(connection_file, code, timeout)
+    if out.status != "ok" or out.errors:
+        raise AssertionError(f"cell failed:\n{code}\n" + "\n".join("\n".join(e["traceback"]) for e in out.errors))
+    return out.stdout

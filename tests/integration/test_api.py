@@ -125,7 +125,7 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
             400,
         )
         assert error.response.body, body
-    assert service.monitor.reports.get(kernel_id) is None
+    assert service.reports.get(kernel_id) is None
     assert service.ledger.get(kernel_id) == grant_before
     # Malformed cap changes too.
     for body in ['{"cap": "lots"}', '{"cap": 0}', '{"reset": false}', '{"cap": "0.3", "device": -1}', "[1]"]:
@@ -157,7 +157,7 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
     assert service.ledger.get(kernel_id).caps[device] == cap_before
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404)
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
-    assert service.monitor.reports.get(kernel_id) is None
+    assert service.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
     await shutdown_kernel(jp_fetch, other)
 
@@ -183,7 +183,7 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
         error = await expect_status(call, 401, 403)
         assert b"allocated" not in (error.response.body or b"") and b'"kernels"' not in (error.response.body or b"")
     assert service.ledger.get(kernel_id) == grant_before
-    assert service.monitor.reports.get(kernel_id) is None
+    assert service.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -227,10 +227,10 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
     device = service.ledger.get(kernel_id).devices[0]
     await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST",
                    body=json.dumps({"devices": [{"index": device, "reserved": 5}]}))
-    assert kernel_id in service.monitor.reports
+    assert kernel_id in service.reports
     await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
-    assert kernel_id not in service.monitor.reports
+    assert kernel_id not in service.reports
     assert service.ledger.get(kernel_id) is None
     assert all(k["id"] != kernel_id for k in (await status(jp_fetch))["kernels"])
 
@@ -271,7 +271,7 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage), 413)
     assert service.ledger.get(kernel_id) == grant_before
-    assert service.monitor.reports.get(kernel_id) is None
+    assert service.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
     padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
     assert json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)["outcome"] == "granted"

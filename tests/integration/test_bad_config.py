@@ -43,6 +43,13 @@ def start_server(tmp_path, args, env_extra=None, config=None):
         ([], None, {"GpuQuota": {"caps": [{"user": "alice", "cap": "2.0"}]}}, "c.GpuQuota.caps"),
         ([], None, {"StaticInventory": {"devices": [{"total": "half"}]}}, "c.StaticInventory.devices[0]['total']"),
         (["--GpuQuota.inventory_class=os.path"], None, None, "inventory_class"),
+        # Typed traits: a choice, a range, a type; from the command line, the environment and a config file.
+        (["--GpuQuota.hard_cap=yes"], None, None, "c.GpuQuota.hard_cap = 'yes': must be one of 'off', 'auto', 'mps'"),
+        ([], {"GPU_QUOTA_ENFORCE": "explode"}, None,
+         "c.GpuQuota.enforce = 'explode' (from the environment variable GPU_QUOTA_ENFORCE): must be one of"),
+        (["--GpuQuota.grace=soon"], None, None, "c.GpuQuota.grace = 'soon': must be a number of seconds from 0 to 3600"),
+        ([], {"GPU_QUOTA_MPS_TIMEOUT": "0"}, None, "(from the environment variable GPU_QUOTA_MPS_TIMEOUT)"),
+        ([], None, {"GpuQuota": {"caps": "alice"}}, "c.GpuQuota.caps = 'alice': must be a list of rules or a callable"),
     ],
 )
 def test_invalid_setting_stops_the_server_with_one_clear_line(tmp_path, args, env_extra, config, expected):
@@ -58,3 +65,11 @@ def test_valid_settings_start_the_server(tmp_path):
     returncode, stderr = start_server(tmp_path, STATIC + ["--GpuQuota.default_cap=12GiB", "--GpuQuota.placement=pack"])
     assert returncode is None, stderr  # still serving when the timeout hit
     assert "gpu-quota-ext: default_cap 12GiB" in stderr
+
+
+def test_numbers_in_a_config_file_start_the_server(tmp_path):
+    config = {"GpuQuota": {"default_cap": 0.5, "max_cap": 1, "slack": 2**30, "grace": 2, "overcommit": 1.5}}
+    returncode, stderr = start_server(tmp_path, STATIC, config=config)
+    assert returncode is None, stderr
+    assert "gpu-quota-ext: default_cap 0.5, max_cap 1, placement spread, on_full cpu-only, overcommit 1.5" in stderr
+    assert "gpu-quota-ext: watchdog enforce warn, slack 1073741824, grace 2.0s" in stderr

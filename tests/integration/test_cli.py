@@ -111,6 +111,8 @@ def test_check_says_why_it_sees_no_gpu(tmp_path):
         ([STATIC, "--GpuQuota.default_cap=abc"], {}, "c.GpuQuota.default_cap = 'abc'"),
         ([STATIC], {"GPU_QUOTA_DEFAULT_CAP": "abc"}, "(from the environment variable GPU_QUOTA_DEFAULT_CAP)"),
         ([STATIC], {"GPU_QUOTA_POLL_INTERVAL": "0"}, "(from the environment variable GPU_QUOTA_POLL_INTERVAL)"),
+        ([STATIC], {"GPU_QUOTA_PLACEMENT": "random"}, "c.GpuQuota.placement = 'random' (from the environment variable GPU_QUOTA_PLACEMENT)"),
+        ([STATIC, "--GpuQuota.on_full=wait"], {}, "c.GpuQuota.on_full = 'wait': must be one of 'refuse', 'cpu-only'"),
         (["--GpuQuota.inventory_class=os.path"], {}, "inventory_class"),
     ],
 )

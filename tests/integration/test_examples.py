@@ -102,6 +102,7 @@ async def test_demo_config_shows_two_simulated_devices_that_say_so(jp_fetch):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 async def test_tour_notebook_runs_top_to_bottom_in_demo_mode(jp_fetch, jp_serverapp):
     kernel_id, nb = await run_tour(jp_fetch, jp_serverapp)
     # After `%gpucap reset` the ledger is back at the cap the kernel started with.
@@ -146,6 +147,7 @@ async def test_tour_notebook_on_a_real_gpu(jp_fetch, jp_serverapp):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_tour_notebook_runs_under_nbconvert_without_a_server(tmp_path):
     """What a new user tries first: `jupyter nbconvert --execute` in a kernel no server started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_") and k != "PYTHONSTARTUP"}

@@ -197,6 +197,7 @@ class TestAnotherUsersServer:
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
 
 
+@pytest.mark.slow
 class TestHangingControl:
     @pytest.fixture
     def jp_server_config(self):

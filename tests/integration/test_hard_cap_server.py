@@ -14,6 +14,8 @@ import pytest
 from .fake_mps import FAKE_CONTROL, alive, control, fake_processes, short_tmp, wait_until  # noqa: F401
 from .servers import Server
 
+pytestmark = pytest.mark.slow  # whole servers started and stopped, each test
+
 DEVICES = '[{"name": "Test GPU", "total": "80GiB", "uuid": "GPU-0000-test"}]'
 STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory", f"--StaticInventory.devices={DEVICES}"]
 
@@ -99,7 +101,10 @@ def test_required_hard_cap_without_a_usable_daemon_refuses_to_start(servers, run
     before = set(fake_processes())
     env_extra = {k: v.format(runtime=runtime) for k, v in env_extra.items()}
     control_arg = [] if any("mps_control" in a for a in args) else [f"--GpuQuota.mps_control={FAKE_CONTROL}"]
-    server = servers(runtime, ["--GpuQuota.hard_cap=mps", "--GpuQuota.mps_timeout=1", *control_arg, *args], env_extra)
+    # The timeout must expire only where the control program hangs; elsewhere it only bounds the wait (a
+    # loaded machine can take over a second to start the fake control program).
+    timeout = 1 if "FAKE_MPS_HANG" in env_extra else 30
+    server = servers(runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_timeout={timeout}", *control_arg, *args], env_extra)
     code = server.exit_code()
     log = "".join(server.lines)
     assert code not in (None, 0), log

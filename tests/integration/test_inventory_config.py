@@ -1,8 +1,11 @@
 """Issue 10, item 13: a static inventory that lists one UUID twice stops a real server at start."""
 
+import pytest
+
 from .test_bad_config import start_server
 
 
+@pytest.mark.slow
 def test_duplicate_uuids_stop_the_server_with_one_line_naming_both_entries(tmp_path):
     devices = [{"total": "16GiB", "uuid": "GPU-aaaa"}, {"total": "16GiB", "uuid": "GPU-aaaa"}]
     config = {"GpuQuota": {"inventory_class": "gpu_quota_ext.devices.StaticInventory"}, "StaticInventory": {"devices": devices}}

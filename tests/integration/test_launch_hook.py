@@ -73,6 +73,7 @@ async def test_kernel_environment_carries_the_cap_and_placement_spreads(jp_fetch
     assert sorted(k["devices"][0]["index"] for k in recorded.values()) == [0, 1]
 
 
+@pytest.mark.slow
 async def test_torch_is_not_imported_and_is_capped_when_it_is(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     out = await execute(
@@ -174,6 +175,7 @@ async def test_a_non_python_kernel_never_holds_the_kernel_secret(jp_fetch, jp_se
     assert kernel_id not in jp_serverapp.web_app.settings["gpu_quota_service"]._tokens
 
 
+@pytest.mark.slow
 class TestConcurrentStarts:
     @pytest.fixture
     def jp_server_config(self):

@@ -62,6 +62,7 @@ def server_log_until(tmp_path, marker: str, *args: str, timeout: float = 60) -> 
     return lines
 
 
+@pytest.mark.slow
 def test_the_monitors_warning_is_a_server_log_line(tmp_path):
     lines = server_log_until(tmp_path, "NVML is switched off in this test")
     (ours,) = [line for line in lines if "NVML is switched off" in line]

@@ -20,7 +20,9 @@ from gpu_quota_ext.kernel.magic import NO_SERVER
 from gpu_quota_ext.policy import GiB
 
 from .cell_output import CellOutput, run_cell
+from .fake_gpu import wait_for
 from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
+from .servers import serving
 
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 DEVICE_TOTAL = 80 * GiB
@@ -29,6 +31,15 @@ DEVICE_TOTAL = 80 * GiB
 @pytest.fixture
 def jp_server_config():
     return Config(static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5"))
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server (the same config) and one kernel for the checks that leave its caps as they were:
+    `%gpucap`'s table, its help, refused lines, the CPU-only panel, OOM explanations."""
+    config = static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5")
+    with serving(tmp_path_factory.mktemp("magic"), config) as server:
+        yield server, server.start_kernel()
 
 
 async def ledger_record(jp_fetch, kernel_id: str) -> dict:
@@ -60,9 +71,9 @@ def assert_one_error_line(out: CellOutput) -> str:
 # --- the magic is there, and shows the kernel's caps -----------------------------------------------
 
 
-async def test_gpucap_exists_without_load_ext_and_shows_the_table(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await execute(jp_serverapp, kernel_id, "%gpucap")
+def test_gpucap_exists_without_load_ext_and_shows_the_table(shared):
+    server, kernel_id = shared
+    out = server.run(kernel_id, "%gpucap")
     header = out.splitlines()[0]
     for column in ("device", "cap", "allocated", "reserved", "peak", "device total", "cap set by"):
         assert column in header
@@ -155,9 +166,9 @@ async def test_a_cap_set_from_outside_the_kernel_reaches_it_after_its_next_cell(
         kernel_id,
         "import os, time\n"
         "from gpu_quota_ext.kernel.state import STATE\n"
-        "for _ in range(100):\n"
-        "    if STATE.devices[0].cap != %d: break\n"
-        "    time.sleep(0.05)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while STATE.devices[0].cap == %d and time.monotonic() < deadline:  # the background check's answer\n"
+        "    time.sleep(0.02)\n"
         "print(STATE.devices[0].cap, os.environ['PYTORCH_CUDA_ALLOC_CONF'])" % int(0.25 * DEVICE_TOTAL),
     )
     cap, conf = seen.split()
@@ -233,18 +244,18 @@ async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, j
         ("0.3 0.4", "unrecognized arguments"),
     ],
 )
-async def test_bad_input_is_one_error_line_and_changes_nothing(jp_fetch, jp_serverapp, line, says):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"%gpucap {line}")
+def test_bad_input_is_one_error_line_and_changes_nothing(shared, line, says):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"%gpucap {line}")
     assert says in assert_one_error_line(out)
-    assert caps_of(await ledger_record(jp_fetch, kernel_id)) == [int(0.25 * DEVICE_TOTAL)]
-    state = await execute(jp_serverapp, kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
+    assert caps_of(server.api(f"/api/gpu-quota/kernels/{kernel_id}")) == [int(0.25 * DEVICE_TOTAL)]
+    state = server.run(kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
     assert state.strip() == str([int(0.25 * DEVICE_TOTAL)])
 
 
-async def test_help(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, "%gpucap --help")
+def test_help(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, "%gpucap --help")
     assert out.status == "ok" and out.errors == []
     assert "%gpucap --device 1 8GiB" in out.stdout
     assert "--cells" in out.stdout
@@ -265,10 +276,10 @@ def widget_models(out: CellOutput) -> dict:
     return models
 
 
-async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_available(jp_fetch, jp_serverapp):
+def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_available(shared):
     # The simulated demo's case: the kernel holds a grant, its torch is a CPU build.
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, "import torch\n%gpucap panel")
+    server, kernel_id = shared
+    out = server.cell(kernel_id, "import torch\n%gpucap panel")
     assert out.status == "ok" and out.errors == [], out
     models = widget_models(out)
     html = " ".join(m["value"] for m in models.values() if m.get("_model_name") == "HTMLModel")
@@ -277,7 +288,7 @@ async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_
     assert "cap 20.0 GiB · device 80.0 GiB · cap set by the server, at kernel start" in html, html
     shown = [m["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for m in out.comm("display_data")]
     assert len(shown) == 1 and models[shown[0]]["_model_name"] == "VBoxModel"
-    table = await execute(jp_serverapp, kernel_id, "%gpucap")
+    table = server.run(kernel_id, "%gpucap")
     assert "allocated/reserved/peak: not available: this kernel's torch" in table and "built without CUDA" in table
     assert "20.0 GiB" in table.splitlines()[1]
 
@@ -285,6 +296,7 @@ async def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_
 THREADS = "import threading; print(sum(1 for t in threading.enumerate() if t.name == 'gpu-quota-panel'), threading.active_count())"
 
 
+@pytest.mark.slow
 async def test_thirty_panels_leave_one_thread_and_a_closed_panel_none(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "%gpucap")  # the full magic loaded: its own imports are not counted
@@ -324,9 +336,15 @@ async def test_panel_thread_updates_widgets_while_a_cell_runs_and_stops_on_close
         "panel_module.read_usage = lambda ordinals=None: {0: DeviceUsage(0, reading['allocated'], 8 << 30, 9 << 30, 0, 80 << 30)}\n"
         "p = GpuUsagePanel(interval=0.1)\n"
         "display(p)\n"
-        "for step in range(1, 6):\n"
+        "def shown(step):\n"
+        "    return any(f'allocated {step}.0 GiB' in row.children[-1].value for row in p.rows.children)\n"
+        # Up to 6: a reading is on show before its update is sent; 6 on show means 5's update went out.
+        "for step in range(1, 7):\n"
         "    reading['allocated'] = step << 30\n"
-        "    time.sleep(0.3)\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while not shown(step):  # the panel's thread, not this cell, puts the reading on show\n"
+        "        assert time.monotonic() < deadline, f'the panel did not show {step} GiB'\n"
+        "        time.sleep(0.02)\n"
         "print(p.running)\n",
     )
     assert out.status == "ok" and out.errors == [], out
@@ -354,9 +372,9 @@ OOM_DEVICE_TEXT = (
 )
 
 
-async def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_CAP_TEXT!r})")
+def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_CAP_TEXT!r})")
     assert out.status == "error"
     assert [e["ename"] for e in out.errors] == ["OutOfMemoryError"]
     assert OOM_CAP_TEXT in out.errors[0]["evalue"]  # the original exception, unchanged
@@ -370,14 +388,14 @@ async def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(jp_fetc
     assert order == ["error", "explanation"]
 
 
-async def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(jp_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    out = await run_cell(jp_serverapp, kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
+def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(shared):
+    server, kernel_id = shared
+    out = server.cell(kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
     lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
     assert len(lines) == 1, out.stderr
     assert "cuda:0 itself is full: other processes hold the rest" in lines[0]
     assert "your quota was not the limit" in lines[0]
-    other = await run_cell(jp_serverapp, kernel_id, "raise ValueError('not memory')")
+    other = server.cell(kernel_id, "raise ValueError('not memory')")
     assert other.status == "error" and other.errors[0]["ename"] == "ValueError"
     assert "gpu-quota" not in other.stderr
 
@@ -397,8 +415,6 @@ async def test_per_cell_report_is_opt_in(jp_fetch, jp_serverapp):
 
 
 async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverapp):
-    import asyncio
-
     kernel_id = await start_kernel(jp_fetch)
     # At kernel start a stand-in waits for CUDA to start before loading the reporter; CUDA cannot start
     # here, so load the full magic (its first use does) and give it fake readings, as torch would give.
@@ -410,11 +426,12 @@ async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverap
         "usage.read_usage = lambda ordinals=None: {0: usage.DeviceUsage(0, 3 << 30, 4 << 30, 5 << 30, 5 << 30, 80 << 30)}",
     )
     await execute(jp_serverapp, kernel_id, "x = 1")  # post_run_cell sends the report, off the cell's thread
-    for _ in range(50):
+
+    async def reported():
         device = (await ledger_record(jp_fetch, kernel_id))["devices"][0]
-        if device.get("reported_at"):
-            break
-        await asyncio.sleep(0.1)
+        return device if device.get("reported_at") else None
+
+    device = await wait_for(reported, timeout=30)
     assert (device["allocated"], device["reserved"], device["peak"]) == (3 * GiB, 4 * GiB, 5 * GiB)
 
 

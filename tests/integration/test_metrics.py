@@ -74,7 +74,7 @@ async def test_watchdog_actions_are_counted_by_the_watchdog(jp_fetch, jp_servera
     pid = await kernel_pid(jp_serverapp, kernel_id)
     grant = service_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
-    watchdog = service_of(jp_serverapp).monitor.watchdog
+    watchdog = service_of(jp_serverapp).watchdog
     fake_nvml.set_usage(pid, f"static-{device}", grant.caps[device] + 2 * GiB)  # over cap + 1 GiB slack
     await wait_for(lambda: watchdog.counts.get("warn", 0) >= 1)
     metrics = await scrape(jp_fetch)
@@ -92,9 +92,9 @@ async def test_two_servers_in_one_process_share_one_collector(
     # in the same process, on the same registry. Before the collector, the second one's gauges collided.
     second = service_of(jp_configurable_serverapp(config=fake_gpu_config("warn")))
     try:
-        assert second is not first and second.monitor._task is not None  # its monitor runs, and publishes
-        assert first.monitor.families in gpu_metrics.COLLECTOR._sources
-        assert second.monitor.families in gpu_metrics.COLLECTOR._sources
+        assert second is not first and second.monitor._task is not None  # its monitor runs, and it publishes
+        assert first.status.metric_families in gpu_metrics.COLLECTOR._sources
+        assert second.status.metric_families in gpu_metrics.COLLECTOR._sources
 
         metrics = await scrape(jp_fetch)
         device = first.ledger.get(kernel_id).devices[0]
@@ -104,15 +104,15 @@ async def test_two_servers_in_one_process_share_one_collector(
         assert text.count('gpu_quota_device_total_bytes{device="0"}') == 1
 
         # The second server stops: the first one's series stay, and the collector is still registered.
-        await second.monitor.stop()
-        assert second.monitor.families not in gpu_metrics.COLLECTOR._sources
+        await second.stop()
+        assert second.status.metric_families not in gpu_metrics.COLLECTOR._sources
         metrics = await scrape(jp_fetch)
         assert f'gpu_quota_kernel_cap_bytes{{device="{device}",kernel_id="{kernel_id}"}}' in metrics
         await shutdown_kernel(jp_fetch, kernel_id)
     finally:  # the app's own cleanup stops only the extension app it knows last
-        await second.monitor.stop()
-        await first.monitor.stop()
-    assert first.monitor.families not in gpu_metrics.COLLECTOR._sources
+        await second.stop()
+        await first.stop()
+    assert first.status.metric_families not in gpu_metrics.COLLECTOR._sources
 
 
 def test_the_collector_registers_once_and_leaves_with_its_last_source():

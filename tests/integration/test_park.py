@@ -202,6 +202,22 @@ async def test_bad_bodies_are_refused_and_change_nothing(jp_fetch, jp_serverapp,
     assert FakeCheckpoint.calls == [] and parker_of(jp_serverapp).records == {}
 
 
+async def test_host_bytes_are_what_the_kernel_holds_when_it_parks_not_the_sample_before(jp_fetch, jp_serverapp, fake_driver):
+    # The GPU run: a 20 GiB tensor made just before the park; the server said 14 MiB (the sample before
+    # the tensor existed) while NVML showed 19.97 GB returned. The park reads the kernel's usage again.
+    kernel_id = await start_kernel(jp_fetch)
+    pid = await holding_gpu(jp_serverapp, kernel_id, nbytes=14 * 1024 * 1024)
+    parker = parker_of(jp_serverapp)
+    await wait_for(lambda: sum(parker.usage.get(kernel_id, {}).values()) == 14 * 1024 * 1024, timeout=WAIT)
+    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    FakeNvml.set_usage(pid, f"static-{device}", 6 * GiB)  # the tensor, made right before the request
+    code, _ = await post(jp_fetch, kernel_id, "park")
+    assert code == 202
+    parked = await wait_state(jp_fetch, kernel_id, "parked")
+    moved = sum(FakeCheckpoint.parked_pids()[pid].values())
+    assert moved == 6 * GiB and parked["host_bytes"] == moved
+
+
 async def test_unknown_kernel_is_404(jp_fetch, fake_driver):
     for action in ("park", "resume"):
         code, error = await post_error(jp_fetch, "no-such-kernel", action)

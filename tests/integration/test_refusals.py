@@ -16,6 +16,8 @@ from jupyter_client.connect import LocalPortCache
 from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
+from gpu_quota_ext.jupyter_private import pending_kernels
+
 from .fake_gpu import service_of
 from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config, write_kernelspec
 
@@ -54,14 +56,16 @@ def server_log(jp_serverapp):
         logger.setLevel(level)
 
 
-def leftovers(serverapp) -> dict:
-    """What a start may take and must give back when it does not happen."""
+async def leftovers(serverapp) -> dict:
+    """What a start may take and must give back when it does not happen (once the ledger's calls,
+    made in a thread, are done)."""
     km = serverapp.kernel_manager
     service = service_of(serverapp)
+    await service.settled()
     return {
         "connection files": sorted(p.name for p in Path(km.connection_dir).glob("kernel-*.json")),
         "reserved ports": len(LocalPortCache.instance().currently_used_ports),
-        "pending": sorted(km._pending_kernels),
+        "pending": sorted(pending_kernels(km)),
         "kernels": sorted(km.list_kernel_ids()),
         "grants": sorted(g.kernel_id for g in service.ledger.grants()),
         "secrets": sorted(service._tokens),
@@ -98,7 +102,7 @@ class TestRefusalsLeaveNothing:
 
     async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(self, jp_fetch, jp_serverapp, server_log):
         holder = await start_kernel(jp_fetch)
-        before = leftovers(jp_serverapp)
+        before = await leftovers(jp_serverapp)
         assert before["grants"] == [holder] and before["reserved ports"] >= 5
         server_log.records.clear()
 
@@ -108,7 +112,7 @@ class TestRefusalsLeaveNothing:
 
         assert {code for code, _ in answers} == {503}
         assert all("no GPU has 0.5 of budget left" in answer["message"] for _, answer in answers)
-        assert leftovers(jp_serverapp) == before
+        assert (await leftovers(jp_serverapp)) == before
         assert server_log.tracebacks() == []
         refusals = [r for r in server_log.ours() if "refused" in r.getMessage()]
         assert len(refusals) == 300 and all(r.levelno in (logging.INFO, logging.WARNING) for r in refusals)
@@ -116,7 +120,7 @@ class TestRefusalsLeaveNothing:
         assert json.loads((await jp_fetch("api", "gpu-quota", "status")).body)["kernels"][0]["id"] == holder
         assert (await execute(jp_serverapp, holder, "print(6 * 7)")).strip() == "42"
         await shutdown_kernel(jp_fetch, holder)
-        assert leftovers(jp_serverapp)["reserved ports"] == before["reserved ports"] - 5
+        assert (await leftovers(jp_serverapp))["reserved ports"] == before["reserved ports"] - 5
 
 
 @pytest.fixture
@@ -132,11 +136,11 @@ class TestFailedLaunch:
         return Config(static_devices_config("16GiB", default_cap="0.25", overcommit=1.0, on_full="refuse"))
 
     async def test_a_launch_that_fails_gives_back_its_grant_ports_and_file(self, jp_fetch, jp_serverapp, broken_kernelspec):
-        before = leftovers(jp_serverapp)
+        before = await leftovers(jp_serverapp)
         for _ in range(3):
             code, _answer = await post_start(jp_fetch, name=broken_kernelspec)
             assert code == 500
-        assert leftovers(jp_serverapp) == before
+        assert (await leftovers(jp_serverapp)) == before
         # The budget it briefly held is free: four 0.25 kernels still fit.
         ids = [await start_kernel(jp_fetch) for _ in range(4)]
         assert len(service_of(jp_serverapp).ledger.grants()) == 4
@@ -151,11 +155,11 @@ class TestPolicyErrorAtStart:
         return Config(static_devices_config("16GiB", caps=[{"kernelspec": "python3", "cap": "0.0000001"}]))
 
     async def test_a_cap_below_the_floor_fails_the_start_cleanly(self, jp_fetch, jp_serverapp, server_log):
-        before = leftovers(jp_serverapp)
+        before = await leftovers(jp_serverapp)
         code, answer = await post_start(jp_fetch)
         assert code == 500
         assert "1 MiB" in answer["message"] and "device 0" in answer["message"]
-        assert leftovers(jp_serverapp) == before
+        assert (await leftovers(jp_serverapp)) == before
         assert server_log.tracebacks() == []
 
 
@@ -166,7 +170,7 @@ class TestSameKernelIdAtOnce:
 
     async def test_three_starts_with_one_id_give_one_process_and_one_grant(self, jp_fetch, jp_serverapp):
         kernel_id = "0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b11"
-        before = leftovers(jp_serverapp)
+        before = await leftovers(jp_serverapp)
         answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(3)))
         codes = sorted(code for code, _ in answers)
         assert codes[0] == 201 and all(code in (201, 409) for code in codes), answers
@@ -180,4 +184,4 @@ class TestSameKernelIdAtOnce:
 
         await shutdown_kernel(jp_fetch, kernel_id)
         assert kernel_processes(kernel_id) == []
-        assert leftovers(jp_serverapp) == before
+        assert (await leftovers(jp_serverapp)) == before

@@ -41,9 +41,9 @@ async def go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid=None):
     # Acted on promptly, counted in samples, not seconds (grace 0): the sample in flight may have read
     # the old usage, the next one cannot have. (How fast in seconds is benchmarks' business.)
     await next_samples(jp_serverapp, 2)
-    monitor = service_of(jp_serverapp).monitor
-    if monitor.settings.enforce != "off":
-        assert [a for a in monitor.watchdog.history if a.kernel_id == kernel_id]
+    watchdog = service_of(jp_serverapp).watchdog
+    if watchdog.settings.enforce != "off":
+        assert [a for a in watchdog.history if a.kernel_id == kernel_id]
     return began, device
 
 
@@ -96,7 +96,7 @@ async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvm
     check_record(action, "interrupt", device, began)
     with pytest.raises(AssertionError, match="KeyboardInterrupt"):
         await asyncio.wait_for(cell, 10)
-    await wait_for(lambda: service_of(jp_serverapp).monitor.last_action(kernel_id)["outcome"] == "done")
+    await wait_for(lambda: service_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
     fake_nvml.clear_usage(pid)
     assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -111,7 +111,7 @@ async def test_restart_gives_a_fresh_process_and_keeps_the_grant(jp_fetch, jp_se
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid)
     action = await last_action(jp_fetch, kernel_id)
     check_record(action, "restart", device, began)
-    await wait_for(lambda: service_of(jp_serverapp).monitor.last_action(kernel_id)["outcome"] == "done")
+    await wait_for(lambda: service_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
     fake_nvml.clear_usage(pid)
     new_pid = await kernel_pid(jp_serverapp, kernel_id)
     assert new_pid != pid
@@ -125,7 +125,7 @@ async def test_kill_shuts_the_kernel_down_and_frees_its_grant(jp_fetch, jp_serve
     kernel_id = await start_kernel(jp_fetch)
     bystander = await start_kernel(jp_fetch)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml)
-    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).monitor.watchdog.history if a.kernel_id == kernel_id])
+    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
     check_record(actions[0].to_json(), "kill", device, began)
     await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
     await wait_for(lambda: service_of(jp_serverapp).ledger.get(kernel_id) is None)
@@ -142,7 +142,7 @@ async def test_a_subprocess_over_the_cap_gets_its_kernel_acted_on(jp_fetch, jp_s
     kernel_id = await start_kernel(jp_fetch)
     child = await start_child_process(jp_serverapp, kernel_id)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, child)
-    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).monitor.watchdog.history if a.kernel_id == kernel_id])
+    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
     check_record(actions[0].to_json(), "kill", device, began)
     await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
 
@@ -178,8 +178,9 @@ class TestDeadKernel:
         service = service_of(jp_serverapp)
         assert service.ledger.get(kernel_id) is not None
         await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager, timeout=20)
-        # The restarter's "dead" callback gives the grant back as jupyter_server drops the kernel,
-        # in the same callback run: no need to wait for the monitor's next round.
+        # The restarter's "dead" callback gives the grant back as jupyter_server drops the kernel, in the
+        # same callback run (the ledger's call in a thread): no need to wait for the lifecycle's next poll.
+        await service.settled()
         assert service.ledger.get(kernel_id) is None
         assert all(d["granted"] == 0 for d in service.ledger.usage())
 
@@ -200,7 +201,7 @@ DAEMON_CODE = (
 
 def ancestors(pid):
     """PIDs from `pid`'s parent up to init, read from the live process table."""
-    from gpu_quota_ext.processes import ProcTable
+    from gpu_quota_ext.usage.attribution import ProcTable
 
     table, chain = ProcTable(), []
     current = table.parent_of(pid)
@@ -215,7 +216,7 @@ async def victim_is_untouched(jp_fetch, jp_serverapp, victim, grant):
     assert victim in jp_serverapp.kernel_manager.list_kernel_ids()
     assert service.ledger.get(victim) == grant
     assert (await execute(jp_serverapp, victim, "print('alive')")).strip() == "alive"
-    strong = [a for a in service.monitor.watchdog.history if a.kernel_id == victim and a.action != "warn"]
+    strong = [a for a in service.watchdog.history if a.kernel_id == victim and a.action != "warn"]
     assert strong == []
 
 
@@ -230,13 +231,13 @@ async def test_a_daemon_naming_another_kernel_never_gets_it_killed(jp_fetch, jp_
     device = grant.devices[0]
     daemon = int((await execute(jp_serverapp, attacker, DAEMON_CODE.format(victim=victim))).strip())
     try:
-        roots = service.monitor.kernels.roots()
+        roots = service.kernels.roots()
         assert not set(ancestors(daemon)) & set(roots), "the daemon must be outside every kernel's tree"
         fake_nvml.set_usage(daemon, f"static-{device}", 6 * GiB)  # over V's 4 GiB cap + 1 GiB slack
         await next_samples(jp_serverapp, 5)
         # Seen, and counted for V by its environment ...
         assert service.monitor.latest.kernels.get(victim, {}).get(device) == 6 * GiB
-        warned = [a for a in service.monitor.watchdog.history if a.kernel_id == victim]
+        warned = [a for a in service.watchdog.history if a.kernel_id == victim]
         assert [(a.action, a.attributed) for a in warned] == [("warn", "environment")]
         # ... yet V is alive, its grant intact, and nothing stronger than a warning was done.
         await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
@@ -275,7 +276,7 @@ async def test_a_process_of_another_user_is_never_attributed_by_its_environment(
         await next_samples(jp_serverapp, 5)
         assert service.monitor.latest.kernels.get(victim, {}).get(device, 0) == 0  # not V's usage at all
         assert kernel_entry(await status(jp_fetch), victim)["devices"][0]["used"] == 0
-        assert [a for a in service.monitor.watchdog.history if a.kernel_id == victim] == []
+        assert [a for a in service.watchdog.history if a.kernel_id == victim] == []
         await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
     finally:
         stranger.kill()

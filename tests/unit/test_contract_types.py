@@ -16,6 +16,7 @@ MIRRORS = {
     "IDeviceStatus": contract.STATUS_DEVICE_FIELDS,
     "IKernelStatus": contract.KERNEL_FIELDS,
     "IKernelDevice": contract.KERNEL_DEVICE_FIELDS,
+    "IKernelPark": contract.PARK_FIELDS,
 }
 
 
@@ -32,6 +33,28 @@ def test_the_typescript_status_types_declare_every_contract_field(interface):
     fields = declared_fields(STATE_TS.read_text(), interface)
     missing = [name for name in MIRRORS[interface] if name not in fields]
     assert not missing, f"{interface} in {STATE_TS.name} lacks {missing} (shared/contract.py lists them)"
+
+
+def test_every_kernel_declares_its_park_object():
+    # The contract names the kernel's "park" object in words (PARK_FIELDS, "each kernel's park").
+    fields = declared_fields(STATE_TS.read_text(), "IKernelStatus")
+    assert "park" in fields
+    assert re.search(r"^\s*park\??\s*:\s*IKernelPark\b", STATE_TS.read_text(), re.M)
+
+
+def string_constant(source: str, name: str) -> str:
+    match = re.search(r"export const %s = '([^']*)';" % re.escape(name), source)
+    assert match, f"{name} is not declared in {STATE_TS.name}"
+    return match.group(1)
+
+
+def test_the_park_routes_and_states_are_the_contracts():
+    source = STATE_TS.read_text()
+    assert string_constant(source, "PARK_SUFFIX") == contract.PARK_SUFFIX
+    assert string_constant(source, "RESUME_SUFFIX") == contract.RESUME_SUFFIX
+    match = re.search(r"export const PARK_STATES = \[(.*?)\] as const;", source, re.S)
+    assert match, f"PARK_STATES is not declared in {STATE_TS.name}"
+    assert tuple(re.findall(r"'(\w+)'", match.group(1))) == contract.PARK_STATES
 
 
 def test_the_parser_sees_a_missing_field():

@@ -212,3 +212,8 @@ def test_a_managed_daemon_gets_the_largest_limit_policy_can_give_as_its_default(
     assert ceilings(build_policy("0.25", "1.0"), devices, 640 * MiB) == {}
     assert ceilings(build_policy("0.25", "0.5", lambda user, spec: None), devices, 640 * MiB) == {}
     assert ceiling_commands({}) == ""
+
+
+def test_settings_describe_names_the_setting_and_leaves_out_the_control_program():
+    shown = HardCapSettings(mode="mps", daemon="external", limit="cap", context_allowance=MiB, control="/x/mps").describe()
+    assert shown == {"mode": "mps", "daemon": "external", "hard_limit": "cap", "context_allowance": MiB, "timeout": 5.0}

@@ -36,7 +36,7 @@ def test_missing_or_reshaped_gives_none_and_one_clear_warning(value, caplog):
 
 
 def test_the_monitor_sees_no_starting_kernels_without_it():
-    from gpu_quota_ext.monitor import KernelManagerView
+    from gpu_quota_ext.usage.kernel_manager import KernelManagerView
 
     manager = Manager()
     manager._pending_kernels = ("not", "a", "dict")

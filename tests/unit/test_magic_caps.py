@@ -4,7 +4,9 @@ A fake torch records what would reach the GPU; a fake client plays the server.""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import sys
 
 import pytest
@@ -138,30 +140,37 @@ def test_reset_takes_the_servers_caps_and_source(torch, env):
     assert state.cap_source == "server policy (default)"
 
 
-LINES = st.one_of(
-    st.lists(st.sampled_from(["--device", "7", "-1", "abc", "1.5", "0", "999TiB", "--cells", "x", "reset", '"']), min_size=1, max_size=4).map(" ".join),
-    st.text(min_size=1, max_size=30),
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(LINES)
-def test_a_rejected_line_changes_nothing_and_asks_nobody(line):
+def refused(line: str) -> bool:
     from gpu_quota_ext.kernel.command import CommandError, parse_command
 
     try:
         parse_command(line, [0, 1])
     except CommandError:
-        pass
-    else:
-        return  # valid lines are covered above
+        return True
+    return False
+
+
+# Lines the parser refuses (the lines it accepts are the tests above): every example is a refusal to check.
+REFUSED_LINES = st.one_of(
+    st.lists(st.sampled_from(["--device", "7", "-1", "abc", "1.5", "0", "999TiB", "--cells", "x", "reset", '"']), min_size=1, max_size=4).map(" ".join),
+    st.text(min_size=1, max_size=30),
+).filter(refused)
+
+
+@settings(max_examples=200, deadline=None)
+@given(REFUSED_LINES)
+def test_a_rejected_line_changes_nothing_and_asks_nobody(line):
     state = two_device_state()
     before = copy.deepcopy(state)
     client = FakeClient()
     environ: dict = {}
     magic = magic_for(state, client, environ)
-    magic.magic(line)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        magic.magic(line)
     assert state == before and client.calls == [] and environ == {} and not magic.cells.enabled
+    # The refusal is said: one error line, on stderr, and nothing else.
+    assert out.getvalue() == "" and err.getvalue().startswith("gpu-quota: error: ") and err.getvalue().count("\n") == 1
 
 
 def test_table_before_cuda_starts(torch, env):

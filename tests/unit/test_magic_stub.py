@@ -7,6 +7,9 @@ import pytest
 from IPython.core.events import EventManager, available_events
 
 from gpu_quota_ext.kernel import stub
+from gpu_quota_ext.policy import GiB
+
+from .fake_torch import fake_torch
 
 
 class Shell:
@@ -18,63 +21,8 @@ class Shell:
         self.magics[name] = func
 
 
-class Controller:
-    def __init__(self):
-        self.cells, self.lines = [], []
-
-    def post_run_cell(self, result):
-        self.cells.append(result)
-
-    def magic(self, line):
-        self.lines.append(line)
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    shell = Shell()
-    loaded = []
-
-    def load():
-        controller = Controller()
-        loaded.append(controller)
-        return controller
-
-    registered = stub.register(shell)
-    monkeypatch.setattr(registered, "controller", lambda: (registered.unregister(), load())[1])
-    return shell, registered, loaded
-
-
 def cell(error=None):
     return types.SimpleNamespace(error_in_exec=error)
-
-
-def test_a_plain_cell_loads_nothing(stand_in, monkeypatch):
-    shell, _, loaded = stand_in
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
-    shell.events.trigger("post_run_cell", cell())
-    assert loaded == []
-
-
-def test_a_failed_cell_loads_the_magic_and_hands_it_that_cell(stand_in):
-    shell, registered, loaded = stand_in
-    failed = cell(error=RuntimeError("CUDA out of memory"))
-    shell.events.trigger("post_run_cell", failed)
-    assert len(loaded) == 1 and loaded[0].cells == [failed]
-    assert registered.post_run_cell not in shell.events.callbacks["post_run_cell"]
-
-
-def test_cuda_started_loads_the_magic(stand_in, monkeypatch):
-    shell, _, loaded = stand_in
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    shell.events.trigger("post_run_cell", cell())
-    assert len(loaded) == 1
-
-
-def test_the_magic_runs_the_full_one(stand_in):
-    shell, _, loaded = stand_in
-    shell.magics["gpucap"]("0.3")
-    assert loaded[0].lines == ["0.3"]
 
 
 def test_a_failing_bootstrap_prints_nothing_at_start_and_tells_after_the_first_cell(monkeypatch, capfd):
@@ -160,3 +108,71 @@ def test_a_plain_cell_starts_the_background_sync_and_tells_the_start_once(unmana
     assert synced == [state.STATE, state.STATE]
     assert capfd.readouterr().err == "gpu-quota: problem: something at start\n"
     assert unmanaged._loaded == []  # the full magic is still not loaded
+
+
+# --- what makes the stand-in load the full magic: the real controller, no stand-in for it --------
+
+
+def test_a_plain_cell_loads_nothing(unmanaged, monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    shell = Shell()
+    registered = stub.register(shell)
+    shell.events.trigger("post_run_cell", cell())
+    assert unmanaged._loaded == [] and registered.post_run_cell in shell.events.callbacks["post_run_cell"]
+
+
+def test_a_failed_cell_loads_the_magic_and_hands_it_that_cell(unmanaged, monkeypatch, capsys):
+    # The cell's error is a torch OOM: only the full magic, handed this very cell, can explain it.
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    shell = Shell()
+    registered = stub.register(shell)
+    shell.events.trigger("post_run_cell", cell(error=torch.OutOfMemoryError("CUDA out of memory. GPU 0 has a total capacity of 80 GiB")))
+    assert len(unmanaged._loaded) == 1
+    hooks = shell.events.callbacks["post_run_cell"]
+    assert registered.post_run_cell not in hooks and unmanaged._loaded[0].post_run_cell in hooks
+    assert "cuda:0 itself is full" in capsys.readouterr().err
+
+
+def test_any_failed_cell_loads_the_magic(unmanaged, monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    shell = Shell()
+    stub.register(shell)
+    shell.events.trigger("post_run_cell", cell(error=ValueError("not a GPU matter")))
+    assert len(unmanaged._loaded) == 1
+
+
+def test_cuda_started_loads_the_magic_and_not_before(unmanaged, monkeypatch):
+    torch = fake_torch(80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    shell = Shell()
+    stub.register(shell)
+    shell.events.trigger("post_run_cell", cell())  # torch imported, CUDA not started: usage has nothing to say
+    assert unmanaged._loaded == []
+    torch.cuda.init()
+    shell.events.trigger("post_run_cell", cell())
+    assert len(unmanaged._loaded) == 1
+
+
+@pytest.mark.parametrize(
+    "torch",
+    [
+        types.SimpleNamespace(),  # a module named torch without cuda (a stub, a half import)
+        types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: 1 / 0)),  # asking fails
+    ],
+    ids=["no-cuda", "is_initialized-raises"],
+)
+def test_a_torch_that_cannot_say_is_read_as_cuda_not_started(unmanaged, monkeypatch, torch):
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    shell = Shell()
+    stub.register(shell)
+    shell.events.trigger("post_run_cell", cell())
+    assert unmanaged._loaded == []
+
+
+def test_the_stand_ins_magic_loads_and_runs_the_full_one(unmanaged, capsys):
+    shell = Shell()
+    stub.register(shell)
+    shell.magics["gpucap"]("--help")
+    assert len(unmanaged._loaded) == 1 and shell.magics["gpucap"] == unmanaged._loaded[0].magic
+    assert "%gpucap reset" in capsys.readouterr().out

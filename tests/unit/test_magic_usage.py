@@ -128,13 +128,6 @@ def test_usage_unavailable_reason_never_starts_cuda(monkeypatch):
     assert torch.cuda.context_calls == 0 and not torch.cuda.initialized
 
 
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def counting_refreshes(panel) -> list:
     ticks: list = []
     refresh = panel.refresh
@@ -159,7 +152,7 @@ def test_panel_widget_without_a_gpu_does_not_start_cuda(monkeypatch):
         assert panel.running
         assert "GPU not in use yet" in panel.status.value
         assert len(panel.rows.children) == 1
-        wait_until(lambda: len(ticks) >= 3)  # three readings by the thread
+        wait_for(lambda: len(ticks) >= 3)  # three readings by the thread
         assert torch.cuda.context_calls == 0 and not torch.cuda.initialized
     finally:
         panel.close()
@@ -312,6 +305,9 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 def test_no_usage_report_before_cuda_starts(server, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake_torch(80 * GiB))
-    report_to_server(state_on(), QuotaClient(server, "kernel-1", SECRET))
-    time.sleep(0.1)
+    client = QuotaClient(server, "kernel-1", SECRET)
+    report_to_server(state_on(), client)
+    # A report, once started, holds the in-flight lock until the server has recorded it: the lock free
+    # and no request recorded (read in this order) means none was started.
+    assert _report_finished(client)
     assert Recorder.requests == []

@@ -24,13 +24,18 @@ PIDS = (os.getpid(), os.getppid())  # live processes the fake driver "parks" (it
 
 
 class Kernels:
-    """What the parker reads of jupyter_server's kernel manager: ids, execution state, last activity."""
+    """What the parker reads of the server's kernels (usage.kernel_manager.KernelManagerView): ids, execution
+    state and last activity, the kernel manager itself (for iopub)."""
 
     def __init__(self):
         self.kernel = SimpleNamespace(execution_state="idle", last_activity=datetime.datetime.now(datetime.timezone.utc))
+        self.manager = self
 
-    def list_kernel_ids(self):
+    def kernel_ids(self):
         return [KERNEL]
+
+    def activity(self, kernel_id):
+        return (self.kernel.execution_state, self.kernel.last_activity) if kernel_id == KERNEL else (None, None)
 
     def get_kernel(self, kernel_id):
         if kernel_id != KERNEL:
@@ -48,7 +53,7 @@ class ParkerMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.kernels = Kernels()
         ledger = SimpleNamespace(get=lambda kernel_id: SimpleNamespace(devices=[0]))
-        self.parker = Parker(ParkSettings(), FakeCheckpoint(), self.kernels, ledger, host=lambda: (None, None), own_uid=0)
+        self.parker = Parker(ParkSettings(fresh_sample_wait=0), FakeCheckpoint(), self.kernels, ledger, host=lambda: (None, None), own_uid=0)
         self.run(self._start())
 
     async def _start(self):

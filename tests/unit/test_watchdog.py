@@ -2,12 +2,13 @@
 
 import pytest
 
-from gpu_quota_ext.policy import GiB, MiB, PolicyError
-from gpu_quota_ext.watchdog import WatchdogSettings, OverLimitEpisode, Watchdog, build_enforcement, decide, parse_slack, worst_device
+from gpu_quota_ext.policy import GiB, MiB, PolicyError, parse_slack, watchdog_settings
+from gpu_quota_ext.usage.watchdog import OverLimitEpisode, Watchdog, decide, worst_device
+from gpu_quota_ext.watchdog import WatchdogSettings
 
 
 def settings(enforce="kill", slack="1GiB", grace=0, poll=1):
-    return build_enforcement(enforce, slack, grace, poll)
+    return watchdog_settings(enforce, slack, grace, poll)
 
 
 def test_defaults_are_warn_with_a_slack_that_covers_a_cuda_context():

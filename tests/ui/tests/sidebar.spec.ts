@@ -154,8 +154,10 @@ test.describe('GPU quota sidebar', () => {
     await expect(row(page, b)).toBeVisible();
     const kernels = await (await page.request.get('/api/kernels')).json();
     expect(kernels.map((k: any) => k.id)).not.toContain(a);
-    // And it stays gone after the next polls.
-    await page.waitForTimeout(POLL_MS + 500);
+    // And it stays gone after the next polls (two answers of the status API, waited for, not timed).
+    for (let poll = 0; poll < 2; poll++) {
+      await page.waitForResponse(response => response.url().includes('/api/gpu-quota/status'));
+    }
     await expect(row(page, a)).toHaveCount(0);
   });
 
@@ -175,9 +177,10 @@ test.describe('GPU quota sidebar', () => {
     await newNotebook(page, tmpPath, 'a.ipynb');
     await expect(page.locator(STATUS)).toHaveText('GPU 0 / 20 GiB');
     await expect(page.locator(PANEL)).toBeHidden();
-    requests = 0;
-    await page.waitForTimeout(POLL_MS * 2.5);
-    expect(requests).toBeGreaterThanOrEqual(2);
+    // Two polls, waited for as requests (bounded by the test's timeout), not counted over a guessed time.
+    for (let poll = 0; poll < 2; poll++) {
+      await page.waitForRequest(request => request.url().includes('/api/gpu-quota/status'));
+    }
   });
 });
 
@@ -248,6 +251,13 @@ function addSimulatedUsage(route: Route) {
   });
 }
 
+/** Wait until the panel's CSS transitions and animations have finished (what a screenshot must not catch midway). */
+async function transitionsDone(page: any): Promise<void> {
+  await page.locator(PANEL).evaluate((panel: Element) =>
+    Promise.all(panel.getAnimations({ subtree: true }).map(animation => animation.finished))
+  );
+}
+
 test('screenshots of the panel, light and dark', async ({ page, tmpPath }) => {
   await page.route(/\/api\/gpu-quota\/status/, addSimulatedUsage);
   await openPanel(page);
@@ -258,11 +268,11 @@ test('screenshots of the panel, light and dark', async ({ page, tmpPath }) => {
   await page.activity.activateTab('train.ipynb');
   await expect(page.locator(`${PANEL} li.jp-GpuQuota-kernel`)).toHaveCount(3);
   await expect(page.locator(STATUS)).toHaveText(/GPU \d/);
-  await page.waitForTimeout(POLL_MS + 500); // let the bars' width transition finish
+  await transitionsDone(page); // the bars' width transition
   await page.locator(PANEL).screenshot({ path: path.join(IMAGES, 'sidebar-light.png') });
   await page.screenshot({ path: path.join(IMAGES, 'lab-light.png') });
   await page.theme.setDarkTheme();
-  await page.waitForTimeout(500);
+  await transitionsDone(page);
   await page.locator(PANEL).screenshot({ path: path.join(IMAGES, 'sidebar-dark.png') });
   // finetune.ipynb uses 93% of its cap: the status bar turns to the warning colour.
   await page.activity.activateTab('finetune.ipynb');

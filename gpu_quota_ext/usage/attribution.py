@@ -1,4 +1,4 @@
-"""Which kernel a process belongs to, and how we know.
+"""Process -> kernel attribution: which kernel a process on a GPU belongs to, and how we know.
 
 - By its **process tree**: the kernel's own process or any of its descendants. This is proof: nothing
   outside the kernel can put a process under it.
@@ -16,7 +16,8 @@ lacks what the check needs (benchmarks/proc_read_bench.py, per process, median o
 processes, 2026-11-29, 2-core VM, psutil 7.2.2): parent PID 24 us by hand vs 137 us; existence 2.5 vs
 21 us; environment 8 vs 133 us; uids 56 vs 60 us, but psutil gives three of the four (no filesystem
 uid, which the environment check compares too). So /proc for all four on Linux; psutil elsewhere.
-The NSpid mapping has no psutil counterpart and stays on /proc.
+The NSpid mapping has no psutil counterpart and stays on /proc. `PidResolver` puts the two together
+for the monitor's samples, with a short cache.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTup
 
 import psutil
 
-from .shared.env_vars import KERNEL_ID
+from ..shared.env_vars import KERNEL_ID
 
 _KERNEL_ID_PREFIX = (KERNEL_ID + "=").encode()
+
+RECHECK_AFTER = 5.0  # seconds a PID's kernel (or "none") is trusted before it is looked up again
+ALIASES_AFTER = 30.0  # seconds between full /proc scans for NSpid aliases
 
 TREE = "tree"  # the process is the kernel's or a descendant of it
 ENVIRONMENT = "environment"  # outside every tree; its environment names the kernel
@@ -186,3 +190,53 @@ class ProcTable:
                 if text:
                     pairs.append((int(name), parse_nspid(text)))
         return alias_map(pairs)
+
+
+class PidResolver:
+    """kernel_for_pid over the live process table, with a short cache: most PIDs on a GPU stay there for
+    many ticks, and walking their ancestry every second for 200 kernels would be most of our cost."""
+
+    def __init__(self, table: Optional[ProcTable] = None, own_uid: Optional[int] = None):
+        self.table = table or ProcTable()
+        # The server's own user: the only one whose processes may name a kernel by environment.
+        self.own_uid = own_uid if own_uid is not None else (os.getuid() if hasattr(os, "getuid") else None)
+        self._cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}  # pid -> (owner, local pid, until)
+        self._aliases: Dict[int, int] = {}
+        self._aliases_until = 0.0
+
+    def resolve(
+        self, pids: Iterable[int], roots: Mapping[int, str], known: Collection[str], now: float
+    ) -> Dict[int, Tuple[Attribution, int]]:
+        """{NVML pid: (whose and how, pid as our /proc numbers it)} for the PIDs that belong to a kernel."""
+        found: Dict[int, Tuple[Attribution, int]] = {}
+        cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}
+        for pid in set(pids):
+            hit = self._cache.get(pid)
+            if hit is None or hit[2] <= now or (hit[0] is not None and hit[0].kernel_id not in known):
+                owner, local = self._lookup(pid, roots, known, now)
+                # Staggered by PID so 200 kernels' entries do not all expire on the same tick.
+                hit = (owner, local, now + RECHECK_AFTER * (1 + (pid % 16) / 16))
+            cache[pid] = hit
+            if hit[0] is not None and hit[1] is not None:
+                found[pid] = (hit[0], hit[1])
+        self._cache = cache  # PIDs no longer on any GPU drop out here
+        return found
+
+    def _owner(self, pid: int, roots, known) -> Optional[Attribution]:
+        table = self.table
+        return kernel_for_pid(pid, roots, table.parent_of, table.kernel_in_environ, known, table.uids_of, self.own_uid)
+
+    def _lookup(self, pid: int, roots, known, now) -> Tuple[Optional[Attribution], Optional[int]]:
+        owner = self._owner(pid, roots, known)
+        if owner is not None:
+            return owner, pid
+        # Not ours under this number: maybe NVML numbered it in another PID namespace (containers).
+        if now >= self._aliases_until:
+            self._aliases = self.table.namespace_aliases()
+            self._aliases_until = now + ALIASES_AFTER
+        local = self._aliases.get(pid)
+        if local is not None:
+            owner = self._owner(local, roots, known)
+            if owner is not None:
+                return owner, local
+        return None, None

@@ -1,0 +1,251 @@
+"""The extension's settings, one row each: name, environment variable, default, help and kind.
+
+Everything that needs a setting's name, variable or default reads it here, so none is written twice:
+the GpuQuota traits (app.py), the validation of the policy, the watchdog's and the hard limit's settings
+(policy.py, hard_limit.py) and their dataclasses' defaults, the hub's per-user environment (hub.py) and
+`jupyter gpu-quota` (cli.py). Pure: no I/O, standard library only.
+
+To add a setting: a row in SETTINGS (its `part` says which validated object takes it: the builder of that
+part gets a keyword argument of the same name), a line `name = setting_trait("name")` in GpuQuota (app.py),
+a row in the README's table; tests/unit/test_settings.py checks that all of these agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+
+from .shared.sizes import PolicyError, shown
+
+# Kinds: what values a setting takes (the trait that holds it, app.py) and what it must be.
+CAP = "cap"  # a fraction, a percentage, a size or bytes: a string or a number
+SIZE = "size"  # a size or bytes, never a fraction
+SLACK = "slack"  # a size, or a fraction of the kernel's cap
+CHOICE = "choice"  # one of `choices`, case-insensitive
+SECONDS = "seconds"  # a number from `low` to `high`
+FACTOR = "factor"  # a number above `low` up to `high`, or None
+TEXT = "text"
+RULES = "rules"  # a list of rule dicts, or a callable
+CLASS = "class"  # a subclass of `klass`, or its import path
+
+# Parts: which validated object a setting belongs to (its builder takes the setting as a keyword argument).
+POLICY = "policy"  # policy.build_policy -> Policy
+WATCHDOG = "watchdog"  # policy.watchdog_settings -> WatchdogSettings
+HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
+PARK = "park"  # parking.build_park_settings -> ParkSettings
+PLUGINS = "plugins"  # the classes the extension instantiates
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table."""
+
+    name: str
+    kind: str
+    part: str
+    default: Any  # as a config file would write it; None (SECONDS, FACTOR, TEXT): the setting may be None
+    help: str  # what it does; the variable and the default are added from the row (app.py)
+    env: Optional[str] = None  # the environment variable it is read from when config does not set it
+    choices: Tuple[str, ...] = ()  # CHOICE
+    low: Optional[float] = None  # SECONDS, FACTOR
+    high: Optional[float] = None
+    klass: Optional[str] = None  # CLASS: the base class's import path
+    per_user: bool = False  # the hub's mapping may set it per user and group (hub.py)
+
+    @property
+    def must(self) -> str:
+        """What a valid value is: the end of the one line that refuses another."""
+        if self.kind == CHOICE:
+            return f"must be one of {', '.join(repr(choice) for choice in self.choices)}"
+        if self.kind == SECONDS:
+            off = " or None (off)" if self.default is None else ""
+            return f"must be a number of seconds from {self.low:g} to {self.high:g}{off}"
+        if self.kind == FACTOR:
+            return f"must be a positive number up to {self.high:g} (1.0 = never grant more than the device) or None"
+        if self.kind == CLASS:
+            return f"must be a subclass of {self.klass} (the class or its import path)"
+        return {
+            CAP: "must be a fraction like '0.25', a percentage like '25%', a size like '12GiB', or bytes",
+            SIZE: "must be a size like '640MiB', bytes, or 0",
+            SLACK: "must be a size like '1GiB', bytes, or a fraction of the kernel's cap like '10%'",
+            TEXT: "must be a string",
+            RULES: "must be a list of rules or a callable",
+        }[self.kind]
+
+
+def _table(*rows: Setting) -> Dict[str, Setting]:
+    return {row.name: row for row in rows}
+
+
+SETTINGS: Dict[str, Setting] = _table(
+    # --- policy: who gets which cap ---------------------------------------------------------------------
+    Setting(
+        "default_cap", CAP, POLICY, "0.25", env="GPU_QUOTA_DEFAULT_CAP", per_user=True,
+        help="""Cap every kernel gets at start, on each GPU it is given: a fraction of the device
+        ("0.25" or 0.25), a percentage ("25%"), a size ("12GiB", "12GB") or bytes.""",
+    ),
+    Setting(
+        "max_cap", CAP, POLICY, "1.0", env="GPU_QUOTA_MAX_CAP", per_user=True,
+        help="""The most a kernel may ask for later with %gpucap or the API, same forms as default_cap
+        (the built-in default lets users opt into the whole device).""",
+    ),
+    Setting(
+        "caps", RULES, POLICY, [],
+        help="""Rules that give some kernels another cap, first match wins: a list of dicts with keys
+        'user' and 'kernelspec' (glob patterns, default '*'), 'cap', and optional 'max_cap' and 'devices'
+        (how many GPUs the kernel gets, default 1). Or a callable (user, kernelspec) -> cap, rule dict or None.""",
+    ),
+    Setting(
+        "overcommit", FACTOR, POLICY, None, env="GPU_QUOTA_OVERCOMMIT", low=0, high=1000, per_user=True,
+        help="""Admission control: each device's budget is its memory x overcommit; a kernel whose cap does
+        not fit on any device is handled by on_full. None = no admission control (never blocks a start).""",
+    ),
+    Setting(
+        "placement", CHOICE, POLICY, "spread", env="GPU_QUOTA_PLACEMENT", choices=("spread", "pack", "none"),
+        per_user=True,
+        help="""Which GPU a kernel is put on (through CUDA_VISIBLE_DEVICES): "spread" (the least granted),
+        "pack" (fill GPU 0 first) or "none" (the kernel sees every GPU, capped on each).""",
+    ),
+    Setting(
+        "on_full", CHOICE, POLICY, "cpu-only", env="GPU_QUOTA_ON_FULL", choices=("refuse", "cpu-only"),
+        per_user=True,
+        help="""When no device has budget left: "refuse" (the start fails with a clear message) or
+        "cpu-only" (the kernel starts with no GPU visible).""",
+    ),
+    Setting(
+        "on_over_max", CHOICE, POLICY, "clamp", env="GPU_QUOTA_ON_OVER_MAX", choices=("clamp", "refuse"),
+        per_user=True,
+        help="""A cap request above max_cap or the device's budget: "clamp" (grant the most allowed) or
+        "refuse".""",
+    ),
+    # --- the watchdog --------------------------------------------------------------------------------
+    Setting(
+        "enforce", CHOICE, WATCHDOG, "warn", env="GPU_QUOTA_ENFORCE",
+        choices=("off", "warn", "interrupt", "restart", "kill"),
+        help="""What the watchdog does to a kernel whose processes use more GPU memory than its cap plus slack
+        (measured by NVML, so CuPy, raw CUDA and subprocesses count): "off", "warn" (log it and show it in the
+        status API and sidebar), "interrupt", "restart" or "kill" the kernel. The built-in "warn":
+        in-process caps already stop the common frameworks cleanly, and a false alarm (a usage spike, a large
+        CUDA context) must not cost a user their kernel's state unless the admin chose so.""",
+    ),
+    Setting(
+        "slack", SLACK, WATCHDOG, "1GiB", env="GPU_QUOTA_SLACK",
+        help="""How far over its cap a kernel may go before the watchdog acts: a size ("1GiB", bytes) or a
+        fraction of the kernel's cap ("0.1", "10%"). NVML counts the CUDA context (about 600 MiB per process)
+        that no in-process cap counts.""",
+    ),
+    Setting(
+        "grace", SECONDS, WATCHDOG, 0, env="GPU_QUOTA_GRACE", low=0, high=3600,
+        help="""Seconds a kernel must stay over cap plus slack before the watchdog acts (0: on the first sample
+        over it).""",
+    ),
+    Setting(
+        "poll_interval", SECONDS, WATCHDOG, 1, env="GPU_QUOTA_POLL_INTERVAL", low=0.05, high=60,
+        help="""Seconds between two NVML samples of every GPU (0.05 to 60).""",
+    ),
+    # --- the hard limit (MPS) ------------------------------------------------------------------------
+    Setting(
+        "hard_cap", CHOICE, HARD_CAP, "off", env="GPU_QUOTA_HARD_CAP", choices=("off", "auto", "mps"),
+        help="""A hard limit at allocation time through NVIDIA MPS, on top of the soft caps: "off", "auto" (MPS
+        when a usable MPS control daemon answers; otherwise soft caps only, and the status says why) or "mps"
+        (required: the server refuses to start without a usable daemon).""",
+    ),
+    Setting(
+        "mps_daemon", CHOICE, HARD_CAP, "managed", env="GPU_QUOTA_MPS_DAEMON", choices=("managed", "external"),
+        help="""Which MPS control daemon kernels use: "managed" (this server starts its own, with pipe and log
+        directories under its runtime directory, and stops it at shutdown) or "external" (an admin's, at
+        $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps).""",
+    ),
+    Setting(
+        "hard_limit", CHOICE, HARD_CAP, "max_cap", env="GPU_QUOTA_HARD_LIMIT", choices=("max_cap", "cap"),
+        help="""Which number a kernel's hard limit is: "max_cap" (%gpucap stays live up to max_cap, nothing ever
+        passes it) or "cap" (the cap at kernel start; a raise above it takes effect at the next restart).""",
+    ),
+    Setting(
+        "mps_context_allowance", SIZE, HARD_CAP, "640MiB", env="GPU_QUOTA_MPS_CONTEXT_ALLOWANCE",
+        help="""Added to each hard limit for the CUDA context, which MPS counts against the limit (about 514 MiB
+        measured on an H200, docs/measurements.md): a size or 0.""",
+    ),
+    Setting(
+        "mps_control", TEXT, HARD_CAP, "nvidia-cuda-mps-control", env="GPU_QUOTA_MPS_CONTROL",
+        help="""The MPS control program, a name looked up on PATH and in /usr/local/nvidia/bin, or a path.""",
+    ),
+    Setting(
+        "mps_timeout", SECONDS, HARD_CAP, 5, env="GPU_QUOTA_MPS_TIMEOUT", low=0.1, high=120,
+        help="""Seconds one call of the MPS control program may take (it is asked before every kernel start;
+        a daemon that does not answer in time gives that kernel soft caps only).""",
+    ),
+    # --- parking idle kernels ----------------------------------------------------------------------
+    Setting(
+        "park_idle_after", TEXT, PARK, "off", env="GPU_QUOTA_PARK_IDLE_AFTER",
+        help="""Park a kernel that holds GPU memory and has been idle this long (jupyter_server's own view of
+        its activity): seconds ("1800") or a duration ("30min", "2h"); "off" never parks by itself (the park
+        route and %gpucap park still do).""",
+    ),
+    Setting(
+        "park_host_margin", SIZE, PARK, "2GiB", env="GPU_QUOTA_PARK_HOST_MARGIN",
+        help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
+        goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
+    ),
+    # --- pluggable parts -----------------------------------------------------------------------------
+    Setting(
+        "inventory_class", CLASS, PLUGINS, "gpu_quota_ext.devices.NvmlInventory",
+        klass="gpu_quota_ext.devices.DeviceInventory",
+        help="""Where the list of GPUs comes from: NVML (default) or
+        gpu_quota_ext.devices.StaticInventory with c.StaticInventory.devices (tests, demos without a GPU).""",
+    ),
+    Setting(
+        "nvml_class", CLASS, PLUGINS, "gpu_quota_ext.nvml.PynvmlBackend", klass="gpu_quota_ext.nvml.NvmlBackend",
+        help="""Where the monitor reads per-process GPU memory: the driver through nvidia-ml-py (default), or
+        gpu_quota_ext.fake_nvml.FakeNvml (tests, benchmarks).""",
+    ),
+    Setting(
+        "checkpoint_class", CLASS, PLUGINS, "gpu_quota_ext.checkpoint.CudaCheckpointDriver",
+        klass="gpu_quota_ext.checkpoint.CheckpointDriver",
+        help="""What parks kernels: the CUDA driver's checkpoint API through ctypes (default), or
+        gpu_quota_ext.fake_checkpoint.FakeCheckpoint (tests, with the fake NVML).""",
+    ),
+)
+
+DEFAULTS: Dict[str, Any] = {name: row.default for name, row in SETTINGS.items()}
+
+
+def names_of(part: str) -> Tuple[str, ...]:
+    """The settings one builder takes, in the table's order."""
+    return tuple(name for name, row in SETTINGS.items() if row.part == part)
+
+
+class SettingError(PolicyError):
+    """A setting's value that cannot be used: one line naming the setting, the value and, when the value came
+    from there, the environment variable: `c.GpuQuota.NAME = VALUE (from the environment variable X): why`."""
+
+    def __init__(self, name: str, value: Any, reason: str, variable: Optional[str] = None):
+        self.name, self.value, self.reason, self.variable = name, value, reason, variable
+        source = f" (from the environment variable {variable})" if variable else ""
+        super().__init__(f"c.GpuQuota.{name} = {shown(value)}{source}: {reason}")
+
+    def from_environment(self, variable: str, text: str) -> "SettingError":
+        """The same refusal, said of the environment variable's text."""
+        return SettingError(self.name, text, self.reason, variable)
+
+
+def as_text(value: Any) -> str:
+    """A setting's value as its environment variable carries it (0.5 -> "0.5", 2**30 -> "1073741824"): a number
+    in a config file or the hub's mapping is read exactly as the same text on the command line would be
+    (so `c.GpuQuota.max_cap = 1` is the whole device, as "1" is, not one byte)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise PolicyError(f"{shown(value)} is not a setting value; use a string like '0.25' or '12GiB', or a number")
+    return repr(value) if isinstance(value, float) else str(value).strip()
+
+
+T = TypeVar("T")
+
+
+def parsed(name: str, parse: Callable[[Any], T], value: Any) -> T:
+    """`parse(value)`; its PolicyError becomes a SettingError naming the setting and the value."""
+    try:
+        return parse(value)
+    except SettingError:
+        raise
+    except PolicyError as error:
+        raise SettingError(name, value, str(error)) from None

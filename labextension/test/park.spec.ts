@@ -1,0 +1,168 @@
+/**
+ * Parking in the sidebar: the park state in words, which of Park / Resume a kernel row offers, what
+ * it says after an answer, and the requests the buttons send (the contract's routes, POST, through
+ * ServerConnection so the server's auth and XSRF header go with them).
+ */
+import { ServerConnection } from '@jupyterlab/services';
+
+import { requestPark } from '../src/api';
+import {
+  IKernelPark,
+  normalizeStatus,
+  notParkableText,
+  PARK_STATES,
+  PARK_TITLE,
+  parkButtons,
+  parkFeedback,
+  parkWords,
+  refusalText,
+  RESUME_TITLE
+} from '../src/state';
+
+const GiB = 1024 ** 3;
+
+function park(state: IKernelPark['state'], extra: Partial<IKernelPark> = {}): IKernelPark {
+  return { state, since: null, idle_seconds: null, host_bytes: null, parkable: true, reason: null, ...extra };
+}
+
+describe('parkWords', () => {
+  it('says each state as a person reads it', () => {
+    const since = new Date(2026, 10, 29, 14, 2, 0).getTime() / 1000; // local time, as the sidebar shows it
+    expect(parkWords(park('busy'))).toBe('running');
+    expect(parkWords(park('idle', { idle_seconds: 12 * 60 + 5 }))).toBe('idle for 12 min');
+    expect(parkWords(park('idle', { idle_seconds: 7500 }))).toBe('idle for 2 h 5 min');
+    expect(parkWords(park('parked', { since, host_bytes: Math.round(17.8 * GiB) }))).toBe(
+      'parked since 14:02, 17.8 GiB on host'
+    );
+    expect(parkWords(park('resuming'))).toBe('resuming');
+    expect(parkWords(park('waiting', { reason: 'GPU 0 has 2 GiB free, 17.8 GiB needed' }))).toBe(
+      'waiting for device memory: GPU 0 has 2 GiB free, 17.8 GiB needed'
+    );
+    expect(parkWords(park('pending'))).toBe('parks when its current cell ends');
+  });
+
+  it('has its own words for every state of the contract', () => {
+    const words = PARK_STATES.map(state => parkWords(park(state)));
+    expect(new Set(words).size).toBe(PARK_STATES.length);
+    expect(words).not.toContain('unknown');
+    expect(words).not.toContain('');
+  });
+});
+
+describe('parkButtons', () => {
+  it('offers Park when parkable and not parked', () => {
+    for (const state of ['busy', 'idle'] as const) {
+      const buttons = parkButtons(park(state));
+      expect(buttons.park).toEqual({ visible: true, enabled: true, title: PARK_TITLE });
+      expect(buttons.resume.visible).toBe(false);
+    }
+  });
+
+  it('offers Resume when parked or waiting', () => {
+    for (const state of ['parked', 'waiting'] as const) {
+      const buttons = parkButtons(park(state));
+      expect(buttons.resume).toEqual({ visible: true, enabled: true, title: RESUME_TITLE });
+      expect(buttons.park.visible).toBe(false);
+    }
+  });
+
+  it('disables Park with the reason as its tooltip when the kernel cannot be parked', () => {
+    const reason = 'not parkable: this kernel is an MPS client (the driver answers 801)';
+    const buttons = parkButtons(park('busy', { parkable: false, reason }));
+    expect(buttons.park).toEqual({ visible: true, enabled: false, title: reason });
+    expect(buttons.resume.visible).toBe(false);
+  });
+
+  it('disables the button that would race what the server is doing', () => {
+    expect(parkButtons(park('pending')).park).toMatchObject({ visible: true, enabled: false });
+    expect(parkButtons(park('parking')).park).toMatchObject({ visible: true, enabled: false });
+    expect(parkButtons(park('resuming')).resume).toMatchObject({ visible: true, enabled: false });
+  });
+
+  it('shows neither on a server that does not park', () => {
+    expect(parkButtons(null)).toEqual({
+      park: { visible: false, enabled: false, title: '' },
+      resume: { visible: false, enabled: false, title: '' }
+    });
+    expect(normalizeStatus({ gpu: true, kernels: [{ id: 'k', devices: [] }] }).kernels[0].park).toBeNull();
+    expect(normalizeStatus({ gpu: true, kernels: [{ id: 'k', devices: [], park: { state: 7 } }] }).kernels[0].park).toBeNull();
+  });
+});
+
+describe('parkFeedback and refusalText', () => {
+  it('says a refusal as written, once', () => {
+    expect(refusalText('not parkable: MPS client', 'park')).toBe('Not parkable: MPS client');
+    expect(refusalText('the host has 3 GiB free', 'park')).toBe('Cannot park: the host has 3 GiB free');
+    expect(refusalText('', 'resume')).toBe('Cannot resume');
+    expect(parkFeedback('park', 'refused', 'not parkable: another user (bob)', null)).toEqual({
+      text: 'Not parkable: another user (bob)',
+      level: 'over'
+    });
+    expect(
+      parkFeedback('park', 'accepted', '', park('busy', { parkable: false, reason: 'not parkable: no GPU' }))
+    ).toEqual({ text: 'Not parkable: no GPU', level: 'over' });
+  });
+
+  it('says "not parkable" once in the row', () => {
+    expect(notParkableText('not parkable: MPS client')).toBe('Not parkable: MPS client');
+    expect(notParkableText('MPS client')).toBe('Not parkable: MPS client');
+    expect(notParkableText(null)).toBe('Not parkable');
+  });
+
+  it('says what the server will do', () => {
+    expect(parkFeedback('park', 'accepted', '', park('pending'))).toEqual({
+      text: 'Parks when its current cell ends',
+      level: 'ok'
+    });
+    expect(parkFeedback('resume', 'accepted', '', park('resuming')).text).toBe('Resuming');
+  });
+});
+
+describe('requestPark', () => {
+  const settings = ServerConnection.makeSettings({ baseUrl: 'http://localhost:8888/lab-base/' });
+  let sent: { url: string; init: RequestInit }[] = [];
+  let answer: () => Response;
+
+  beforeEach(() => {
+    sent = [];
+    jest.spyOn(ServerConnection, 'makeRequest').mockImplementation(async (url, init, given) => {
+      expect(given).toBe(settings); // the server's settings: its token and XSRF cookie go along
+      sent.push({ url, init });
+      return answer();
+    });
+  });
+
+  afterEach(() => jest.restoreAllMocks());
+
+  const json = (status: number, body: unknown) =>
+    ({ status, ok: status >= 200 && status < 300, statusText: '', json: async () => body }) as unknown as Response;
+
+  it('POSTs the contract routes and reads a 202', async () => {
+    answer = () => json(202, { park: park('pending') });
+    const parked = await requestPark(settings, 'k/1', 'park');
+    expect(sent[0].url).toBe('http://localhost:8888/lab-base/api/gpu-quota/kernels/k%2F1/park');
+    expect(sent[0].init.method).toBe('POST');
+    expect(parked).toEqual({ outcome: 'accepted', message: '', park: park('pending') });
+    answer = () => json(202, { park: park('resuming') });
+    await requestPark(settings, 'k1', 'resume');
+    expect(sent[1].url).toBe('http://localhost:8888/lab-base/api/gpu-quota/kernels/k1/resume');
+  });
+
+  it('reads a refusal as an answer, and throws one line on anything else', async () => {
+    answer = () => json(409, { message: 'not parkable: MPS client' });
+    expect(await requestPark(settings, 'k1', 'park')).toEqual({
+      outcome: 'refused',
+      message: 'not parkable: MPS client',
+      park: null
+    });
+    answer = () => json(404, { message: 'Not Found' });
+    await expect(requestPark(settings, 'k1', 'park')).rejects.toThrow(
+      'this server cannot park kernels: it has no park route (HTTP 404)'
+    );
+    answer = () => json(403, { message: 'not authorized to write GPU quotas' });
+    await expect(requestPark(settings, 'k1', 'resume')).rejects.toMatchObject({
+      status: 403,
+      message: 'not authorized to write GPU quotas'
+    });
+  });
+});

@@ -1,0 +1,159 @@
+"""The one table of settings (gpu_quota_ext/settings.py) and the typed traits made from it: every trait has
+a row and every row a trait, each variable is the setting's alone, the hub, the dataclasses and the README
+take what the table says, and a bad value is refused in one line naming the setting (and its variable)."""
+
+import re
+from pathlib import Path
+
+import pytest
+from traitlets import TraitError
+from traitlets.config import Config
+
+from gpu_quota_ext import hub
+from gpu_quota_ext.app import GpuQuota
+from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
+from gpu_quota_ext.parking import ParkSettings, build_park_settings
+from gpu_quota_ext.policy import GiB, MiB, Policy, PolicyError, build_policy, watchdog_settings
+from gpu_quota_ext.settings import (
+    CAP, CHOICE, DEFAULTS, FACTOR, HARD_CAP, PARK, POLICY, SECONDS, SETTINGS, SIZE, SLACK, WATCHDOG, names_of,
+)
+from gpu_quota_ext.shared import env_vars
+from gpu_quota_ext.watchdog import WatchdogSettings
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CHOICES = [name for name, row in SETTINGS.items() if row.kind == CHOICE]
+# A number as an admin writes one in jupyter_server_config.py, for each size or fraction, and what it gives.
+NUMBERS = {
+    "default_cap": (0.5, lambda policy, watchdog, hard, park: policy.default_cap.fraction == 0.5),
+    "max_cap": (1, lambda policy, watchdog, hard, park: policy.max_cap.fraction == 1.0),  # the whole device, as "1"
+    "slack": (2**30, lambda policy, watchdog, hard, park: watchdog.slack.nbytes == GiB),
+    "mps_context_allowance": (512 * MiB, lambda policy, watchdog, hard, park: hard.context_allowance == 512 * MiB),
+    "park_host_margin": (2**30, lambda policy, watchdog, hard, park: park.host_margin == GiB),
+}
+
+
+@pytest.fixture(autouse=True)
+def no_settings_in_the_environment(monkeypatch):
+    for row in SETTINGS.values():
+        if row.env:
+            monkeypatch.delenv(row.env, raising=False)
+
+
+def extension(**settings) -> GpuQuota:
+    return GpuQuota(config=Config({"GpuQuota": settings}))
+
+
+def test_every_trait_has_a_row_and_every_row_a_trait_with_its_variable():
+    traits = GpuQuota.class_own_traits(config=True)
+    assert sorted(traits) == sorted(SETTINGS)
+    for name, trait in traits.items():
+        assert trait.metadata.get("env") == SETTINGS[name].env, name
+        assert SETTINGS[name].help.split()[0] in trait.help, name
+
+
+def test_each_environment_variable_is_one_settings_and_none_is_a_kernels():
+    variables = [row.env for row in SETTINGS.values() if row.env]
+    assert len(variables) == len(set(variables))
+    assert all(re.fullmatch(r"GPU_QUOTA_[A-Z_]+", variable) for variable in variables)
+    kernel_side = {value for key, value in vars(env_vars).items() if key.isupper()}
+    assert not kernel_side & set(variables)
+
+
+def test_every_part_is_built_from_the_table_and_the_dataclasses_defaults_are_the_tables():
+    policy = build_policy(**{name: DEFAULTS[name] for name in names_of(POLICY)})
+    assert policy == Policy(policy.default_cap, policy.max_cap)
+    assert (str(policy.default_cap), str(policy.max_cap)) == (DEFAULTS["default_cap"], DEFAULTS["max_cap"])
+    assert watchdog_settings(**{name: DEFAULTS[name] for name in names_of(WATCHDOG)}) == WatchdogSettings()
+    assert watchdog_settings() == WatchdogSettings()
+    assert build_hard_cap_settings(**{name: DEFAULTS[name] for name in names_of(HARD_CAP)}) == HardCapSettings()
+    # A fresh extension (no config, no variable) validates to the same objects.
+    assert extension().validated_settings() == (policy, WatchdogSettings(), HardCapSettings())
+    assert build_park_settings(**{name: DEFAULTS[name] for name in names_of(PARK)}) == ParkSettings() == extension().park_settings()
+
+
+def test_the_hubs_keys_and_variables_are_the_tables_per_user_rows():
+    per_user = {name: row.env for name, row in SETTINGS.items() if row.per_user}
+    assert hub.SETTING_ENV == per_user and set(hub.ENV_NAMES) == set(per_user.values())
+    for name in per_user:
+        if DEFAULTS[name] is not None:
+            assert hub.caps_environment(hub.hub_caps(default={name: DEFAULTS[name]}), "u") == {
+                per_user[name]: str(DEFAULTS[name])
+            }
+    with pytest.raises(PolicyError, match=r"unknown keys \['enforce'\]"):
+        hub.hub_caps(default={"enforce": "kill"})  # a server setting the table does not give the hub
+
+
+@pytest.mark.parametrize("name", [name for name, row in SETTINGS.items() if row.kind in (CAP, SIZE, SLACK)])
+def test_a_number_in_a_config_file_is_accepted_for_each_size_or_fraction(name):
+    number, holds = NUMBERS[name]  # a KeyError here: a new size setting needs its number above
+    app = extension(**{name: number})
+    assert app.environment_source(name) is None
+    assert holds(*app.validated_settings(), app.park_settings())
+
+
+@pytest.mark.parametrize("name", [name for name, row in SETTINGS.items() if row.kind in (SECONDS, FACTOR)])
+def test_a_number_or_its_text_is_accepted_for_each_number_setting(name):
+    row = SETTINGS[name]
+    inside = (row.low + row.high) / 2
+    assert getattr(extension(**{name: inside}), name) == inside
+    assert getattr(extension(**{name: str(inside)}), name) == inside  # as a config file may write it
+    with pytest.raises(TraitError) as refused:
+        extension(**{name: row.high * 2}).validated_settings()
+    assert str(refused.value) == f"c.GpuQuota.{name} = {row.high * 2!r}: {row.must}"
+    with pytest.raises(TraitError) as refused:
+        extension(**{name: "-1"})  # text, as the command line gives it: refused as written
+    assert str(refused.value) == f"c.GpuQuota.{name} = '-1': {row.must}"
+
+
+@pytest.mark.parametrize("name", CHOICES)
+def test_each_choice_refuses_a_bad_value_in_one_line_naming_the_setting(name, monkeypatch):
+    row = SETTINGS[name]
+    assert getattr(extension(**{name: f" {row.choices[-1].upper()} "}), name) == row.choices[-1]
+    with pytest.raises(TraitError) as refused:
+        extension(**{name: "bogus"})
+    assert str(refused.value) == f"c.GpuQuota.{name} = 'bogus': {row.must}"
+    assert "\n" not in str(refused.value) and all(repr(choice) in str(refused.value) for choice in row.choices)
+
+    monkeypatch.setenv(row.env, "bogus")
+    with pytest.raises(TraitError) as refused:
+        extension().validated_settings()
+    assert str(refused.value) == f"c.GpuQuota.{name} = 'bogus' (from the environment variable {row.env}): {row.must}"
+
+
+def test_a_value_from_the_environment_is_named_with_its_variable_and_config_wins_over_it(monkeypatch):
+    monkeypatch.setenv("GPU_QUOTA_POLL_INTERVAL", "0.01")
+    with pytest.raises(TraitError, match=r"poll_interval = '0.01' \(from the environment variable GPU_QUOTA_POLL_INTERVAL\)"):
+        extension().validated_settings()
+    monkeypatch.setenv("GPU_QUOTA_MAX_CAP", "2.0")
+    with pytest.raises(PolicyError, match=r"^c.GpuQuota.max_cap = '2.0' \(from the environment variable GPU_QUOTA_MAX_CAP\): "):
+        extension(poll_interval=1).validated_settings()
+    with pytest.raises(PolicyError) as refused:
+        extension(poll_interval=1, max_cap="3.0").validated_settings()
+    assert str(refused.value).startswith("c.GpuQuota.max_cap = '3.0': ") and "GPU_QUOTA" not in str(refused.value)
+    monkeypatch.setenv("GPU_QUOTA_MAX_CAP", "0.5")
+    monkeypatch.setenv("GPU_QUOTA_OVERCOMMIT", "none")
+    app = extension(poll_interval=1)
+    assert app.validated_settings()[0].max_cap.fraction == 0.5 and app.overcommit is None
+    assert (app.environment_source("max_cap"), app.environment_source("poll_interval")) == ("GPU_QUOTA_MAX_CAP", None)
+
+
+def test_caps_takes_a_list_of_rules_or_a_callable_and_nothing_else():
+    def rules(user, kernelspec):
+        return "0.5" if user == "alice" else None
+
+    assert extension(caps=rules).validated_settings()[0].rules is rules
+    assert len(extension(caps=({"user": "alice", "cap": 0.5},)).validated_settings()[0].rules) == 1
+    with pytest.raises(TraitError) as refused:
+        extension(caps="alice")
+    assert str(refused.value) == "c.GpuQuota.caps = 'alice': must be a list of rules or a callable"
+
+
+def test_the_readme_lists_every_setting_with_its_variable_and_default():
+    rows = re.findall(r"^\| `(\w+)` \| (`GPU_QUOTA_\w+`|–) \| (.+?) \|", README.read_text(encoding="utf-8"), re.M)
+    listed = {name: (env, default) for name, env, default in rows if name in SETTINGS}
+    assert sorted(listed) == sorted(SETTINGS)
+    for name, (env, default) in listed.items():
+        row = SETTINGS[name]
+        assert env == (f"`{row.env}`" if row.env else "–"), name
+        written = f'"{row.default}"' if isinstance(row.default, str) else repr(row.default)
+        assert default == f"`{written}`", name
