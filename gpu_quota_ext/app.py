@@ -10,20 +10,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Any as AnyTrait
 from traitlets import TraitError, Type, Unicode, default
 
-from .devices import DeviceInventory, NvmlInventory
+from .devices import Device, DeviceInventory, NvmlInventory
 from .handlers import HANDLERS
 from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
 from .monitor import Monitor, KernelManagerView
 from .nvml import NvmlBackend, PynvmlBackend
+from .ledger import Ledger
+from .local_ledger import LocalLedger
 from .policy import Policy, PolicyError, build_policy
+from .remote_ledger import SERVICE_URL_ENV, RemoteLedger
 from .provisioner import SETTINGS_KEY
 from .manager import GpuQuotaManager
 from .watchdog import WatchdogSettings, build_enforcement
@@ -43,6 +46,23 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{'https' if tls else 'http'}://{host}:{port}{base_url}"
+
+
+def _make_ledger(devices: List[Device], policy: Policy) -> Ledger:
+    """The ledger this server's grants go through: the host's quota service when the hub names one
+    ($GPU_QUOTA_SERVICE_URL, an environment the hub sets, never a c.GpuQuota setting), else this server's own."""
+    try:
+        remote = RemoteLedger.from_environment(devices)
+    except PolicyError as error:
+        raise SystemExit(invalid_configuration(str(error))) from None
+    if remote is None:
+        return LocalLedger(devices, policy)
+    logging.getLogger("gpu_quota_ext").info(
+        "gpu-quota-ext: the host's GPU quota service at %s is in charge (%s): it decides every cap and admission; "
+        "this server's c.GpuQuota default_cap, max_cap, caps, overcommit, placement and on_full are ignored",
+        remote.url, SERVICE_URL_ENV,
+    )
+    return remote
 
 
 def _env(name: str, fallback):
@@ -291,6 +311,7 @@ class GpuQuota(ExtensionApp):
         service = GpuQuotaManager(
             policy,
             devices,
+            ledger=_make_ledger(devices, policy),
             api_url=self._api_url,
             no_gpu_reason=inventory.problem,
         )
@@ -339,6 +360,7 @@ class GpuQuota(ExtensionApp):
             await service.monitor.stop()
         if service is not None:
             await service.hard_cap.stop(self.serverapp.kernel_manager)
+            getattr(service.ledger, "close", lambda: None)()  # a RemoteLedger's lease renewals end
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS)
