@@ -119,14 +119,17 @@ class HostBook:
 
     # --- restart ----------------------------------------------------------------------------
 
-    def restore(self, owned: Iterable[Owned], leases: Iterable[Lease]) -> None:
-        """What the store held: every grant back into the ledger, every lease back (the expiry check
-        after this releases those that ran out while the service was down)."""
+    def restore(self, owned: Iterable[Owned], leases: Iterable[Lease], now: float) -> None:
+        """What the store held: every grant back into the ledger, every lease back. A server could not
+        renew while the service was down, so each lease gets a full period from now to re-register
+        (a server that stopped meanwhile loses its grants one lease after the restart)."""
         with self._lock:
             for item in owned:
                 self.ledger.restore(item.grant)
                 self._owned[item.grant.kernel_id] = item
             for lease in leases:
+                lease = replace(lease, expires=max(lease.expires, now + self.lease_seconds))
+                self.journal.save_lease(lease)
                 self._leases[(lease.user, lease.server)] = lease
 
     # --- the API's operations -----------------------------------------------------------------
