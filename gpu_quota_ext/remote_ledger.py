@@ -34,7 +34,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import psutil
 
 from .devices import Device
-from .host_service.contract import CALL_TIMEOUT, GRANTS_PATH, LEASE_PATH, LEASE_RENEW, START_RETRIES
+from .host_service.contract import CALL_TIMEOUT, GRANTS_PATH, LEASE_PATH, LEASE_RENEW, START_RETRIES, STATUS_PATH
 from .ledger import AdmissionRefused, ChangeOutcome, Grant, UnknownKernel
 from .policy import CapSpec, PolicyDecision, PolicyError, shown
 from .shared.env_vars import KERNEL_ID
@@ -111,6 +111,7 @@ class RemoteLedger:
         self._renewer: Optional[threading.Thread] = None
         self._interval = renew_every
         self._reachable = True  # the renewer logs the moments this changes, not every failed try
+        self._host_devices: Dict[str, dict] = {}  # uuid -> the service's row: the host's budget, every user's grants
 
     @classmethod
     def from_environment(cls, devices: Sequence[Device], environ: Mapping[str, str] = os.environ) -> Optional["RemoteLedger"]:
@@ -196,12 +197,15 @@ class RemoteLedger:
             return list(self._grants.values())
 
     def usage(self) -> List[dict]:
-        """Per device: this server's grants. The budget is the host's, held by the service: None here
-        (the service's status page shows every user's share)."""
+        """Per device: the host's budget and what every user holds of it, as the service said at the last
+        lease renewal (what decides whether the next kernel fits); before that, this server's grants and
+        no budget."""
         with self._lock:
             held = list(self._grants.values())
-        return [
-            {
+            host = dict(self._host_devices)
+        rows = []
+        for d in self._devices:
+            row = {
                 "index": d.index,
                 "name": d.name,
                 "uuid": d.uuid,
@@ -210,8 +214,11 @@ class RemoteLedger:
                 "granted": sum(g.caps[d.index] for g in held if d.index in g.caps),
                 "kernels": sum(1 for g in held if d.index in g.caps),
             }
-            for d in self._devices
-        ]
+            seen = host.get(d.uuid)
+            if seen is not None:
+                row.update(budget=seen["budget"], granted=seen["granted"], kernels=seen["kernels"])
+            rows.append(row)
+        return rows
 
     @property
     def devices(self) -> List[Device]:
@@ -249,7 +256,29 @@ class RemoteLedger:
             dropped = [k for k in released if isinstance(k, str) and self._grants.pop(k, None) is not None]
         for kernel_id in dropped:
             log.warning("gpu-quota-ext: the GPU quota service released kernel %s's grant", kernel_id)
+        self._learn_host_devices()
         return True
+
+    def _learn_host_devices(self) -> None:
+        """The host's budget and grants per device (the service's status), for usage()."""
+        try:
+            answer = self._call("GET", STATUS_PATH)
+        except _Unreachable:
+            return
+        rows = answer.data.get("devices") if answer.code == 200 else None
+        if not isinstance(rows, list):
+            return
+        seen = {}
+        for row in rows:
+            try:
+                budget = row["budget"]
+                seen[str(row["uuid"])] = {
+                    "budget": None if budget is None else int(budget), "granted": int(row["granted"]), "kernels": int(row["kernels"]),
+                }
+            except (KeyError, TypeError, ValueError):
+                continue  # a row this server cannot read: that device shows this server's own view
+        with self._lock:
+            self._host_devices = seen
 
     def close(self) -> None:
         """Stop renewing (the server is stopping). Idempotent."""

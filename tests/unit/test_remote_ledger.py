@@ -19,7 +19,7 @@ from tornado import httpserver, web
 
 from gpu_quota_ext.app import _make_ledger
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, LEASE_PATH, START_RETRIES
+from gpu_quota_ext.host_service.contract import GRANTS_PATH, LEASE_PATH, START_RETRIES, STATUS_PATH
 from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
 from gpu_quota_ext.local_ledger import LocalLedger
 from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
@@ -76,6 +76,7 @@ class StandIn:
                 (PREFIX + GRANTS_PATH, Grants, {"standin": self}),
                 (PREFIX + GRANTS_PATH + r"/(?P<kernel_id>[\w-]+)", OneGrant, {"standin": self}),
                 (PREFIX + LEASE_PATH, Lease, {"standin": self}),
+                (PREFIX + STATUS_PATH, Status, {"standin": self}),
             ])
             self.server = httpserver.HTTPServer(app)
             self.server.listen(self.port, "127.0.0.1")
@@ -91,6 +92,10 @@ class StandIn:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+    def last(self, method: str) -> tuple:
+        """The last grants request of this method (the lease thread's requests interleave with the test's)."""
+        return [r for r in self.requests if r[0] == method and GRANTS_PATH in r[1]][-1]
 
     def grant_record(self, grant) -> dict:
         record = grant.to_json()
@@ -190,6 +195,11 @@ class Lease(Base):
         self.answer(200, {"lease_seconds": s.lease_seconds, "released": gone})
 
 
+class Status(Base):
+    def get(self):
+        self.answer(200, {"devices": self.standin.ledger.usage()})
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -237,7 +247,7 @@ def test_a_grant_is_the_services_decision_on_this_servers_device_numbers(standin
     assert grant.devices == (1,)
     assert grant.caps == {1: TOTAL // 2} and grant.max_caps == {1: int(0.75 * TOTAL)}
     assert grant.user == "alice"  # the token's owner, not the name the caller passed
-    method, path, headers, body = standin.requests[-1]
+    method, path, headers, body = standin.last("POST")
     assert (method, path) == ("POST", PREFIX + GRANTS_PATH)
     assert headers["Authorization"] == "token alice-token"
     assert body == {"server": "", "kernel_id": "k1", "kernelspec": "python3", "allowed": None}  # no user, no cap
@@ -255,7 +265,7 @@ def test_a_restart_keeps_its_grant_without_asking(standin, make_ledger):
 
 def test_allowed_devices_go_as_uuids(standin, make_ledger):
     grant = make_ledger().grant("k1", "alice", "python3", wide_open(), allowed=[0])
-    assert standin.requests[-1][3]["allowed"] == ["GPU-bbbb"]
+    assert standin.last("POST")[3]["allowed"] == ["GPU-bbbb"]
     assert grant.devices == (0,)
 
 
@@ -296,13 +306,13 @@ def test_change_and_reset_go_through_the_service(standin, make_ledger):
     ledger = make_ledger()
     ledger.grant("k1", "alice", "python3", wide_open())
     outcome = ledger.change("k1", parse_cap("0.6"), device=1)
-    assert standin.requests[-1][3] == {"cap": "0.6", "device": "GPU-aaaa"}
+    assert standin.last("PUT")[3] == {"cap": "0.6", "device": "GPU-aaaa"}
     assert outcome.status == "granted" and outcome.grant.caps == {1: int(0.6 * TOTAL)}
     assert ledger.get("k1").caps == {1: int(0.6 * TOTAL)}
     clamped = ledger.change("k1", parse_cap("0.9"))
     assert clamped.status == "clamped" and clamped.grant.caps == {1: int(0.75 * TOTAL)}
     back = ledger.reset("k1")
-    assert standin.requests[-1][3] == {"reset": True}
+    assert standin.last("PUT")[3] == {"reset": True}
     assert back.status == "granted" and ledger.get("k1").caps == {1: TOTAL // 2}
     assert standin.ledger.get("k1").caps == {0: TOTAL // 2}
 
@@ -331,11 +341,11 @@ def test_release_frees_the_budget_and_is_idempotent(standin, make_ledger):
     ledger = make_ledger()
     grant = ledger.grant("k1", "alice", "python3", wide_open())
     assert ledger.release("k1") == grant
-    assert standin.requests[-1][:2] == ("DELETE", PREFIX + GRANTS_PATH + "/k1")
+    assert standin.last("DELETE")[:2] == ("DELETE", PREFIX + GRANTS_PATH + "/k1")
     assert standin.ledger.grants() == [] and ledger.grants() == []
-    asked = len(standin.requests)
+    asked = len([r for r in standin.requests if r[0] == "DELETE"])
     assert ledger.release("k1") is None
-    assert len(standin.requests) == asked
+    assert len([r for r in standin.requests if r[0] == "DELETE"]) == asked
 
 
 # --- the service away -------------------------------------------------------------------------------
@@ -372,10 +382,10 @@ def test_a_change_while_the_service_is_down_is_refused_and_the_cap_stays(standin
 
 
 def test_a_release_while_the_service_is_down_is_done_by_the_next_lease(standin, make_ledger):
-    standin.start_grace = 0
-    ledger = make_ledger(renew_every=3600)  # renewals by hand here
+    ledger = make_ledger(renew_every=3600)
     ledger.grant("k1", "alice", "python3", wide_open())
     ledger.grant("k2", "alice", "python3", wide_open())
+    standin.granted_at["k1"] = 0  # past the service's start grace: an unlisted k1 is released
     standin.stop()
     ledger.release("k1")
     assert ledger.renew() is False
@@ -474,10 +484,23 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env={KERNEL_ID: "k1"})
     try:
         assert ledger.renew()
-        assert standin.leases[-1]["kernels"] == [{"kernel_id": "k1", "pids": [child.pid]}]
+        # (the lease thread's own first renewal may land after this one: look at every renewal)
+        assert {"kernel_id": "k1", "pids": [child.pid]} in [k for lease in standin.leases for k in lease["kernels"]]
     finally:
         child.stdin.close()
         child.wait(10)
+
+
+def test_usage_shows_the_hosts_budget_and_every_users_grants_after_a_renewal(standin, make_ledger):
+    alice, bob = make_ledger(renew_every=3600), make_ledger("bob-token", renew_every=3600)
+    alice.grant("k1", "alice", "python3", wide_open())
+    bob.grant("k2", "bob", "python3", wide_open())  # packed on the same device, GPU-aaaa
+    assert [(u["budget"], u["granted"]) for u in alice.usage()] == [(None, 0), (None, TOTAL // 2)]  # its own, before
+    assert alice.renew()
+    assert [(u["uuid"], u["budget"], u["granted"], u["kernels"]) for u in alice.usage()] == [
+        ("GPU-bbbb", TOTAL, 0, 0),
+        ("GPU-aaaa", TOTAL, TOTAL, 2),
+    ]
 
 
 # --- the choice of ledger -------------------------------------------------------------------------------
