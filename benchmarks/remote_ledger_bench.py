@@ -47,7 +47,7 @@ c.GpuQuota.default_cap = "0.01"
 """
 HUB_CONFIG = """
 c.Spawner.args = ["--allow-root", "--config={single_user_config}"]
-from gpu_quota_ext.hub import configure_host_service
+from gpu_quota_ext.host_service.configure import configure_host_service
 configure_host_service(c, default={{"default_cap": "0.01"}}, port={port}, args=["--config={service_config}"], admin_roles=["hub-test-admin"])
 
 def _local_ledger_for_local(spawner):

@@ -41,8 +41,8 @@ from .shared.env_vars import KERNEL_ID
 
 log = logging.getLogger("gpu_quota_ext")
 
-# Set by the hub (gpu_quota_ext.hub.configure_host_service) in every user server's environment: the
-# service's URL with its prefix, e.g. "http://127.0.0.1:10101/services/gpu-quota/". Only the hub sets
+# Set by the hub (host_service/configure.py) in every user server's environment: the service's URL with
+# its prefix, e.g. "http://127.0.0.1:10101/services/gpu-quota/". Only the hub sets
 # it: there is no c.GpuQuota setting for it, so a user's config file cannot point it elsewhere.
 SERVICE_URL_ENV = "GPU_QUOTA_SERVICE_URL"
 RETRY_DELAY = 1.0  # seconds between two tries of a kernel start, and between lease tries while unreachable

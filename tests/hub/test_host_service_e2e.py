@@ -1,7 +1,7 @@
 """Issue 14, the user servers' side: one GPU budget for the whole hub host, held by the quota service.
 
 A real `jupyterhub` with a real configurable-http-proxy, the host quota service registered by
-`gpu_quota_ext.hub.configure_host_service` (a hub-managed service), and three users, each with their own
+`gpu_quota_ext.host_service.configure.configure_host_service` (a hub-managed service), and three users, each with their own
 single-user server whose extension asks the service for every grant (RemoteLedger). Kernels start through
 the hub's proxy the way JupyterLab starts them. The host has one 80 GiB GPU (a static inventory with the
 same uuid in the service and the servers; CI has no GPU).
@@ -85,7 +85,7 @@ if os.environ.get("JUPYTERHUB_USER") == {greedy!r}:
 HUB_CONFIG = """
 c.Spawner.args = ["--allow-root", "--config={single_user_config}"]
 {spawner_lines}
-from gpu_quota_ext.hub import configure_host_service
+from gpu_quota_ext.host_service.configure import configure_host_service
 
 configure_host_service(
     c,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.hub import configure_host_service
+from gpu_quota_ext.host_service.configure import configure_host_service
 from gpu_quota_ext.policy import PolicyError
 from gpu_quota_ext.remote_ledger import SERVICE_URL_ENV
 
