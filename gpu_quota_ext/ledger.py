@@ -94,3 +94,6 @@ class Ledger(Protocol):
 
     @property
     def devices(self) -> List[Device]: ...
+
+    def close(self) -> None:
+        """The server stops: end whatever the ledger runs in the background (a remote ledger's lease)."""
