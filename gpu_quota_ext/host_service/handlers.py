@@ -54,8 +54,15 @@ def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dic
     handler.finish(json.dumps({"message": message or responses.get(status_code, "error")}))
 
 
+def _summary(handler: web.RequestHandler) -> str:
+    # What tornado's warnings print of a request: without its query, where a "?token=" could be.
+    return f"{handler.request.method} {handler.request.path} ({handler.request.remote_ip})"
+
+
 @web.stream_request_body
 class ApiHandler(web.RequestHandler):
+    _request_summary = _summary
+
     @property
     def service(self):
         return self.settings["gpu_quota_service"]
@@ -247,6 +254,8 @@ class MetricsHandler(ApiHandler):
 
 class PageHandler(HubOAuthenticated, web.RequestHandler):
     """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+
+    _request_summary = _summary
 
     @property
     def hub_auth(self):

@@ -141,6 +141,7 @@ async def _scenario(hub: Hub, service) -> None:
         await call("POST", service.path(LEASE_PATH), holder, {"server": "", "kernels": "all"}, ok=(400,))
         await call("PUT", f"{grants}/{kernel}", holder, {"cap": "0.1", "pad": "x" * (70 * 1024)}, ok=(413,))
         await call("GET", status, "not-a-token", ok=(403,))
+        await call("GET", f"{grants}/{kernel}?token={tokens[other]}", other, ok=(403,))  # a token in a URL is logged nowhere
 
         # Each user sees their own grants; the hub admin (carol) and the admin-scoped service see all.
         _, listed = await call("GET", grants, holder)
@@ -190,6 +191,9 @@ async def _scenario(hub: Hub, service) -> None:
         await _until(lambda: _gone(call, f"{grants}/{kernel}", holder), timeout=LEASE * 4, what="the unlisted kernel released")
     finally:
         renewer.cancel()
+    # No user's token in any log (the hub's, the proxy's and the service's all go to the hub's log).
+    log = hub.log_path.read_text(errors="replace")
+    assert not [user for user, token in tokens.items() if token in log]
     # Nothing secret on disk: no token of the hub's, the service's or a user's in the state directory.
     state = b"".join(p.read_bytes() for p in service.state_dir.iterdir())
     for token in list(tokens.values()) + [hub.admin_token]:
