@@ -139,7 +139,13 @@ class GpuQuotaService(Application):
         token = self.hub_auth.get_token(handler, in_cookie=False)
         if not token:
             raise web.HTTPError(401, "this API needs a hub token: Authorization: token <your server's JUPYTERHUB_API_TOKEN>")
-        model = await self.hub_auth.user_for_token(token, sync=False)
+        try:
+            model = await self.hub_auth.user_for_token(token, sync=False)
+        except web.HTTPError as error:
+            if error.status_code < 500:
+                raise
+            # The hub is down or failing: a clear "try again", never a grant without knowing who asks.
+            raise web.HTTPError(503, "the hub did not answer: this token cannot be checked now") from None
         if not model:
             raise web.HTTPError(403, "the hub does not know this token")
         return await self.who_for_model(model)
@@ -209,19 +215,24 @@ class GpuQuotaService(Application):
             xsrf_cookies=False,
         )
 
+    def connect_hub(self) -> None:
+        """The hub's side, from the JUPYTERHUB_* environment: token checks, OAuth, users and groups."""
+        from jupyterhub.services.auth import HubAuth, HubOAuth
+
+        self.hub_auth = HubAuth(cache_max_age=int(self.hub_cache_seconds))
+        self.hub_oauth = HubOAuth(cache_max_age=int(self.hub_cache_seconds))
+        self.directory = HubDirectory(self.hub_auth.api_url, self.hub_auth.api_token, self.hub_cache_seconds)
+
     def start(self) -> None:
         if not logging.getLogger().handlers and not log.handlers:
             logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s %(name)s] %(message)s")
-        from jupyterhub.services.auth import HubAuth, HubOAuth
 
         url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
         prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
         if not prefix.endswith("/"):
             prefix += "/"
         stop_on_signal()
-        self.hub_auth = HubAuth(cache_max_age=int(self.hub_cache_seconds))
-        self.hub_oauth = HubOAuth(cache_max_age=int(self.hub_cache_seconds))
-        self.directory = HubDirectory(self.hub_auth.api_url, self.hub_auth.api_token, self.hub_cache_seconds)
+        self.connect_hub()
         app = self.web_app(prefix)
         server = app.listen(url.port or 80, url.hostname or "127.0.0.1", xheaders=True)
         if self.sampler_enabled:
@@ -252,7 +263,7 @@ def stop_on_signal() -> None:
     import signal
 
     loop = IOLoop.current()
-    signal.signal(signal.SIGTERM, lambda *_: loop.add_callback_from_signal(loop.stop))
+    loop.asyncio_loop.add_signal_handler(signal.SIGTERM, loop.stop)
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, 
 from ..devices import Device
 from ..ledger import AdmissionRefused, ChangeOutcome, Grant, UnknownKernel
 from ..local_ledger import LocalLedger
-from ..policy import CapSpec, Policy, PolicyError
+from ..policy import CapSpec, Policy
 from .user_policy import UserPolicy
 
 
@@ -280,5 +280,3 @@ class HostBook:
             self.ledger.release(kid)
             self._owned.pop(kid, None)
 
-
-__all__ = ["AdmissionRefused", "Forbidden", "HostBook", "Lease", "Owned", "PolicyError", "UnknownKernel"]

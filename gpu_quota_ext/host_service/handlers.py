@@ -36,6 +36,11 @@ class Who:
     def __init__(self, name: str, admin: bool, model: dict):
         self.name, self.admin, self.model = name, admin, model
 
+    def require_user(self) -> None:
+        """Grants and leases are users' (their servers'): a service may look (with the admin scope), not hold."""
+        if self.model.get("kind", "user") != "user":
+            raise web.HTTPError(403, "only a hub user's token can hold grants or renew a lease")
+
 
 def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dict[str, Any]) -> None:
     error = (kwargs.get("exc_info") or (None, None, None))[1]
@@ -49,8 +54,15 @@ def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dic
     handler.finish(json.dumps({"message": message or responses.get(status_code, "error")}))
 
 
+def _summary(handler: web.RequestHandler) -> str:
+    # What tornado's warnings print of a request: without its query, where a "?token=" could be.
+    return f"{handler.request.method} {handler.request.path} ({handler.request.remote_ip})"
+
+
 @web.stream_request_body
 class ApiHandler(web.RequestHandler):
+    _request_summary = _summary
+
     @property
     def service(self):
         return self.settings["gpu_quota_service"]
@@ -166,6 +178,7 @@ def parse_lease_request(body: Any) -> Tuple[str, Dict[str, Tuple[int, ...]]]:
 
 class GrantsHandler(ApiHandler):
     async def post(self):
+        self.who.require_user()
         server, kernel_id, kernelspec, allowed = parse_grant_request(self.body())
         service = self.service
         policy = await service.policy_for(self.who.name)
@@ -220,6 +233,7 @@ class GrantHandler(ApiHandler):
 
 class LeaseHandler(ApiHandler):
     async def post(self):
+        self.who.require_user()
         server, kernels = parse_lease_request(self.body())
         released = self.service.book.lease(self.who.name, server, kernels, time.time())
         self.answer(200, {"lease_seconds": int(self.service.book.lease_seconds), "released": released})
@@ -240,6 +254,8 @@ class MetricsHandler(ApiHandler):
 
 class PageHandler(HubOAuthenticated, web.RequestHandler):
     """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+
+    _request_summary = _summary
 
     @property
     def hub_auth(self):

@@ -17,7 +17,7 @@ import os
 import pwd
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import psutil
@@ -81,6 +81,7 @@ class HostSampler:
         self.unavailable: Optional[str] = None
         self._busy_since: Optional[float] = None
         self._first_seen: Dict[Tuple[int, str], float] = {}
+        self._killed: set = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-quota-host-sampler", daemon=True)
@@ -155,8 +156,14 @@ class HostSampler:
         attributed = attribute(processes, self.granted(), self.template)
         now = time.time()
         decisions, self._first_seen = decide(attributed.unmanaged, self._first_seen, now, self.policy, self.grace, tuple(self.protected))
+        # A killed process may still be listed until its parent reaps it (or NVML notices): once is enough.
+        self._killed &= {item.pid for item in attributed.unmanaged}
         for decision in decisions:
+            if decision.action == "kill" and decision.item.pid in self._killed:
+                continue
             self._act(decision, now)
+            if decision.action == "kill":
+                self._killed.add(decision.item.pid)
         self.last = Sample(now, used, tuple(processes), attributed, "; ".join(problems) or None)
         self.samples += 1
 

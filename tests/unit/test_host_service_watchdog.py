@@ -96,3 +96,42 @@ def test_a_hung_nvml_call_makes_the_state_stalled_and_never_blocks_the_caller(fa
         release.set()
     wait_for(lambda: sampler.state() == "ok")
     sampler.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="creates a Unix user: needs root (CI runs as root)")
+def test_a_real_users_process_outside_every_grant_is_their_unmanaged_usage_and_killed_by_policy(fake_nvml):
+    import subprocess
+
+    hub_user = f"b{os.getpid()}"
+    unix_name = f"gqt-{hub_user}"  # as TLJH names users: a prefix, then the hub's name
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", unix_name], check=True)
+    stray = kernel = None
+    sampler = None
+    try:
+        stray = subprocess.Popen(["sleep", "300"], user=unix_name)  # a terminal's python train.py
+        kernel = subprocess.Popen(["sleep", "300"])  # a registered kernel's process
+        fake_nvml.set_usage(stray.pid, "GPU-a", 2 * GiB)
+        fake_nvml.set_usage(kernel.pid, "GPU-a", GiB)
+        sampler = HostSampler(
+            FakeNvml(), ["GPU-a"], lambda: {kernel.pid: ("alice", "k1")}, lambda: GRANTED, 0.05, 5, "kill", 0.0, "gqt-{username}"
+        )
+        sampler.start()
+        import psutil
+
+        # Killed, and not reaped yet (a zombie is still listed until its parent waits for it).
+        wait_for(lambda: psutil.Process(stray.pid).status() == psutil.STATUS_ZOMBIE)
+        killed_at = sampler.samples
+        wait_for(lambda: sampler.samples >= killed_at + 3)  # a few more samples while NVML (the fake) still lists it
+        (action,) = [a for a in sampler.actions if a.pid == stray.pid]  # killed once, not once a sample
+        assert (action.action, action.user, action.used) == ("kill", hub_user, 2 * GiB)
+        assert kernel.poll() is None  # the kernel's process, inside its grant, is untouched
+        wait_for(lambda: sampler.last is not None and sampler.last.attributed.kernel_used == {"k1": {"GPU-a": GiB}})
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for proc in (stray, kernel):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait()
+        subprocess.run(["userdel", unix_name], check=False)
