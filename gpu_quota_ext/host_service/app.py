@@ -31,7 +31,8 @@ from traitlets.config import Application
 from ..devices import DeviceInventory, NvmlInventory, StaticInventory
 from ..hub import PROPERTY_KEY, hub_caps
 from ..nvml import NvmlBackend, PynvmlBackend
-from ..policy import PLACEMENTS, PolicyError, build_policy
+from ..policy import PolicyError, build_policy
+from ..settings import DEFAULTS, SETTINGS
 from .book import HostBook
 from .contract import ADMIN_PAGE, ADMIN_SCOPE, GRANTS_PATH, LEASE_PATH, LEASE_SECONDS, METRICS_PATH, SERVICE_NAME, STATUS_PATH
 from .handlers import GrantHandler, GrantsHandler, LeaseHandler, MetricsHandler, PageHandler, StatusHandler, Who
@@ -64,12 +65,12 @@ class GpuQuotaService(Application):
     groups = DictTrait(help="Per-group settings (first group in this order wins), as configure_hub_caps.").tag(config=True)
     default = DictTrait(help="Settings for everyone else, as configure_hub_caps.").tag(config=True)
     property_key = Unicode(PROPERTY_KEY, allow_none=True, help="Group property read for live settings; None: ignore properties.").tag(config=True)
-    default_cap = Unicode("0.25", help="A kernel's cap where the mapping sets none.").tag(config=True)
-    max_cap = Unicode("1.0", help="The most a kernel may ask for where the mapping sets none.").tag(config=True)
+    default_cap = Unicode(str(DEFAULTS["default_cap"]), help="A kernel's cap where the mapping sets none.").tag(config=True)
+    max_cap = Unicode(str(DEFAULTS["max_cap"]), help="The most a kernel may ask for where the mapping sets none.").tag(config=True)
     overcommit = Float(1.0, allow_none=True, help="Budget per device = its memory × this; None: no admission control.").tag(config=True)
-    placement = Enum(PLACEMENTS, "spread", help="How kernels are placed on the host's GPUs.").tag(config=True)
-    on_full = Enum(("refuse", "cpu-only"), "cpu-only", help="A full host: refuse the kernel, or start it CPU-only (per user in the mapping).").tag(config=True)
-    on_over_max = Enum(("clamp", "refuse"), "clamp", help="A request above max_cap: clamp it or refuse it.").tag(config=True)
+    placement = Enum(SETTINGS["placement"].choices, DEFAULTS["placement"], help="How kernels are placed on the host's GPUs.").tag(config=True)
+    on_full = Enum(SETTINGS["on_full"].choices, DEFAULTS["on_full"], help="A full host: refuse the kernel, or start it CPU-only (per user in the mapping).").tag(config=True)
+    on_over_max = Enum(SETTINGS["on_over_max"].choices, DEFAULTS["on_over_max"], help="A request above max_cap: clamp it or refuse it.").tag(config=True)
     inventory_class = Type(NvmlInventory, klass=DeviceInventory, help="The host's GPUs (StaticInventory for tests).").tag(config=True)
     nvml_class = Type(PynvmlBackend, klass=NvmlBackend, help="NVML for the host watchdog (FakeNvml for tests).").tag(config=True)
     poll_interval = Float(5.0, help="Seconds between host samples.").tag(config=True)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import psutil
 
 from ..nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
-from ..processes import ProcTable, kernel_for_pid
+from ..usage.attribution import ProcTable, kernel_for_pid
 from .attribution import Attributed, Decision, GpuProcess, attribute, decide
 
 log = logging.getLogger("gpu_quota_ext")
