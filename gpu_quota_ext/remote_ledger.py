@@ -280,6 +280,9 @@ class RemoteLedger:
         with self._lock:
             self._host_devices = seen
 
+    def decided_by(self) -> Optional[str]:
+        return f"the host's GPU quota service at {self.url}"
+
     def close(self) -> None:
         """Stop renewing (the server is stopping). Idempotent."""
         self._stopped.set()
