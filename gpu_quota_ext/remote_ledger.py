@@ -29,7 +29,7 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
 
