@@ -26,6 +26,7 @@ from .hard_cap import HardCapLayer, HardCapUnavailable
 from .hard_limit import HardCapSettings, build_hard_cap_settings
 from .ledger import Ledger
 from .local_ledger import LocalLedger
+from .remote_ledger import SERVICE_URL_ENV, RemoteLedger
 from .manager import GpuQuotaManager
 from .policy import Policy, PolicyError, build_policy, watchdog_settings
 from .provisioner import SETTINGS_KEY
@@ -54,8 +55,20 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
 
 
 def _make_ledger(devices: Sequence[Device], policy: Policy) -> Ledger:
-    """The ledger this server's grants go through: this server's own, in memory."""
-    return LocalLedger(devices, policy)
+    """The ledger this server's grants go through: the host's quota service when the hub names one
+    ($GPU_QUOTA_SERVICE_URL, an environment the hub sets, never a c.GpuQuota setting), else this server's own."""
+    try:
+        remote = RemoteLedger.from_environment(devices)
+    except PolicyError as error:
+        raise SystemExit(invalid_configuration(str(error))) from None
+    if remote is None:
+        return LocalLedger(devices, policy)
+    logging.getLogger("gpu_quota_ext").info(
+        "gpu-quota-ext: the host's GPU quota service at %s is in charge (%s): it decides every cap and admission; "
+        "this server's c.GpuQuota default_cap, max_cap, caps, overcommit, placement and on_full are ignored",
+        remote.url, SERVICE_URL_ENV,
+    )
+    return remote
 
 
 def invalid_configuration(message: str) -> str:
@@ -298,6 +311,7 @@ class GpuQuota(ExtensionApp):
         if manager is not None:
             await manager.stop()
             await manager.hard_cap.stop(self.serverapp.kernel_manager)
+            await asyncio.to_thread(manager.ledger.close)  # a RemoteLedger's lease renewals end (joins its thread)
 
     def initialize_handlers(self):
         self.handlers.extend(HANDLERS + PARK_HANDLERS)

@@ -216,7 +216,11 @@ class GpuQuotaCommand(JupyterApp):
     jupyter gpu-quota check --config=gpu_quota_config.py
     """
     subcommands = {
-        "check": (GpuQuotaCheck, "Validate the configuration the server would load; show the policy and the GPUs it sees.")
+        "check": (GpuQuotaCheck, "Validate the configuration the server would load; show the policy and the GPUs it sees."),
+        "service": (
+            "gpu_quota_ext.host_service.app.GpuQuotaService",
+            "Run the host's quota service (a JupyterHub service): one GPU budget for every user of the host.",
+        ),
     }
 
     def emit_help(self, classes: bool = False):

@@ -21,7 +21,18 @@ from .shared.sizes import PolicyError, parse_cap, shown
 
 @dataclass(frozen=True)
 class Device:
-    """One GPU as the server sees it. `index` is its position in the server's visible list."""
+    """One GPU as the server sees it.
+
+    Three numberings meet here, and only `index` is used between the server's parts:
+    - `index`, the server's: the device's position in the list this server manages (after the server's own
+      CUDA_VISIBLE_DEVICES). Grants, the ledger, the REST API, `%gpucap --device` and the sidebar use it.
+    - `nvml_index`, NVML's: the driver's numbering of the whole machine (what `nvidia-smi` shows). Used
+      only to read NVML and to match a kernelspec that pins CUDA_VISIBLE_DEVICES by number.
+    - the torch ordinal, the kernel's: `cuda:0`, `cuda:1`, ... inside a kernel, counting only what its own
+      CUDA_VISIBLE_DEVICES shows (a placed kernel sees one GPU: its ordinal 0 is the server's `index` N).
+      The kernel maps ordinals back to server indexes (kernel/usage.py) before it reports.
+    The UUID names a device unambiguously across all three (and across servers: the host service's wire).
+    """
 
     index: int
     name: str

@@ -44,7 +44,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .hub import PROPERTY_KEY, HubCaps, chain_hooks, choose_settings, environment_of, hub_caps, set_spawner_environment
+from .hub import HubCaps, chain_hooks, choose_settings, environment_of, hub_caps, set_spawner_environment
 from .shared.sizes import MiB, PolicyError, parse_cap
 
 MAX_GPUS = 16  # HAMi-core keeps limits for 16 devices per container

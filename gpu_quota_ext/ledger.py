@@ -94,3 +94,10 @@ class Ledger(Protocol):
 
     @property
     def devices(self) -> List[Device]: ...
+
+    def decided_by(self) -> Optional[str]:
+        """Who decides caps and admission when this server does not (its own c.GpuQuota policy then does not
+        apply): a line for the status API, e.g. "the host's GPU quota service at <url>"; None: this server."""
+
+    def close(self) -> None:
+        """The server stops: end whatever the ledger runs in the background (a remote ledger's lease)."""

@@ -180,6 +180,12 @@ class LocalLedger:
     def devices(self) -> List[Device]:
         return [b.device for _, b in sorted(self._books.items())]
 
+    def decided_by(self) -> Optional[str]:
+        return None  # this server's own policy decides
+
+    def close(self) -> None:
+        """Nothing runs in the background: the record is memory only."""
+
     # --- inside the lock ----------------------------------------------------------------------
 
     def _fit_budget(self, current: Grant, index: int, wanted: int, notes: List[str]) -> int:

@@ -7,7 +7,6 @@ recorded in the kernel's state, said once after the first cell (state.tell_once)
 from __future__ import annotations
 
 import os
-import sys
 
 from . import state as state_module
 from .torch_cap import cap_torch

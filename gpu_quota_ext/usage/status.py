@@ -66,7 +66,9 @@ class StatusView:
         devices = self.ledger.usage()
         for device in devices:
             device["used"] = self.monitor.device_used(device["index"])
-        policy = self.policy.describe()
+        # Under the host's quota service this server's own policy settings are ignored: say who decides instead.
+        decided_by = self.ledger.decided_by()
+        policy = self.policy.describe() if decided_by is None else {"decided_by": decided_by}
         policy.update(self.settings.describe())
         return {
             "gpu": bool(self.monitor.devices),

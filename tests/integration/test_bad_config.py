@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts a whole server or a CLI process
+
 STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"]
 
 

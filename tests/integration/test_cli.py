@@ -20,6 +20,8 @@ from gpu_quota_ext.app import GpuQuota
 
 from .test_bad_config import start_server
 
+pytestmark = pytest.mark.slow  # each test starts a whole server or a CLI process
+
 SETTINGS = sorted(GpuQuota.class_own_traits(config=True))
 STATIC = "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"
 

@@ -85,7 +85,7 @@ async def test_info_from_the_package_reaches_the_servers_handlers(jp_serverapp):
     jp_serverapp.log.addHandler(handler)
     try:
         logging.getLogger("gpu_quota_ext").info("gpu-quota-ext: probe %d", 1)
-        logging.getLogger("gpu_quota_ext.monitor").debug("gpu-quota-ext: debug probe")  # shown at --debug
+        logging.getLogger("gpu_quota_ext.usage.sampling").debug("gpu-quota-ext: debug probe")  # shown at --debug
     finally:
         jp_serverapp.log.removeHandler(handler)
     expected = [("INFO", "gpu-quota-ext: probe 1")]

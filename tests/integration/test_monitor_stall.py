@@ -24,6 +24,7 @@ def jp_server_config():
     return fake_gpu_config("kill")
 
 
+@pytest.mark.slow
 async def test_a_hung_nvml_call_makes_the_monitor_stalled_then_ok_again(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
@@ -102,6 +103,7 @@ c.GpuQuota.poll_interval = 0.2
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_hung_nvml_call_stops_the_server_promptly(tmp_path):
     (tmp_path / "jupyter_server_config.py").write_text(SERVER_CONFIG)
     for name in ("config", "data", "runtime", "root"):

@@ -100,6 +100,7 @@ class TestRefusalsLeaveNothing:
         # One 16 GiB device, budget 8 GiB, 8 GiB caps: the first kernel fills it, every later start is refused.
         return Config(static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse"))
 
+    @pytest.mark.slow
     async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(self, jp_fetch, jp_serverapp, server_log):
         holder = await start_kernel(jp_fetch)
         before = await leftovers(jp_serverapp)

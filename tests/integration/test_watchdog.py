@@ -102,6 +102,7 @@ async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvm
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enforce", ["restart"])
 async def test_restart_gives_a_fresh_process_and_keeps_the_grant(jp_fetch, jp_serverapp, fake_nvml, enforce):
     kernel_id = await start_kernel(jp_fetch)

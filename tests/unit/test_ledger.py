@@ -241,6 +241,6 @@ def test_local_ledger_implements_the_ledger_interface():
     # Every method of the interface has the same parameters in the local ledger.
     import inspect
 
-    for name in ("grant", "change", "reset", "release", "get", "grants", "usage"):
+    for name in ("grant", "change", "reset", "release", "get", "grants", "usage", "decided_by", "close"):
         expected = list(inspect.signature(getattr(Ledger, name)).parameters)
         assert list(inspect.signature(getattr(LocalLedger, name)).parameters) == expected, name

@@ -442,3 +442,17 @@ def test_metric_families_while_stalled_have_caps_but_no_usage():
     assert series[("gpu_quota_kernel_cap_bytes", (("device", "0"), ("kernel_id", "k")))] == 4
     assert series[("gpu_quota_monitor_stalled", ())] == 1 and series[("gpu_quota_nvml_up", ())] == 0
     assert series[("gpu_quota_monitor_sample_age_seconds", ())] == 9.0
+
+
+def test_under_a_ledger_that_decides_elsewhere_the_status_shows_who_not_this_servers_policy(fake_nvml):
+    class Elsewhere(LocalLedger):
+        def decided_by(self):
+            return "the host's GPU quota service at http://127.0.0.1:10101/services/gpu-quota/"
+
+    policy = build_policy("0.25", "1.0")
+    manager = GpuQuotaManager(policy, [], Elsewhere([], policy), Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 1))
+    shown = manager.status.answer({})["policy"]
+    assert shown["decided_by"].startswith("the host's GPU quota service at ")
+    assert "default_cap" not in shown and "max_cap" not in shown  # ignored here: the service's caps apply
+    assert shown["enforce"] == "warn"  # this server's watchdog still runs
+    assert "decided_by" not in GpuQuotaManager(policy, [], LocalLedger([], policy), Kernels({}), FakeNvml()).status.answer({})["policy"]

@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from gpu_quota_ext.devices import Device
+from gpu_quota_ext.fake_nvml import FakeNvml
+from gpu_quota_ext.local_ledger import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.policy import GiB, build_policy
 
@@ -25,7 +27,9 @@ def server_visible(monkeypatch):
 
 
 def manager(on_full="cpu-only"):
-    return GpuQuotaManager(build_policy("0.25", "0.5", on_full=on_full), DEVICES, user="u")
+    policy = build_policy("0.25", "0.5", on_full=on_full)
+    # No kernel manager: admission is all these tests ask of it (the monitor is never started).
+    return GpuQuotaManager(policy, DEVICES, LocalLedger(DEVICES, policy), None, FakeNvml(), user="u")
 
 
 def admit(service, kernel_id, env):

@@ -1,0 +1,51 @@
+"""The service's web app without a hub: what a caller gets when it has no token, or when the hub that
+must check the token does not answer. (With a real hub: tests/hub/test_host_service.py.)"""
+
+import asyncio
+import json
+
+import pytest
+from tornado.httpclient import AsyncHTTPClient
+
+from gpu_quota_ext.host_service.app import GpuQuotaService
+from gpu_quota_ext.host_service.contract import GRANTS_PATH, STATUS_PATH
+from tests.hub.hubtools import free_port
+from traitlets.config import Config
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    closed = free_port()  # nothing listens there: the hub is down
+    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{closed}/hub/api")
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
+    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
+    config = Config()
+    config.GpuQuotaService.state_dir = str(tmp_path / "state")
+    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
+    app = GpuQuotaService(config=config)
+    app.build()
+    app.connect_hub()
+    yield app
+    app.store.close()
+
+
+def test_no_token_is_401_and_a_hub_that_does_not_answer_is_503_with_nothing_granted(service):
+    async def scenario():
+        port = free_port()
+        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        try:
+            base = f"http://127.0.0.1:{port}/services/gpu-quota/"
+            client = AsyncHTTPClient()
+            answer = await client.fetch(base + STATUS_PATH, raise_error=False)
+            assert answer.code == 401 and "hub token" in json.loads(answer.body)["message"]
+            body = json.dumps({"server": "", "kernel_id": "k1", "kernelspec": "python3"})
+            answer = await client.fetch(
+                base + GRANTS_PATH, method="POST", body=body, headers={"Authorization": "token abc"}, raise_error=False
+            )
+            assert answer.code == 503 and "hub did not answer" in json.loads(answer.body)["message"]
+        finally:
+            server.stop()
+
+    asyncio.run(scenario())
+    assert service.book.owned() == []

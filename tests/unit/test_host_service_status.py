@@ -1,0 +1,71 @@
+"""What the status, the admin's page and the Prometheus gauges show: every user's kernels to an admin,
+only their own to a user; usage from the host sample; unmanaged usage per user; values escaped."""
+
+from prometheus_client.exposition import generate_latest
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.host_service.attribution import GpuProcess, attribute
+from gpu_quota_ext.host_service.book import HostBook
+from gpu_quota_ext.host_service.metrics import registry_for
+from gpu_quota_ext.host_service.page import render_page
+from gpu_quota_ext.host_service.sampler import Action, Sample
+from gpu_quota_ext.host_service.status import build_status
+from gpu_quota_ext.host_service.user_policy import UserPolicy
+from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
+
+DEVICE = Device(0, "Test GPU", "GPU-a", 80 * GiB, 0)
+POLICY = UserPolicy(PolicyDecision(parse_cap("0.25"), parse_cap("0.5"), 1, "test"), "cpu-only")
+
+
+class Journal:
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+def scene():
+    book = HostBook([DEVICE], build_policy("0.25", "1.0", overcommit=1.0), Journal(), 60, 0)
+    book.grant("alice", "", "ka", "python3", POLICY, None, 100.0)
+    book.grant("<bob>", "", "kb", "python3", POLICY, None, 100.0)
+    book.lease("alice", "", {"ka": (10,)}, 100.0)
+    processes = [GpuProcess(10, "GPU-a", 30 * GiB, 1000, "alice", "ka"), GpuProcess(20, "GPU-a", 5 * GiB, 1001, "<bob>", None)]
+    granted = {"ka": ("alice", ("GPU-a",)), "kb": ("<bob>", ("GPU-a",))}
+    sample = Sample(101.0, {"GPU-a": 35 * GiB}, tuple(processes), attribute(processes, granted, "{username}"))
+    actions = [Action(101.0, "warn", "<bob>", 20, "GPU-a", 5 * GiB, "PID 20 of <bob> holds memory outside every grant")]
+    return book, sample, actions
+
+
+def test_an_admin_sees_everyone_and_a_user_only_themselves():
+    book, sample, actions = scene()
+    policies = {"alice": POLICY}
+    admin = build_status(book, sample, "ok", actions, policies, "carol", True, 102.0)
+    assert {k["kernel_id"] for k in admin["kernels"]} == {"ka", "kb"}
+    users = {u["name"]: u for u in admin["users"]}
+    assert users["alice"]["used"] == 30 * GiB and users["alice"]["granted"] == 20 * GiB
+    assert users["alice"]["policy"]["max_cap"] == "0.5"
+    assert users["<bob>"]["unmanaged"] == 5 * GiB
+    ka = next(k for k in admin["kernels"] if k["kernel_id"] == "ka")
+    assert ka["over_cap"] and ka["pids"] == [10] and ka["devices"][0]["used"] == 30 * GiB
+    assert admin["devices"][0]["used"] == 35 * GiB and len(admin["actions"]) == 1
+
+    alice = build_status(book, sample, "ok", actions, policies, "alice", False, 102.0)
+    assert [k["kernel_id"] for k in alice["kernels"]] == ["ka"]
+    assert [u["name"] for u in alice["users"]] == ["alice"]
+    assert alice["unmanaged"] == [] and alice["actions"] == []
+    assert alice["devices"][0]["used"] is None  # the whole device's usage says something of others
+
+
+def test_the_page_escapes_every_value():
+    book, sample, actions = scene()
+    page = render_page(build_status(book, sample, "ok", actions, {}, "carol", True, 102.0))
+    assert "&lt;bob&gt;" in page and "<bob>" not in page
+    assert "<td>ka</td>" in page and "<td>yes</td>" in page  # ka uses more than its cap
+
+
+def test_the_gauges_are_per_user_and_kernel_and_follow_the_ledger():
+    book, sample, actions = scene()
+    registry = registry_for(lambda: build_status(book, sample, "ok", actions, {}, "metrics", True, 102.0))
+    text = generate_latest(registry).decode()
+    assert 'gpu_quota_host_kernel_cap_bytes{device="GPU-a",kernel_id="ka",user="alice"} 2.147483648e+10' in text
+    assert 'gpu_quota_host_user_unmanaged_bytes{user="<bob>"}' in text
+    book.release("alice", "ka", False)
+    assert 'kernel_id="ka"' not in generate_latest(registry).decode()
