@@ -37,12 +37,15 @@ from gpu_quota_ext.checkpoint import CheckpointUnavailable, CudaCheckpointDriver
 
 GiB = 1 << 30
 TOKEN = "park-bench"
+# The checksum 16 Mi elements at a time: a whole-tensor int64 sum makes torch allocate 8x the uint8 tensor
+# (20 GiB -> an OOM asking 160 GiB; 2 GiB -> 16 GiB kept reserved), so the kernel would not hold what it says.
+CHECKSUM = "sum(int(part.sum(dtype=torch.int64)) for part in x.split(1 << 24))"
 HOLD = (
     "import torch\n"
     "x = torch.empty({n}, dtype=torch.uint8, device='cuda'); x.random_(0, 251); torch.cuda.synchronize()\n"
-    "print(int(x.sum(dtype=torch.int64)))\n"
+    f"print({CHECKSUM})\n"
 )
-CHECK = "print(int(x.sum(dtype=torch.int64)))"
+CHECK = f"print({CHECKSUM})"
 
 
 def free_port() -> int:
