@@ -14,7 +14,12 @@ import re
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from jupyterhub.services.auth import HubOAuthenticated
+try:
+    from jupyterhub.services.auth import HubOAuthenticated
+except ImportError:  # only the service imports this module, in the hub's environment, which has JupyterHub
+    raise SystemExit(
+        "gpu-quota-ext: the host quota service needs JupyterHub in its environment: pip install 'gpu-quota-ext[hub]'"
+    ) from None
 from prometheus_client.exposition import generate_latest
 from tornado import web
 from tornado.httputil import responses
