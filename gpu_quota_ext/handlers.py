@@ -18,9 +18,10 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.httputil import responses
 
+from .cap_request import read_cap_request
 from .ledger import UnknownKernel
 from .provisioner import SETTINGS_KEY
-from .shared.sizes import PolicyError, parse_cap, shown
+from .shared.sizes import PolicyError, shown
 from .shared.contract import KERNEL_TOKEN_HEADER, KERNELS_PATH, MAX_BODY, STATUS_PATH, USAGE_FIELDS, USAGE_SUFFIX
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -214,25 +215,12 @@ def parse_usage_report(body: Any, granted: Any) -> list:
 
 def parse_cap_request(body: Any):
     """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
-    if not isinstance(body, dict):
-        raise web.HTTPError(400, 'the body must be a JSON object like {"cap": "0.3"} or {"reset": true}')
-    unknown = sorted(set(body) - {"cap", "device", "reset"})
-    if unknown:
-        raise web.HTTPError(400, f"unknown fields {shown(unknown)}; known: cap, device, reset")
-    if body.get("reset") is True and set(body) == {"reset"}:
-        return "reset"
-    if "reset" in body:
-        raise web.HTTPError(400, '"reset" must be true and alone')
-    if "cap" not in body:
-        raise web.HTTPError(400, 'missing "cap"')
     try:
-        cap = parse_cap(body["cap"])
+        return read_cap_request(
+            body, lambda d: not isinstance(d, bool) and isinstance(d, int) and d >= 0, "a device index (a whole number from 0)"
+        )
     except PolicyError as error:
-        raise web.HTTPError(400, f"cap: {error}") from None
-    device = body.get("device")
-    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
-        raise web.HTTPError(400, '"device" must be a device index (a whole number from 0)')
-    return cap, device
+        raise web.HTTPError(400, str(error)) from None
 
 
 # Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's.

@@ -13,7 +13,7 @@ memory at once: a remote ledger keeps a copy of this server's grants as the serv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from .devices import Device
 from .policy import CapSpec, PolicyDecision
@@ -64,6 +64,22 @@ class ChangeOutcome:
     status: str
     grant: Grant
     message: str
+
+
+class HeldGrants:
+    """The reads every ledger answers from memory at once: `_grants` (kernel id -> Grant) under `_lock`,
+    which the implementation sets up and writes."""
+
+    _grants: Dict[str, Grant]
+    _lock: Any
+
+    def get(self, kernel_id: str) -> Optional[Grant]:
+        with self._lock:
+            return self._grants.get(kernel_id)
+
+    def grants(self) -> List[Grant]:
+        with self._lock:
+            return list(self._grants.values())
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device
-from .ledger import AdmissionRefused, ChangeOutcome, Grant, UnknownKernel
+from .ledger import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
 from .policy import CapSpec, Policy, PolicyDecision, PolicyError, format_bytes, shown
 
 
@@ -56,7 +56,7 @@ def choose_devices(
     return sorted(b.device.index for b in fitting[:count])
 
 
-class LocalLedger:
+class LocalLedger(HeldGrants):
     """In-memory ledger for one server (or for the host, held by the quota service)."""
 
     def __init__(self, devices: Sequence[Device], policy: Policy):
@@ -151,14 +151,6 @@ class LocalLedger:
             for book in self._books.values():
                 book.granted.pop(kernel_id, None)
             return gone
-
-    def get(self, kernel_id: str) -> Optional[Grant]:
-        with self._lock:
-            return self._grants.get(kernel_id)
-
-    def grants(self) -> List[Grant]:
-        with self._lock:
-            return list(self._grants.values())
 
     def usage(self) -> List[dict]:
         """Per device: total, budget and granted bytes (what the status API shows)."""

@@ -35,7 +35,7 @@ import psutil
 
 from .devices import Device
 from .host_service.contract import CALL_TIMEOUT, GRANTS_PATH, LEASE_PATH, LEASE_RENEW, START_RETRIES, STATUS_PATH
-from .ledger import AdmissionRefused, ChangeOutcome, Grant, UnknownKernel
+from .ledger import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
 from .policy import CapSpec, PolicyDecision, PolicyError, shown
 from .shared.env_vars import KERNEL_ID
 
@@ -75,7 +75,7 @@ def _ssl_context(environ: Mapping[str, str]) -> Optional[ssl.SSLContext]:
     return context
 
 
-class RemoteLedger:
+class RemoteLedger(HeldGrants):
     """The `Ledger` of a user server on a hub host: the quota service decides, this keeps its answers."""
 
     def __init__(
@@ -187,14 +187,6 @@ class RemoteLedger:
                 log.warning("gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
                             answer.code, kernel_id, answer.message)
         return gone
-
-    def get(self, kernel_id: str) -> Optional[Grant]:
-        with self._lock:
-            return self._grants.get(kernel_id)
-
-    def grants(self) -> List[Grant]:
-        with self._lock:
-            return list(self._grants.values())
 
     def usage(self) -> List[dict]:
         """Per device: the host's budget and what every user holds of it, as the service said at the last

@@ -14,13 +14,19 @@ import re
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from jupyterhub.services.auth import HubOAuthenticated
+try:
+    from jupyterhub.services.auth import HubOAuthenticated
+except ImportError:  # only the service imports this module, in the hub's environment, which has JupyterHub
+    raise SystemExit(
+        "gpu-quota-ext: the host quota service needs JupyterHub in its environment: pip install 'gpu-quota-ext[hub]'"
+    ) from None
 from prometheus_client.exposition import generate_latest
 from tornado import web
 from tornado.httputil import responses
 
+from ..cap_request import read_cap_request
 from ..ledger import AdmissionRefused, UnknownKernel
-from ..policy import PolicyError, parse_cap, shown
+from ..policy import PolicyError, shown
 from .book import Forbidden
 from .contract import ADMIN_SCOPE
 from .page import render_page
@@ -132,25 +138,10 @@ def parse_grant_request(body: Any) -> Tuple[str, str, str, Optional[list]]:
 
 def parse_change_request(body: Any):
     """"reset" or (CapSpec, device uuid or None)."""
-    if not isinstance(body, dict):
-        raise web.HTTPError(400, 'the body must be a JSON object like {"cap": "0.3"} or {"reset": true}')
-    unknown = sorted(set(body) - {"cap", "device", "reset"})
-    if unknown:
-        raise web.HTTPError(400, f"unknown fields {shown(unknown)}; known: cap, device, reset")
-    if "reset" in body:
-        if body.get("reset") is True and set(body) == {"reset"}:
-            return "reset"
-        raise web.HTTPError(400, '"reset" must be true and alone')
-    if "cap" not in body:
-        raise web.HTTPError(400, 'missing "cap"')
     try:
-        cap = parse_cap(body["cap"])
+        return read_cap_request(body, lambda d: isinstance(d, str) and len(d) <= MAX_NAME, "a device uuid or null")
     except PolicyError as error:
-        raise web.HTTPError(400, f"cap: {error}") from None
-    device = body.get("device")
-    if device is not None and (not isinstance(device, str) or len(device) > MAX_NAME):
-        raise web.HTTPError(400, '"device" must be a device uuid or null')
-    return cap, device
+        raise web.HTTPError(400, str(error)) from None
 
 
 def parse_lease_request(body: Any) -> Tuple[str, Dict[str, Tuple[int, ...]]]:

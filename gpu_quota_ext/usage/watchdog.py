@@ -181,6 +181,11 @@ class Watchdog:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def acted(self) -> None:
+        """Wait until every action under way has been carried out (the server's stop, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def _act(self, record: WatchdogAction) -> None:
         try:
             await self.kernels.act(record.kernel_id, record.action)

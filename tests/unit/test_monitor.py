@@ -112,8 +112,7 @@ def test_over_the_limit_is_acted_on_and_recorded(fake_nvml):
         device = ledger.get("k1").devices[0]
         fake_nvml.set_usage(os.getpid(), f"static-{device}", 6 * GiB)  # cap 4 GiB + 1 GiB slack
         await manager.monitor.tick()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        await manager.watchdog.acted()
         return manager, source
 
     manager, source = run(scenario())
@@ -225,9 +224,9 @@ def manager_with_table(enforce, table, kernels=("k1", "k2")):
     return manager, ledger, source
 
 
-async def settle():
-    for _ in range(3):
-        await asyncio.sleep(0)
+async def settle(manager):
+    """Every action the last sample started has been carried out."""
+    await manager.watchdog.acted()
 
 
 @pytest.mark.parametrize("enforce", ["interrupt", "restart", "kill"])
@@ -238,7 +237,7 @@ def test_usage_found_by_environment_only_gets_a_warning(fake_nvml, enforce):
         fake_nvml.set_usage(900, f"static-{device}", 6 * GiB)  # over k2's 4 GiB + 1 GiB slack
         for _ in range(3):
             await manager.monitor.tick()
-            await settle()
+            await settle(manager)
         return manager, source, device
 
     manager, source, device = run(scenario())
@@ -255,7 +254,7 @@ def test_the_kernels_own_tree_over_its_cap_still_gets_the_strong_action(fake_nvm
         fake_nvml.set_usage(os.getpid(), f"static-{device}", 5 * GiB + 1)  # its own process: over by itself
         fake_nvml.set_usage(900, f"static-{device}", GiB)
         await manager.monitor.tick()
-        await settle()
+        await settle(manager)
         return manager, source, device
 
     manager, source, device = run(scenario())

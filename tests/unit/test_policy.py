@@ -87,9 +87,15 @@ def test_any_string_is_a_cap_or_a_clear_error(text):
 @given(st.one_of(st.integers(), st.floats(allow_nan=True), st.booleans(), st.none(), st.lists(st.integers(), max_size=2)))
 def test_any_value_is_a_cap_or_a_clear_error(value):
     try:
-        parse_cap(value)
+        spec = parse_cap(value)
     except PolicyError as error:
-        assert str(error)
+        assert str(error)  # a message, never empty
+        return
+    # Accepted: a number of bytes (1 MiB or more) or a fraction in (0, 1], exactly one of them.
+    assert isinstance(value, (int, float)) and not isinstance(value, bool)
+    assert (spec.fraction is None) != (spec.nbytes is None)
+    assert spec.nbytes is None or spec.nbytes >= MiB
+    assert spec.fraction is None or 0 < spec.fraction <= 1
 
 
 def test_format_bytes():
