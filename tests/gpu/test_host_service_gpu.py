@@ -1,10 +1,10 @@
 """Issue 14 on a real GPU: the host quota service's one budget and its host watchdog with real NVML.
 
-No JupyterHub here (the device machine has no node for configurable-http-proxy, and nothing can be
-fetched): the service is built from its own settings exactly as `jupyter gpu-quota service` builds it
-(GpuQuotaService.build: the NVML inventory, the host book over SQLite, the host sampler on the real
-driver), and the hub's part, telling the service who a token belongs to, is played by calling the book
-with the user names. Two ordinary Unix users each run a CUDA process registered as their kernel (the
+No JupyterHub here (the device machine has neither JupyterHub nor node for configurable-http-proxy,
+and nothing can be fetched): the service's parts are put together as GpuQuotaService.build() does (the
+NVML inventory, the host book over SQLite, the host sampler on the real driver) without its web app,
+and the hub's part, telling the service who a token belongs to, is played by calling the book with the
+user names. Two ordinary Unix users each run a CUDA process registered as their kernel (the
 lease a user server sends); a third process, of one of them, holds GPU memory outside every grant.
 The service must count each kernel's usage to its user and kernel, and the stray process as that
 user's unmanaged usage; with unmanaged_action = "kill" it kills the stray process and nothing else.
@@ -77,18 +77,40 @@ def cuda_pid(launcher: subprocess.Popen) -> int:
     return launcher.pid
 
 
-def service(tmp_path, action: str):
-    from gpu_quota_ext.host_service.app import GpuQuotaService
+class HostService:
+    """The service's parts as GpuQuotaService.build() puts them together (its web app and HubAuth aside:
+    JupyterHub is not on the device machine), over the real NVML inventory and driver."""
 
-    app = GpuQuotaService()
-    app.state_dir = str(tmp_path / f"state-{action}")
-    app.default = {"default_cap": "0.2", "max_cap": "0.3"}
-    app.overcommit = 1.0
-    app.poll_interval = 0.5
-    app.unmanaged_action = action
-    app.unmanaged_grace = 0.0
-    app.build()
-    return app
+    def __init__(self, state_dir: str, action: str):
+        from gpu_quota_ext.devices import NvmlInventory
+        from gpu_quota_ext.host_service.book import HostBook
+        from gpu_quota_ext.host_service.sampler import HostSampler
+        from gpu_quota_ext.host_service.store import Store
+        from gpu_quota_ext.hub import hub_caps
+        from gpu_quota_ext.nvml import PynvmlBackend
+        from gpu_quota_ext.policy import build_policy
+
+        self.host_policy = build_policy("0.2", "0.3", (), 1.0, "spread", "cpu-only", "clamp")
+        self.caps = hub_caps(default={"default_cap": "0.2", "max_cap": "0.3"})
+        self.devices = NvmlInventory().list_devices()
+        self.book = HostBook(self.devices, self.host_policy, Store(state_dir, self.devices), 60.0, 30.0)
+        uuid_of = {d.index: d.uuid for d in self.devices}
+
+        def granted():
+            return {o.grant.kernel_id: (o.grant.user, tuple(uuid_of[i] for i in o.grant.devices)) for o in self.book.owned()}
+
+        self.sampler = HostSampler(
+            PynvmlBackend(), [d.uuid for d in self.devices], self.book.kernel_pids, granted, 0.5, 10.0, action, 0.0, "{username}"
+        )
+
+    def status_now(self) -> dict:
+        from gpu_quota_ext.host_service.status import build_status
+
+        return build_status(self.book, self.sampler.last, self.sampler.state(), list(self.sampler.actions), {}, "admin", True, time.time())
+
+
+def service(tmp_path, action: str) -> HostService:
+    return HostService(str(tmp_path / f"state-{action}"), action)
 
 
 def wait_samples(app, count: int, deadline: float = 60.0) -> None:
@@ -136,7 +158,7 @@ def test_two_users_under_one_budget_and_a_stray_process_shown_as_unmanaged(tmp_p
             app.book.lease(user, "", {f"kernel-{user}": (cuda_pid(launcher),)}, time.time())
         app.sampler.start()
         wait_samples(app, 3)
-        status = app.status_now("admin", True)
+        status = app.status_now()
         by_kernel = {k["kernel_id"]: k for k in status["kernels"]}
         for user in (alice, bob):
             used = sum(d["used"] or 0 for d in by_kernel[f"kernel-{user}"]["devices"])
