@@ -126,7 +126,7 @@ def run_cell(connection_file: Path, code: str, timeout=600) -> str:
 
     client = BlockingKernelClient(connection_file=str(connection_file))
     client.load_connection_file()
-    client.start_channels()
+    client.start_channels(hb=False)  # a busy GPU host can miss a beat: only the timeout decides
     try:
         client.wait_for_ready(timeout=timeout)
         out = []

@@ -169,7 +169,10 @@ class GpuQuotaManager:
             kernels=kernels,
         )
         # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
-        self.parker = Parker(park_settings, checkpoint or CudaCheckpointDriver(), kernels, self.ledger, self.hard_cap)
+        self.parker = Parker(
+            park_settings, checkpoint or CudaCheckpointDriver(), kernels, self.ledger, self.hard_cap,
+            sample_soon=self.monitor.sample_soon,
+        )
         self.monitor.on_sample(self.parker.on_sample)
         self.status.add_kernel_field("park", self.parker.kernel_json)
         self.monitor.on_sample(self._review)

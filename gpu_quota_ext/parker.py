@@ -219,8 +219,10 @@ class Parker:
         hard_cap: Any = None,
         host: Callable[[], Tuple[Optional[int], Optional[int]]] = host_room,
         own_uid: Optional[int] = None,
+        sample_soon: Callable[[], None] = lambda: None,
     ):
         self.settings = settings
+        self.sample_soon = sample_soon  # the monitor's: a park asks for a fresh sample rather than wait a poll
         self.driver = driver
         self.kernels = kernels  # usage.kernel_manager.KernelManagerView
         self.ledger = ledger
@@ -555,6 +557,7 @@ class Parker:
             return
         if self._sampled is None or self._sampled.is_set():
             self._sampled = asyncio.Event()
+        self.sample_soon()
         try:
             await asyncio.wait_for(asyncio.shield(self._sampled.wait()), wait)
         except asyncio.TimeoutError:

@@ -152,6 +152,7 @@ class Monitor:
         self.holders = holders
         self.latest = Sample(state="no-gpu", message=no_gpu_reason) if not self.devices else Sample(state="starting")
         self.ticks = 0  # samples taken (tests wait on it)
+        self._wake: Optional[asyncio.Event] = None  # set: the next round starts now (made on the loop, at start)
         self.stall_after = stall_after(poll_interval)
         self._subscribers: List[Callable[[Sample], Any]] = []
         self._opened = False
@@ -207,7 +208,13 @@ class Monitor:
             self._opened = False
 
     async def _run(self) -> None:
-        await every(lambda: self.poll_interval, self.tick, self._round_failed)
+        self._wake = asyncio.Event()
+        await every(lambda: self.poll_interval, self.tick, self._round_failed, self._wake)
+
+    def sample_soon(self) -> None:
+        """Take the next sample now rather than at the next interval (a park needs what a kernel holds now)."""
+        if self._wake is not None:
+            self._wake.set()
 
     def _round_failed(self, error: Exception) -> None:
         self._problem("tick", f"the GPU monitor failed one round: {error!r}")
