@@ -130,6 +130,7 @@ def check_report(argv: List[str]) -> str:
         raise SystemExit(f"gpu-quota-ext: --config={server.config_file}: no such file (a server would ignore it)")
     try:
         policy, enforcement, hard_cap = extension.validated_settings()
+        parking = extension.park_settings()
         inventory = extension.inventory_class(parent=extension)
         devices = inventory.list_devices()
         problem = inventory.problem
@@ -160,6 +161,11 @@ def check_report(argv: List[str]) -> str:
     lines.append("watchdog:")
     for name, shown in enforcement.describe().items():
         lines.append(row(name, f"{shown} s" if name in ("grace", "poll_interval") else shown))
+
+    lines.append("parking:")
+    idle = parking.idle_after
+    lines.append(row("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"))
+    lines.append(row("park_host_margin", format_bytes(parking.host_margin)))
 
     lines.append(f"devices ({type(inventory).__name__}):")
     if devices:

@@ -86,7 +86,10 @@ def test_check_reads_the_servers_config_files_and_environment(tmp_path):
         "c.StaticInventory.devices = [{'name': 'Check GPU', 'total': '40GiB'}]\n"
         "c.GpuQuota.max_cap = '0.5'\n"
     )
-    result = gpu_quota(tmp_path, "check", "--GpuQuota.placement=pack", GPU_QUOTA_DEFAULT_CAP="0.2", GPU_QUOTA_ENFORCE="kill")
+    result = gpu_quota(
+        tmp_path, "check", "--GpuQuota.placement=pack", GPU_QUOTA_DEFAULT_CAP="0.2", GPU_QUOTA_ENFORCE="kill",
+        GPU_QUOTA_PARK_IDLE_AFTER="30min",
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert str(tmp_path / "config" / "jupyter_server_config.py") in out
@@ -95,6 +98,8 @@ def test_check_reads_the_servers_config_files_and_environment(tmp_path):
     assert re.search(r"placement\s+pack\s+\(from config\)", out), out
     assert re.search(r"enforce\s+kill\s+\(from \$GPU_QUOTA_ENFORCE\)", out), out
     assert re.search(r"on_full\s+cpu-only\s+\(default\)", out), out
+    assert re.search(r"park_idle_after\s+1800 s\s+\(from \$GPU_QUOTA_PARK_IDLE_AFTER\)", out), out
+    assert re.search(r"park_host_margin\s+2\.0 GiB\s+\(default\)", out), out
     assert "0: Check GPU, 40.0 GiB" in out and "a kernel's cap 8.0 GiB, up to 20.0 GiB" in out, out
 
 
@@ -115,6 +120,7 @@ def test_check_says_why_it_sees_no_gpu(tmp_path):
         ([STATIC], {"GPU_QUOTA_POLL_INTERVAL": "0"}, "(from the environment variable GPU_QUOTA_POLL_INTERVAL)"),
         ([STATIC], {"GPU_QUOTA_PLACEMENT": "random"}, "c.GpuQuota.placement = 'random' (from the environment variable GPU_QUOTA_PLACEMENT)"),
         ([STATIC, "--GpuQuota.on_full=wait"], {}, "c.GpuQuota.on_full = 'wait': must be one of 'refuse', 'cpu-only'"),
+        ([STATIC], {"GPU_QUOTA_PARK_IDLE_AFTER": "soon"}, "(from the environment variable GPU_QUOTA_PARK_IDLE_AFTER)"),
         (["--GpuQuota.inventory_class=os.path"], {}, "inventory_class"),
     ],
 )
