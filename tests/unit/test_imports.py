@@ -189,3 +189,18 @@ def test_function_level_imports_count_and_type_checking_ones_do_not(tmp_path):
     found = {target for target, _ in imported_names("pkg.sub.mod", source)}
     assert {"pkg.sub.sibling", "pkg.outer", "pkg.outer.helper", "json"} <= found
     assert not any("typed_only" in target for target in found)
+
+
+def test_every_module_opens_with_what_it_is_for():
+    # A docstring, or (startup.py: run in the user's namespace, where a docstring would become __doc__) a
+    # comment: the first thing a reader sees names the module's one concern.
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "gpu_quota_ext"
+    silent = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if not (ast.get_docstring(ast.parse(text)) or text.lstrip().startswith("#")):
+            silent.append(str(path.relative_to(package)))
+    assert silent == []
