@@ -23,20 +23,12 @@ from tornado.httpclient import AsyncHTTPClient
 from gpu_quota_ext.host_service.contract import GRANTS_PATH, LEASE_PATH, METRICS_PATH, STATUS_PATH
 from gpu_quota_ext.policy import GiB
 
-from .hubtools import Hub, missing_setup
+from .hubtools import Hub
 from .quota_service import quota_service_config
 
 LEASE = 4.0  # seconds: short, so that a server that stops renewing loses its grants within the test
 
 
-@pytest.fixture(scope="module")
-def setup_ok():
-    problem = missing_setup()
-    if problem:
-        message = f"THE JUPYTERHUB TEST DID NOT RUN: {problem}. Run `bash tests/hub/setup.sh` first."
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.mark.timeout(200)

@@ -34,7 +34,7 @@ import pytest
 from gpu_quota_ext.host_service.contract import GRANTS_PATH, STATUS_PATH
 from gpu_quota_ext.policy import GiB
 
-from .hubtools import Hub, missing_setup
+from .hubtools import Hub
 from .quota_service import quota_service_config
 
 TOTAL = 80 * GiB
@@ -45,14 +45,6 @@ CAP = 0.4  # two users' kernels fit in the budget, a third does not
 SHOW_CAP = "import os, json; print(json.dumps(json.loads(os.environ['GPU_QUOTA_DEVICES'])))"
 
 
-@pytest.fixture(scope="module")
-def setup_ok():
-    problem = missing_setup()
-    if problem:
-        message = f"THE JUPYTERHUB TEST DID NOT RUN: {problem}. Run `bash tests/hub/setup.sh` first."
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def unix_users_problem() -> str:
