@@ -7,7 +7,9 @@ import datetime
 import json
 import os
 import platform
+import random
 import socket
+import statistics
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -66,3 +68,15 @@ def report(name: str, figures: dict, save: bool = False, out=None) -> dict:
 def save(name: str, figures: dict, out=None) -> dict:
     """Print and write the figures: for a script that checks --save itself."""
     return report(name, figures, save=True, out=out)
+
+
+def ratio_of_medians_ci(a, b, resamples: int = 5000, seed: int = 1):
+    """95% bootstrap interval of median(a) / median(b), resampling paired rounds (a[i] with b[i])."""
+    rng = random.Random(seed)
+    n = len(a)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(statistics.median(a[i] for i in picks) / statistics.median(b[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]

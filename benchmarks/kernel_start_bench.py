@@ -29,7 +29,6 @@ import collections
 import datetime
 import json
 import os
-import random
 import re
 import socket
 import statistics
@@ -45,7 +44,7 @@ from tornado.websocket import websocket_connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, report  # noqa: E402
+from _common import add_save_options, report, ratio_of_medians_ci  # noqa: E402
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
@@ -148,16 +147,6 @@ def nudges_per_kernel(log_path: Path) -> dict:
     return counts
 
 
-def ratio_of_medians_ci(with_ext, without_ext, resamples: int = 5000, seed: int = 1):
-    """95% bootstrap interval of median(with) / median(without), resampling paired rounds."""
-    rng = random.Random(seed)
-    n = len(with_ext)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median(with_ext[i] for i in picks) / statistics.median(without_ext[i] for i in picks))
-    ratios.sort()
-    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def modes(samples, nudges) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, percentile, report  # noqa: E402
+from _common import add_save_options, percentile, report, ratio_of_medians_ci  # noqa: E402
 from gpu_quota_ext.devices import Device  # noqa: E402
 from gpu_quota_ext.policy import GiB, parse_cap  # noqa: E402
 from gpu_quota_ext.remote_ledger import RemoteLedger  # noqa: E402
@@ -59,15 +58,6 @@ c.Spawner.pre_spawn_hook = _local_ledger_for_local
 """
 
 
-def ratio_of_medians_ci(a, b, resamples: int = 5000, seed: int = 1):
-    rng = random.Random(seed)
-    n = len(a)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median(a[i] for i in picks) / statistics.median(b[i] for i in picks))
-    ratios.sort()
-    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 async def kernel_starts(hub: Hub, tokens, rounds: int):
