@@ -41,7 +41,9 @@ def percentile(values, fraction: float) -> float:
 
 def add_save_options(parser) -> None:
     """--save and --out: a run prints its figures; it writes them only when asked."""
-    parser.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/results/NAME-DATE-HOST.json")
+    parser.add_argument(
+        "--save", action="store_true", help="also write the JSON to benchmarks/results/NAME-DATE-HOST.json"
+    )
     parser.add_argument("--out", help="also write the JSON to this file")
 
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, percentile, report  # noqa: E402
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, STATUS_PATH  # noqa: E402
+
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH  # noqa: E402
 from tests.hub.hubtools import Hub, missing_setup  # noqa: E402
 from tests.hub.quota_service import quota_service_config  # noqa: E402
 
@@ -57,7 +58,12 @@ class Client:
 
 def summary(seconds) -> dict:
     ms = [s * 1000 for s in seconds]
-    return {"n": len(ms), "p50_ms": round(percentile(ms, 0.5), 2), "p95_ms": round(percentile(ms, 0.95), 2), "max_ms": round(max(ms), 2)}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 0.5), 2),
+        "p95_ms": round(percentile(ms, 0.95), 2),
+        "max_ms": round(max(ms), 2),
+    }
 
 
 def run(grants: int, statuses: int) -> dict:
@@ -112,7 +118,8 @@ def run(grants: int, statuses: int) -> dict:
         "grant_post": summary(post),
         "grant_delete": summary(delete),
         "status_20_users_x_10_kernels": {**summary(times), "bytes": size},
-        "setup": "real JupyterHub + configurable-http-proxy; service called directly at its URL; static 2 x 80 GiB, fake NVML at 1 Hz",
+        "setup": "real JupyterHub + configurable-http-proxy; service called directly at its URL; static 2 x 80 GiB, "
+            "fake NVML at 1 Hz",
     }
 
 

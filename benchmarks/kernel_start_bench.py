@@ -44,7 +44,8 @@ from tornado.websocket import websocket_connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, report, ratio_of_medians_ci  # noqa: E402
+from _common import add_save_options, ratio_of_medians_ci, report  # noqa: E402
+
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
@@ -94,10 +95,25 @@ async def wait_ready(base: str, timeout: float = 60) -> None:
 def execute_request(code: str) -> dict:
     msg_id = uuid.uuid4().hex
     return {
-        "header": {"msg_id": msg_id, "username": "bench", "session": uuid.uuid4().hex, "msg_type": "execute_request",
-                   "version": "5.3", "date": datetime.datetime.now(datetime.timezone.utc).isoformat()},
-        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False},
+        "header": {
+            "msg_id": msg_id,
+            "username": "bench",
+            "session": uuid.uuid4().hex,
+            "msg_type": "execute_request",
+            "version": "5.3",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        },
+        "parent_header": {},
+        "metadata": {},
+        "channel": "shell",
+        "buffers": [],
+        "content": {
+            "code": code,
+            "silent": False,
+            "store_history": False,
+            "user_expressions": {},
+            "allow_stdin": False,
+        },
     }
 
 
@@ -131,7 +147,10 @@ async def time_kernel_start(base: str):
         if isinstance(message, bytes):
             continue
         data = json.loads(message)
-        if data.get("msg_type") == "execute_reply" and data["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+        if (
+            data.get("msg_type") == "execute_reply"
+            and data["parent_header"].get("msg_id") == request["header"]["msg_id"]
+        ):
             break
     elapsed = time.perf_counter() - started
     ws.close()
@@ -147,23 +166,27 @@ def nudges_per_kernel(log_path: Path) -> dict:
     return counts
 
 
-
-
 def modes(samples, nudges) -> dict:
     """Per number of nudges: how many starts, and their median time (ms)."""
     groups = collections.defaultdict(list)
     for seconds, count in zip(samples, nudges):
         groups[count].append(seconds)
     return {
-        str(count): {"starts": len(times), "median_ms": round(1000 * statistics.median(times), 1),
-                     "min_ms": round(1000 * min(times), 1), "max_ms": round(1000 * max(times), 1)}
+        str(count): {
+            "starts": len(times),
+            "median_ms": round(1000 * statistics.median(times), 1),
+            "min_ms": round(1000 * min(times), 1),
+            "max_ms": round(1000 * max(times), 1),
+        }
         for count, times in sorted(groups.items())
     }
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=200, help="paired rounds (default 200: see the interval it gives)")
+    parser.add_argument(
+        "--rounds", type=int, default=200, help="paired rounds (default 200: see the interval it gives)"
+    )
     parser.add_argument("--nvml", action="store_true", help="use the machine's GPUs through NVML")
     add_save_options(parser)
     options = parser.parse_args()
@@ -221,7 +244,10 @@ async def main() -> None:
     print(f"  ratio of medians         {ratio:.3f}  (95% bootstrap interval {low:.3f} to {high:.3f}; goal <= 1.05)")
     for key in ("with", "without"):
         for count, mode in figures[f"modes_by_nudges_{key}"].items():
-            print(f"  {key:>7} extension, {count} nudge(s): {mode['starts']:3d} starts, median {mode['median_ms']:7.1f} ms")
+            print(
+                f"  {key:>7} extension, {count} nudge(s): {mode['starts']:3d} starts, median {mode['median_ms']:7.1f} "
+                "ms"
+            )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, percentile, report  # noqa: E402
 
-from gpu_quota_ext.devices import Device, read_nvml_devices  # noqa: E402
-from gpu_quota_ext.local_ledger import LocalLedger  # noqa: E402
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.devices.fake_nvml import FakeNvml  # noqa: E402
+from gpu_quota_ext.devices.inventory import read_nvml_devices
+from gpu_quota_ext.devices.nvml import PynvmlBackend  # noqa: E402
+from gpu_quota_ext.ledger.local import LocalLedger  # noqa: E402
 from gpu_quota_ext.manager import GpuQuotaManager  # noqa: E402
-from gpu_quota_ext.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
-from gpu_quota_ext.fake_nvml import FakeNvml  # noqa: E402
-from gpu_quota_ext.policy import watchdog_settings  # noqa: E402
+from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings  # noqa: E402
 
 
 class Kernels:
@@ -119,7 +120,13 @@ def main() -> None:
             if not args.real:
                 FakeNvml.set_usage(child, devices[grant.devices[0]].uuid, GiB)
         manager = GpuQuotaManager(
-            policy, devices, ledger, Kernels(roots), backend, watchdog_settings("warn", "1GiB", 0, args.interval), user="bench"
+            policy,
+            devices,
+            ledger,
+            Kernels(roots),
+            backend,
+            build_watchdog_settings("warn", "1GiB", 0, args.interval),
+            user="bench",
         )
         monitor = manager.monitor
         wall, cpu, ticks, timings = asyncio.run(measure(manager, args.seconds, warmup=3))

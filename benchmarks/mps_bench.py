@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import save
+from kernel_start_bench import execute_request, free_port, wait_ready
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
-from _common import save
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
-from kernel_start_bench import execute_request, free_port, wait_ready
 
 FAKE_CONTROL = Path(__file__).parents[1] / "tests" / "fake_mps" / "nvidia-cuda-mps-control"
 FIRST_CUDA = (
@@ -148,8 +148,16 @@ async def main() -> None:
                 process.terminate()
                 process.wait(timeout=60)
 
-    rows = [("kernel start to first reply", "start_s")] + ([("first CUDA use (context)", "first_cuda_s")] if cuda else [])
-    figures = {"rounds": options.rounds, "device": device, "fake_control": options.fake, "with_mps": with_mps, "without_mps": without}
+    rows = [("kernel start to first reply", "start_s")]
+    if cuda:
+        rows.append(("first CUDA use (context)", "first_cuda_s"))
+    figures = {
+        "rounds": options.rounds,
+        "device": device,
+        "fake_control": options.fake,
+        "with_mps": with_mps,
+        "without_mps": without,
+    }
     print(f"hard limit through MPS vs off, {options.rounds} paired rounds, {device}:")
     print(f"  {'':30s} {'with MPS':>10s} {'off':>10s} {'ratio':>7s}")
     for label, key in rows:

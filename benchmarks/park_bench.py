@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, add_save_options, report  # noqa: E402
-from gpu_quota_ext.checkpoint import CheckpointUnavailable, CudaCheckpointDriver  # noqa: E402
+
+from gpu_quota_ext.parking.checkpoint import CheckpointUnavailable, CudaCheckpointDriver  # noqa: E402
 
 GiB = 1 << 30
 TOKEN = "park-bench"
@@ -78,7 +79,7 @@ class BenchServer:
                 return
             except Exception:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start; see " + str(workdir / "server.log"))
+                    raise SystemExit("the server did not start; see " + str(workdir / "server.log")) from None
                 time.sleep(0.2)
 
     def api(self, path, method="GET", body=None):
@@ -205,7 +206,12 @@ def first_cell(server: BenchServer, kernel_id: str, connection: Path, pid: int, 
     after_park = time.perf_counter() - began
     assert out == checksum, f"checksum changed: {out} != {checksum}"
     server.wait(kernel_id, ("idle", "busy"))
-    return {"first_cell_unparked_s": unparked, "first_cell_after_park_s": after_park, "bytes_returned": before - during, "nvml_while_parked": during}
+    return {
+        "first_cell_unparked_s": unparked,
+        "first_cell_after_park_s": after_park,
+        "bytes_returned": before - during,
+        "nvml_while_parked": during,
+    }
 
 
 def median(rows, key):

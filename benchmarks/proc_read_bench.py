@@ -20,10 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-
 from _common import add_save_options, report  # noqa: E402
 
-from gpu_quota_ext.usage.attribution import parse_environ_kernel_id, parse_ppid, parse_uids  # noqa: E402
+from gpu_quota_ext.usage.attribution import (  # noqa: E402
+    parse_environ_kernel_id,
+    parse_ppid,
+    parse_uids,
+)
 
 
 def _read(pid: int, name: str, binary: bool = False):
@@ -106,7 +109,11 @@ def main() -> None:
     for fact, (by_hand, by_psutil) in FACTS.items():
         hand = median_us_per_process(by_hand, pids, args.rounds)
         lib = median_us_per_process(by_psutil, pids, args.rounds)
-        figures["us_per_process"][fact] = {"proc": round(hand, 2), "psutil": round(lib, 2), "ratio": round(lib / hand, 2)}
+        figures["us_per_process"][fact] = {
+            "proc": round(hand, 2),
+            "psutil": round(lib, 2),
+            "ratio": round(lib / hand, 2),
+        }
     report("proc_read", figures, save=args.save, out=args.out)
 
 

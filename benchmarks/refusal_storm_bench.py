@@ -53,8 +53,8 @@ def serve(port: int, token: str) -> None:
     from tornado import web
     from traitlets.config import Config
 
-    from gpu_quota_ext.jupyter_private import pending_kernels
     from gpu_quota_ext.provisioner import SETTINGS_KEY
+    from gpu_quota_ext.usage.kernels import pending_kernels
 
     class Leftovers(APIHandler):
         @web.authenticated
@@ -76,7 +76,12 @@ def serve(port: int, token: str) -> None:
 
     config = Config(
         {
-            "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}, "port": port, "ip": "127.0.0.1", "open_browser": False},
+            "ServerApp": {
+                "jpserver_extensions": {"gpu_quota_ext": True},
+                "port": port,
+                "ip": "127.0.0.1",
+                "open_browser": False,
+            },
             "IdentityProvider": {"token": token},
             "GpuQuota": {
                 "inventory_class": "gpu_quota_ext.devices.StaticInventory",
@@ -144,7 +149,6 @@ class Server:
         return held
 
 
-
 async def run_one_cell(port: int, token: str, kernel_id: str) -> None:
     """Run one cell in the kernel that fills the budget: once it answers, its start (imports, bootstrap)
     no longer weighs on the latencies measured before the storm."""
@@ -160,7 +164,10 @@ async def run_one_cell(port: int, token: str, kernel_id: str) -> None:
             raise RuntimeError("the kernel's websocket closed")
         if isinstance(message, str):
             data = json.loads(message)
-            if data.get("msg_type") == "execute_reply" and data["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            if (
+                data.get("msg_type") == "execute_reply"
+                and data["parent_header"].get("msg_id") == request["header"]["msg_id"]
+            ):
                 break
     ws.close()
 
@@ -178,8 +185,13 @@ async def storm(port: int, token: str, count: int, concurrency: int, deadline: f
     async def one() -> None:
         try:
             response = await client.fetch(
-                HTTPRequest(url, method="POST", body=json.dumps({"name": "python3"}),
-                            headers={"Authorization": f"token {token}"}, request_timeout=60)
+                HTTPRequest(
+                    url,
+                    method="POST",
+                    body=json.dumps({"name": "python3"}),
+                    headers={"Authorization": f"token {token}"},
+                    request_timeout=60,
+                )
             )
             code = response.code
         except HTTPClientError as error:
@@ -205,7 +217,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=10_000, help="refused starts to send (default 10000)")
     parser.add_argument("--concurrency", type=int, default=32, help="starts in flight at once (default 32)")
-    parser.add_argument("--requests", type=int, default=500, help="GET /api/status timed before and after (default 500)")
+    parser.add_argument(
+        "--requests", type=int, default=500, help="GET /api/status timed before and after (default 500)"
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="stop the storm after this many seconds")
     parser.add_argument("--save", action="store_true", help="save the JSON under benchmarks/results/")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
@@ -223,7 +237,10 @@ def main() -> None:
         with open(log_path, "w") as log:
             server_process = subprocess.Popen(
                 [sys.executable, __file__, "--serve", str(port), "--token", token],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp,
             )
         try:
             server = Server(port, token, runtime)
@@ -245,14 +262,19 @@ def main() -> None:
 
             before_latencies = server.status_latencies(args.requests)
             before = server.holds(process)
-            print(f"before: /api/status p95 {1000 * percentile(before_latencies, 0.95):.2f} ms; holds {before}", flush=True)
+            print(
+                f"before: /api/status p95 {1000 * percentile(before_latencies, 0.95):.2f} ms; holds {before}",
+                flush=True,
+            )
 
             result = asyncio.run(storm(port, token, args.count, args.concurrency, time.monotonic() + args.timeout))
             print(f"storm: {result['sent']} starts in {result['seconds']:.1f} s, answers {result['codes']}", flush=True)
 
             after_latencies = server.status_latencies(args.requests)
             after = server.holds(process, settle_below=before)
-            print(f"after:  /api/status p95 {1000 * percentile(after_latencies, 0.95):.2f} ms; holds {after}", flush=True)
+            print(
+                f"after:  /api/status p95 {1000 * percentile(after_latencies, 0.95):.2f} ms; holds {after}", flush=True
+            )
             server.request("DELETE", f"/api/kernels/{holder}")
         finally:
             server_process.terminate()

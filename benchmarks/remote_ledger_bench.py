@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, percentile, report, ratio_of_medians_ci  # noqa: E402
+from _common import add_save_options, percentile, ratio_of_medians_ci, report  # noqa: E402
+
 from gpu_quota_ext.devices import Device  # noqa: E402
+from gpu_quota_ext.ledger.remote import RemoteLedger  # noqa: E402
 from gpu_quota_ext.policy import GiB, parse_cap  # noqa: E402
-from gpu_quota_ext.remote_ledger import RemoteLedger  # noqa: E402
 from tests.hub.hubtools import Hub, missing_setup  # noqa: E402
 from tests.hub.quota_service import quota_service_config  # noqa: E402
 
@@ -46,7 +47,7 @@ c.GpuQuota.default_cap = "0.01"
 """
 HUB_CONFIG = """
 c.Spawner.args = ["--allow-root", "--config={single_user_config}"]
-from gpu_quota_ext.host_service.configure import configure_host_service
+from gpu_quota_ext.hub.service.configure import configure_host_service
 configure_host_service(c, default={{"default_cap": "0.01"}}, port={port}, args=["--config={service_config}"], admin_roles=["hub-test-admin"])
 
 def _local_ledger_for_local(spawner):
@@ -56,8 +57,6 @@ def _local_ledger_for_local(spawner):
 
 c.Spawner.pre_spawn_hook = _local_ledger_for_local
 """
-
-
 
 
 async def kernel_starts(hub: Hub, tokens, rounds: int):
@@ -115,8 +114,14 @@ async def main() -> None:
         single_user_config = folder / "single_user_config.py"
         single_user_config.write_text(SINGLE_USER_CONFIG)
         _, service = quota_service_config(folder, devices=({"name": "Bench GPU", "total": "80GiB", "uuid": UUID},))
-        hub = Hub(folder, textwrap.dedent(HUB_CONFIG.format(
-            single_user_config=single_user_config, port=service.port, service_config=service.config_path)))
+        hub = Hub(
+            folder,
+            textwrap.dedent(
+                HUB_CONFIG.format(
+                    single_user_config=single_user_config, port=service.port, service_config=service.config_path
+                )
+            ),
+        )
         hub.start()
         try:
             await hub.wait_until_up()
@@ -141,10 +146,15 @@ async def main() -> None:
         "kernel_start_ratio_of_medians": round(ratio, 3),
         "kernel_start_ratio_95ci": [round(low, 3), round(high, 3)],
         "round_trip_calls": args.calls,
-        "round_trip_ms": {k: {"p50": ms(percentile(v, 0.5)), "p95": ms(percentile(v, 0.95)), "max": ms(max(v))} for k, v in trips.items()},
+        "round_trip_ms": {
+            k: {"p50": ms(percentile(v, 0.5)), "p95": ms(percentile(v, 0.95)), "max": ms(max(v))}
+            for k, v in trips.items()
+        },
     }
     report("remote_ledger", figures, save=args.save, out=args.out)
-    print(f"  kernel start, service vs local ledger: ratio of medians {ratio:.3f} (95% interval {low:.3f} to {high:.3f})")
+    print(
+        f"  kernel start, service vs local ledger: ratio of medians {ratio:.3f} (95% interval {low:.3f} to {high:.3f})"
+    )
     for key, row in figures["round_trip_ms"].items():
         print(f"  {key:>7} round trip: p50 {row['p50']} ms, p95 {row['p95']} ms")
 

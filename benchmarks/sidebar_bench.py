@@ -34,6 +34,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from _common import add_save_options, report  # noqa: E402
+
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 CONFIG = """
@@ -64,11 +65,17 @@ def start_server(work: Path, kernels: int):
     (work / "workspaces").mkdir()
     config = work / "config.py"
     config.write_text(CONFIG.format(port=port, root=str(work / "root"), workspaces=str(work / "workspaces")))
-    env = dict(os.environ, GQ_BENCH_KERNELS=str(kernels), PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        GQ_BENCH_KERNELS=str(kernels),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    )
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--config", str(config), "--allow-root", "--no-browser"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -102,7 +109,10 @@ def status_request_cost(url: str, n: int = 200) -> dict:
 def run_render(url: str, kernels: int, polls: int) -> dict:
     out = subprocess.run(
         ["node", str(HERE / "sidebar_bench_browser.js"), "render", url, str(kernels), str(polls)],
-        check=False, capture_output=True, text=True, timeout=600,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if out.returncode != 0:
         raise SystemExit(f"the render run failed:\n{out.stdout}\n{out.stderr}")
@@ -117,7 +127,8 @@ def cpu_seconds(proc: psutil.Process) -> float:
 def run_tabs(url: str, server: psutil.Process, tabs: int, seconds: int) -> dict:
     node = subprocess.Popen(
         ["node", str(HERE / "sidebar_bench_browser.js"), "tabs", url, str(tabs), str(seconds)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     marks = {}
     for line in node.stdout:
@@ -180,7 +191,9 @@ def main() -> None:
         "sidebar_bench",
         {
             "command": "python benchmarks/sidebar_bench.py " + " ".join(sys.argv[1:]),
-            "browser": subprocess.run([os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium"), "--version"], capture_output=True, text=True).stdout.strip(),
+            "browser": subprocess.run(
+                [os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium"), "--version"], capture_output=True, text=True
+            ).stdout.strip(),
             "render": render,
             "status_route_with_grants": cost,
             "ten_tabs": tabs,

@@ -9,6 +9,8 @@ import uuid
 
 from tornado.ioloop import IOLoop
 
+from gpu_quota_ext.manager import SETTINGS_KEY
+
 
 def _jupyter_server_extension_points():
     return [{"module": "sidebar_bench_server"}]
@@ -17,11 +19,11 @@ def _jupyter_server_extension_points():
 def _load_jupyter_server_extension(serverapp):
     count = int(os.environ.get("GQ_BENCH_KERNELS", "200"))
 
-    def fill():
-        service = serverapp.web_app.settings["gpu_quota_service"]
+    async def fill():
+        manager = serverapp.web_app.settings[SETTINGS_KEY]
         for i in range(count):
-            service.admit(f"bench-{i:04d}-{uuid.uuid4()}", "python3", ["python", "-m", "ipykernel_launcher"], {})
+            await manager.admit(f"bench-{i:04d}-{uuid.uuid4()}", "python3", ["python", "-m", "ipykernel_launcher"], {})
         serverapp.log.info("sidebar_bench_server: %d grants in the ledger", count)
 
-    # After every extension has loaded (gpu_quota_ext's service must exist).
+    # After every extension has loaded (gpu_quota_ext's manager must exist).
     IOLoop.current().add_callback(fill)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, percentile, report  # noqa: E402
+
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 DEVICES = 8
@@ -54,9 +55,9 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
     from jupyter_server.serverapp import ServerApp
     from traitlets.config import Config
 
+    from gpu_quota_ext.devices.fake_nvml import FakeNvml
     from gpu_quota_ext.policy import GiB
     from gpu_quota_ext.provisioner import SETTINGS_KEY
-    from gpu_quota_ext.fake_nvml import FakeNvml
 
     config = Config(
         {
@@ -64,7 +65,7 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
             "IdentityProvider": {"token": token},
             "GpuQuota": {
                 "inventory_class": "gpu_quota_ext.devices.StaticInventory",
-                "nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml",
+                "nvml_class": "gpu_quota_ext.devices.fake_nvml.FakeNvml",
                 "default_cap": "0.02",
                 "poll_interval": 1.0,
             },
@@ -84,7 +85,9 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
                 pids.write(f"{pid}\n")
             device = service.ledger.get(kernel_id).devices[0]
             FakeNvml.set_usage(pid, f"static-{device}", GiB + number)
-            service.reports.report(kernel_id, [{"index": device, "allocated": number, "reserved": 2 * number, "peak": 3 * number}])
+            service.reports.report(
+                kernel_id, [{"index": device, "allocated": number, "reserved": 2 * number, "peak": 3 * number}]
+            )
 
     app.io_loop.add_callback(start_kernels)
     app.start()  # until SIGTERM; shutting down, the server stops every kernel
@@ -122,7 +125,18 @@ def main() -> None:
         pid_file = work / "kernel-pids"
         env = dict(os.environ, JUPYTER_PATH=str(work / "data"), JUPYTER_RUNTIME_DIR=str(work / "runtime"))
         server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(port), "--token", token, "--kernels", str(args.kernels), "--pids", str(pid_file)],
+            [
+                sys.executable,
+                __file__,
+                "--serve",
+                str(port),
+                "--token",
+                token,
+                "--kernels",
+                str(args.kernels),
+                "--pids",
+                str(pid_file),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -138,7 +152,10 @@ def main() -> None:
                     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
                     code, body = status(connection, headers)
                     state = json.loads(body)
-                    if code == 200 and sum(1 for k in state["kernels"] if k["devices"] and k["devices"][0]["used"]) == args.kernels:
+                    if (
+                        code == 200
+                        and sum(1 for k in state["kernels"] if k["devices"] and k["devices"][0]["used"]) == args.kernels
+                    ):
                         break
                 except (OSError, ValueError, KeyError):
                     pass
@@ -147,7 +164,9 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     sys.exit(f"{args.kernels} kernels were not all in the status after {deadline - began:.0f} s")
                 time.sleep(0.5)
-            print(f"{args.kernels} kernels running and attributed after {time.monotonic() - began:.1f} s", file=sys.stderr)
+            print(
+                f"{args.kernels} kernels running and attributed after {time.monotonic() - began:.1f} s", file=sys.stderr
+            )
 
             latencies, size = [], 0
             for number in range(args.requests + 50):

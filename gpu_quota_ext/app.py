@@ -15,27 +15,53 @@ from typing import Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Callable, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Type, Unicode
+from traitlets import (
+    Callable,
+    CaselessStrEnum,
+    Float,
+    Int,
+    List,
+    TraitError,
+    TraitType,
+    Type,
+    Unicode,
+)
 from traitlets import Union as UnionTrait
 
 from .devices import Device
 from .handlers import HANDLERS
-from .park_handlers import PARK_HANDLERS
-from .parking import ParkSettings, build_park_settings
-from .hard_cap import HardCapLayer, HardCapUnavailable
-from .hard_limit import HardCapSettings, build_hard_cap_settings
-from .ledger import Ledger
-from .local_ledger import LocalLedger
-from .remote_ledger import SERVICE_URL_ENV, RemoteLedger
-from .manager import GpuQuotaManager
-from .policy import Policy, PolicyError, build_policy, watchdog_settings
-from .provisioner import SETTINGS_KEY
-from .settings import (
-    CAP, CHOICE, CLASS, FACTOR, HARD_CAP, PARK, POLICY, RULES, SECONDS, SETTINGS, SIZE, SLACK, TEXT, WATCHDOG,
-    Setting, SettingError, as_text, names_of,
+from .hard_limit import (
+    HardCapLayer,
+    HardCapSettings,
+    HardCapUnavailable,
+    build_hard_cap_settings,
 )
-from .usage.kernel_manager import KernelManagerView
-from .watchdog import WatchdogSettings
+from .ledger import Ledger, LocalLedger, RemoteLedger
+from .manager import SETTINGS_KEY, GpuQuotaManager
+from .parking import ParkSettings, build_park_settings
+from .policy import Policy, PolicyError, build_policy
+from .settings import (
+    CAP,
+    CHOICE,
+    CLASS,
+    FACTOR,
+    HARD_CAP,
+    PARK,
+    POLICY,
+    RULES,
+    SECONDS,
+    SETTINGS,
+    SIZE,
+    SLACK,
+    TEXT,
+    WATCHDOG,
+    Setting,
+    SettingError,
+    as_text,
+    names_of,
+)
+from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
+from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -143,7 +169,8 @@ def setting_trait(name: str) -> TraitType:
     """The trait of one row of the settings table: its type from the row's kind, its default the row's
     (or its environment variable's), its help the row's with the variable named."""
     row = SETTINGS[name]
-    help_text = row.help + (f" Read from ${row.env} when neither config nor the command line sets it." if row.env else "")
+    read_from = f" Read from ${row.env} when neither config nor the command line sets it." if row.env else ""
+    help_text = row.help + read_from
     common = dict(default_value=row.default, help=help_text)
     if row.kind == CHOICE:
         trait = ChoiceEnum(row.choices, **common)
@@ -229,16 +256,20 @@ class GpuQuota(ExtensionApp):
         return {name: getattr(self, name) for name in SETTINGS}
 
     def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardCapSettings]:
-        """The policy, the watchdog's and the hard limit's settings, validated. The server's start and `jupyter gpu-quota
-        check` both come here: a SettingError (a PolicyError) or a TraitError names the first bad setting, and its
-        environment variable when the value came from there."""
+        """The policy, the watchdog's and the hard limit's settings, validated. The server's start and
+        `jupyter gpu-quota check` both come here: a SettingError (a PolicyError) or a TraitError names the
+        first bad setting, and its environment variable when the value came from there."""
         values = self._setting_values()
 
         def part(name: str) -> dict:
             return {setting: values[setting] for setting in names_of(name)}
 
         try:
-            return build_policy(**part(POLICY)), watchdog_settings(**part(WATCHDOG)), build_hard_cap_settings(**part(HARD_CAP))
+            return (
+                build_policy(**part(POLICY)),
+                build_watchdog_settings(**part(WATCHDOG)),
+                build_hard_cap_settings(**part(HARD_CAP)),
+            )
         except SettingError as error:
             raise self._named_with_its_variable(error) from None
 
@@ -293,11 +324,19 @@ class GpuQuota(ExtensionApp):
         KernelProvisionerFactory.instance().default_provisioner_name = PROVISIONER_NAME
         self.log.info(
             "gpu-quota-ext: default_cap %s, max_cap %s, placement %s, on_full %s, overcommit %s, %d GPU(s)",
-            policy.default_cap, policy.max_cap, policy.placement, policy.on_full, policy.overcommit, len(devices),
+            policy.default_cap,
+            policy.max_cap,
+            policy.placement,
+            policy.on_full,
+            policy.overcommit,
+            len(devices),
         )
         self.log.info(
             "gpu-quota-ext: watchdog enforce %s, slack %s, grace %ss, poll every %ss",
-            enforcement.enforce, enforcement.slack, enforcement.grace, enforcement.poll_interval,
+            enforcement.enforce,
+            enforcement.slack,
+            enforcement.grace,
+            enforcement.poll_interval,
         )
 
     async def _start_jupyter_server_extension(self, serverapp):
@@ -309,12 +348,10 @@ class GpuQuota(ExtensionApp):
     async def stop_extension(self):
         manager = self.settings.get(SETTINGS_KEY)
         if manager is not None:
-            await manager.stop()
-            await manager.hard_cap.stop(self.serverapp.kernel_manager)
-            await asyncio.to_thread(manager.ledger.close)  # a RemoteLedger's lease renewals end (joins its thread)
+            await manager.close()
 
     def initialize_handlers(self):
-        self.handlers.extend(HANDLERS + PARK_HANDLERS)
+        self.handlers.extend(HANDLERS)
 
     def _log_through_the_server(self) -> None:
         # The package's module loggers ("gpu_quota_ext", "gpu_quota_ext.*") write through the server's

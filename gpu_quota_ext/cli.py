@@ -170,7 +170,10 @@ def check_report(argv: List[str]) -> str:
     lines.append(f"devices ({type(inventory).__name__}):")
     if devices:
         for device in devices:
-            budget = format_bytes(int(device.total * policy.overcommit)) if policy.overcommit else "no admission control"
+            budget = format_bytes(int(device.total * policy.overcommit)) if policy.overcommit else (
+                "no admission "
+                "control"
+            )
             lines.append(
                 f"  {device.index}: {device.name}, {format_bytes(device.total)} ({device.uuid}): a kernel's cap "
                 f"{format_bytes(policy.default_cap.to_bytes(device.total))}, up to "
@@ -222,9 +225,12 @@ class GpuQuotaCommand(JupyterApp):
     jupyter gpu-quota check --config=gpu_quota_config.py
     """
     subcommands = {
-        "check": (GpuQuotaCheck, "Validate the configuration the server would load; show the policy and the GPUs it sees."),
+        "check": (
+            GpuQuotaCheck,
+            "Validate the configuration the server would load; show the policy and the GPUs it sees.",
+        ),
         "service": (
-            "gpu_quota_ext.host_service.app.GpuQuotaService",
+            "gpu_quota_ext.hub.service.app.GpuQuotaService",
             "Run the host's quota service (a JupyterHub service): one GPU budget for every user of the host.",
         ),
     }

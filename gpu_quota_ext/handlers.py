@@ -1,5 +1,6 @@
-"""REST API under /api/gpu-quota. Every route needs jupyter_server's authentication and authorization,
-except that a kernel may change (and report on) itself with its own secret, sent in a header.
+"""REST API under /api/gpu-quota (the routes of shared.contract, parking's included). Every route needs
+jupyter_server's authentication and authorization, except that a kernel may change (and report on) itself with
+its own secret, sent in a header.
 
 Bodies are small JSON objects: one over MAX_BODY is refused (413) from its Content-Length, before it is
 read, or as soon as it grows past the limit when it comes chunked. A body that does not parse, however
@@ -18,17 +19,28 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.httputil import responses
 
-from .cap_request import read_cap_request
 from .ledger import UnknownKernel
-from .provisioner import SETTINGS_KEY
+from .manager import SETTINGS_KEY
+from .shared.cap_request import read_cap_request
+from .shared.contract import (
+    KERNEL_TOKEN_HEADER,
+    KERNELS_PATH,
+    MAX_BODY,
+    PARK_SUFFIX,
+    RESUME_SUFFIX,
+    STATUS_PATH,
+    USAGE_FIELDS,
+    USAGE_SUFFIX,
+)
 from .shared.sizes import PolicyError, shown
-from .shared.contract import KERNEL_TOKEN_HEADER, KERNELS_PATH, MAX_BODY, STATUS_PATH, USAGE_FIELDS, USAGE_SUFFIX
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
     from jupyter_server.auth.decorator import allow_unauthenticated
 except ImportError:  # pragma: no cover
+
     def allow_unauthenticated(method):
         return method
+
 
 AUTH_RESOURCE = "gpu_quota"
 KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
@@ -72,7 +84,9 @@ class GpuQuotaHandler(APIHandler):
         except (TypeError, ValueError):
             message = error.log_message
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps({"message": message or responses.get(status_code, "Unknown HTTP Error"), "reason": error.reason}))
+        self.finish(
+            json.dumps({"message": message or responses.get(status_code, "Unknown HTTP Error"), "reason": error.reason})
+        )
 
     def kernel_token(self) -> Optional[str]:
         return self.request.headers.get(KERNEL_TOKEN_HEADER)
@@ -122,7 +136,7 @@ class StatusHandler(GpuQuotaHandler):
     @web.authenticated
     async def get(self):
         self.require_user("read")
-        self.finish(json.dumps(self.manager.status.answer(await self.session_paths())))
+        self.finish(json.dumps(self.manager.status_answer(await self.session_paths())))
 
 
 class KernelHandler(GpuQuotaHandler):
@@ -130,10 +144,10 @@ class KernelHandler(GpuQuotaHandler):
     async def get(self, kernel_id: str):
         """The server's user, or the kernel itself with its secret (it checks for caps changed elsewhere)."""
         self.require_user_or_kernel(kernel_id, "read")
-        grant = self.manager.ledger.get(kernel_id)
+        grant = self.manager.grant_of(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
-        self.finish(json.dumps(self.manager.status.kernel(grant, await self.session_paths())))
+        self.finish(json.dumps(self.manager.kernel_status(grant, await self.session_paths())))
 
     @allow_unauthenticated
     async def put(self, kernel_id: str):
@@ -157,7 +171,7 @@ class KernelHandler(GpuQuotaHandler):
         except PolicyError as error:
             raise web.HTTPError(400, str(error)) from None
         self.log.info("gpu-quota-ext: kernel %s cap request: %s (%s)", kernel_id, outcome, message)
-        kernel = manager.status.kernel(grant, await self.session_paths())
+        kernel = manager.kernel_status(grant, await self.session_paths())
         self.finish(json.dumps({"outcome": outcome, "message": message, "kernel": kernel}))
 
 
@@ -169,12 +183,12 @@ class UsageHandler(GpuQuotaHandler):
         Answers with the kernel's last watchdog action, so the kernel can tell its user."""
         self.require_user_or_kernel(kernel_id, "write")
         manager = self.manager
-        grant = manager.ledger.get(kernel_id)
+        grant = manager.grant_of(kernel_id)
         if grant is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
         entries = parse_usage_report(self.read_json_body(), grant.devices)
-        manager.reports.report(kernel_id, entries)
-        self.finish(json.dumps({"accepted": len(entries), "last_action": manager.status.last_action(kernel_id)}))
+        manager.report_usage(kernel_id, entries)
+        self.finish(json.dumps({"accepted": len(entries), "last_action": manager.last_action(kernel_id)}))
 
 
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
@@ -183,7 +197,11 @@ MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 def parse_usage_report(body: Any, granted: Any) -> list:
     """The validated entries of a usage report, or HTTP 400 saying what is wrong."""
     if not isinstance(body, dict) or set(body) != {"devices"}:
-        raise web.HTTPError(400, 'the body must be a JSON object {"devices": [{"index": 0, "allocated": ..., "reserved": ..., "peak": ...}]}')
+        raise web.HTTPError(
+            400,
+            'the body must be a JSON object {"devices": [{"index": 0, "allocated": ..., "reserved": ..., "peak": '
+            '...}]}',
+        )
     devices = body["devices"]
     if not isinstance(devices, list) or len(devices) > 64:
         raise web.HTTPError(400, '"devices" must be a list (at most 64 entries)')
@@ -194,7 +212,9 @@ def parse_usage_report(body: Any, granted: Any) -> list:
             raise web.HTTPError(400, f"{where} must be an object")
         unknown = sorted(set(entry) - {"index", *USAGE_FIELDS})
         if unknown:
-            raise web.HTTPError(400, f"{where}: unknown fields {shown(unknown)}; known: index, {', '.join(USAGE_FIELDS)}")
+            raise web.HTTPError(
+                400, f"{where}: unknown fields {shown(unknown)}; known: index, {', '.join(USAGE_FIELDS)}"
+            )
         index = entry.get("index")
         if isinstance(index, bool) or not isinstance(index, int):
             raise web.HTTPError(400, f'{where}: "index" must be the server\'s device index (a whole number)')
@@ -206,7 +226,9 @@ def parse_usage_report(body: Any, granted: Any) -> list:
         clean = {"index": index}
         for name in USAGE_FIELDS:
             value = entry.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES
+            ):
                 raise web.HTTPError(400, f'{where}: "{name}" must be a number of bytes (a whole number from 0) or null')
             clean[name] = value
         entries.append(clean)
@@ -217,10 +239,52 @@ def parse_cap_request(body: Any):
     """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
     try:
         return read_cap_request(
-            body, lambda d: not isinstance(d, bool) and isinstance(d, int) and d >= 0, "a device index (a whole number from 0)"
+            body,
+            lambda d: not isinstance(d, bool) and isinstance(d, int) and d >= 0,
+            "a device index (a whole number from 0)",
         )
     except PolicyError as error:
         raise web.HTTPError(400, str(error)) from None
+
+
+class _ParkRoute(GpuQuotaHandler):
+    action = "park"
+
+    async def _request(self, kernel_id: str, who: str):
+        raise NotImplementedError
+
+    @allow_unauthenticated
+    async def post(self, kernel_id: str):
+        who = self.require_user_or_kernel(kernel_id, "write")
+        body = self.read_json_body()
+        if body not in (None, {}):
+            raise web.HTTPError(400, f"POST {self.action} takes no fields: send no body or {{}}")
+        try:
+            accepted, park = await self._request(kernel_id, who)
+        except UnknownKernel:
+            raise web.HTTPError(404, f"no kernel {shown(kernel_id)} on this server") from None
+        answer = {"park": park}
+        if not accepted:
+            self.set_status(409)
+            answer["message"] = park["reason"]
+        else:
+            self.set_status(202)
+        self.log.info("gpu-quota-ext: kernel %s %s request (%s): %s", kernel_id, self.action, who, park["state"])
+        self.finish(json.dumps(answer))
+
+
+class ParkHandler(_ParkRoute):
+    action = "park"
+
+    async def _request(self, kernel_id, who):
+        return await self.manager.request_park(kernel_id, who)
+
+
+class ResumeHandler(_ParkRoute):
+    action = "resume"
+
+    async def _request(self, kernel_id, who):
+        return await self.manager.request_resume(kernel_id, who)
 
 
 # Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's.
@@ -228,4 +292,6 @@ HANDLERS = [
     (STATUS_PATH, StatusHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN), KernelHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, PARK_SUFFIX), ParkHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, RESUME_SUFFIX), ResumeHandler),
 ]

@@ -25,7 +25,15 @@ from typing import Dict, Mapping, Optional
 
 from .devices import Device
 from .ledger import Grant
-from .shared.env_vars import API_URL, CAP_SOURCE, CPU_ONLY_REASON, DEVICES, KERNEL_ID, TOKEN, USER_STARTUP
+from .shared.env_vars import (
+    API_URL,
+    CAP_SOURCE,
+    CPU_ONLY_REASON,
+    DEVICES,
+    KERNEL_ID,
+    TOKEN,
+    USER_STARTUP,
+)
 
 STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
 JAX_FRACTION_NAMES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")

@@ -1,17 +1,18 @@
 """GpuQuotaManager: the one object the extension shares (the launch hook, the REST API, /metrics).
 
-It is built whole and owns its parts: the validated policy, the device inventory, the ledger (any
-`Ledger`: the server depends on that interface only), the kernels' secrets, the hard-limit layer, and
-the usage side (the monitor that samples, the kernels' allocator reports, the kernels' lifecycle, the
-watchdog, the status view) and parking (the parker, parker.py). It turns "kernel K of kernelspec S is starting" into a grant and the
-environment that carries it, and knows which start holds each kernel id, so two starts that chose the
-same id cannot share one grant.
+It is built whole and owns its parts: the validated policy, the device inventory, the ledger (any `Ledger`:
+the server depends on that interface only), the kernels' secrets, the hard-limit layer, and the usage side
+(the monitor that samples, the kernels' allocator reports, the kernels' lifecycle, the watchdog, the status
+view) and parking (the parker). It turns "kernel K of kernelspec S is starting" into a grant and the
+environment that carries it, and knows which start holds each kernel id, so two starts that chose the same id
+cannot share one grant.
 
-Every ledger write (grant, change, reset, release) runs in a thread, never on the event loop: a remote
-ledger may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at once). The writes of one kernel run in the order asked (a release asked
-before a restart's grant is made before it). A release asked from a sync callback (jupyter_client's
-"dead" event, a failed start) does its bookkeeping at once and the ledger's call in a thread; one asked
-again while it is under way is the same release. Reads (get, grants, usage, devices) stay direct.
+Every ledger write (grant, change, reset, release) runs in a thread, never on the event loop: a remote ledger
+may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at once). The writes of one
+kernel run in the order asked (a release asked before a restart's grant is made before it). A release asked
+from a sync callback (jupyter_client's "dead" event, a failed start) does its bookkeeping at once and the
+ledger's call in a thread; one asked again while it is under way is the same release. Reads (get, grants,
+usage, devices) stay direct.
 """
 
 from __future__ import annotations
@@ -26,60 +27,40 @@ import secrets
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .devices import Device, parse_cuda_visible_devices
-from .hard_cap import HardCapLayer
-from .hard_limit import HardCapSettings
+from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_devices
+from .hard_limit import HardCapLayer, HardCapSettings
 from .launch_env import is_python_kernel, launch_env
-from .checkpoint import CheckpointDriver, CudaCheckpointDriver
 from .ledger import ChangeOutcome, Grant, Ledger
-from .metrics import COLLECTOR
-from .nvml import NvmlBackend
-from .parker import Parker
-from .parking import ParkSettings
-from .policy import CapSpec, Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
-from .usage.attribution import PidResolver
-from .usage.lifecycle import KernelLifecycle
-from .usage.reports import KernelReports
-from .usage.sampling import Monitor, Sample
-from .usage.status import StatusView
-from .usage.watchdog import Watchdog
-from .watchdog import WatchdogSettings
+from .parking import CheckpointDriver, CudaCheckpointDriver, Parker, ParkSettings
+from .policy import (
+    CapSpec,
+    Policy,
+    PolicyDecision,
+    default_decision,
+    format_bytes,
+    resolve,
+    resolve_answer,
+    shown,
+)
+from .status import COLLECTOR, StatusView, park_families
+from .threads import off_loop
+from .usage import (
+    KernelLifecycle,
+    KernelReports,
+    Monitor,
+    PidResolver,
+    Sample,
+    Watchdog,
+    WatchdogSettings,
+)
 
 log = logging.getLogger("gpu_quota_ext")
+
+SETTINGS_KEY = "gpu_quota_manager"  # where the extension puts its GpuQuotaManager in the web app's settings
 
 CAPS_CALLABLE_TIMEOUT = 5.0  # seconds a caps callable may take before its kernel gets the default policy
 CAPS_CALLABLE_THREADS = 4  # callables still running at once; past that, starts get the default policy
 LEDGER_THREADS = 8  # ledger calls at once; more wait their turn
-
-
-def in_daemon_thread(call: Callable[[], Any], name: str, finished: Callable[[], Any] = lambda: None) -> "asyncio.Future":
-    """Run `call` in a daemon thread of its own; `(True, result)` or `(False, exception)` comes back as a
-    future of the running loop, and `finished()` runs in the thread once `call` has returned.
-
-    Not an executor: the interpreter joins an executor's workers at exit, so a call that never returns
-    (an admin's callable, a ledger waiting for its service) would hold the server's exit; and an executor
-    keeps its idle threads for good. A caller that stops waiting (a timeout) cancels the future."""
-    loop = asyncio.get_running_loop()
-    answered = loop.create_future()
-
-    def settle(outcome) -> None:
-        if not answered.done():  # done: the caller gave up on it
-            answered.set_result(outcome)
-
-    def run() -> None:
-        try:
-            outcome = (True, call())
-        except BaseException as error:
-            outcome = (False, error)
-        finally:
-            finished()
-        try:
-            loop.call_soon_threadsafe(settle, outcome)
-        except RuntimeError:  # the loop closed while the call ran
-            pass
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return answered
 
 
 class KernelIdTaken(Exception):
@@ -170,11 +151,15 @@ class GpuQuotaManager:
         )
         # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
         self.parker = Parker(
-            park_settings, checkpoint or CudaCheckpointDriver(), kernels, self.ledger, self.hard_cap,
+            park_settings,
+            checkpoint or CudaCheckpointDriver(),
+            kernels,
+            self.ledger,
+            self.hard_cap,
             sample_soon=self.monitor.sample_soon,
         )
         self.monitor.on_sample(self.parker.on_sample)
-        self.status.add_kernel_field("park", self.parker.kernel_json)
+        self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
         self.monitor.on_sample(self._review)
 
     # --- start and stop (event loop) ----------------------------------------------------------
@@ -203,13 +188,59 @@ class GpuQuotaManager:
         self.watchdog.forget_all_but(known)
         self.watchdog.act_on(sample, grants)
 
+    # --- what the REST API and the provisioner ask (they call these, never the parts) ----------------
+
+    def grant_of(self, kernel_id: str) -> Optional[Grant]:
+        return self.ledger.get(kernel_id)
+
+    def status_answer(self, paths: Mapping[str, Optional[str]]) -> dict:
+        """The status API's answer; `paths`: kernel id -> notebook path."""
+        return self.status.answer(paths)
+
+    def kernel_status(self, grant: Grant, paths: Mapping[str, Optional[str]]) -> dict:
+        return self.status.kernel(grant, paths)
+
+    def report_usage(self, kernel_id: str, entries: List[dict]) -> None:
+        """A kernel's own allocator report (validated by the handler), kept beside the usage."""
+        self.reports.report(kernel_id, entries)
+
+    def last_action(self, kernel_id: str) -> Optional[dict]:
+        return self.status.last_action(kernel_id)
+
+    async def request_park(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
+        """(accepted, the kernel's park object). Raises UnknownKernel for a kernel this server does not have."""
+        return await self.parker.request_park(kernel_id, who)
+
+    async def request_resume(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
+        return await self.parker.request_resume(kernel_id, who)
+
+    def holds_gpu_state(self, kernel_id: str) -> bool:
+        """The driver holds (or is moving) the kernel's GPU state: its processes cannot run CUDA now."""
+        return self.parker.holds_gpu_state(kernel_id)
+
+    def forget_parking(self, kernel_id: str) -> None:
+        """The kernel's processes are gone (shut down, restarted): nothing of its parking remains."""
+        self.parker.forget(kernel_id)
+
+    async def close(self) -> None:
+        """The server is stopping: sampling and following end, the hard-limit layer stops (a managed MPS
+        daemon with it), the ledger closes (a RemoteLedger's lease renewals end, in a thread)."""
+        await self.stop()
+        await self.hard_cap.stop(self.kernels.manager)
+        try:
+            await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
+        except Exception as error:
+            log.warning("gpu-quota-ext: closing the ledger failed: %r", error)
+
     def gpu_pids(self, kernel_id: str) -> Tuple[int, ...]:
         """The kernel's processes on the GPUs in the last sample (parking checkpoints these)."""
         return self.monitor.gpu_pids(kernel_id)
 
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 
-    async def admit(self, kernel_id: str, kernelspec: str, argv, env: Mapping[str, str], holder: Any = None) -> Dict[str, str]:
+    async def admit(
+        self, kernel_id: str, kernelspec: str, argv, env: Mapping[str, str], holder: Any = None
+    ) -> Dict[str, str]:
         """Grant (or find, on restart) the kernel's caps; return the variables its environment gets.
 
         `holder` is the start asking (its provisioner): a restart by the same holder keeps its grant;
@@ -229,7 +260,9 @@ class GpuQuotaManager:
                 grant = await self._write(
                     kernel_id,
                     "grant",
-                    functools.partial(self.ledger.grant, kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env)),
+                    functools.partial(
+                        self.ledger.grant, kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env)
+                    ),
                 )
             except BaseException:
                 with self._holders_lock:
@@ -256,7 +289,9 @@ class GpuQuotaManager:
         winner's grant). Idempotent."""
         if not self._forget(kernel_id, holder):
             return None
-        task = self._pending(kernel_id, "release") or self._write(kernel_id, "release", functools.partial(self.ledger.release, kernel_id))
+        task = self._pending(kernel_id, "release") or self._write(
+            kernel_id, "release", functools.partial(self.ledger.release, kernel_id)
+        )
         return await task
 
     def release_soon(self, kernel_id: str, holder: Any = None) -> bool:
@@ -287,9 +322,13 @@ class GpuQuotaManager:
 
     # --- cap changes (the REST API) -------------------------------------------------------------
 
-    async def change(self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request") -> ChangeOutcome:
+    async def change(
+        self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request"
+    ) -> ChangeOutcome:
         """The ledger's answer to a new cap on one granted device (or all). Raises UnknownKernel, PolicyError."""
-        return await self._write(kernel_id, "change", functools.partial(self.ledger.change, kernel_id, requested, device, source=source))
+        return await self._write(
+            kernel_id, "change", functools.partial(self.ledger.change, kernel_id, requested, device, source=source)
+        )
 
     async def reset(self, kernel_id: str, source: str = "kernel request") -> ChangeOutcome:
         """Back to what policy gave the kernel at start, as far as the budget allows."""
@@ -304,10 +343,7 @@ class GpuQuotaManager:
             if before is not None:
                 await asyncio.wait({before[1]})  # whatever its outcome: its caller hears of that
             async with self._ledger_slots():
-                ok, value = await in_daemon_thread(call, "gpu-quota-ledger")
-            if not ok:
-                raise value
-            return value
+                return await off_loop(call, name="gpu-quota-ledger")
 
         task = asyncio.get_running_loop().create_task(write())
         self._writes[kernel_id] = (what, task)
@@ -352,7 +388,9 @@ class GpuQuotaManager:
     def _check_free(self, kernel_id: str, holder: Any) -> None:
         with self._holders_lock:
             if kernel_id in self._holders and self._holders[kernel_id] is not holder:
-                raise KernelIdTaken(f"kernel {shown(kernel_id)} is already starting or running; a new kernel needs another id")
+                raise KernelIdTaken(
+                    f"kernel {shown(kernel_id)} is already starting or running; a new kernel needs another id"
+                )
 
     # --- what policy gives a kernel -------------------------------------------------------------
 
@@ -367,8 +405,11 @@ class GpuQuotaManager:
             return resolve_answer(policy, await self._call_caps(kernelspec))
         except Exception as error:
             log.warning(
-                "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the default policy",
-                shown(self.user), shown(kernelspec), _one_line(error),
+                "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the "
+                "default policy",
+                shown(self.user),
+                shown(kernelspec),
+                _one_line(error),
             )
             return default_decision(policy, "default (caps callable failed)")
 
@@ -376,28 +417,26 @@ class GpuQuotaManager:
         # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
-        answered = in_daemon_thread(
-            functools.partial(self.policy.rules, self.user, kernelspec), "gpu-quota-caps-callable", self._caps_slots.release
+        answered = off_loop(
+            self.policy.rules, self.user, kernelspec, name="gpu-quota-caps-callable", finished=self._caps_slots.release
         )
         try:
-            ok, value = await asyncio.wait_for(answered, self.caps_timeout)
+            return await asyncio.wait_for(answered, self.caps_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer within {self.caps_timeout:g} s") from None
-        if not ok:
-            raise value
-        return value
 
     def _pinned_devices(self, env: Mapping[str, str]) -> Optional[List[int]]:
         """A kernelspec that sets its own CUDA_VISIBLE_DEVICES is placed only among those devices."""
         pinned = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
         if pinned is None or pinned == parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")):
             return None
-        allowed = []
+        allowed: List[int] = []
         for entry in pinned:
-            for device in self.devices.values():
-                nvml = device.nvml_index if device.nvml_index is not None else device.index
-                if (entry.isdigit() and int(entry) == nvml) or (not entry.isdigit() and device.uuid.startswith(entry)):
-                    allowed.append(device.index)
+            device = find_device(list(self.devices.values()), entry)
+            if device is None:
+                break  # CUDA ends the list at an entry that names no device: the kernel sees no more
+            if device.index not in allowed:
+                allowed.append(device.index)
         return allowed
 
     # --- the kernels' secrets ------------------------------------------------------------------

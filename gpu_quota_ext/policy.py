@@ -15,19 +15,17 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from .settings import CHOICE, DEFAULTS, SECONDS, SETTINGS, SettingError, parsed
 from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports sizes with the policy)
+    MIN_CAP,
+    CapSpec,
     GiB,
     KiB,
-    MIN_CAP,
     MiB,
-    TiB,
-    CapSpec,
     PolicyError,
+    TiB,
     format_bytes,
     parse_cap,
     shown,
 )
-
-from .watchdog import WatchdogSettings
 
 RULE_KEYS = ("user", "kernelspec", "cap", "max_cap", "devices")
 
@@ -142,21 +140,6 @@ def build_policy(
     )
 
 
-def watchdog_settings(
-    enforce: Any = DEFAULTS["enforce"],
-    slack: Any = DEFAULTS["slack"],
-    grace: Any = DEFAULTS["grace"],
-    poll_interval: Any = DEFAULTS["poll_interval"],
-) -> WatchdogSettings:
-    """The watchdog's settings, validated; a SettingError names the first bad one and its value."""
-    return WatchdogSettings(
-        enforce=parse_setting("enforce", enforce),
-        slack=parse_setting("slack", slack),
-        grace=parse_setting("grace", grace),
-        poll_interval=parse_setting("poll_interval", poll_interval),
-    )
-
-
 def _check_not_above(name: str, cap: CapSpec, maximum: CapSpec) -> None:
     if _is_above(cap, maximum):
         raise PolicyError(f"{name} {cap} is above max_cap {maximum}")
@@ -253,7 +236,10 @@ def resolve(policy: Policy, user: str, kernelspec: str) -> PolicyDecision:
         try:
             answer = policy.rules(user, kernelspec)
         except Exception as error:
-            raise PolicyError(f"c.GpuQuota.caps callable failed for user {shown(user)}, kernelspec {shown(kernelspec)}: {shown(error)}")
+            raise PolicyError(
+                f"c.GpuQuota.caps callable failed for user {shown(user)}, kernelspec {shown(kernelspec)}: "
+                f"{shown(error)}"
+            ) from None
         return resolve_answer(policy, answer)
     for rule in policy.rules:
         if rule.matches(user, kernelspec):

@@ -21,12 +21,10 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
-from .jupyter_private import pending_kernels
 from .ledger import AdmissionRefused
+from .manager import SETTINGS_KEY, KernelIdTaken
 from .shared.sizes import PolicyError
-from .manager import KernelIdTaken
-
-SETTINGS_KEY = "gpu_quota_service"  # where the extension puts its GpuQuotaManager in the web app settings
+from .usage import pending_kernels
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -57,8 +55,8 @@ class GpuQuotaProvisioner(LocalProvisioner):
 
     _start_task: Optional[asyncio.Task] = None
 
-    def _service(self) -> Optional[Any]:
-        # provisioner -> KernelManager -> MappingKernelManager -> ServerApp, whose web app holds the service
+    def _manager(self) -> Optional[Any]:
+        # provisioner -> KernelManager -> MappingKernelManager -> ServerApp, whose web app holds the manager
         node = self.parent
         while node is not None:
             web_app = getattr(node, "web_app", None)
@@ -71,9 +69,11 @@ class GpuQuotaProvisioner(LocalProvisioner):
         return getattr(self.parent, "kernel_name", None) or "unknown"
 
     async def pre_launch(self, **kwargs: Any) -> dict:
-        service = self._service()
-        if service is None:
-            self.log.warning("gpu-quota-ext: the server extension is not loaded; kernel %s starts without a cap", self.kernel_id)
+        manager = self._manager()
+        if manager is None:
+            self.log.warning(
+                "gpu-quota-ext: the server extension is not loaded; kernel %s starts without a cap", self.kernel_id
+            )
             return await super().pre_launch(**kwargs)
         if self._start_task is None:
             self._start_task = asyncio.current_task()  # jupyter_client's pending entry for this start
@@ -82,20 +82,22 @@ class GpuQuotaProvisioner(LocalProvisioner):
         spec_env = (await KernelProvisionerBase.pre_launch(self, env=kwargs.get("env", os.environ)))["env"]
         kernelspec = self._kernelspec_name()
         try:
-            updates = await service.admit(self.kernel_id, kernelspec, self.kernel_spec.argv, spec_env, holder=self)
+            updates = await manager.admit(self.kernel_id, kernelspec, self.kernel_spec.argv, spec_env, holder=self)
         except AdmissionRefused as refusal:
-            raise self._refuse(service, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
+            raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
         except KernelIdTaken as taken:
-            raise self._refuse(service, 409, f"GPU quota: kernel not started: {taken}", "Kernel id in use") from None
+            raise self._refuse(manager, 409, f"GPU quota: kernel not started: {taken}", "Kernel id in use") from None
         except PolicyError as error:
-            raise self._refuse(service, 500, f"GPU quota: kernel not started: {error}", "GPU quota policy error") from None
+            raise self._refuse(
+                manager, 500, f"GPU quota: kernel not started: {error}", "GPU quota policy error"
+            ) from None
         except BaseException:
-            self._give_back(service)
+            self._give_back(manager)
             raise
         try:
             kwargs = await super().pre_launch(**kwargs)  # ports from jupyter_client's cache, the connection file
         except BaseException:
-            self._give_back(service)
+            self._give_back(manager)
             raise
         env = dict(kwargs.get("env") or {})
         env.update(updates)
@@ -107,37 +109,41 @@ class GpuQuotaProvisioner(LocalProvisioner):
             return await super().launch_kernel(cmd, **kwargs)
         except BaseException:
             # The process never started: nothing it was given may stay taken.
-            self._give_back(self._service())
+            self._give_back(self._manager())
             raise
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         await super().shutdown_requested(restart=restart)
-        service = self._service()
-        if service is not None and service.parker.holds_gpu_state(self.kernel_id):
+        manager = self._manager()
+        if manager is not None and manager.holds_gpu_state(self.kernel_id):
             # A parked process cannot run its CUDA exit handlers: its state is being thrown away anyway.
             await self.kill(restart=restart)
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
-        service = self._service()
-        if service is not None:
-            service.parker.forget(self.kernel_id)  # its processes are gone: so is their parking
-        if not restart and service is not None and self.kernel_id:
-            await service.release(self.kernel_id, holder=self)  # the ledger's call in a thread
+        manager = self._manager()
+        if manager is not None:
+            manager.forget_parking(self.kernel_id)  # its processes are gone: so is their parking
+        if not restart and manager is not None and self.kernel_id:
+            await manager.release(self.kernel_id, holder=self)  # the ledger's call in a thread
 
-    def _refuse(self, service: Any, status: int, message: str, reason: str) -> StartRefused:
-        self._give_back(service)
-        for logger in (self.log, getattr(self.parent, "log", None), getattr(getattr(self.parent, "parent", None), "log", None)):
+    def _refuse(self, manager: Any, status: int, message: str, reason: str) -> StartRefused:
+        self._give_back(manager)
+        for logger in (
+            self.log,
+            getattr(self.parent, "log", None),
+            getattr(getattr(self.parent, "parent", None), "log", None),
+        ):
             if logger is not None:
                 _quiet_refusals(logger)
         level = logging.WARNING if status >= 500 else logging.INFO
         log.log(level, "gpu-quota-ext: kernel %s (%s) refused: %s", self.kernel_id, self._kernelspec_name(), message)
         return StartRefused(status, message, reason=reason)
 
-    def _give_back(self, service: Any) -> None:
+    def _give_back(self, manager: Any) -> None:
         """Everything a start that did not happen took: its grant, its ports, its connection file and
         jupyter_client's pending entry. Safe to call whatever was taken, and more than once."""
-        self._release(service)
+        self._release(manager)
         km = self.parent
         if km is not None:
             if self.ports_cached:
@@ -149,9 +155,9 @@ class GpuQuotaProvisioner(LocalProvisioner):
                 self.ports_cached = False
             km.cleanup_connection_file()  # only if this start wrote it
             km.cleanup_ipc_files()
-        self._forget_failed_start(service)
+        self._forget_failed_start(manager)
 
-    def _forget_failed_start(self, service: Any) -> None:
+    def _forget_failed_start(self, manager: Any) -> None:
         # jupyter_client (8.10) keeps the id of a kernel whose start failed in its pending table for
         # good; the server's shutdown_all then fails with "Kernel does not exist". We drop our own
         # entry. A start that lost the race for its kernel id had overwritten the winner's entry:
@@ -160,14 +166,14 @@ class GpuQuotaProvisioner(LocalProvisioner):
         pending = pending_kernels(multi) if multi is not None else None
         if pending is None or self._start_task is None or pending.get(self.kernel_id) is not self._start_task:
             return
-        winner = service.holder(self.kernel_id) if service is not None else None
+        winner = manager.holder(self.kernel_id) if manager is not None else None
         winner_task = getattr(winner, "_start_task", None)
         if winner is not self and winner_task is not None and not winner_task.done():
             pending[self.kernel_id] = winner_task
         else:
             pending.pop(self.kernel_id, None)
 
-    def _release(self, service: Any) -> None:
+    def _release(self, manager: Any) -> None:
         # Sync (a failed start's give-back): the bookkeeping now, the ledger's call in a thread.
-        if service is not None and self.kernel_id:
-            service.release_soon(self.kernel_id, holder=self)
+        if manager is not None and self.kernel_id:
+            manager.release_soon(self.kernel_id, holder=self)

@@ -1,9 +1,9 @@
 """The extension's settings, one row each: name, environment variable, default, help and kind.
 
-Everything that needs a setting's name, variable or default reads it here, so none is written twice:
-the GpuQuota traits (app.py), the validation of the policy, the watchdog's and the hard limit's settings
-(policy.py, hard_limit.py) and their dataclasses' defaults, the hub's per-user environment (hub.py) and
-`jupyter gpu-quota` (cli.py). Pure: no I/O, standard library only.
+Everything that needs a setting's name, variable or default reads it here, so none is written twice: the
+GpuQuota traits (app.py), the validation of the policy, the watchdog's and the hard limit's settings
+(policy.py, hard_limit/, parking/, usage/) and their dataclasses' defaults, the hub's per-user environment
+(hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no I/O, standard library only.
 
 To add a setting: a row in SETTINGS (its `part` says which validated object takes it: the builder of that
 part gets a keyword argument of the same name), a line `name = setting_trait("name")` in GpuQuota (app.py),
@@ -30,7 +30,7 @@ CLASS = "class"  # a subclass of `klass`, or its import path
 
 # Parts: which validated object a setting belongs to (its builder takes the setting as a keyword argument).
 POLICY = "policy"  # policy.build_policy -> Policy
-WATCHDOG = "watchdog"  # policy.watchdog_settings -> WatchdogSettings
+WATCHDOG = "watchdog"  # usage.build_watchdog_settings -> WatchdogSettings
 HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
 PARK = "park"  # parking.build_park_settings -> ParkSettings
 PLUGINS = "plugins"  # the classes the extension instantiates
@@ -50,7 +50,7 @@ class Setting:
     low: Optional[float] = None  # SECONDS, FACTOR
     high: Optional[float] = None
     klass: Optional[str] = None  # CLASS: the base class's import path
-    per_user: bool = False  # the hub's mapping may set it per user and group (hub.py)
+    per_user: bool = False  # the hub's mapping may set it per user and group (hub/caps.py)
 
     @property
     def must(self) -> str:
@@ -80,47 +80,86 @@ def _table(*rows: Setting) -> Dict[str, Setting]:
 SETTINGS: Dict[str, Setting] = _table(
     # --- policy: who gets which cap ---------------------------------------------------------------------
     Setting(
-        "default_cap", CAP, POLICY, "0.25", env="GPU_QUOTA_DEFAULT_CAP", per_user=True,
+        "default_cap",
+        CAP,
+        POLICY,
+        "0.25",
+        env="GPU_QUOTA_DEFAULT_CAP",
+        per_user=True,
         help="""Cap every kernel gets at start, on each GPU it is given: a fraction of the device
         ("0.25" or 0.25), a percentage ("25%"), a size ("12GiB", "12GB") or bytes.""",
     ),
     Setting(
-        "max_cap", CAP, POLICY, "1.0", env="GPU_QUOTA_MAX_CAP", per_user=True,
+        "max_cap",
+        CAP,
+        POLICY,
+        "1.0",
+        env="GPU_QUOTA_MAX_CAP",
+        per_user=True,
         help="""The most a kernel may ask for later with %gpucap or the API, same forms as default_cap
         (the built-in default lets users opt into the whole device).""",
     ),
     Setting(
-        "caps", RULES, POLICY, [],
+        "caps",
+        RULES,
+        POLICY,
+        [],
         help="""Rules that give some kernels another cap, first match wins: a list of dicts with keys
         'user' and 'kernelspec' (glob patterns, default '*'), 'cap', and optional 'max_cap' and 'devices'
         (how many GPUs the kernel gets, default 1). Or a callable (user, kernelspec) -> cap, rule dict or None.""",
     ),
     Setting(
-        "overcommit", FACTOR, POLICY, None, env="GPU_QUOTA_OVERCOMMIT", low=0, high=1000, per_user=True,
+        "overcommit",
+        FACTOR,
+        POLICY,
+        None,
+        env="GPU_QUOTA_OVERCOMMIT",
+        low=0,
+        high=1000,
+        per_user=True,
         help="""Admission control: each device's budget is its memory x overcommit; a kernel whose cap does
         not fit on any device is handled by on_full. None = no admission control (never blocks a start).""",
     ),
     Setting(
-        "placement", CHOICE, POLICY, "spread", env="GPU_QUOTA_PLACEMENT", choices=("spread", "pack", "none"),
+        "placement",
+        CHOICE,
+        POLICY,
+        "spread",
+        env="GPU_QUOTA_PLACEMENT",
+        choices=("spread", "pack", "none"),
         per_user=True,
         help="""Which GPU a kernel is put on (through CUDA_VISIBLE_DEVICES): "spread" (the least granted),
         "pack" (fill GPU 0 first) or "none" (the kernel sees every GPU, capped on each).""",
     ),
     Setting(
-        "on_full", CHOICE, POLICY, "cpu-only", env="GPU_QUOTA_ON_FULL", choices=("refuse", "cpu-only"),
+        "on_full",
+        CHOICE,
+        POLICY,
+        "cpu-only",
+        env="GPU_QUOTA_ON_FULL",
+        choices=("refuse", "cpu-only"),
         per_user=True,
         help="""When no device has budget left: "refuse" (the start fails with a clear message) or
         "cpu-only" (the kernel starts with no GPU visible).""",
     ),
     Setting(
-        "on_over_max", CHOICE, POLICY, "clamp", env="GPU_QUOTA_ON_OVER_MAX", choices=("clamp", "refuse"),
+        "on_over_max",
+        CHOICE,
+        POLICY,
+        "clamp",
+        env="GPU_QUOTA_ON_OVER_MAX",
+        choices=("clamp", "refuse"),
         per_user=True,
         help="""A cap request above max_cap or the device's budget: "clamp" (grant the most allowed) or
         "refuse".""",
     ),
     # --- the watchdog --------------------------------------------------------------------------------
     Setting(
-        "enforce", CHOICE, WATCHDOG, "warn", env="GPU_QUOTA_ENFORCE",
+        "enforce",
+        CHOICE,
+        WATCHDOG,
+        "warn",
+        env="GPU_QUOTA_ENFORCE",
         choices=("off", "warn", "interrupt", "restart", "kill"),
         help="""What the watchdog does to a kernel whose processes use more GPU memory than its cap plus slack
         (measured by NVML, so CuPy, raw CUDA and subprocesses count): "off", "warn" (log it and show it in the
@@ -129,81 +168,144 @@ SETTINGS: Dict[str, Setting] = _table(
         CUDA context) must not cost a user their kernel's state unless the admin chose so.""",
     ),
     Setting(
-        "slack", SLACK, WATCHDOG, "1GiB", env="GPU_QUOTA_SLACK",
+        "slack",
+        SLACK,
+        WATCHDOG,
+        "1GiB",
+        env="GPU_QUOTA_SLACK",
         help="""How far over its cap a kernel may go before the watchdog acts: a size ("1GiB", bytes) or a
         fraction of the kernel's cap ("0.1", "10%"). NVML counts the CUDA context (about 600 MiB per process)
         that no in-process cap counts.""",
     ),
     Setting(
-        "grace", SECONDS, WATCHDOG, 0, env="GPU_QUOTA_GRACE", low=0, high=3600,
+        "grace",
+        SECONDS,
+        WATCHDOG,
+        0,
+        env="GPU_QUOTA_GRACE",
+        low=0,
+        high=3600,
         help="""Seconds a kernel must stay over cap plus slack before the watchdog acts (0: on the first sample
         over it).""",
     ),
     Setting(
-        "poll_interval", SECONDS, WATCHDOG, 1, env="GPU_QUOTA_POLL_INTERVAL", low=0.05, high=60,
+        "poll_interval",
+        SECONDS,
+        WATCHDOG,
+        1,
+        env="GPU_QUOTA_POLL_INTERVAL",
+        low=0.05,
+        high=60,
         help="""Seconds between two NVML samples of every GPU (0.05 to 60).""",
     ),
     # --- the hard limit (MPS) ------------------------------------------------------------------------
     Setting(
-        "hard_cap", CHOICE, HARD_CAP, "off", env="GPU_QUOTA_HARD_CAP", choices=("off", "auto", "mps"),
+        "hard_cap",
+        CHOICE,
+        HARD_CAP,
+        "off",
+        env="GPU_QUOTA_HARD_CAP",
+        choices=("off", "auto", "mps"),
         help="""A hard limit at allocation time through NVIDIA MPS, on top of the soft caps: "off", "auto" (MPS
         when a usable MPS control daemon answers; otherwise soft caps only, and the status says why) or "mps"
         (required: the server refuses to start without a usable daemon).""",
     ),
     Setting(
-        "mps_daemon", CHOICE, HARD_CAP, "managed", env="GPU_QUOTA_MPS_DAEMON", choices=("managed", "external"),
+        "mps_daemon",
+        CHOICE,
+        HARD_CAP,
+        "managed",
+        env="GPU_QUOTA_MPS_DAEMON",
+        choices=("managed", "external"),
         help="""Which MPS control daemon kernels use: "managed" (this server starts its own, with pipe and log
         directories under its runtime directory, and stops it at shutdown) or "external" (an admin's, at
         $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps).""",
     ),
     Setting(
-        "hard_limit", CHOICE, HARD_CAP, "max_cap", env="GPU_QUOTA_HARD_LIMIT", choices=("max_cap", "cap"),
+        "hard_limit",
+        CHOICE,
+        HARD_CAP,
+        "max_cap",
+        env="GPU_QUOTA_HARD_LIMIT",
+        choices=("max_cap", "cap"),
         help="""Which number a kernel's hard limit is: "max_cap" (%gpucap stays live up to max_cap, nothing ever
         passes it) or "cap" (the cap at kernel start; a raise above it takes effect at the next restart).""",
     ),
     Setting(
-        "mps_context_allowance", SIZE, HARD_CAP, "640MiB", env="GPU_QUOTA_MPS_CONTEXT_ALLOWANCE",
+        "mps_context_allowance",
+        SIZE,
+        HARD_CAP,
+        "640MiB",
+        env="GPU_QUOTA_MPS_CONTEXT_ALLOWANCE",
         help="""Added to each hard limit for the CUDA context, which MPS counts against the limit (about 514 MiB
         measured on an H200, docs/measurements.md): a size or 0.""",
     ),
     Setting(
-        "mps_control", TEXT, HARD_CAP, "nvidia-cuda-mps-control", env="GPU_QUOTA_MPS_CONTROL",
+        "mps_control",
+        TEXT,
+        HARD_CAP,
+        "nvidia-cuda-mps-control",
+        env="GPU_QUOTA_MPS_CONTROL",
         help="""The MPS control program, a name looked up on PATH and in /usr/local/nvidia/bin, or a path.""",
     ),
     Setting(
-        "mps_timeout", SECONDS, HARD_CAP, 5, env="GPU_QUOTA_MPS_TIMEOUT", low=0.1, high=120,
+        "mps_timeout",
+        SECONDS,
+        HARD_CAP,
+        5,
+        env="GPU_QUOTA_MPS_TIMEOUT",
+        low=0.1,
+        high=120,
         help="""Seconds one call of the MPS control program may take (it is asked before every kernel start;
         a daemon that does not answer in time gives that kernel soft caps only).""",
     ),
     # --- parking idle kernels ----------------------------------------------------------------------
     Setting(
-        "park_idle_after", TEXT, PARK, "off", env="GPU_QUOTA_PARK_IDLE_AFTER",
+        "park_idle_after",
+        TEXT,
+        PARK,
+        "off",
+        env="GPU_QUOTA_PARK_IDLE_AFTER",
         help="""Park a kernel that holds GPU memory and has been idle this long (jupyter_server's own view of
         its activity): seconds ("1800") or a duration ("30min", "2h"); "off" never parks by itself (the park
         route and %gpucap park still do).""",
     ),
     Setting(
-        "park_host_margin", SIZE, PARK, "2GiB", env="GPU_QUOTA_PARK_HOST_MARGIN",
+        "park_host_margin",
+        SIZE,
+        PARK,
+        "2GiB",
+        env="GPU_QUOTA_PARK_HOST_MARGIN",
         help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
         goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
     ),
     # --- pluggable parts -----------------------------------------------------------------------------
     Setting(
-        "inventory_class", CLASS, PLUGINS, "gpu_quota_ext.devices.NvmlInventory",
+        "inventory_class",
+        CLASS,
+        PLUGINS,
+        "gpu_quota_ext.devices.NvmlInventory",
         klass="gpu_quota_ext.devices.DeviceInventory",
         help="""Where the list of GPUs comes from: NVML (default) or
         gpu_quota_ext.devices.StaticInventory with c.StaticInventory.devices (tests, demos without a GPU).""",
     ),
     Setting(
-        "nvml_class", CLASS, PLUGINS, "gpu_quota_ext.nvml.PynvmlBackend", klass="gpu_quota_ext.nvml.NvmlBackend",
+        "nvml_class",
+        CLASS,
+        PLUGINS,
+        "gpu_quota_ext.devices.nvml.PynvmlBackend",
+        klass="gpu_quota_ext.devices.nvml.NvmlBackend",
         help="""Where the monitor reads per-process GPU memory: the driver through nvidia-ml-py (default), or
-        gpu_quota_ext.fake_nvml.FakeNvml (tests, benchmarks).""",
+        gpu_quota_ext.devices.fake_nvml.FakeNvml (tests, benchmarks).""",
     ),
     Setting(
-        "checkpoint_class", CLASS, PLUGINS, "gpu_quota_ext.checkpoint.CudaCheckpointDriver",
-        klass="gpu_quota_ext.checkpoint.CheckpointDriver",
+        "checkpoint_class",
+        CLASS,
+        PLUGINS,
+        "gpu_quota_ext.parking.checkpoint.CudaCheckpointDriver",
+        klass="gpu_quota_ext.parking.checkpoint.CheckpointDriver",
         help="""What parks kernels: the CUDA driver's checkpoint API through ctypes (default), or
-        gpu_quota_ext.fake_checkpoint.FakeCheckpoint (tests, with the fake NVML).""",
+        gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint (tests, with the fake NVML).""",
     ),
 )
 

@@ -1,7 +1,8 @@
 """The kernel's start (run once, from startup.py): caps torch lazily (torch_cap.py), registers the `%gpucap`
-stand-in (stub.py), chains the user's own PYTHONSTARTUP. Nothing here may break the kernel, and nothing is printed: the kernel's stderr is the
-server's terminal, where a line would have neither the server's format nor a reader. Every problem is
-recorded in the kernel's state, said once after the first cell (state.tell_once) and by `%gpucap`.
+stand-in (stub.py), chains the user's own PYTHONSTARTUP. Nothing here may break the kernel, and nothing is
+printed: the kernel's stderr is the server's terminal, where a line would have neither the server's format nor
+a reader. Every problem is recorded in the kernel's state, said once after the first cell (state.tell_once)
+and by `%gpucap`.
 """
 
 from __future__ import annotations

@@ -73,7 +73,9 @@ class QuotaClient:
         return cls(api_url, kernel_id, token)
 
     def kernel_url(self, *parts: str) -> str:
-        path = kernel_path(urllib.parse.quote(self.kernel_id, safe=""), *(urllib.parse.quote(p, safe="") for p in parts))
+        path = kernel_path(
+            urllib.parse.quote(self.kernel_id, safe=""), *(urllib.parse.quote(p, safe="") for p in parts)
+        )
         return self.api_url + path.lstrip("/")
 
     # --- cap requests ---------------------------------------------------------------------------
@@ -145,7 +147,10 @@ class QuotaClient:
         if status in (403, 404, 405) and reply is None:
             # Not our API's answer (ours are JSON) but jupyter_server's own error page: no handler has
             # this path. For a POST its catch-all asks for an XSRF cookie first, hence a 403, not a 404.
-            message = f"this server cannot park kernels: it has no {suffix} route (HTTP {status}; its gpu-quota-ext predates parking)"
+            message = (
+                f"this server cannot park kernels: it has no {suffix} route (HTTP {status}; its gpu-quota-ext "
+                "predates parking)"
+            )
         elif status == 403:
             message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
         return ParkAnswer("error", str(message or f"the server answered HTTP {status}"), status=status)

@@ -37,7 +37,10 @@ def layer_line(state, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         return None
     data = read_layers(env)
     if data is None:
-        return "layers: soft cap only (this server's hard limit, c.GpuQuota.hard_cap, is off); the server's watchdog watches the rest"
+        return (
+            "layers: soft cap only (this server's hard limit, c.GpuQuota.hard_cap, is off); the server's watchdog "
+            "watches the rest"
+        )
     usable = _usable_by_ordinal(data)
     if data.get("hard") == "mps" and usable:
         where = ", ".join(f"{format_bytes(b)} on cuda:{o}" for o, b in sorted(usable.items()))
@@ -54,7 +57,9 @@ def restart_note(state, env: Optional[Mapping[str, str]] = None) -> Optional[str
     if not data or data.get("hard") != "mps":
         return None
     usable = _usable_by_ordinal(data)
-    above = [d for d in sorted(state.devices, key=lambda d: d.ordinal) if d.ordinal in usable and d.cap > usable[d.ordinal]]
+    above = [
+        d for d in sorted(state.devices, key=lambda d: d.ordinal) if d.ordinal in usable and d.cap > usable[d.ordinal]
+    ]
     if not above:
         return None
     where = ", ".join(f"{format_bytes(usable[d.ordinal])} on cuda:{d.ordinal}" for d in above)

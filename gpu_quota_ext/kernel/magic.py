@@ -18,7 +18,6 @@ from typing import List, Optional
 from ..shared.env_vars import KERNEL_ID
 from ..shared.sizes import format_bytes
 from . import state as state_module
-from .state import tell_once
 from .cells import CellReporter
 from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
@@ -26,8 +25,15 @@ from .layers import layer_line, restart_note
 from .oom import explain_after_cell
 from .park import PARK_ANNOUNCEMENT, RESUME_NOTE, refusal_text, state_words, table_line
 from .reasons import no_gpu_reason, usage_unavailable_reason
+from .state import tell_once
 from .sync import after_cell
-from .torch_cap import apply_local_caps, cap_torch, cuda_torch, install_lazy_hook, put_caps_in_force
+from .torch_cap import (
+    apply_local_caps,
+    cap_torch,
+    cuda_torch,
+    install_lazy_hook,
+    put_caps_in_force,
+)
 from .usage import read_usage, report_to_server
 
 PREFIX = "gpu-quota:"
@@ -92,7 +98,10 @@ def format_table(state, readings: dict, unavailable: Optional[str] = None, park:
         for row in [header] + rows:
             lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
     elif state.local_caps:
-        lines.append("caps set here: " + ", ".join(f"{'every device' if o is None else f'cuda:{o}'} {s}" for o, s in state.local_caps.items()))
+        lines.append(
+            "caps set here: "
+            + ", ".join(f"{'every device' if o is None else f'cuda:{o}'} {s}" for o, s in state.local_caps.items())
+        )
     elif held_none:
         pass
     elif unavailable:
@@ -110,7 +119,11 @@ def format_table(state, readings: dict, unavailable: Optional[str] = None, park:
                 else "allocated/reserved/peak: '-' until this kernel's torch uses CUDA (the cap applies then)"
             )
         maxima = sorted({d.max_cap for d in state.devices})
-        lines.append("you may ask for up to " + ", ".join(format_bytes(m) for m in maxima) + " per device: %gpucap 0.3, %gpucap 12GiB")
+        lines.append(
+            "you may ask for up to "
+            + ", ".join(format_bytes(m) for m in maxima)
+            + " per device: %gpucap 0.3, %gpucap 12GiB"
+        )
     parking = table_line(park)
     if parking:
         lines.append(parking)
@@ -203,7 +216,9 @@ class GpuCap:
     def park_or_resume(self, action: str) -> None:
         """Ask the server to park this kernel when the cell ends, or to resume it; say its answer once."""
         if not self.state.managed or self.client is None:
-            self.error(f"cannot {action}: no server started this kernel (or gave it no address), so none can {action} it")
+            self.error(
+                f"cannot {action}: no server started this kernel (or gave it no address), so none can {action} it"
+            )
             return
         answer = self.client.park() if action == "park" else self.client.resume()
         if answer.outcome == "refused":
@@ -283,10 +298,19 @@ class GpuCap:
             print(f"{PREFIX} cap {command.cap} set on {where} by this kernel alone, applied now")
         else:
             install_lazy_hook(self.state)
-            print(f"{PREFIX} cap {command.cap} recorded for {where} by this kernel alone; it applies when torch first uses CUDA")
+            print(
+                f"{PREFIX} cap {command.cap} recorded for {where} by this kernel alone; it applies when torch first "
+                "uses CUDA"
+            )
 
     def caps_text(self) -> str:
-        return ", ".join(f"{format_bytes(d.cap)} on cuda:{d.ordinal}" for d in sorted(self.state.devices, key=lambda d: d.ordinal)) or "none"
+        return (
+            ", ".join(
+                f"{format_bytes(d.cap)} on cuda:{d.ordinal}"
+                for d in sorted(self.state.devices, key=lambda d: d.ordinal)
+            )
+            or "none"
+        )
 
     # --- the cell cycle -------------------------------------------------------------------------
 

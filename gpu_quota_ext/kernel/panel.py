@@ -22,8 +22,8 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from dataclasses import dataclass, field
 import time
+from dataclasses import dataclass, field
 from html import escape
 from typing import List, Optional
 
@@ -32,7 +32,6 @@ from . import state as state_module
 from .park import not_parkable_words, state_words
 from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server
-
 
 PARK_READ_S = 5.0  # the park state changes over minutes; one small GET every few seconds is plenty
 
@@ -100,7 +99,9 @@ def _device_view(state, readings: dict, unavailable: Optional[str]) -> PanelView
     if state.devices:
         for device in sorted(state.devices, key=lambda d: d.ordinal):
             label = f"cuda:{device.ordinal} (server GPU {device.index})"
-            rows.append(_row(label, device.cap, device.total, state.cap_source, readings.get(device.ordinal), unavailable))
+            rows.append(
+                _row(label, device.cap, device.total, state.cap_source, readings.get(device.ordinal), unavailable)
+            )
         if not readings:
             status = (
                 f"usage not available: {unavailable}; the caps below are this kernel's grants"

@@ -11,6 +11,7 @@ Standard library only.
 from __future__ import annotations
 
 import threading
+
 from .torch_cap import put_caps_in_force
 
 _in_flight = threading.Lock()
@@ -41,7 +42,9 @@ def after_cell(state) -> None:
             if client is not None:
                 sync_caps(state, client)
         except Exception as error:  # a failed sync changes nothing; the next cell tries again
-            state.problems[:] = [p for p in state.problems if not p.startswith("cap sync")] + [f"cap sync failed: {error!r}"]
+            state.problems[:] = [p for p in state.problems if not p.startswith("cap sync")] + [
+                f"cap sync failed: {error!r}"
+            ]
         finally:
             _in_flight.release()
 

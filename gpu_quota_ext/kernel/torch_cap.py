@@ -153,7 +153,8 @@ def apply_to_running_torch(torch, state) -> List[str]:
     notes = []
     caps = state.caps_by_ordinal() if state.devices else None
     if caps is not None:
-        held_above = [o for o, cap in enumerate(caps) if o < torch.cuda.device_count() and torch.cuda.memory_reserved(o) > cap]
+        count = torch.cuda.device_count()
+        held_above = [o for o, cap in enumerate(caps) if o < count and torch.cuda.memory_reserved(o) > cap]
         if held_above:
             torch.cuda.empty_cache()
     apply_current_caps(torch, state)
@@ -238,7 +239,8 @@ class TorchImportWatcher(importlib.abc.MetaPathFinder):
 
 
 def cap_torch(state: "KernelCapState", env=os.environ) -> None:
-    """At kernel start: the allocator option when this torch reads it, and the lazy hook; `state.torch_route` says which."""
+    """At kernel start: the allocator option when this torch reads it, and the lazy hook; `state.torch_route`
+    says which."""
     version = installed_torch_version()
     routes = []
     if reads_fraction_from_alloc_conf(version):

@@ -71,7 +71,12 @@ def usage_report(state, readings: Dict[int, DeviceUsage]) -> List[dict]:
         reading = readings.get(device.ordinal)
         if reading is not None:
             report.append(
-                {"index": device.index, "allocated": reading.allocated, "reserved": reading.reserved, "peak": reading.peak}
+                {
+                    "index": device.index,
+                    "allocated": reading.allocated,
+                    "reserved": reading.reserved,
+                    "peak": reading.peak,
+                }
             )
     return report
 

@@ -26,7 +26,9 @@ MAX_DURATION = 366 * 86400.0  # a year: longer is a typo, not a setting
 def parse_duration(value: Any, allow_off: bool = True) -> Optional[float]:
     """Seconds from 300, 300.0, "300", "90s", "30min", "1.5h", "2d"; None for off ("off", "", None, 0)
     when `allow_off`. Raises PolicyError saying what is accepted, never anything else."""
-    accepted = 'use seconds (300) or a number with a unit: "90s", "30min", "2h", "1d"' + (', or "off"' if allow_off else "")
+    accepted = 'use seconds (300) or a number with a unit: "90s", "30min", "2h", "1d"' + (
+        ', or "off"' if allow_off else ""
+    )
     if value is None or (isinstance(value, str) and value.strip().lower() in OFF_WORDS):
         if allow_off:
             return None

@@ -1,5 +1,7 @@
-"""Names of the environment variables the launch hook writes and the kernel reads. Standard library only."""
+"""Names of the environment variables both sides use: the ones the launch hook writes and the kernel reads,
+and the ones the hub sets for a user's server and for the host service. Standard library only."""
 
+# --- written by the launch hook, read inside the kernel -----------------------------------------------
 KERNEL_ID = "GPU_QUOTA_KERNEL_ID"
 DEVICES = "GPU_QUOTA_DEVICES"  # JSON list: {"ordinal", "index", "uuid", "cap", "max_cap", "total"}
 API_URL = "GPU_QUOTA_API_URL"  # where the kernel asks the server for a new cap
@@ -8,3 +10,9 @@ USER_STARTUP = "GPU_QUOTA_USER_PYTHONSTARTUP"  # the user's PYTHONSTARTUP, run a
 CAP_SOURCE = "GPU_QUOTA_CAP_SOURCE"  # who set the caps in force: "default", "rule 0 (user=alice)", "kernel request"
 CPU_ONLY_REASON = "GPU_QUOTA_CPU_ONLY_REASON"  # set when on_full="cpu-only" hid the GPUs
 LAYERS = "GPU_QUOTA_LAYERS"  # JSON: the hard limit (MPS) the kernel started with, or why it has none
+
+# --- set by the hub ---------------------------------------------------------------------------------
+# In a user server's environment: the host service's URL. Set, the server's ledger is a RemoteLedger.
+SERVICE_URL = "GPU_QUOTA_SERVICE_URL"
+# In the host service's environment: the caps mapping as JSON ({"users": ..., "groups": ..., "default": ...}).
+SERVICE_CAPS = "GPU_QUOTA_SERVICE_CAPS"

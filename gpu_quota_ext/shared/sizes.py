@@ -136,13 +136,18 @@ def _fraction_spec(fraction: float, text: str) -> CapSpec:
     if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
         raise PolicyError(f"{shown(text)}: a fraction of the device must be above 0 and at most 1 (100%)")
     if fraction < MIN_FRACTION:
-        raise PolicyError(f"{shown(text)}: a fraction this small is less than {MIN_CAP_TEXT} of any GPU; a cap must be at least {MIN_CAP_TEXT}")
+        raise PolicyError(
+            f"{shown(text)}: a fraction this small is less than {MIN_CAP_TEXT} of any GPU; a cap must be at least "
+            f"{MIN_CAP_TEXT}"
+        )
     return CapSpec(fraction=fraction, text=text)
 
 
 def _bytes_spec(nbytes: int, text: str) -> CapSpec:
     if nbytes < MIN_CAP:
-        raise PolicyError(f"{shown(text)}: a cap in bytes must be at least {MIN_CAP_TEXT}; write a fraction as 0.3 or 30%")
+        raise PolicyError(
+            f"{shown(text)}: a cap in bytes must be at least {MIN_CAP_TEXT}; write a fraction as 0.3 or 30%"
+        )
     if nbytes > MAX_DEVICE:
         raise PolicyError(f"{shown(text)} is larger than any GPU")
     return CapSpec(nbytes=nbytes, text=text)

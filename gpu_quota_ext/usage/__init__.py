@@ -2,8 +2,21 @@
 
 One concern per module: sampling.py (the monitor: NVML once per poll, off the event loop),
 attribution.py (which kernel a process on a GPU belongs to), reports.py (what kernels say about their
-own allocator), kernel_manager.py (the server's kernel manager as this side needs it), lifecycle.py
+own allocator), kernels.py (the one place that touches jupyter_server's kernel manager), lifecycle.py
 (a kernel that is gone gives its grant back), watchdog.py (decides and carries out actions on kernels
-over their cap), status.py (the status answer and /metrics, built in one place), periodic.py (a round
+over their cap), watchdog_settings.py (its settings), periodic.py (a round
 every poll interval). The manager (manager.py) builds and owns them; nothing here imports it.
 """
+
+from .attribution import PidResolver, ProcTable, kernel_for_pid
+from .kernels import KernelManagerView, pending_kernels
+from .lifecycle import KernelLifecycle
+from .reports import KernelReports
+from .sampling import Monitor, Sample
+from .watchdog import Watchdog
+from .watchdog_settings import WatchdogSettings, build_watchdog_settings
+
+__all__ = [
+    "PidResolver", "ProcTable", "kernel_for_pid", "KernelManagerView", "pending_kernels", "KernelLifecycle",
+    "KernelReports", "Monitor", "Sample", "Watchdog", "WatchdogSettings", "build_watchdog_settings",
+]

@@ -23,7 +23,17 @@ for the monitor's samples, with a short cache.
 from __future__ import annotations
 
 import os
-from typing import Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import (
+    Callable,
+    Collection,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Tuple,
+)
 
 import psutil
 
@@ -200,7 +210,8 @@ class PidResolver:
         self.table = table or ProcTable()
         # The server's own user: the only one whose processes may name a kernel by environment.
         self.own_uid = own_uid if own_uid is not None else (os.getuid() if hasattr(os, "getuid") else None)
-        self._cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}  # pid -> (owner, local pid, until)
+        # pid -> (owner, local pid, until)
+        self._cache: Dict[int, Tuple[Optional[Attribution], Optional[int], float]] = {}
         self._aliases: Dict[int, int] = {}
         self._aliases_until = 0.0
 

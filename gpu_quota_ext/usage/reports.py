@@ -33,7 +33,9 @@ class KernelReports:
         now = time.time()
         per_device = self._reports.setdefault(kernel_id, {})
         for entry in entries:
-            per_device[entry["index"]] = AllocatorReport(entry.get("allocated"), entry.get("reserved"), entry.get("peak"), now)
+            per_device[entry["index"]] = AllocatorReport(
+                entry.get("allocated"), entry.get("reserved"), entry.get("peak"), now
+            )
 
     def get(self, kernel_id: str) -> Optional[Dict[int, AllocatorReport]]:
         return self._reports.get(kernel_id)

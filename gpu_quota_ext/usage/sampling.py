@@ -20,14 +20,23 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+)
 
-from ..devices import Device
-from ..nvml import NvmlBackend, NvmlFailure, NvmlUnavailable
+from ..devices import Device, NvmlBackend, NvmlFailure, NvmlUnavailable
+from ..threads import SerialThread
 from .attribution import TREE, PidResolver
 from .periodic import every
 
@@ -73,58 +82,6 @@ class Sample:
         return self.kernels.get(kernel_id, {}).get(index, 0)
 
 
-# --- the sampling thread --------------------------------------------------------------------------------
-
-
-class SamplerThread:
-    """One daemon thread that runs the monitor's samples in order; results come back as asyncio futures.
-
-    Not a ThreadPoolExecutor: concurrent.futures joins its worker threads at interpreter exit, even after
-    shutdown(wait=False), so a driver call that hangs would hold the server's exit for as long as it
-    hangs. A daemon thread that nothing joins does not."""
-
-    def __init__(self, name: str):
-        self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> asyncio.Future:
-        future = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
-        return future
-
-    def finish(self, last: Callable[[], Any]) -> None:
-        """Run `last` after the job in progress (if it ever returns), then end. Nothing waits for it."""
-        self._jobs.put((None, None, last, ()))
-        self._jobs.put(None)
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            loop, future, fn, args = job
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # handed to the loop, which decides what it means
-                result, error = None, exc
-            if future is None:
-                continue
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:
-                pass  # the loop has closed: nobody is waiting any more
-
-
-def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
-    if future.done():  # cancelled: the monitor stopped
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 # --- the monitor --------------------------------------------------------------------------------------
 
 
@@ -158,7 +115,7 @@ class Monitor:
         self._opened = False
         self._reopen_at = 0.0
         self._problems: Dict[str, str] = {}  # what is wrong now, logged once each
-        self._sampler: Optional[SamplerThread] = None
+        self._sampler: Optional[SerialThread] = None
         self._sampling: Optional[asyncio.Future] = None  # the sample out in the thread, if any
         self._sampling_began = 0.0  # monotonic
         self._sampled_at = time.monotonic()  # when the last sample came back (or the monitor started)
@@ -183,7 +140,7 @@ class Monitor:
         if self._task is not None:
             return
         # A thread of our own: a hung NVML call stalls only the monitor, never the loop or its executor.
-        self._sampler = SamplerThread("gpu-quota-monitor")
+        self._sampler = SerialThread("gpu-quota-monitor")
         self._sampled_at, self._started_wall = time.monotonic(), time.time()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -252,7 +209,8 @@ class Monitor:
         now = time.monotonic()
         if self._stall_noted:
             self._stall_noted = False
-            log.info("gpu-quota-ext: the GPU monitor has a sample again, %.0f s after the one before", now - self._sampled_at)
+            gap = now - self._sampled_at
+            log.info("gpu-quota-ext: the GPU monitor has a sample again, %.0f s after the one before", gap)
         self.latest = sample
         self._sampled_at = now
         self.ticks += 1
@@ -336,9 +294,7 @@ class Monitor:
             readings[index] = DeviceReading(index, int(used))
             self._solved(key)
 
-        owners = self.resolver.resolve(
-            (pid for listed in processes.values() for pid, _ in listed), roots, known, now
-        )
+        owners = self.resolver.resolve((pid for listed in processes.values() for pid, _ in listed), roots, known, now)
         usage: Dict[str, Dict[int, int]] = {}
         in_tree: Dict[str, Dict[int, int]] = {}
         pids: Dict[str, Set[int]] = {}
@@ -415,4 +371,3 @@ def _add(table: Dict[str, Dict[int, int]], kernel_id: str, index: int, nbytes: i
 
 def _utc(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..shared.sizes import format_bytes
-from ..watchdog import WatchdogSettings
 from .attribution import ENVIRONMENT, TREE
 from .sampling import Sample
+from .watchdog_settings import WatchdogSettings
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -147,7 +147,11 @@ class Watchdog:
             over = worst_device(usage.get(kernel_id, {}), kernel_caps, self.settings)
             proven = over if in_tree is None else worst_device(in_tree.get(kernel_id, {}), kernel_caps, self.settings)
             watch, action = decide(
-                self._watches.get(kernel_id, OverLimitEpisode()), over is not None, now, self.settings, proven is not None
+                self._watches.get(kernel_id, OverLimitEpisode()),
+                over is not None,
+                now,
+                self.settings,
+                proven is not None,
             )
             self._watches[kernel_id] = watch
             if action is not None and over is not None:

@@ -23,7 +23,9 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with a driver (run tests/gpu/run_on_device.sh on the device machine)")
+    skip = pytest.mark.skip(
+        reason="needs an NVIDIA GPU with a driver (run tests/gpu/run_on_device.sh on the device machine)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

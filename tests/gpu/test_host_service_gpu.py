@@ -57,10 +57,25 @@ def unix_users():
 
 def hold(user: str, nbytes: int) -> subprocess.Popen:
     """A CUDA process of `user` holding `nbytes` until its stdin closes."""
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")}
+    env = {
+        k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
+    }
     process = subprocess.Popen(
-        ["runuser", "-u", user, "--", "env", *[f"{k}={v}" for k, v in env.items()], sys.executable, "-c", HOLD.format(n=nbytes)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp",
+        [
+            "runuser",
+            "-u",
+            user,
+            "--",
+            "env",
+            *[f"{k}={v}" for k, v in env.items()],
+            sys.executable,
+            "-c",
+            HOLD.format(n=nbytes),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/tmp",
     )
     line = process.stdout.readline()
     assert line.strip() == "ready", f"{user}'s CUDA process did not start: {line!r}"
@@ -83,11 +98,11 @@ class HostService:
 
     def __init__(self, state_dir: str, action: str):
         from gpu_quota_ext.devices import NvmlInventory
-        from gpu_quota_ext.host_service.book import HostBook
-        from gpu_quota_ext.host_service.sampler import HostSampler
-        from gpu_quota_ext.host_service.store import Store
+        from gpu_quota_ext.devices.nvml import PynvmlBackend
         from gpu_quota_ext.hub import hub_caps
-        from gpu_quota_ext.nvml import PynvmlBackend
+        from gpu_quota_ext.hub.service.book import HostBook
+        from gpu_quota_ext.hub.service.sampler import HostSampler
+        from gpu_quota_ext.hub.service.store import Store
         from gpu_quota_ext.policy import build_policy
 
         self.host_policy = build_policy("0.2", "0.3", (), 1.0, "spread", "cpu-only", "clamp")
@@ -97,16 +112,35 @@ class HostService:
         uuid_of = {d.index: d.uuid for d in self.devices}
 
         def granted():
-            return {o.grant.kernel_id: (o.grant.user, tuple(uuid_of[i] for i in o.grant.devices)) for o in self.book.owned()}
+            return {
+                o.grant.kernel_id: (o.grant.user, tuple(uuid_of[i] for i in o.grant.devices)) for o in self.book.owned()
+            }
 
         self.sampler = HostSampler(
-            PynvmlBackend(), [d.uuid for d in self.devices], self.book.kernel_pids, granted, 0.5, 10.0, action, 0.0, "{username}"
+            PynvmlBackend(),
+            [d.uuid for d in self.devices],
+            self.book.kernel_pids,
+            granted,
+            0.5,
+            10.0,
+            action,
+            0.0,
+            "{username}",
         )
 
     def status_now(self) -> dict:
-        from gpu_quota_ext.host_service.status import build_status
+        from gpu_quota_ext.hub.service.status import build_status
 
-        return build_status(self.book, self.sampler.last, self.sampler.state(), list(self.sampler.actions), {}, "admin", True, time.time())
+        return build_status(
+            self.book,
+            self.sampler.last,
+            self.sampler.state(),
+            list(self.sampler.actions),
+            {},
+            "admin",
+            True,
+            time.time(),
+        )
 
 
 def service(tmp_path, action: str) -> HostService:
@@ -117,13 +151,15 @@ def wait_samples(app, count: int, deadline: float = 60.0) -> None:
     start = app.sampler.samples
     end = time.monotonic() + deadline
     while app.sampler.samples < start + count:
-        assert time.monotonic() < end, f"the host sampler took no {count} samples in {deadline} s (state {app.sampler.state()})"
+        assert time.monotonic() < end, (
+            f"the host sampler took no {count} samples in {deadline} s (state {app.sampler.state()})"
+        )
         app.sampler.sample_now()
         time.sleep(0.05)  # bounded poll for a thread's counter; the deadline above is the only wait
 
 
 def test_two_users_under_one_budget_and_a_stray_process_shown_as_unmanaged(tmp_path, unix_users):
-    from gpu_quota_ext.host_service.user_policy import user_policy
+    from gpu_quota_ext.hub.service.user_policy import user_policy
 
     app = service(tmp_path, "warn")
     total = app.devices[0].total
@@ -178,7 +214,7 @@ def test_two_users_under_one_budget_and_a_stray_process_shown_as_unmanaged(tmp_p
 
 
 def test_kill_stops_the_stray_process_and_nothing_else(tmp_path, unix_users):
-    from gpu_quota_ext.host_service.user_policy import user_policy
+    from gpu_quota_ext.hub.service.user_policy import user_policy
 
     app = service(tmp_path, "kill")
     alice, bob = unix_users

@@ -109,7 +109,9 @@ async def test_request_over_max_cap_is_clamped(jp_fetch, jp_serverapp):
     figure("fraction_after_clamp_to_max_cap_0.5 (of torch's total; the cap is 0.5 of NVML's)", applied)
     # The cap is bytes (0.5 of NVML's total); torch's total is ~615 MiB smaller, so its fraction is a bit above 0.5.
     assert abs(float(applied) * int(torch_total) - device["cap"]) < (1 << 20)
-    over = await run_cell(jp_serverapp, kernel_id, "y = torch.empty(int(0.6 * total), dtype=torch.uint8, device='cuda:0')")
+    over = await run_cell(
+        jp_serverapp, kernel_id, "y = torch.empty(int(0.6 * total), dtype=torch.uint8, device='cuda:0')"
+    )
     assert [e["ename"] for e in over.errors] == ["OutOfMemoryError"]
 
 
@@ -133,19 +135,21 @@ async def test_panel_numbers_equal_torchs_while_a_loop_allocates(jp_fetch, jp_se
         "        assert time.monotonic() < deadline, shown\n"
         "        time.sleep(0.02)\n"
         "    row = panel.view().rows[0]\n"
-        "    pairs.append((row.allocated, torch.cuda.memory_allocated(0), row.reserved, torch.cuda.memory_reserved(0), row.cap))\n"
+        "    pairs.append((row.allocated, torch.cuda.memory_allocated(0), row.reserved, torch.cuda.memory_reserved(0), "
+        "row.cap))\n"
         "print(pairs)\n"
         "panel.close()\n",
     )
     pairs = ast.literal_eval(out.stdout.strip().splitlines()[-1])
-    for allocated, torch_allocated, reserved, torch_reserved, cap in pairs:
+    for allocated, torch_allocated, reserved, torch_reserved, _cap in pairs:
         assert allocated == torch_allocated and reserved == torch_reserved
     figure("panel_vs_torch (allocated, torch, reserved, torch, cap)", pairs)
     # The thread pushed the same figures to the browser while the cell ran.
     details = [
         m["content"]["data"]["state"]["value"]
         for m in out.messages
-        if m["msg_type"] == "comm_msg" and "value" in m["content"]["data"].get("state", {})
+        if m["msg_type"] == "comm_msg"
+        and "value" in m["content"]["data"].get("state", {})
         and "allocated" in str(m["content"]["data"]["state"]["value"])
     ]
     figure("panel_updates_sent_during_the_cell", len(details))

@@ -20,9 +20,23 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
+from gpu_quota_ext.manager import SETTINGS_KEY
+
 from ..integration.fake_gpu import wait_for
-from ..integration.fake_mps import alive, jp_runtime_dir, other_user, short_tmp, wait_until  # noqa: F401
-from ..integration.kernels import execute, kernel_env, restart_kernel, start_kernel, write_kernelspec
+from ..integration.fake_mps import (  # noqa: F401
+    alive,
+    jp_runtime_dir,
+    other_user,
+    short_tmp,
+    wait_until,
+)
+from ..integration.kernels import (
+    execute,
+    kernel_env,
+    restart_kernel,
+    start_kernel,
+    write_kernelspec,
+)
 from ..integration.servers import Server
 from .conftest import gpu_count, kernel_pid, record
 
@@ -34,13 +48,22 @@ LIMIT = CAP + 640 * MiB  # what the driver enforces (the CUDA context included)
 OVER = 20 * GiB  # above the hard limit
 UNDER = 15 * GiB  # under the cap, with room for the context
 CONTROL = shutil.which("nvidia-cuda-mps-control") or "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
-MPS_VARIABLES = ["CUDA_VISIBLE_DEVICES", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"]
+MPS_VARIABLES = [
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_LOG_DIRECTORY",
+]
 
 
 def hard_config(**more) -> Config:
     settings = {
-        "default_cap": "16GiB", "max_cap": "16GiB", "hard_cap": "mps", "mps_daemon": "managed",
-        "enforce": "warn", "poll_interval": 0.5,
+        "default_cap": "16GiB",
+        "max_cap": "16GiB",
+        "hard_cap": "mps",
+        "mps_daemon": "managed",
+        "enforce": "warn",
+        "poll_interval": 0.5,
     }
     settings.update(more)
     return Config({"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": settings})
@@ -145,7 +168,11 @@ async def test_over_limit_allocations_are_refused_at_allocation_time_by_every_al
         env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT // MiB}M", env
         began = time.perf_counter()
-        found = last_json(await execute(jp_serverapp, kernel_id, f"UNDER, OVER, LIMIT = {UNDER}, {OVER}, {LIMIT}\n" + code, timeout=300))
+        found = last_json(
+            await execute(
+                jp_serverapp, kernel_id, f"UNDER, OVER, LIMIT = {UNDER}, {OVER}, {LIMIT}\n" + code, timeout=300
+            )
+        )
         found["seconds"] = round(time.perf_counter() - began, 2)
         record(f"mps {route}", found)
         results[route] = found
@@ -156,13 +183,17 @@ async def test_over_limit_allocations_are_refused_at_allocation_time_by_every_al
         if route.startswith("jax"):
             assert found["backend"] == "gpu", found
         layers = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)["layers"]
-        assert layers["hard_limit"] == {"mps": {str(k): LIMIT for k in layers["hard_limit"]["mps"]}} and layers["parkable"] is False
+        assert (
+            layers["hard_limit"] == {"mps": {str(k): LIMIT for k in layers["hard_limit"]["mps"]}}
+            and layers["parkable"] is False
+        )
     for route, found in results.items():
         assert found["under"] == "ok", (route, found)
         assert found["over"].startswith("OOM"), (route, found)
 
 
-CLEARED_CHILD = """
+CLEARED_CHILD = (
+    """
 import json, subprocess, sys
 code = '''
 import json, time, cupy
@@ -177,7 +208,9 @@ print(json.dumps({"over": result}))
 '''.replace("OVER", str(%d))
 done = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/local/bin:/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
 print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else json.dumps({"over": "error " + done.stderr[-300:]}))
-""" % OVER
+"""
+    % OVER
+)
 
 
 async def test_a_subprocess_that_clears_its_environment_is_caught_by_a_layer(jp_fetch, jp_serverapp):
@@ -190,7 +223,7 @@ async def test_a_subprocess_that_clears_its_environment_is_caught_by_a_layer(jp_
         return
     assert found["over"] == "ok", found
 
-    manager = jp_serverapp.web_app.settings["gpu_quota_service"]
+    manager = jp_serverapp.web_app.settings[SETTINGS_KEY]
 
     def warned():
         action = manager.status.last_action(kernel_id)
@@ -261,7 +294,7 @@ async def test_the_monitor_sees_an_mps_kernels_memory(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     assert "held" in await execute(jp_serverapp, kernel_id, HOLD, timeout=300)
     pid = kernel_pid(jp_serverapp, kernel_id)
-    monitor = jp_serverapp.web_app.settings["gpu_quota_service"].monitor
+    monitor = jp_serverapp.web_app.settings[SETTINGS_KEY].monitor
     ticks = monitor.ticks
     await wait_for(lambda: monitor.ticks >= ticks + 3, timeout=30)
     state = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
@@ -272,15 +305,25 @@ async def test_the_monitor_sees_an_mps_kernels_memory(jp_fetch, jp_serverapp):
         mps = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
     except Exception as error:  # an older nvidia-ml-py
         mps = {"error": repr(error)}
-    record("mps kernel holding 10 GiB: status used, NVML compute list, NVML MPS list", {
-        "kernel_pid": pid, "status_used": state["devices"][0]["used"], "compute": compute, "mps_compute": mps,
-    })
+    record(
+        "mps kernel holding 10 GiB: status used, NVML compute list, NVML MPS list",
+        {
+            "kernel_pid": pid,
+            "status_used": state["devices"][0]["used"],
+            "compute": compute,
+            "mps_compute": mps,
+        },
+    )
     assert pid in compute or pid in mps
 
 
 async def test_a_restart_keeps_the_limit(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
-    malloc = "import cupy\nfrom cupy.cuda import runtime\ntry:\n    runtime.free(runtime.malloc(%d)); print('ok')\nexcept runtime.CUDARuntimeError:\n    print('OOM')\n" % OVER
+    malloc = (
+        "import cupy\nfrom cupy.cuda import runtime\ntry:\n    runtime.free(runtime.malloc(%d)); print('ok')\nexcept "
+        "runtime.CUDARuntimeError:\n    print('OOM')\n"
+        % OVER
+    )
     before = (await execute(jp_serverapp, kernel_id, malloc, timeout=300)).strip()
     await restart_kernel(jp_fetch, kernel_id)
     env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)
@@ -297,7 +340,11 @@ class TestTwoDevices:
 
     @pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
     async def test_two_kernels_on_two_devices_each_with_its_own_limit(self, jp_fetch, jp_serverapp, jp_kernel_dir):
-        spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "2 GPUs", "language": "python"}
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "2 GPUs",
+            "language": "python",
+        }
         one = await start_kernel(jp_fetch)
         two = await start_kernel(jp_fetch, write_kernelspec(jp_kernel_dir, "two", spec))
         probe = (
@@ -309,8 +356,19 @@ class TestTwoDevices:
             "        except runtime.CUDARuntimeError:\n            out[f'{d} {name}'] = 'OOM'\n"
             "print(json.dumps(out))\n"
         )
-        small = last_json(await execute(jp_serverapp, one, probe.replace("SIZES", repr([("15 GiB", UNDER), ("19 GiB", 19 * GiB)])), timeout=300))
-        big = last_json(await execute(jp_serverapp, two, probe.replace("SIZES", repr([("23 GiB", 23 * GiB), ("27 GiB", 27 * GiB)])), timeout=300))
+        small = last_json(
+            await execute(
+                jp_serverapp, one, probe.replace("SIZES", repr([("15 GiB", UNDER), ("19 GiB", 19 * GiB)])), timeout=300
+            )
+        )
+        big = last_json(
+            await execute(
+                jp_serverapp,
+                two,
+                probe.replace("SIZES", repr([("23 GiB", 23 * GiB), ("27 GiB", 27 * GiB)])),
+                timeout=300,
+            )
+        )
         record("mps two devices: 16 GiB kernel", small)
         record("mps two devices: 24 GiB x 2 kernel", big)
         assert small == {"0 15 GiB": "ok", "0 19 GiB": "OOM"}
@@ -320,18 +378,32 @@ class TestTwoDevices:
 class TestOff:
     @pytest.fixture
     def jp_server_config(self):
-        return Config({"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": {"default_cap": "0.2"}})
+        return Config(
+            {"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": {"default_cap": "0.2"}}
+        )
 
     async def test_off_changes_nothing(self, jp_fetch, jp_serverapp):
         kernel_id = await start_kernel(jp_fetch)
         env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES + ["GPU_QUOTA_LAYERS"])
-        soft = (await execute(jp_serverapp, kernel_id, (
-            "import torch\ntotal = torch.cuda.get_device_properties(0).total_memory\nout = []\n"
-            "for f in (0.19, 0.21):\n    try:\n        x = torch.empty(int(f * total), dtype=torch.int8, device='cuda'); del x; out.append('ok')\n"
-            "    except torch.OutOfMemoryError as e:\n        out.append('OOM (cap)' if 'allowed;' in str(e) else 'OOM')\n    torch.cuda.empty_cache()\n"
-            "print(' | '.join(out))\n"), timeout=300)).strip()
+        soft = (
+            await execute(
+                jp_serverapp,
+                kernel_id,
+                (
+                    "import torch\ntotal = torch.cuda.get_device_properties(0).total_memory\nout = []\n"
+                    "for f in (0.19, 0.21):\n    try:\n        x = torch.empty(int(f * total), dtype=torch.int8, "
+                    "device='cuda'); del x; out.append('ok')\n"
+                    "    except torch.OutOfMemoryError as e:\n        out.append('OOM (cap)' if 'allowed;' in str(e) "
+                    "else 'OOM')\n    torch.cuda.empty_cache()\n"
+                    "print(' | '.join(out))\n"
+                ),
+                timeout=300,
+            )
+        ).strip()
         record("hard_cap off: kernel MPS variables, 0.19 | 0.21 of the device", [env, soft])
-        assert {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"} == {k: None for k in MPS_VARIABLES[1:] + ["GPU_QUOTA_LAYERS"]}
+        assert {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"} == {
+            k: None for k in MPS_VARIABLES[1:] + ["GPU_QUOTA_LAYERS"]
+        }
         assert soft == "ok | OOM (cap)"
         assert mps_processes() == {}
 
@@ -364,7 +436,7 @@ def test_the_managed_daemon_is_gone_after_the_server_stops(runtime):
         daemon = int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
         kernel = server.api("/api/kernels", "POST", {"name": "python3"})
         assert "cuda ok" in server.run(kernel["id"], CUDA_TOUCH, timeout=180)
-        from gpu_quota_ext.mps import server_list
+        from gpu_quota_ext.hard_limit.mps import server_list
 
         servers = server_list(CONTROL, pipe, 10)
         record("mps processes while a kernel uses CUDA", {"daemon": daemon, "servers": servers, "all": mps_processes()})
@@ -392,22 +464,36 @@ def test_a_second_users_kernel_starts_without_the_hard_layer_and_does_not_hang(r
         directory.chmod(0o777)
     env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(shared), CUDA_MPS_LOG_DIRECTORY=str(runtime / "shared-log"))
     subprocess.run([CONTROL, "-d"], env=env, check=True, timeout=30)
-    holder = subprocess.Popen([sys.executable, "-c", CUDA_TOUCH + "; import time; time.sleep(600)"], env=env, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", CUDA_TOUCH + "; import time; time.sleep(600)"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     user_runtime = runtime / "other-user"
     user_runtime.mkdir()
     shutil.chown(user_runtime, user=uid)
     server = None
     try:
         assert readline_within(holder, 120).strip() == "cuda ok"  # root's client holds the MPS server
-        from gpu_quota_ext.mps import process_owner, server_list
+        from gpu_quota_ext.hard_limit.mps import process_owner, server_list
 
         owners = {pid: process_owner(pid) for pid in server_list(CONTROL, str(shared), 10)}
         record("mps shared daemon: server owners", owners)
         assert set(owners.values()) == {0}
         server = Server(
             user_runtime,
-            ["--GpuQuota.hard_cap=auto", "--GpuQuota.mps_daemon=external", "--GpuQuota.default_cap=16GiB", "--GpuQuota.mps_timeout=5"],
-            {"CUDA_MPS_PIPE_DIRECTORY": str(shared), "JUPYTER_DATA_DIR": str(user_runtime / "data"), "IPYTHONDIR": str(user_runtime / "ipython")},
+            [
+                "--GpuQuota.hard_cap=auto",
+                "--GpuQuota.mps_daemon=external",
+                "--GpuQuota.default_cap=16GiB",
+                "--GpuQuota.mps_timeout=5",
+            ],
+            {
+                "CUDA_MPS_PIPE_DIRECTORY": str(shared),
+                "JUPYTER_DATA_DIR": str(user_runtime / "data"),
+                "IPYTHONDIR": str(user_runtime / "ipython"),
+            },
             # runuser sets HOME to the user's (absent) home: give it one it can write.
             prefix=["runuser", "-u", "gq-mps-other", "--", "env", f"HOME={user_runtime}"],
         )

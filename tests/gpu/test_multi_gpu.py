@@ -10,7 +10,7 @@ import pytest
 from traitlets.config import Config
 
 from ..integration.kernels import execute, kernel_env, start_kernel
-from .conftest import gpu_count, kernel_pid, nvml_used_by_pid, record
+from .conftest import gpu_count, kernel_pid, record
 
 pytestmark = pytest.mark.gpu
 

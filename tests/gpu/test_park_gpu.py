@@ -77,7 +77,11 @@ async def wait_park(jp_fetch, kernel_id, states, timeout=PARK_WAIT) -> dict:
         park = await park_of(jp_fetch, kernel_id)
         if park["state"] in states:
             return park
-        if "parked" in states and park["state"] in ("idle", "busy") and (park["reason"] or "").startswith("did not park"):
+        if (
+            "parked" in states
+            and park["state"] in ("idle", "busy")
+            and (park["reason"] or "").startswith("did not park")
+        ):
             raise AssertionError(f"kernel {kernel_id} did not park: {park}")  # say why at once, not after the deadline
         if time.monotonic() > deadline:
             raise AssertionError(f"kernel {kernel_id} not {states} within {timeout} s: {park}")
@@ -92,7 +96,10 @@ async def seen_on_gpu(serverapp, kernel_id, pids, nbytes, timeout=60.0):
         if set(pids) <= set(parker.pids.get(kernel_id, ())) and sum(parker.usage.get(kernel_id, {}).values()) >= nbytes:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"the monitor did not see {pids} with {nbytes} B: {parker.pids.get(kernel_id)} {parker.usage.get(kernel_id)}")
+            raise AssertionError(
+                f"the monitor did not see {pids} with {nbytes} B: {parker.pids.get(kernel_id)} "
+                f"{parker.usage.get(kernel_id)}"
+            )
         await asyncio.sleep(0.05)
 
 
@@ -137,7 +144,9 @@ async def test_a_parked_kernel_shows_0_bytes_and_its_next_cell_finds_its_tensor(
     back = await wait_park(jp_fetch, kernel_id, ("idle", "busy"))
     assert back["host_bytes"] is None
     assert nvml_used_by_pid().get(pid, 0) >= gib * GiB
-    assert (await execute(jp_serverapp, kernel_id, "print(torch.ones(3, device='cuda').sum().item())", timeout=120)).strip() == "3.0"
+    assert (
+        await execute(jp_serverapp, kernel_id, "print(torch.ones(3, device='cuda').sum().item())", timeout=120)
+    ).strip() == "3.0"
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -164,7 +173,10 @@ async def test_a_kernel_and_its_cuda_subprocess_park_and_resume_together(jp_fetc
     await seen_on_gpu(jp_serverapp, kernel_id, [pid, child_pid], 3 * GiB)
     seconds, parked = await park(jp_fetch, kernel_id)
     used = nvml_used_by_pid()
-    record("park kernel + CUDA subprocess: NVML bytes after (kernel, child)", f"{used.get(pid, 0)}, {used.get(child_pid, 0)}")
+    record(
+        "park kernel + CUDA subprocess: NVML bytes after (kernel, child)",
+        f"{used.get(pid, 0)}, {used.get(child_pid, 0)}",
+    )
     record("park kernel + CUDA subprocess: seconds", round(seconds, 2))
     assert used.get(pid, 0) == 0 and used.get(child_pid, 0) == 0
     assert (await execute(jp_serverapp, kernel_id, CHECK, timeout=300)).strip() == checksum
@@ -192,7 +204,9 @@ torch.cuda.empty_cache()
 
 async def test_another_kernel_can_allocate_the_memory_a_parked_kernel_returned(jp_fetch, jp_serverapp):
     holder, other = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
-    total = int((await execute(jp_serverapp, holder, "import torch; print(torch.cuda.mem_get_info()[1])", timeout=120)).strip())
+    total = int(
+        (await execute(jp_serverapp, holder, "import torch; print(torch.cuda.mem_get_info()[1])", timeout=120)).strip()
+    )
     checksum = (await execute(jp_serverapp, holder, HOLD.format(n=int(0.35 * total)), timeout=300)).strip()
     await seen_on_gpu(jp_serverapp, holder, [kernel_pid(jp_serverapp, holder)], int(0.35 * total))
     before = (await execute(jp_serverapp, other, TRY_ALLOCATE.format(fraction=0.7), timeout=120)).strip()
@@ -230,7 +244,9 @@ async def test_restart_and_shutdown_of_a_parked_kernel_leave_no_process(jp_fetch
     assert pid not in nvml_used_by_pid()
     assert kernel_id not in service_of(jp_serverapp).parker.records
     if how == "restart":
-        out = await execute(jp_serverapp, kernel_id, "import torch; print(torch.ones(4, device='cuda').sum().item())", timeout=180)
+        out = await execute(
+            jp_serverapp, kernel_id, "import torch; print(torch.ones(4, device='cuda').sum().item())", timeout=180
+        )
         assert out.strip() == "4.0"
         assert (await park_of(jp_fetch, kernel_id))["state"] in ("idle", "busy")
         await shutdown_kernel(jp_fetch, kernel_id)
@@ -261,10 +277,13 @@ def server_wait(server, kernel_id, states, timeout=PARK_WAIT) -> dict:
         time.sleep(0.1)
 
 
-ROOT_HOLDER = "import torch, time; x = torch.ones(1 << 28, device='cuda'); torch.cuda.synchronize(); print('held', flush=True); time.sleep(600)"
+ROOT_HOLDER = (
+    "import torch, time; x = torch.ones(1 << 28, device='cuda'); torch.cuda.synchronize(); print('held', "
+    "flush=True); time.sleep(600)"
+)
 TRY_LOCK = """
 import sys
-from gpu_quota_ext.checkpoint import CheckpointError, CudaCheckpointDriver
+from gpu_quota_ext.parking.checkpoint import CheckpointError, CudaCheckpointDriver
 driver = CudaCheckpointDriver(); driver.open()
 try:
     driver.lock(int(sys.argv[1]), 2000)
@@ -279,9 +298,10 @@ def test_an_ordinary_user_parks_its_own_kernel_and_cannot_lock_another_users_pro
     uid = other_user()
     if uid is None or shutil.which("runuser") is None:
         pytest.skip("needs root, useradd and runuser")
+    from gpu_quota_ext.parking.decisions import not_parkable
+    from gpu_quota_ext.parking.parker import foreign_processes
+
     from ..integration.fake_mps import OTHER_USER
-    from gpu_quota_ext.parker import foreign_processes
-    from gpu_quota_ext.parking import not_parkable
 
     user_runtime = runtime / "park-user"
     user_runtime.mkdir()
@@ -314,8 +334,22 @@ def test_an_ordinary_user_parks_its_own_kernel_and_cannot_lock_another_users_pro
         holder = subprocess.Popen([sys.executable, "-c", ROOT_HOLDER], stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"
         out = subprocess.run(
-            ["runuser", "-u", OTHER_USER, "--", "env", f"HOME={user_runtime}", sys.executable, "-c", TRY_LOCK, str(holder.pid)],
-            capture_output=True, text=True, timeout=120, env=dict(os.environ),
+            [
+                "runuser",
+                "-u",
+                OTHER_USER,
+                "--",
+                "env",
+                f"HOME={user_runtime}",
+                sys.executable,
+                "-c",
+                TRY_LOCK,
+                str(holder.pid),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
         )
         record("ordinary user locks root's CUDA process: driver answer", (out.stdout + out.stderr).strip()[-300:])
         assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr

@@ -109,7 +109,9 @@ async def test_watchdog_catches_cupy_over_its_cap(jp_fetch, jp_serverapp, enforc
     pid = kernel_pid(jp_serverapp, kernel_id)
     stamp = tmp_path / "allocated"
     hold = 0 if enforce == "warn" else 60
-    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, OVER_CAP.format(stamp=str(stamp), hold=hold), timeout=180))
+    cell = asyncio.ensure_future(
+        execute(jp_serverapp, kernel_id, OVER_CAP.format(stamp=str(stamp), hold=hold), timeout=180)
+    )
     action, state = await wait_for_action(jp_fetch, kernel_id, timeout=120)
     for _ in range(50):  # the cell writes it a few ms after the memory shows in NVML
         if stamp.exists() and stamp.read_text():
@@ -150,7 +152,9 @@ async def test_status_used_matches_nvidia_smi(jp_fetch, jp_serverapp):
     kernels = []
     for fraction in (0.05, 0.1):
         kernel_id = await start_kernel(jp_fetch)
-        assert (await execute(jp_serverapp, kernel_id, WITHIN_CAP.format(fraction=fraction), timeout=180)).strip() == "held"
+        assert (
+            await execute(jp_serverapp, kernel_id, WITHIN_CAP.format(fraction=fraction), timeout=180)
+        ).strip() == "held"
         kernels.append(kernel_id)
     await next_samples(jp_serverapp, 2)  # two fresh samples
     state = await status(jp_fetch)

@@ -154,7 +154,8 @@ class Hub:
         raise AssertionError(f"{user}'s server was not ready within {timeout} s:\n{self.log_tail()}")
 
     async def user_token(self, user: str) -> str:
-        _, data = await self.api("POST", f"/hub/api/users/{user}/tokens", {"note": "gpu-quota-ext hub test", "expires_in": 600})
+        body = {"note": "gpu-quota-ext hub test", "expires_in": 600}
+        _, data = await self.api("POST", f"/hub/api/users/{user}/tokens", body)
         return data["token"]
 
     # --- a kernel, through the proxy, the way the browser reaches it ---------------------------------
@@ -162,7 +163,9 @@ class Hub:
     async def execute(self, user: str, token: str, kernel_id: str, code: str, timeout: float = 60) -> Dict[str, str]:
         """Run `code` in the kernel over its websocket; returns {"stdout", "stderr", "error", "status"}."""
         url = f"ws://127.0.0.1:{self.port}/user/{user}/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
-        connection = await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {token}"}, request_timeout=30))
+        connection = await websocket_connect(
+            HTTPRequest(url, headers={"Authorization": f"token {token}"}, request_timeout=30)
+        )
         try:
             msg_id = uuid.uuid4().hex
             connection.write_message(json.dumps(execute_request(msg_id, code)))
@@ -207,8 +210,14 @@ def execute_request(msg_id: str, code: str) -> dict:
         },
         "parent_header": {},
         "metadata": {},
-        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                    "allow_stdin": False, "stop_on_error": True},
+        "content": {
+            "code": code,
+            "silent": False,
+            "store_history": False,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        },
         "channel": "shell",
         "buffers": [],
     }
@@ -223,7 +232,7 @@ async def _with_timeout(awaitable, seconds: float):
 
 
 # Loopback only, free ports, every file in the test's own folder; servers are spawned as this OS user.
-HUB_CONFIG_HEADER = '''
+HUB_CONFIG_HEADER = """
 c.JupyterHub.ip = "127.0.0.1"
 c.JupyterHub.port = {port}
 c.JupyterHub.hub_ip = "127.0.0.1"
@@ -247,4 +256,4 @@ c.JupyterHub.load_roles = [{{
     "services": ["hub-test-admin"],
 }}]
 c.JupyterHub.log_level = "INFO"
-'''
+"""

@@ -33,7 +33,7 @@ class QuotaService:
                     cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
                 except OSError:
                     continue
-                if "gpu_quota_ext.host_service.app" in cmdline and str(self.config_path) in cmdline:
+                if "gpu_quota_ext.hub.service.app" in cmdline and str(self.config_path) in cmdline:
                     return int(entry.name)
         return None
 
@@ -53,13 +53,13 @@ def quota_service_config(
     lines = [
         "c.GpuQuotaService.inventory_class = 'gpu_quota_ext.devices.StaticInventory'",
         f"c.StaticInventory.devices = {list(devices)!r}",
-        "c.GpuQuotaService.nvml_class = 'gpu_quota_ext.fake_nvml.FakeNvml'",
+        "c.GpuQuotaService.nvml_class = 'gpu_quota_ext.devices.fake_nvml.FakeNvml'",
         f"c.GpuQuotaService.state_dir = {str(service.state_dir)!r}",
     ]
     lines += [f"c.GpuQuotaService.{key} = {value!r}" for key, value in (settings or {}).items()]
     service.config_path.write_text("\n".join(lines) + "\n")
     hub_lines = f"""
-from gpu_quota_ext.host_service.spec import register_service
+from gpu_quota_ext.hub.service.spec import register_service
 register_service(
     c, name={name!r}, port={service.port}, users={dict(users or {})!r}, groups={dict(groups or {})!r},
     default={dict(default or {})!r}, args=["--config={service.config_path}"], admin_roles={list(admin_roles)!r},

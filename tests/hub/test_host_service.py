@@ -1,6 +1,6 @@
 """Issue 14: the host quota service under a real JupyterHub and configurable-http-proxy.
 
-The hub starts `gpu_quota_ext.host_service` as a hub-managed service (its own role, the admin scope);
+The hub starts `gpu_quota_ext.hub.service` as a hub-managed service (its own role, the admin scope);
 every call below goes through the hub's proxy to /services/gpu-quota/ with a token the hub issued.
 Users alice and bob hold grants on one 80 GiB device (budget 80 GiB, each kernel 0.5 of it by the
 hub's mapping, a full host refuses); carol is a hub admin. The user-server side (RemoteLedger) is not
@@ -20,8 +20,13 @@ import time
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, LEASE_PATH, METRICS_PATH, STATUS_PATH
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.service_contract import (
+    GRANTS_PATH,
+    LEASE_PATH,
+    METRICS_PATH,
+    STATUS_PATH,
+)
 
 from .hubtools import Hub
 from .quota_service import quota_service_config
@@ -91,14 +96,25 @@ async def _scenario(hub: Hub, service) -> None:
     async def renew_forever():
         while True:
             for user, kernels in running.items():
-                await call("POST", service.path(LEASE_PATH), user, {"server": "", "kernels": [{"kernel_id": k, "pids": []} for k in kernels]})
+                await call(
+                    "POST",
+                    service.path(LEASE_PATH),
+                    user,
+                    {"server": "", "kernels": [{"kernel_id": k, "pids": []} for k in kernels]},
+                )
             await asyncio.sleep(LEASE / 4)
 
     renewer = asyncio.ensure_future(renew_forever())
     try:
         # Six kernel starts at once from two users on a host that holds two: two granted, four refused.
         async def start(user, kernel_id):
-            code, data = await call("POST", grants, user, {"server": "", "kernel_id": kernel_id, "kernelspec": "python3", "allowed": None}, ok=(201, 409))
+            code, data = await call(
+                "POST",
+                grants,
+                user,
+                {"server": "", "kernel_id": kernel_id, "kernelspec": "python3", "allowed": None},
+                ok=(201, 409),
+            )
             if code == 201:
                 running[user].add(kernel_id)
             return code, data
@@ -133,7 +149,9 @@ async def _scenario(hub: Hub, service) -> None:
         await call("POST", service.path(LEASE_PATH), holder, {"server": "", "kernels": "all"}, ok=(400,))
         await call("PUT", f"{grants}/{kernel}", holder, {"cap": "0.1", "pad": "x" * (70 * 1024)}, ok=(413,))
         await call("GET", status, "not-a-token", ok=(403,))
-        await call("GET", f"{grants}/{kernel}?token={tokens[other]}", other, ok=(403,))  # a token in a URL is logged nowhere
+        await call(
+            "GET", f"{grants}/{kernel}?token={tokens[other]}", other, ok=(403,)
+        )  # a token in a URL is logged nowhere
 
         # Each user sees their own grants; the hub admin (carol) and the admin-scoped service see all.
         _, listed = await call("GET", grants, holder)
@@ -144,12 +162,16 @@ async def _scenario(hub: Hub, service) -> None:
             _, listed = await call("GET", grants, admin)
             assert sorted(g["kernel_id"] for g in listed["grants"]) == sorted(mine["alice"] + mine["bob"])
         # A service may look with the admin scope, never hold a grant.
-        await call("POST", grants, hub.admin_token, {"server": "", "kernel_id": "svc-0", "kernelspec": "python3"}, ok=(403,))
+        await call(
+            "POST", grants, hub.admin_token, {"server": "", "kernel_id": "svc-0", "kernelspec": "python3"}, ok=(403,)
+        )
         _, seen = await call("GET", status, other)
         assert all(k["user"] == other for k in seen["kernels"]) and [u["name"] for u in seen["users"]] == [other]
         await call("GET", service.path(METRICS_PATH), other, ok=(403,))
         _, metrics = await call("GET", service.path(METRICS_PATH), "carol")
-        assert f'gpu_quota_host_kernel_cap_bytes{{device="GPU-hubtest-0",kernel_id="{kernel}",user="{holder}"}}' in metrics
+        assert (
+            f'gpu_quota_host_kernel_cap_bytes{{device="GPU-hubtest-0",kernel_id="{kernel}",user="{holder}"}}' in metrics
+        )
 
         # The admin's page: behind the hub's OAuth (a browser without a login is sent to the hub) ...
         code, _ = await call("GET", service.prefix, "", ok=(302,))
@@ -165,10 +187,16 @@ async def _scenario(hub: Hub, service) -> None:
         # The holder lowers their cap: room for dana's quarter.
         _, changed = await call("PUT", f"{grants}/{kernel}", holder, {"cap": "0.25"})
         assert changed["status"] == "granted" and changed["grant"]["devices"][0]["cap"] == 20 * GiB
-        _, dana = await call("POST", grants, "dana", {"server": "dana-srv", "kernel_id": "dana-0", "kernelspec": "python3"})
+        _, dana = await call(
+            "POST", grants, "dana", {"server": "dana-srv", "kernel_id": "dana-0", "kernelspec": "python3"}
+        )
         assert dana["grant"]["devices"][0]["cap"] == 20 * GiB and "group 'small'" in dana["grant"]["source"]
         # dana's server never renews its lease: within the lease, her grant is released.
-        await _until(lambda: _gone(call, f"{grants}/dana-0", "dana"), timeout=LEASE * 4, what="dana's expired lease releasing her grant")
+        await _until(
+            lambda: _gone(call, f"{grants}/dana-0", "dana"),
+            timeout=LEASE * 4,
+            what="dana's expired lease releasing her grant",
+        )
 
         # The service restarted (killed: the hub starts it again) keeps every grant, caps as changed.
         _, before = await call("GET", grants, "carol")
@@ -176,11 +204,15 @@ async def _scenario(hub: Hub, service) -> None:
         os.kill(old_pid, signal.SIGKILL)
         await _until(lambda: _new_pid(service, old_pid), what="the hub restarting its service")
         _, after = await _until(lambda: call("GET", grants, "carol"), what="the restarted service answering")
-        assert sorted(after["grants"], key=lambda g: g["kernel_id"]) == sorted(before["grants"], key=lambda g: g["kernel_id"])
+        assert sorted(after["grants"], key=lambda g: g["kernel_id"]) == sorted(
+            before["grants"], key=lambda g: g["kernel_id"]
+        )
 
         # A kernel its server no longer lists is released at the server's next renewal.
         running[holder].discard(kernel)
-        await _until(lambda: _gone(call, f"{grants}/{kernel}", holder), timeout=LEASE * 4, what="the unlisted kernel released")
+        await _until(
+            lambda: _gone(call, f"{grants}/{kernel}", holder), timeout=LEASE * 4, what="the unlisted kernel released"
+        )
     finally:
         renewer.cancel()
     # No user's token in any log (the hub's, the proxy's and the service's all go to the hub's log).

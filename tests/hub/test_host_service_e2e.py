@@ -1,10 +1,10 @@
 """Issue 14, the user servers' side: one GPU budget for the whole hub host, held by the quota service.
 
 A real `jupyterhub` with a real configurable-http-proxy, the host quota service registered by
-`gpu_quota_ext.host_service.configure.configure_host_service` (a hub-managed service), and three users, each with their own
-single-user server whose extension asks the service for every grant (RemoteLedger). Kernels start through
-the hub's proxy the way JupyterLab starts them. The host has one 80 GiB GPU (a static inventory with the
-same uuid in the service and the servers; CI has no GPU).
+`gpu_quota_ext.hub.service.configure.configure_host_service` (a hub-managed service), and three users, each
+with their own single-user server whose extension asks the service for every grant (RemoteLedger). Kernels
+start through the hub's proxy the way JupyterLab starts them. The host has one 80 GiB GPU (a static inventory
+with the same uuid in the service and the servers; CI has no GPU).
 
 Real Unix users where that works: the test runs as root, `useradd`s them (removed at the end) and the hub
 spawns each server as its own user. Where it cannot (not root, or this Python is not readable by other
@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, STATUS_PATH
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 
 from .hubtools import Hub
 from .quota_service import quota_service_config
@@ -45,15 +45,14 @@ CAP = 0.4  # two users' kernels fit in the budget, a third does not
 SHOW_CAP = "import os, json; print(json.dumps(json.loads(os.environ['GPU_QUOTA_DEVICES'])))"
 
 
-
-
 def unix_users_problem() -> str:
     """Why servers cannot run as Unix users of their own here, or ''."""
     if os.geteuid() != 0:
         return "creating Unix users needs root (CI runs as root)"
     probe = subprocess.run(
         ["runuser", "-u", "nobody", "--", sys.executable, "-c", "import gpu_quota_ext, jupyterhub"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if probe.returncode != 0:
         return f"this test's Python ({sys.executable}) cannot run as another user here: {probe.stderr.strip()[-200:]}"
@@ -77,7 +76,7 @@ if os.environ.get("JUPYTERHUB_USER") == {greedy!r}:
 HUB_CONFIG = """
 c.Spawner.args = ["--allow-root", "--config={single_user_config}"]
 {spawner_lines}
-from gpu_quota_ext.host_service.configure import configure_host_service
+from gpu_quota_ext.hub.service.configure import configure_host_service
 
 configure_host_service(
     c,
@@ -118,10 +117,18 @@ def test_one_budget_for_three_users_servers(setup_ok, tmp_path, accounts):
             devices=({"name": "Test GPU", "total": "80GiB", "uuid": UUID},),
             settings={"lease_seconds": float(LEASE_SECONDS), "start_grace": 2.0},
         )
-        hub = Hub(tmp_path, textwrap.dedent(HUB_CONFIG.format(
-            single_user_config=single_user_config, spawner_lines=spawner_lines, cap=CAP, port=service.port,
-            service_config=service.config_path,
-        )))
+        hub = Hub(
+            tmp_path,
+            textwrap.dedent(
+                HUB_CONFIG.format(
+                    single_user_config=single_user_config,
+                    spawner_lines=spawner_lines,
+                    cap=CAP,
+                    port=service.port,
+                    service_config=service.config_path,
+                )
+            ),
+        )
         hub.start()
         try:
             asyncio.run(Scenario(hub, service, users).run())
@@ -180,7 +187,9 @@ class Scenario:
         return granted
 
     async def start_kernel(self, user, ok=(201,)):
-        return await self.hub.api("POST", f"/user/{user}/api/kernels", {"name": "python3"}, token=self.tokens[user], ok=ok)
+        return await self.hub.api(
+            "POST", f"/user/{user}/api/kernels", {"name": "python3"}, token=self.tokens[user], ok=ok
+        )
 
     async def kernel_cap(self, user, kernel_id):
         ran = await self.hub.execute(user, self.tokens[user], kernel_id, SHOW_CAP)
@@ -226,9 +235,19 @@ class Scenario:
         await self.assert_within_budget()
 
         # Another user's records are 403 at the service, with that user's own token.
-        await hub.api("GET", self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"), token=self.tokens[second], ok=(403,))
-        await hub.api("PUT", self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"), {"cap": "0.1"}, token=self.tokens[second], ok=(403,))
-        await hub.api("DELETE", self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"), token=self.tokens[second], ok=(403,))
+        await hub.api(
+            "GET", self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"), token=self.tokens[second], ok=(403,)
+        )
+        await hub.api(
+            "PUT",
+            self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"),
+            {"cap": "0.1"},
+            token=self.tokens[second],
+            ok=(403,),
+        )
+        await hub.api(
+            "DELETE", self.service.path(f"{GRANTS_PATH}/{kernels[greedy]}"), token=self.tokens[second], ok=(403,)
+        )
         own = [g["kernel_id"] for g in await self.grants(token=self.tokens[second])]
         assert own == [kernels[second]], own
 
@@ -245,12 +264,15 @@ class Scenario:
             status = await self.status()
             rows = {k["kernel_id"]: k for k in status["kernels"]}
             return all(
-                kernels[u] in rows and rows[kernels[u]]["pids"]
+                kernels[u] in rows
+                and rows[kernels[u]]["pids"]
                 and time.time() + rows[kernels[u]]["lease_expires_in"] > restarted_at + LEASE_SECONDS - 0.5
                 for u in (greedy, second)
             )
 
-        await self.until(relearned, "every server renewing its lease with its kernels after the restart", timeout=LEASE_SECONDS)
+        await self.until(
+            relearned, "every server renewing its lease with its kernels after the restart", timeout=LEASE_SECONDS
+        )
 
         # A user server killed (a crash: nothing tells the service) loses its grants within the lease;
         # the budget it held is free for the third user.
@@ -306,7 +328,10 @@ class Scenario:
         url = model["servers"][""]["url"]
         for process in psutil.process_iter(["cmdline"]):
             try:
-                if "jupyterhub.singleuser" in " ".join(process.info["cmdline"] or []) and process.environ().get("JUPYTERHUB_USER") == user:
+                if (
+                    "jupyterhub.singleuser" in " ".join(process.info["cmdline"] or [])
+                    and process.environ().get("JUPYTERHUB_USER") == user
+                ):
                     return process.pid
             except psutil.Error:
                 continue

@@ -22,7 +22,7 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner import KubeSpawner
 from traitlets.config import Config
 
-from gpu_quota_ext.kube import configure_kubespawner_gpu
+from gpu_quota_ext.hub.kube import configure_kubespawner_gpu
 from gpu_quota_ext.policy import PolicyError
 
 GPU, MEM, PCT, CORES = "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores"
@@ -209,10 +209,22 @@ def profile_config(config):
         ("standard", {GPU: "1", MEM: "10240"}, {}, []),
         ("small", {GPU: "1", MEM: "4096"}, {}, []),  # a profile may offer less than the policy
         # ... never more: the policy lowers it, and the hub's log says so. The hardware choice is the profile's.
-        ("big", {GPU: "1", MEM: "10240"}, {GPU_TYPE: "A100"},
-         ["nvidia.com/gpu 2 from the profile lowered to 1", "nvidia.com/gpumem 81920 from the profile lowered to 10240"]),
+        (
+            "big",
+            {GPU: "1", MEM: "10240"},
+            {GPU_TYPE: "A100"},
+            [
+                "nvidia.com/gpu 2 from the profile lowered to 1",
+                "nvidia.com/gpumem 81920 from the profile lowered to 10240",
+            ],
+        ),
         # A percentage cannot be compared with MiB: the policy's memory replaces it.
-        ("half", {GPU: "1", MEM: "10240"}, {}, ["nvidia.com/gpumem-percentage 50 from the profile replaced by the policy's"]),
+        (
+            "half",
+            {GPU: "1", MEM: "10240"},
+            {},
+            ["nvidia.com/gpumem-percentage 50 from the profile replaced by the policy's"],
+        ),
         ("cpu", {}, {}, ["the profile gives the pod no GPU"]),
     ],
 )
@@ -233,7 +245,9 @@ async def test_a_profile_cannot_give_a_gpu_to_a_user_the_policy_gives_none(profi
     with caplog.at_level(logging.INFO):
         pod = await build_pod(spawner_for(profile_config, "erin", [group("no-gpu")]), "big")
     assert gpu_limits(pod) == {} and gpu_requests(pod) == {}
-    assert "nvidia.com/gpu 2, nvidia.com/gpumem 81920 from the profile removed (gpus from group 'no-gpu')" in caplog.text
+    assert (
+        "nvidia.com/gpu 2, nvidia.com/gpumem 81920 from the profile removed (gpus from group 'no-gpu')" in caplog.text
+    )
 
 
 async def test_a_profile_value_hami_cannot_read_fails_the_spawn_naming_it(profile_config):
@@ -244,7 +258,10 @@ async def test_a_profile_value_hami_cannot_read_fails_the_spawn_naming_it(profil
 async def test_jupyterhub_group_overrides_count_as_spawner_wide_values(config):
     # Applied by JupyterHub before the pre_spawn_hook: the policy replaces the GPU values it decides.
     config.KubeSpawner.group_overrides = {
-        "01-big-gpu": {"groups": ["staff"], "spawner_override": {"extra_resource_limits": {GPU: "4", "example.com/nic": "1"}}},
+        "01-big-gpu": {
+            "groups": ["staff"],
+            "spawner_override": {"extra_resource_limits": {GPU: "4", "example.com/nic": "1"}},
+        },
     }
     pod = await build_pod(spawner_for(config, "lena", [group("staff")]))
     assert gpu_limits(pod) == {GPU: "1", MEM: "40960", CORES: "50"}
@@ -285,7 +302,10 @@ async def test_respawns_start_again_from_the_admins_values(profile_config, caplo
         ({"default": {"gpu_memory": "lots"}}, ["default['gpu_memory']", "'lots'"]),
         ({"resource_names": {"mem": "example.com/vmem"}}, ["resource_names", "memory_percentage"]),
         # The server-side keys are checked as configure_hub_caps checks them.
-        ({"groups": {"staff": {"gpus": 1, "default_cap": "0.9", "max_cap": "0.5"}}}, ["groups['staff']", "above max_cap"]),
+        (
+            {"groups": {"staff": {"gpus": 1, "default_cap": "0.9", "max_cap": "0.5"}}},
+            ["groups['staff']", "above max_cap"],
+        ),
     ],
 )
 def test_bad_entries_stop_the_hub_at_start_and_touch_no_config(mapping, words):

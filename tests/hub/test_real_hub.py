@@ -56,7 +56,9 @@ EXPECTED = {
     "bob": {"cap": int(0.1 * TOTAL), "max_cap": int(0.2 * TOTAL)},
 }
 
-SHOW_ENV = "import os, json; print(json.dumps({n: os.environ.get(n) for n in ['GPU_QUOTA_DEVICES', 'JUPYTERHUB_USER']}))"
+SHOW_ENV = (
+    "import os, json; print(json.dumps({n: os.environ.get(n) for n in ['GPU_QUOTA_DEVICES', 'JUPYTERHUB_USER']}))"
+)
 
 
 @pytest.mark.timeout(150)
@@ -102,7 +104,9 @@ async def _scenario(hub: Hub) -> None:
         assert (device["cap"], device["max_cap"]) == (want["cap"], want["max_cap"])
 
     # A user cannot see another user's kernel: the hub's proxy and auth keep servers apart.
-    await hub.api("GET", f"/user/alice/api/gpu-quota/kernels/{kernels['alice']}", token=tokens["bob"], ok=(302, 403, 404))
+    await hub.api(
+        "GET", f"/user/alice/api/gpu-quota/kernels/{kernels['alice']}", token=tokens["bob"], ok=(302, 403, 404)
+    )
 
     # bob asks for more than his group's max_cap (0.2): the hub set on_over_max=refuse, so it is refused,
     # by the server his kernel reached on loopback under the hub's /user/bob/ prefix.

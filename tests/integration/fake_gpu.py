@@ -1,4 +1,4 @@
-"""Helpers for tests that run a real server with the fake NVML (gpu_quota_ext.fake_nvml.FakeNvml)."""
+"""Helpers for tests that run a real server with the fake NVML (gpu_quota_ext.devices.fake_nvml.FakeNvml)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 from traitlets.config import Config
 
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.provisioner import SETTINGS_KEY
-from gpu_quota_ext.fake_nvml import FakeNvml
 
 from .kernels import execute, static_devices_config
 
@@ -19,7 +19,13 @@ POLL = 0.2  # seconds between samples in these tests
 
 def fake_gpu_config(enforce: str = "warn", **gpu_quota) -> Config:
     """Two static 16 GiB devices, the fake NVML, a fast poll, no slack beyond 1 GiB, no grace."""
-    settings = {"nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml", "poll_interval": POLL, "enforce": enforce, "slack": "1GiB", "grace": 0}
+    settings = {
+        "nvml_class": "gpu_quota_ext.devices.fake_nvml.FakeNvml",
+        "poll_interval": POLL,
+        "enforce": enforce,
+        "slack": "1GiB",
+        "grace": 0,
+    }
     settings.update(gpu_quota)
     return Config(static_devices_config("16GiB", "16GiB", **settings))
 

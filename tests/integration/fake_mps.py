@@ -118,5 +118,7 @@ def other_user() -> Optional[int]:
     try:
         return pwd.getpwnam(OTHER_USER).pw_uid
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True
+        )
         return pwd.getpwnam(OTHER_USER).pw_uid

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 
 async def start_kernel(jp_fetch, name: str = "python3") -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,11 +38,22 @@ class Server:
             (self.runtime / "config").mkdir(parents=True, exist_ok=True)
             (self.runtime / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
-        env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {}))
+        env.update(
+            JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {})
+        )
         command = [
-            *prefix, sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1", "--port=0",
-            f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={runtime}",
-            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}", *args,
+            *prefix,
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            "--port=0",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ServerApp.root_dir={runtime}",
+            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}",
+            *args,
         ]
         self.lines: list = []
         # A session of its own: kill() reaches a server started through runuser, which forks it.
@@ -92,7 +103,9 @@ class Server:
     def answer(self, path, method="GET", body=None, timeout: float = 60, headers=None):
         """(HTTP status, the answer's JSON or None), errors included; no answer at all fails."""
         request = urllib.request.Request(
-            self.url() + path, method=method, data=None if body is None else json.dumps(body).encode(),
+            self.url() + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"token {TOKEN}", **(headers or {})},
         )
         try:

@@ -7,7 +7,17 @@ from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
+from .fake_gpu import (  # noqa: F401
+    POLL,
+    fake_gpu_config,
+    fake_nvml,
+    kernel_entry,
+    kernel_pid,
+    next_samples,
+    service_of,
+    status,
+    wait_for,
+)
 from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 
@@ -90,7 +100,11 @@ async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_s
     )
     assert json.loads(response.body) == {"accepted": 1, "last_action": None}
     entry = kernel_entry(await status(jp_fetch), kernel_id)
-    assert (entry["devices"][0]["allocated"], entry["devices"][0]["reserved"], entry["devices"][0]["peak"]) == (1000, 2048, 4096)
+    assert (entry["devices"][0]["allocated"], entry["devices"][0]["reserved"], entry["devices"][0]["peak"]) == (
+        1000,
+        2048,
+        4096,
+    )
     # The ledger is untouched: a report is usage, never a cap.
     assert entry["devices"][0]["cap"] == service.ledger.get(kernel_id).caps[device]
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -121,7 +135,9 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
     grant_before = service.ledger.get(kernel_id)
     for body in BAD_USAGE_BODIES:
         error = await expect_status(
-            jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body.replace("DEV", str(device))),
+            jp_fetch(
+                "api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body.replace("DEV", str(device))
+            ),
             400,
         )
         assert error.response.body, body
@@ -142,20 +158,37 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
     other = await start_kernel(jp_fetch)
     # Another kernel's secret is not this kernel's.
     await expect_status(
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body,
-                 headers={"X-GPU-Quota-Kernel-Token": service.token_for(other), "Authorization": ""}),
+        jp_fetch(
+            "api",
+            "gpu-quota",
+            "kernels",
+            kernel_id,
+            "usage",
+            method="POST",
+            body=body,
+            headers={"X-GPU-Quota-Kernel-Token": service.token_for(other), "Authorization": ""},
+        ),
         403,
     )
     # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
     cap_before = service.ledger.get(kernel_id).caps[device]
     for forged in ("forged", "é" * 43):
         await expect_status(
-            jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps({"cap": "0.5"}),
-                     headers={"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""}),
+            jp_fetch(
+                "api",
+                "gpu-quota",
+                "kernels",
+                kernel_id,
+                method="PUT",
+                body=json.dumps({"cap": "0.5"}),
+                headers={"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""},
+            ),
             403,
         )
     assert service.ledger.get(kernel_id).caps[device] == cap_before
-    await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404)
+    await expect_status(
+        jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404
+    )
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
     assert service.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -174,10 +207,26 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body='{"cap": "0.1"}', headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage, headers=no_auth),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage,
-                 headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"}),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage,
-                 headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""}),
+        jp_fetch(
+            "api",
+            "gpu-quota",
+            "kernels",
+            kernel_id,
+            "usage",
+            method="POST",
+            body=usage,
+            headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"},
+        ),
+        jp_fetch(
+            "api",
+            "gpu-quota",
+            "kernels",
+            kernel_id,
+            "usage",
+            method="POST",
+            body=usage,
+            headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""},
+        ),
     ]
     for call in calls:
         error = await expect_status(call, 401, 403)
@@ -225,8 +274,15 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
     kernel_id = await start_kernel(jp_fetch)
     service = service_of(jp_serverapp)
     device = service.ledger.get(kernel_id).devices[0]
-    await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST",
-                   body=json.dumps({"devices": [{"index": device, "reserved": 5}]}))
+    await jp_fetch(
+        "api",
+        "gpu-quota",
+        "kernels",
+        kernel_id,
+        "usage",
+        method="POST",
+        body=json.dumps({"devices": [{"index": device, "reserved": 5}]}),
+    )
     assert kernel_id in service.reports
     await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
@@ -237,7 +293,13 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
 
 @pytest.mark.parametrize(
     "setting, value",
-    [("enforce", "explode"), ("slack", "lots"), ("grace", "-1"), ("poll_interval", "0"), ("nvml_class", "builtins.dict")],
+    [
+        ("enforce", "explode"),
+        ("slack", "lots"),
+        ("grace", "-1"),
+        ("poll_interval", "0"),
+        ("nvml_class", "builtins.dict"),
+    ],
 )
 def test_invalid_watchdog_settings_stop_the_server_with_one_line(jp_configurable_serverapp, setting, value):
     with pytest.raises(SystemExit) as stopped:
@@ -264,8 +326,15 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
         write(b'{"cap": "0.5"}')
 
     await expect_status(
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body_producer=chunked,
-                 headers={"Transfer-Encoding": "chunked"}),
+        jp_fetch(
+            "api",
+            "gpu-quota",
+            "kernels",
+            kernel_id,
+            method="PUT",
+            body_producer=chunked,
+            headers={"Transfer-Encoding": "chunked"},
+        ),
         413,
     )
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
@@ -274,7 +343,12 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
     assert service.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
     padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
-    assert json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)["outcome"] == "granted"
+    assert (
+        json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)[
+            "outcome"
+        ]
+        == "granted"
+    )
     await shutdown_kernel(jp_fetch, kernel_id)
 
 

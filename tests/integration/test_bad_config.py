@@ -14,12 +14,23 @@ STATIC = ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"]
 
 def start_server(tmp_path, args, env_extra=None, config=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_")}
-    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), **(env_extra or {}))
+    env.update(
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), **(env_extra or {})
+    )
     if config is not None:
         (tmp_path / "config").mkdir(exist_ok=True)
         (tmp_path / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
-    command = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--port=0",
-               "--IdentityProvider.token=", f"--ServerApp.root_dir={tmp_path}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "jupyter_server",
+        "--no-browser",
+        "--allow-root",
+        "--port=0",
+        "--IdentityProvider.token=",
+        f"--ServerApp.root_dir={tmp_path}",
+        *args,
+    ]
     # Read the log until the server exits or says it is serving; (None, log) means it is serving.
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines = []
@@ -47,15 +58,26 @@ def start_server(tmp_path, args, env_extra=None, config=None):
         (["--GpuQuota.inventory_class=os.path"], None, None, "inventory_class"),
         # Typed traits: a choice, a range, a type; from the command line, the environment and a config file.
         (["--GpuQuota.hard_cap=yes"], None, None, "c.GpuQuota.hard_cap = 'yes': must be one of 'off', 'auto', 'mps'"),
-        ([], {"GPU_QUOTA_ENFORCE": "explode"}, None,
-         "c.GpuQuota.enforce = 'explode' (from the environment variable GPU_QUOTA_ENFORCE): must be one of"),
-        (["--GpuQuota.grace=soon"], None, None, "c.GpuQuota.grace = 'soon': must be a number of seconds from 0 to 3600"),
+        (
+            [],
+            {"GPU_QUOTA_ENFORCE": "explode"},
+            None,
+            "c.GpuQuota.enforce = 'explode' (from the environment variable GPU_QUOTA_ENFORCE): must be one of",
+        ),
+        (
+            ["--GpuQuota.grace=soon"],
+            None,
+            None,
+            "c.GpuQuota.grace = 'soon': must be a number of seconds from 0 to 3600",
+        ),
         ([], {"GPU_QUOTA_MPS_TIMEOUT": "0"}, None, "(from the environment variable GPU_QUOTA_MPS_TIMEOUT)"),
         ([], None, {"GpuQuota": {"caps": "alice"}}, "c.GpuQuota.caps = 'alice': must be a list of rules or a callable"),
     ],
 )
 def test_invalid_setting_stops_the_server_with_one_clear_line(tmp_path, args, env_extra, config, expected):
-    returncode, stderr = start_server(tmp_path, STATIC + args if "inventory_class" not in str(args) else args, env_extra, config)
+    returncode, stderr = start_server(
+        tmp_path, STATIC + args if "inventory_class" not in str(args) else args, env_extra, config
+    )
     assert returncode not in (None, 0), "the server kept running with an invalid setting"
     ours = [line for line in stderr.splitlines() if "gpu-quota-ext: invalid configuration" in line]
     assert len(ours) == 1, stderr

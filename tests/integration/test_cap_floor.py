@@ -66,7 +66,9 @@ def test_the_magic_refuses_a_cap_below_one_mib(shared, line):
     (error,) = out.stderr.strip().splitlines()
     assert error.startswith("gpu-quota: error: ") and "1 MiB" in error
     assert caps_of(server, kernel_id) == [POLICY_CAP]
-    env = json.loads(server.run(kernel_id, "import os, json; print(json.dumps(os.environ.get('CUPY_GPU_MEMORY_LIMIT')))"))
+    env = json.loads(
+        server.run(kernel_id, "import os, json; print(json.dumps(os.environ.get('CUPY_GPU_MEMORY_LIMIT')))")
+    )
     assert env == str(POLICY_CAP)
 
 
@@ -98,7 +100,11 @@ class TestCallableAnsweringZero:
     async def test_a_callable_below_the_floor_gives_the_default_policy(self, jp_fetch, jp_serverapp, caplog):
         kernel_id = await start_kernel(jp_fetch)
         assert await caps(jp_fetch, kernel_id) == [POLICY_CAP]
-        warnings = [r.getMessage() for r in caplog.records if r.name == "gpu_quota_ext" and r.levelname == "WARNING" and "caps callable" in r.getMessage()]
+        warnings = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "gpu_quota_ext" and r.levelname == "WARNING" and "caps callable" in r.getMessage()
+        ]
         assert len(warnings) == 1 and "1 MiB" in warnings[0]
 
 

@@ -30,7 +30,11 @@ async def grant_of(jp_fetch, kernel_id):
 
 
 def callable_warnings(caplog):
-    return [r for r in caplog.records if r.name == "gpu_quota_ext" and r.levelno >= logging.WARNING and "caps callable" in r.getMessage()]
+    return [
+        r
+        for r in caplog.records
+        if r.name == "gpu_quota_ext" and r.levelno >= logging.WARNING and "caps callable" in r.getMessage()
+    ]
 
 
 class TestAnswerAboveMaxCap:
@@ -104,7 +108,9 @@ class TestSlowCallable:
         grant = await grant_of(jp_fetch, kernel_id)
         assert grant["devices"][0]["cap"] == int(0.4 * TOTAL) and grant["source"] == "caps callable"
 
-    async def test_a_callable_that_does_not_answer_in_time_gives_the_default_policy(self, jp_fetch, jp_serverapp, caplog):
+    async def test_a_callable_that_does_not_answer_in_time_gives_the_default_policy(
+        self, jp_fetch, jp_serverapp, caplog
+    ):
         gate = self.gate
         service_of(jp_serverapp).caps_timeout = 0.2
         try:

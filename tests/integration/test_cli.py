@@ -73,7 +73,9 @@ def test_generated_config_is_every_setting_commented_and_valid_when_uncommented(
     assert not re.search(r"^c\.GpuQuota", text, re.M)  # nothing set until the admin uncomments it
     uncommented = tmp_path / "all_settings.py"
     uncommented.write_text(re.sub(r"^# (c\.\w+\.\w+ = )", r"\1", text, flags=re.M))
-    checked = gpu_quota(tmp_path, "check", f"--config={uncommented}", "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory")
+    checked = gpu_quota(
+        tmp_path, "check", f"--config={uncommented}", "--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"
+    )
     assert checked.returncode == 0, checked.stderr
     assert "configuration valid" in checked.stdout
     assert re.search(r"default_cap\s+0\.25\s+\(from config\)", checked.stdout), checked.stdout
@@ -87,7 +89,11 @@ def test_check_reads_the_servers_config_files_and_environment(tmp_path):
         "c.GpuQuota.max_cap = '0.5'\n"
     )
     result = gpu_quota(
-        tmp_path, "check", "--GpuQuota.placement=pack", GPU_QUOTA_DEFAULT_CAP="0.2", GPU_QUOTA_ENFORCE="kill",
+        tmp_path,
+        "check",
+        "--GpuQuota.placement=pack",
+        GPU_QUOTA_DEFAULT_CAP="0.2",
+        GPU_QUOTA_ENFORCE="kill",
         GPU_QUOTA_PARK_IDLE_AFTER="30min",
     )
     assert result.returncode == 0, result.stderr
@@ -118,7 +124,11 @@ def test_check_says_why_it_sees_no_gpu(tmp_path):
         ([STATIC, "--GpuQuota.default_cap=abc"], {}, "c.GpuQuota.default_cap = 'abc'"),
         ([STATIC], {"GPU_QUOTA_DEFAULT_CAP": "abc"}, "(from the environment variable GPU_QUOTA_DEFAULT_CAP)"),
         ([STATIC], {"GPU_QUOTA_POLL_INTERVAL": "0"}, "(from the environment variable GPU_QUOTA_POLL_INTERVAL)"),
-        ([STATIC], {"GPU_QUOTA_PLACEMENT": "random"}, "c.GpuQuota.placement = 'random' (from the environment variable GPU_QUOTA_PLACEMENT)"),
+        (
+            [STATIC],
+            {"GPU_QUOTA_PLACEMENT": "random"},
+            "c.GpuQuota.placement = 'random' (from the environment variable GPU_QUOTA_PLACEMENT)",
+        ),
         ([STATIC, "--GpuQuota.on_full=wait"], {}, "c.GpuQuota.on_full = 'wait': must be one of 'refuse', 'cpu-only'"),
         ([STATIC], {"GPU_QUOTA_PARK_IDLE_AFTER": "soon"}, "(from the environment variable GPU_QUOTA_PARK_IDLE_AFTER)"),
         (["--GpuQuota.inventory_class=os.path"], {}, "inventory_class"),
@@ -135,7 +145,7 @@ def test_a_bad_config_fails_check_with_the_servers_own_line(tmp_path, args, env,
     server_dir.mkdir()
     returncode, log = start_server(server_dir, args, env)
     assert returncode not in (None, 0)
-    assert [l for l in log.splitlines() if "gpu-quota-ext: invalid configuration" in l] == [line]
+    assert [entry for entry in log.splitlines() if "gpu-quota-ext: invalid configuration" in entry] == [line]
 
 
 def test_an_environment_value_that_config_overrides_is_not_blamed(tmp_path):

@@ -73,7 +73,11 @@ def oom_cell(nb):
 
 
 def cell_text(cell, stream: str) -> str:
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == stream)
+    return "".join(
+        o.get("text", "")
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == stream
+    )
 
 
 def find_cell(nb, source: str):
@@ -154,9 +158,21 @@ def test_tour_notebook_runs_under_nbconvert_without_a_server(tmp_path):
     env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     nbconvert = Path(sys.executable).with_name("jupyter-nbconvert")
     result = subprocess.run(
-        [str(nbconvert), "--to", "notebook", "--execute", str(NOTEBOOK), "--output-dir", str(tmp_path),
-         "--ExecutePreprocessor.timeout=180"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=230,
+        [
+            str(nbconvert),
+            "--to",
+            "notebook",
+            "--execute",
+            str(NOTEBOOK),
+            "--output-dir",
+            str(tmp_path),
+            "--ExecutePreprocessor.timeout=180",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=230,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     nb = nbformat.read(tmp_path / NOTEBOOK.name, as_version=4)

@@ -14,8 +14,8 @@ import pytest
 from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
-from gpu_quota_ext import devices as devices_module
 from gpu_quota_ext.devices import Device
+from gpu_quota_ext.devices import inventory as devices_module
 from gpu_quota_ext.policy import GiB
 
 from .kernels import execute, kernel_env, start_kernel, static_devices_config
@@ -58,7 +58,9 @@ class TestShareIsTheBudget:
         assert device["name"] == "Test GPU 0 (HAMi share)"
 
         kernel_id = await start_kernel(jp_fetch)
-        env = await kernel_env(jp_serverapp, kernel_id, ["GPU_QUOTA_DEVICES", "CUPY_GPU_MEMORY_LIMIT", "XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        env = await kernel_env(
+            jp_serverapp, kernel_id, ["GPU_QUOTA_DEVICES", "CUPY_GPU_MEMORY_LIMIT", "XLA_PYTHON_CLIENT_MEM_FRACTION"]
+        )
         (granted,) = json.loads(env["GPU_QUOTA_DEVICES"])
         # default_cap 0.25 is a quarter of the pod's 20 GiB, not of the 80 GiB GPU.
         assert (granted["cap"], granted["max_cap"], granted["total"]) == (5 * GiB, 10 * GiB, SHARE)
@@ -107,13 +109,20 @@ class TestDefaultInventoryInAPod:
     @pytest.fixture
     def jp_server_config(self, hami_env, monkeypatch):
         # The one call that asks the driver, faked: an 80 GiB GPU as NVML lists it.
-        gpu = Device(index=0, name="NVIDIA A100-SXM4-80GB", uuid="GPU-5e1a0b2c-0000-4000-8000-000000000001",
-                     total=80 * GiB, nvml_index=0)
+        gpu = Device(
+            index=0,
+            name="NVIDIA A100-SXM4-80GB",
+            uuid="GPU-5e1a0b2c-0000-4000-8000-000000000001",
+            total=80 * GiB,
+            nvml_index=0,
+        )
         monkeypatch.setattr(devices_module, "read_nvml_devices", lambda: ([gpu], None))
-        return Config({
-            "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
-            "GpuQuota": {"default_cap": "0.5", "nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml"},
-        })
+        return Config(
+            {
+                "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
+                "GpuQuota": {"default_cap": "0.5", "nvml_class": "gpu_quota_ext.devices.fake_nvml.FakeNvml"},
+            }
+        )
 
     async def test_it_just_works_in_the_pod(self, jp_fetch, jp_serverapp):
         (device,) = (await status(jp_fetch))["devices"]
@@ -129,4 +138,6 @@ def test_a_hami_value_that_cannot_be_read_stops_the_server_naming_it(jp_configur
     with pytest.raises(SystemExit) as stopped:
         jp_configurable_serverapp(config=hami_config())
     message = str(stopped.value)
-    assert message.startswith("gpu-quota-ext: invalid configuration:") and "CUDA_DEVICE_MEMORY_LIMIT_0='1.5g'" in message
+    assert (
+        message.startswith("gpu-quota-ext: invalid configuration:") and "CUDA_DEVICE_MEMORY_LIMIT_0='1.5g'" in message
+    )

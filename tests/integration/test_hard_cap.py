@@ -22,11 +22,18 @@ from .fake_mps import (  # noqa: F401 (jp_runtime_dir is a fixture)
     fake_processes,
     jp_runtime_dir,
     mps_config,
-    short_tmp,
     other_user,
+    short_tmp,
     start_daemon,
 )
-from .kernels import execute, kernel_env, restart_kernel, shutdown_kernel, start_kernel, write_kernelspec
+from .kernels import (
+    execute,
+    kernel_env,
+    restart_kernel,
+    shutdown_kernel,
+    start_kernel,
+    write_kernelspec,
+)
 
 CONTEXT = 640 * MiB
 LIMIT_40 = f"{(40 * GiB + CONTEXT) // MiB}M"  # max_cap 0.5 of 80 GiB, plus the context allowance
@@ -42,7 +49,11 @@ def jp_server_config():
 
 @pytest.fixture
 def two_gpu_kernelspec(jp_kernel_dir):
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "Two GPUs", "language": "python"}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Two GPUs",
+        "language": "python",
+    }
     return write_kernelspec(jp_kernel_dir, "two", spec)
 
 
@@ -52,7 +63,10 @@ def entry(state: dict, kernel_id: str) -> dict:
 
 async def scrape(jp_fetch) -> dict:
     text = (await jp_fetch("metrics")).body.decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(gpu_quota_kernel_hard_limit_bytes\{[^}]*\}) (\S+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(gpu_quota_kernel_hard_limit_bytes\{[^}]*\}) (\S+)$", text, re.M)
+    }
 
 
 async def gpucap(jp_serverapp, kernel_id: str, line: str = "") -> str:
@@ -64,7 +78,12 @@ async def test_each_kernel_gets_its_hard_limit_in_the_ordinals_it_sees(jp_fetch,
     two = await start_kernel(jp_fetch, two_gpu_kernelspec)
     state = await status(jp_fetch)
     hard_cap = state["hard_cap"]
-    assert (hard_cap["mode"], hard_cap["state"], hard_cap["daemon"], hard_cap["message"]) == ("auto", "on", "managed", None)
+    assert (hard_cap["mode"], hard_cap["state"], hard_cap["daemon"], hard_cap["message"]) == (
+        "auto",
+        "on",
+        "managed",
+        None,
+    )
     pipe = hard_cap["pipe_directory"]
     assert pipe.startswith(str(jp_serverapp.runtime_dir))
     assert stat.S_IMODE(os.stat(Path(pipe).parent).st_mode) == 0o700  # only this server's user reaches the daemon
@@ -180,7 +199,10 @@ class TestAnotherUsersServer:
         assert layers["hard_limit"] is None and layers["parkable"] is True
         assert f"another Unix user (uid {uid}, PID {server_pid})" in layers["hard_reason"]
         shown = await gpucap(jp_serverapp, kernel_id)
-        assert f"soft cap only, no hard limit: the MPS server on this daemon runs for another Unix user (uid {uid}" in shown, shown
+        assert (
+            f"soft cap only, no hard limit: the MPS server on this daemon runs for another Unix user (uid {uid}"
+            in shown
+        ), shown
 
         # That user's work ends: the next kernel gets the hard limit again.
         os.kill(server_pid, 9)
@@ -203,7 +225,9 @@ class TestHangingControl:
     def jp_server_config(self):
         return mps_config("80GiB", default_cap="0.25", max_cap="0.5", mps_timeout=3)
 
-    async def test_a_hanging_control_program_costs_its_timeout_and_the_hard_layer_never_the_loop(self, jp_fetch, jp_serverapp):
+    async def test_a_hanging_control_program_costs_its_timeout_and_the_hard_layer_never_the_loop(
+        self, jp_fetch, jp_serverapp
+    ):
         pipe = service_of(jp_serverapp).hard_cap.route.pipe_directory
         hang = Path(pipe) / "fake-hang"
         hang.touch()
@@ -227,7 +251,9 @@ class TestHangingControl:
 
         hang.unlink()
         again = await start_kernel(jp_fetch)
-        assert (await kernel_env(jp_serverapp, again, MPS_VARIABLES))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
+        assert (await kernel_env(jp_serverapp, again, MPS_VARIABLES))[
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+        ] == f"0={LIMIT_40}"
         assert (await status(jp_fetch))["hard_cap"]["last_problem"] is None
 
 
@@ -237,12 +263,16 @@ class TestDaemonRefusesDefaults:
         monkeypatch.setenv("FAKE_MPS_REFUSE_LIMITS", "1")
         return mps_config("80GiB", max_cap="0.5")
 
-    async def test_kernels_keep_their_own_limit_and_the_status_says_the_ceiling_is_missing(self, jp_fetch, jp_serverapp):
+    async def test_kernels_keep_their_own_limit_and_the_status_says_the_ceiling_is_missing(
+        self, jp_fetch, jp_serverapp
+    ):
         hard_cap = (await status(jp_fetch))["hard_cap"]
         assert hard_cap["state"] == "on" and hard_cap["ceiling"] == {}
         assert "Operation not supported" in hard_cap["ceiling_problem"]
         kernel_id = await start_kernel(jp_fetch)
-        assert (await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
+        assert (await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES))[
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+        ] == f"0={LIMIT_40}"
 
 
 class TestAutoWithoutDaemon:
@@ -253,7 +283,10 @@ class TestAutoWithoutDaemon:
     async def test_kernels_start_with_soft_caps_and_the_status_says_why(self, jp_fetch, jp_serverapp):
         state = await status(jp_fetch)
         assert state["hard_cap"]["state"] == "unavailable"
-        assert "'/nonexistent/nvidia-cuda-mps-control' (c.GpuQuota.mps_control) was found neither" in state["hard_cap"]["message"]
+        assert (
+            "'/nonexistent/nvidia-cuda-mps-control' (c.GpuQuota.mps_control) was found neither"
+            in state["hard_cap"]["message"]
+        )
         kernel_id = await start_kernel(jp_fetch)
         env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] is None
@@ -275,7 +308,9 @@ class TestExternalDaemon:
     def jp_server_config(self, external):
         return mps_config("80GiB", max_cap="0.5", mps_daemon="external")
 
-    async def test_kernels_use_the_admins_daemon_and_the_server_leaves_it_running(self, jp_fetch, jp_serverapp, external):
+    async def test_kernels_use_the_admins_daemon_and_the_server_leaves_it_running(
+        self, jp_fetch, jp_serverapp, external
+    ):
         pipe, pid = external
         kernel_id = await start_kernel(jp_fetch)
         env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)

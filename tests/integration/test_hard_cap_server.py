@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from .fake_mps import FAKE_CONTROL, alive, control, fake_processes, short_tmp, wait_until  # noqa: F401
+from .fake_mps import (  # noqa: F401
+    FAKE_CONTROL,
+    alive,
+    control,
+    fake_processes,
+    short_tmp,
+    wait_until,
+)
 from .servers import Server
 
 pytestmark = pytest.mark.slow  # whole servers started and stopped, each test
@@ -44,7 +51,9 @@ def watchers(directory: str):
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "shutdown"])
 def test_the_managed_daemon_lives_exactly_as_long_as_its_server(servers, runtime, how):
-    server = servers(runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_control={FAKE_CONTROL}", "--GpuQuota.mps_timeout=2"])
+    server = servers(
+        runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_control={FAKE_CONTROL}", "--GpuQuota.mps_timeout=2"]
+    )
     server.wait_serving()
     hard_cap = server.api("/api/gpu-quota/status")["hard_cap"]
     assert (hard_cap["mode"], hard_cap["state"]) == ("mps", "on")
@@ -73,7 +82,9 @@ def test_the_managed_daemon_lives_exactly_as_long_as_its_server(servers, runtime
 
 
 def test_a_daemon_that_ignores_quit_is_killed(servers, runtime):
-    server = servers(runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_control={FAKE_CONTROL}", "--GpuQuota.mps_timeout=1"])
+    server = servers(
+        runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_control={FAKE_CONTROL}", "--GpuQuota.mps_timeout=1"]
+    )
     server.wait_serving()
     pipe = server.api("/api/gpu-quota/status")["hard_cap"]["pipe_directory"]
     daemon = int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
@@ -90,10 +101,26 @@ REFUSAL = "gpu-quota-ext: invalid configuration: c.GpuQuota.hard_cap = 'mps' nee
 @pytest.mark.parametrize(
     "args, env_extra, words",
     [
-        (["--GpuQuota.mps_control=/nonexistent/nvidia-cuda-mps-control"], {}, "was found neither on PATH nor in /usr/local/nvidia/bin"),
-        ([], {"FAKE_MPS_FAIL_START": "1"}, "the managed MPS control daemon did not start: nvidia-cuda-mps-control -d exited with status 1"),
-        ([], {"FAKE_MPS_HANG": "1"}, "the managed MPS control daemon did not start: nvidia-cuda-mps-control -d did not return within 1 s"),
-        (["--GpuQuota.mps_daemon=external"], {"CUDA_MPS_PIPE_DIRECTORY": "{runtime}/no-daemon"}, "Cannot find MPS control daemon process"),
+        (
+            ["--GpuQuota.mps_control=/nonexistent/nvidia-cuda-mps-control"],
+            {},
+            "was found neither on PATH nor in /usr/local/nvidia/bin",
+        ),
+        (
+            [],
+            {"FAKE_MPS_FAIL_START": "1"},
+            "the managed MPS control daemon did not start: nvidia-cuda-mps-control -d exited with status 1",
+        ),
+        (
+            [],
+            {"FAKE_MPS_HANG": "1"},
+            "the managed MPS control daemon did not start: nvidia-cuda-mps-control -d did not return within 1 s",
+        ),
+        (
+            ["--GpuQuota.mps_daemon=external"],
+            {"CUDA_MPS_PIPE_DIRECTORY": "{runtime}/no-daemon"},
+            "Cannot find MPS control daemon process",
+        ),
     ],
     ids=["no-program", "start-fails", "start-hangs", "no-external-daemon"],
 )
@@ -104,7 +131,9 @@ def test_required_hard_cap_without_a_usable_daemon_refuses_to_start(servers, run
     # The timeout must expire only where the control program hangs; elsewhere it only bounds the wait (a
     # loaded machine can take over a second to start the fake control program).
     timeout = 1 if "FAKE_MPS_HANG" in env_extra else 30
-    server = servers(runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_timeout={timeout}", *control_arg, *args], env_extra)
+    server = servers(
+        runtime, ["--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_timeout={timeout}", *control_arg, *args], env_extra
+    )
     code = server.exit_code()
     log = "".join(server.lines)
     assert code not in (None, 0), log

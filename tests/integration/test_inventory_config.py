@@ -8,7 +8,10 @@ from .test_bad_config import start_server
 @pytest.mark.slow
 def test_duplicate_uuids_stop_the_server_with_one_line_naming_both_entries(tmp_path):
     devices = [{"total": "16GiB", "uuid": "GPU-aaaa"}, {"total": "16GiB", "uuid": "GPU-aaaa"}]
-    config = {"GpuQuota": {"inventory_class": "gpu_quota_ext.devices.StaticInventory"}, "StaticInventory": {"devices": devices}}
+    config = {
+        "GpuQuota": {"inventory_class": "gpu_quota_ext.devices.StaticInventory"},
+        "StaticInventory": {"devices": devices},
+    }
     returncode, stderr = start_server(tmp_path, [], None, config)
     assert returncode not in (None, 0), "the server kept running with two devices of one uuid"
     ours = [line for line in stderr.splitlines() if "gpu-quota-ext: invalid configuration" in line]

@@ -10,7 +10,7 @@ import pytest
 from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
-from gpu_quota_ext.launch_env import STARTUP_FILE
+from gpu_quota_ext.manager import SETTINGS_KEY
 from gpu_quota_ext.policy import GiB
 
 from .kernels import (
@@ -172,7 +172,7 @@ async def test_a_non_python_kernel_never_holds_the_kernel_secret(jp_fetch, jp_se
     out = await execute(jp_serverapp, kernel_id, "GPU_QUOTA_KERNEL_TOKEN GPU_QUOTA_API_URL CUPY_GPU_MEMORY_LIMIT")
     assert out.split() == ["GPU_QUOTA_KERNEL_TOKEN=None", "GPU_QUOTA_API_URL=None", f"CUPY_GPU_MEMORY_LIMIT={20 * GiB}"]
     # No secret was made for it either: nothing can act as this kernel through the API.
-    assert kernel_id not in jp_serverapp.web_app.settings["gpu_quota_service"]._tokens
+    assert kernel_id not in jp_serverapp.web_app.settings[SETTINGS_KEY]._tokens
 
 
 @pytest.mark.slow
@@ -199,7 +199,8 @@ class TestConcurrentStarts:
 class TestRefuseWhenFull:
     @pytest.fixture
     def jp_server_config(self):
-        return Config(static_devices_config("80GiB", default_cap="0.5", max_cap="0.5", overcommit=1.0, on_full="refuse"))
+        settings = dict(default_cap="0.5", max_cap="0.5", overcommit=1.0, on_full="refuse")
+        return Config(static_devices_config("80GiB", **settings))
 
     async def test_a_full_gpu_refuses_the_start_with_a_reason(self, jp_fetch, jp_serverapp):
         await start_kernel(jp_fetch)

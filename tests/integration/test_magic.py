@@ -18,13 +18,18 @@ from traitlets.config import Config
 
 from gpu_quota_ext.kernel.magic import NO_SERVER
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 
 from .cell_output import CellOutput, run_cell
 from .fake_gpu import wait_for
-from .kernels import execute, kernel_env, restart_kernel, start_kernel, static_devices_config
+from .kernels import (
+    execute,
+    restart_kernel,
+    start_kernel,
+    static_devices_config,
+)
 from .servers import serving
 
-from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 DEVICE_TOTAL = 80 * GiB
 
 
@@ -183,7 +188,8 @@ async def test_a_cap_set_from_outside_the_kernel_reaches_it_after_its_next_cell(
 async def test_forged_or_foreign_secret_is_refused_through_the_api(jp_fetch, jp_serverapp):
     kernel_a = await start_kernel(jp_fetch)
     kernel_b = await start_kernel(jp_fetch)
-    token_b = (await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")).strip()
+    token_b = (await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; "
+        "print(STATE.token)")).strip()
     assert token_b
 
     for token in ("forged-secret", token_b):
@@ -199,7 +205,10 @@ async def test_forged_or_foreign_secret_is_refused_through_the_api(jp_fetch, jp_
 
 async def test_kernel_start_loads_only_a_stand_in_until_first_use(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
-    loaded = "import sys; print(sorted(m for m in ('gpu_quota_ext.kernel.magic', 'gpu_quota_ext.kernel.client', 'urllib.request') if m in sys.modules))"
+    loaded = (
+        "import sys; print(sorted(m for m in ('gpu_quota_ext.kernel.magic', 'gpu_quota_ext.kernel.client', "
+        "'urllib.request') if m in sys.modules))"
+    )
     assert (await execute(jp_serverapp, kernel_id, loaded)).strip() == "[]"
     table = await execute(jp_serverapp, kernel_id, "%gpucap")
     assert "20.0 GiB" in table
@@ -209,7 +218,9 @@ async def test_kernel_start_loads_only_a_stand_in_until_first_use(jp_fetch, jp_s
 async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, jp_serverapp):
     kernel_a = await start_kernel(jp_fetch)
     kernel_b = await start_kernel(jp_fetch)
-    token_b = (await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")).strip()
+    token_b = (
+        await execute(jp_serverapp, kernel_b, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")
+    ).strip()
     for kernel_id in (kernel_a, kernel_b):
         await execute(jp_serverapp, kernel_id, "%gpucap")  # loads the full magic (kernel start has a stand-in)
     # Kernel B's magic aimed at kernel A: B's own secret is not A's.
@@ -223,7 +234,9 @@ async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, j
     assert token_b not in out.stdout + out.stderr
     # And a forged secret in kernel A's own magic.
     out = await run_cell(
-        jp_serverapp, kernel_a, "from gpu_quota_ext.kernel import magic\nmagic._loaded[0].client._token = 'forged'\n%gpucap 0.4"
+        jp_serverapp,
+        kernel_a,
+        "from gpu_quota_ext.kernel import magic\nmagic._loaded[0].client._token = 'forged'\n%gpucap 0.4",
     )
     assert "(403)" in assert_one_error_line(out)
     assert caps_of(await ledger_record(jp_fetch, kernel_a)) == [int(0.25 * DEVICE_TOTAL)]
@@ -293,7 +306,10 @@ def test_panel_with_a_cpu_only_torch_shows_the_grant_and_why_usage_is_not_availa
     assert "20.0 GiB" in table.splitlines()[1]
 
 
-THREADS = "import threading; print(sum(1 for t in threading.enumerate() if t.name == 'gpu-quota-panel'), threading.active_count())"
+THREADS = (
+    "import threading; print(sum(1 for t in threading.enumerate() if t.name == 'gpu-quota-panel'), "
+    "threading.active_count())"
+)
 
 
 @pytest.mark.slow
@@ -333,7 +349,8 @@ async def test_panel_thread_updates_widgets_while_a_cell_runs_and_stops_on_close
         "from gpu_quota_ext.kernel.usage import DeviceUsage\n"
         "from gpu_quota_ext.kernel.panel import GpuUsagePanel\n"
         "reading = {'allocated': 0}\n"
-        "panel_module.read_usage = lambda ordinals=None: {0: DeviceUsage(0, reading['allocated'], 8 << 30, 9 << 30, 0, 80 << 30)}\n"
+        "panel_module.read_usage = lambda ordinals=None: {0: DeviceUsage(0, reading['allocated'], 8 << 30, 9 << 30, 0, "
+        "80 << 30)}\n"
         "p = GpuUsagePanel(interval=0.1)\n"
         "display(p)\n"
         "def shown(step):\n"
@@ -383,8 +400,11 @@ def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(shared):
     assert lines[0].startswith("gpu-quota: 20.0 GiB allowed by your GPU quota on cuda:0")
     assert "%gpucap" in lines[0] and "torch.cuda.empty_cache()" in lines[0]
     # The line comes after the traceback.
-    order = [m["msg_type"] if m["msg_type"] == "error" else "explanation" for m in out.messages
-             if m["msg_type"] == "error" or (m["msg_type"] == "stream" and "gpu-quota:" in m["content"]["text"])]
+    order = [
+        m["msg_type"] if m["msg_type"] == "error" else "explanation"
+        for m in out.messages
+        if m["msg_type"] == "error" or (m["msg_type"] == "stream" and "gpu-quota:" in m["content"]["text"])
+    ]
     assert order == ["error", "explanation"]
 
 
@@ -423,7 +443,8 @@ async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverap
         jp_serverapp,
         kernel_id,
         "from gpu_quota_ext.kernel import usage\n"
-        "usage.read_usage = lambda ordinals=None: {0: usage.DeviceUsage(0, 3 << 30, 4 << 30, 5 << 30, 5 << 30, 80 << 30)}",
+        "usage.read_usage = lambda ordinals=None: {0: usage.DeviceUsage(0, 3 << 30, 4 << 30, 5 << 30, 5 << 30, 80 << "
+        "30)}",
     )
     await execute(jp_serverapp, kernel_id, "x = 1")  # post_run_cell sends the report, off the cell's thread
 
@@ -471,11 +492,16 @@ async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_loca
         assert loaded.stdout.strip() == NO_SERVER  # the banner, once
         table = await cell("%gpucap")
         assert NO_SERVER not in table.stdout  # not on every %gpucap
-        assert "no device to show yet: this kernel's torch has not started CUDA (no server started this kernel)" in table.stdout
+        assert (
+            "no device to show yet: this kernel's torch has not started CUDA (no server started this kernel)"
+            in table.stdout
+        )
         local = await cell("%gpucap 0.3")
         assert NO_SERVER not in local.stdout
         assert "cap 0.3 recorded for every device by this kernel alone" in local.stdout
-        state = await cell("from gpu_quota_ext.kernel import state; print({k: str(v) for k, v in state.STATE.local_caps.items()})")
+        state = await cell(
+            "from gpu_quota_ext.kernel import state; print({k: str(v) for k, v in state.STATE.local_caps.items()})"
+        )
         assert state.stdout.strip() == "{None: '0.3'}"
         bad = await cell("%gpucap abc")
         assert assert_one_error_line(bad)
@@ -538,7 +564,9 @@ class TestCpuOnlyBecauseTheBudgetIsFull:
         await start_kernel(jp_fetch)  # takes 0.6 of the only device
         kernel_id = await start_kernel(jp_fetch)  # does not fit: starts CPU-only
         first = await run_cell(jp_serverapp, kernel_id, "x = 1")
-        assert first.stderr.startswith("gpu-quota: this kernel started without a GPU (CPU-only): no GPU has 0.6 of budget left")
+        assert first.stderr.startswith(
+            "gpu-quota: this kernel started without a GPU (CPU-only): no GPU has 0.6 of budget left"
+        )
         second = await run_cell(jp_serverapp, kernel_id, "x = 2")
         assert second.stderr == ""  # said once
         table = await execute(jp_serverapp, kernel_id, "%gpucap")
@@ -546,13 +574,17 @@ class TestCpuOnlyBecauseTheBudgetIsFull:
         assert repeated_words(table) == []
 
 
-async def test_a_failing_startup_is_said_in_the_notebook_not_on_the_servers_stderr(jp_fetch, jp_serverapp, tmp_path, monkeypatch, capfd):
+async def test_a_failing_startup_is_said_in_the_notebook_not_on_the_servers_stderr(
+    jp_fetch, jp_serverapp, tmp_path, monkeypatch, capfd
+):
     startup = tmp_path / "startup.py"
     startup.write_text("raise NameError('in my own startup file')\n")
     monkeypatch.setenv("PYTHONSTARTUP", str(startup))
     kernel_id = await start_kernel(jp_fetch)
     first = await run_cell(jp_serverapp, kernel_id, "x = 1")
-    assert f"gpu-quota: problem: your PYTHONSTARTUP {startup} failed: NameError('in my own startup file')" in first.stderr
+    assert (
+        f"gpu-quota: problem: your PYTHONSTARTUP {startup} failed: NameError('in my own startup file')" in first.stderr
+    )
     table = await execute(jp_serverapp, kernel_id, "%gpucap")
     assert "in my own startup file" in table
     # The kernel process's own stderr is this test's (inherited): nothing of ours went there.

@@ -1,4 +1,4 @@
-"""Prometheus metrics in jupyter_server's /metrics, built at each scrape (gpu_quota_ext.metrics' collector):
+"""Prometheus metrics in jupyter_server's /metrics, built at each scrape (gpu_quota_ext.status.collector' collector):
 the monitor's last sample, the ledger's grants now, the watchdog's counts; gone with the grant."""
 
 import re
@@ -6,11 +6,16 @@ import re
 import pytest
 
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.status import collector as gpu_metrics
 
-from gpu_quota_ext import metrics as gpu_metrics
-from gpu_quota_ext.app import GpuQuota
-
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_pid, next_samples, service_of, wait_for  # noqa: F401
+from .fake_gpu import (  # noqa: F401
+    fake_gpu_config,
+    fake_nvml,
+    kernel_pid,
+    next_samples,
+    service_of,
+    wait_for,
+)
 from .kernels import shutdown_kernel, start_kernel
 
 
@@ -120,7 +125,9 @@ def test_the_collector_registers_once_and_leaves_with_its_last_source():
 
     registry = CollectorRegistry()
     collector = gpu_metrics.SourcesCollector(registry)
-    one = lambda: gpu_metrics.monitor_families({0: (16, 4)}, {"k1": {0: 4}}, {"k1": {0: 8}}, True, False, 0.5, {"warn": 2})  # noqa: E731
+    def one():
+        return gpu_metrics.monitor_families({0: (16, 4)}, {"k1": {0: 4}}, {"k1": {0: 8}}, True, False, 0.5, {"warn": 2})
+
     two = lambda: [gpu_metrics.hard_limit_family({"k2": {1: 9}})]  # noqa: E731
     collector.publish(one)
     collector.publish(two)

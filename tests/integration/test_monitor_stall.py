@@ -14,7 +14,16 @@ import pytest
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
+from .fake_gpu import (  # noqa: F401
+    fake_gpu_config,
+    fake_nvml,
+    kernel_entry,
+    kernel_pid,
+    next_samples,
+    service_of,
+    status,
+    wait_for,
+)
 from .kernels import shutdown_kernel, start_kernel
 from .test_metrics import scrape
 
@@ -98,7 +107,7 @@ SERVER_CONFIG = """
 c.ServerApp.jpserver_extensions = {"gpu_quota_ext": True}
 c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
 c.StaticInventory.devices = [{"name": "Test GPU 0", "total": "16GiB"}]
-c.GpuQuota.nvml_class = "gpu_quota_ext.fake_nvml.HungNvml"
+c.GpuQuota.nvml_class = "gpu_quota_ext.devices.fake_nvml.HungNvml"
 c.GpuQuota.poll_interval = 0.2
 """
 

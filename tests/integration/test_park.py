@@ -1,4 +1,4 @@
-"""Parking on a real server with real kernels, the driver faked (gpu_quota_ext.fake_checkpoint, tied to the
+"""Parking on a real server with real kernels, the driver faked (gpu_quota_ext.parking.fake_checkpoint, tied to the
 fake NVML: a parked process shows 0 B). What a user and an admin see: the idle timer parks, a cell
 resumes, the routes answer, a resume that finds no device memory waits, refusals say why, restart /
 shutdown / interrupt of a parked kernel work and leave nothing behind, a hung driver call hangs nothing."""
@@ -13,15 +13,30 @@ import psutil
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.fake_nvml import FakeNvml
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_FIELDS
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, restart_kernel, shutdown_kernel, start_child_process, start_kernel
+from .fake_gpu import (  # noqa: F401
+    fake_gpu_config,
+    fake_nvml,
+    kernel_entry,
+    kernel_pid,
+    next_samples,
+    service_of,
+    status,
+    wait_for,
+)
+from .kernels import (
+    execute,
+    restart_kernel,
+    shutdown_kernel,
+    start_child_process,
+    start_kernel,
+)
 
-FAKE_DRIVER = "gpu_quota_ext.fake_checkpoint.FakeCheckpoint"
+FAKE_DRIVER = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
 WAIT = 30.0  # seconds a state may take to come on a busy 2-core machine (a deadline, not a threshold)
 
 
@@ -70,7 +85,9 @@ async def holding_gpu(serverapp, kernel_id, nbytes=2 * GiB, pid=None) -> int:
 
 
 async def post(jp_fetch, kernel_id, action, body="{}", headers=None):
-    response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, action, method="POST", body=body, headers=headers or {})
+    response = await jp_fetch(
+        "api", "gpu-quota", "kernels", kernel_id, action, method="POST", body=body, headers=headers or {}
+    )
     return response.code, json.loads(response.body)
 
 
@@ -149,7 +166,11 @@ async def test_park_while_a_cell_runs_waits_for_the_cell_to_finish(jp_fetch, jp_
     await holding_gpu(jp_serverapp, kernel_id)
     go = tmp_path / "go"
     cell = asyncio.ensure_future(
-        execute(jp_serverapp, kernel_id, f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint('done')")
+        execute(
+            jp_serverapp,
+            kernel_id,
+            f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint('done')",
+        )
     )
     km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
     await wait_for(lambda: km.execution_state == "busy", timeout=WAIT)
@@ -165,7 +186,9 @@ async def test_resume_calls_off_a_pending_park(jp_fetch, jp_serverapp, fake_driv
     kernel_id = await start_kernel(jp_fetch)
     await holding_gpu(jp_serverapp, kernel_id)
     go = tmp_path / "go"
-    cell = asyncio.ensure_future(execute(jp_serverapp, kernel_id, f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)"))
+    cell = asyncio.ensure_future(
+        execute(jp_serverapp, kernel_id, f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)")
+    )
     km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
     await wait_for(lambda: km.execution_state == "busy", timeout=WAIT)
     assert (await post(jp_fetch, kernel_id, "park"))[1]["park"]["state"] == "pending"
@@ -202,7 +225,9 @@ async def test_bad_bodies_are_refused_and_change_nothing(jp_fetch, jp_serverapp,
     assert FakeCheckpoint.calls == [] and parker_of(jp_serverapp).records == {}
 
 
-async def test_host_bytes_are_what_the_kernel_holds_when_it_parks_not_the_sample_before(jp_fetch, jp_serverapp, fake_driver):
+async def test_host_bytes_are_what_the_kernel_holds_when_it_parks_not_the_sample_before(
+    jp_fetch, jp_serverapp, fake_driver
+):
     # The GPU run: a 20 GiB tensor made just before the park; the server said 14 MiB (the sample before
     # the tensor existed) while NVML showed 19.97 GB returned. The park reads the kernel's usage again.
     kernel_id = await start_kernel(jp_fetch)
@@ -237,7 +262,9 @@ async def test_a_kernel_without_gpu_memory_is_refused_with_the_reason(jp_fetch, 
     assert FakeCheckpoint.calls == []
 
 
-async def test_an_mps_client_the_driver_refuses_with_801_stays_running_with_the_reason(jp_fetch, jp_serverapp, fake_driver, caplog):
+async def test_an_mps_client_the_driver_refuses_with_801_stays_running_with_the_reason(
+    jp_fetch, jp_serverapp, fake_driver, caplog
+):
     kernel_id = await start_kernel(jp_fetch)
     pid = await holding_gpu(jp_serverapp, kernel_id)
     FakeCheckpoint.refuse(801)
@@ -293,7 +320,9 @@ async def test_no_checkpoint_driver_is_said_and_nothing_raises(jp_fetch, jp_serv
 # --- resume waits for device memory --------------------------------------------------------------------
 
 
-async def test_a_resume_without_device_memory_waits_and_retries_with_the_grant_kept(jp_fetch, jp_serverapp, fake_driver):
+async def test_a_resume_without_device_memory_waits_and_retries_with_the_grant_kept(
+    jp_fetch, jp_serverapp, fake_driver
+):
     kernel_id = await start_kernel(jp_fetch)
     pid = await holding_gpu(jp_serverapp, kernel_id)
     caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
@@ -315,7 +344,9 @@ async def test_a_resume_without_device_memory_waits_and_retries_with_the_grant_k
 
 
 @pytest.mark.parametrize("park", [{"checkpoint_class": FAKE_DRIVER, "park_idle_after": "1s"}])
-async def test_the_idle_timer_parks_an_idle_kernel_and_its_next_cell_brings_it_back(jp_fetch, jp_serverapp, fake_driver, caplog):
+async def test_the_idle_timer_parks_an_idle_kernel_and_its_next_cell_brings_it_back(
+    jp_fetch, jp_serverapp, fake_driver, caplog
+):
     caplog.set_level(logging.INFO, "gpu_quota_ext")
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "x = 41")
@@ -327,7 +358,8 @@ async def test_the_idle_timer_parks_an_idle_kernel_and_its_next_cell_brings_it_b
     lines = [r.getMessage() for r in caplog.records if f"kernel {kernel_id} park state" in r.getMessage()]
     assert lines[:3] == [
         f"gpu-quota-ext: kernel {kernel_id} park state idle -> parking: idle for 1 s",
-        f"gpu-quota-ext: kernel {kernel_id} park state parking -> parked: 2.0 GiB of GPU memory moved to host memory (processes {pid})",
+        f"gpu-quota-ext: kernel {kernel_id} park state parking -> parked: 2.0 GiB of GPU memory moved to host memory "
+        f"(processes {pid})",
         f"gpu-quota-ext: kernel {kernel_id} park state parked -> resuming",
     ]
 
@@ -400,7 +432,9 @@ async def test_a_hung_driver_call_hangs_nothing_and_the_state_says_so(jp_fetch, 
     await shutdown_kernel(jp_fetch, kernel_id)  # and a kernel caught in the call can still go
     assert kernel_id not in parker.records
     release.set()
-    await wait_for(lambda: ("cuCheckpointProcessCheckpoint", pid) in FakeCheckpoint.calls, timeout=WAIT)  # the late answer came
+    await wait_for(
+        lambda: ("cuCheckpointProcessCheckpoint", pid) in FakeCheckpoint.calls, timeout=WAIT
+    )  # the late answer came
     await next_samples(jp_serverapp, 2)
     assert kernel_id not in parker.records  # the late answer did not bring it back
     assert FakeCheckpoint.parked_pids() == {}

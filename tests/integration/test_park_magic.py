@@ -1,11 +1,11 @@
 """`%gpucap park` and `%gpucap resume` in real kernels started by a real jupyter_server (pytest-jupyter)
 through POST /api/kernels, as a notebook user sees them.
 
-What the server does with the request is the server side of parking: where this server has no park
-routes, jupyter_server's catch-all answers with its own HTML error page (a 403, since it asks a POST for
-an XSRF cookie before it finds no route; a 404 otherwise), and the magic says so in one line. Every request is seen where the server logs it
-(tornado's `log_function`), so the tests know the request reached the server, on the contract's path,
-with the kernel's own secret, whatever it answered.
+What the server does with the request is the server side of parking: where this server has no park routes,
+jupyter_server's catch-all answers with its own HTML error page (a 403, since it asks a POST for an XSRF
+cookie before it finds no route; a 404 otherwise), and the magic says so in one line. Every request is seen
+where the server logs it (tornado's `log_function`), so the tests know the request reached the server, on the
+contract's path, with the kernel's own secret, whatever it answered.
 """
 
 from __future__ import annotations
@@ -18,12 +18,20 @@ from jupyter_server.utils import url_path_join
 from traitlets.config import Config
 
 from gpu_quota_ext.kernel.park import PARK_ANNOUNCEMENT
-from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_SUFFIX, RESUME_SUFFIX, kernel_path
+from gpu_quota_ext.shared.contract import (
+    KERNEL_TOKEN_HEADER,
+    PARK_SUFFIX,
+    RESUME_SUFFIX,
+    kernel_path,
+)
 
 from .cell_output import CellOutput, run_cell
 from .kernels import execute, start_kernel, static_devices_config
 
-NO_ROUTE = "gpu-quota: error: this server cannot park kernels: it has no {} route (HTTP {}; its gpu-quota-ext predates parking)"
+NO_ROUTE = (
+    "gpu-quota: error: this server cannot park kernels: it has no {} route (HTTP {}; its gpu-quota-ext predates "
+    "parking)"
+)
 OUR_ROUTES = (200, 202, 400, 404, 409)  # what the park handlers answer (JSON); anything else is not them
 
 
@@ -76,7 +84,9 @@ def only_line(out: CellOutput) -> str:
 
 
 @pytest.mark.parametrize("word, suffix", [("park", PARK_SUFFIX), ("resume", RESUME_SUFFIX)])
-async def test_the_request_reaches_the_server_and_its_answer_is_one_line(jp_fetch, jp_serverapp, requests_seen, word, suffix):
+async def test_the_request_reaches_the_server_and_its_answer_is_one_line(
+    jp_fetch, jp_serverapp, requests_seen, word, suffix
+):
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "%gpucap")  # the full magic loaded, so only our request is counted
     out = await run_cell(jp_serverapp, kernel_id, f"%gpucap {word}")
@@ -113,7 +123,9 @@ async def test_a_server_without_the_park_routes_gives_one_clear_line(jp_fetch, j
     statuses = [s.status for s in requests_seen if s.method == "POST" and s.path.endswith("/" + PARK_SUFFIX)]
     assert len(statuses) == 1 and statuses[0] in (403, 404)
     assert only_line(out) == NO_ROUTE.format(PARK_SUFFIX, statuses[0])
-    token = (await execute(jp_serverapp, kernel_id, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")).strip()
+    token = (
+        await execute(jp_serverapp, kernel_id, "from gpu_quota_ext.kernel.state import STATE; print(STATE.token)")
+    ).strip()
     assert token and token not in out.stdout + out.stderr
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.parking import MPS_REASON
+from gpu_quota_ext.parking.decisions import MPS_REASON
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 
 from .fake_gpu import kernel_entry, status, wait_for
 from .fake_mps import jp_runtime_dir, mps_config, short_tmp  # noqa: F401 (fixtures)
@@ -18,8 +18,8 @@ from .test_bad_config import STATIC, start_server
 @pytest.fixture
 def jp_server_config():
     return mps_config(
-        "80GiB", checkpoint_class="gpu_quota_ext.fake_checkpoint.FakeCheckpoint",
-        nvml_class="gpu_quota_ext.fake_nvml.FakeNvml", poll_interval=0.2,
+        "80GiB", checkpoint_class="gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint",
+        nvml_class="gpu_quota_ext.devices.fake_nvml.FakeNvml", poll_interval=0.2,
     )
 
 
@@ -46,7 +46,11 @@ async def test_a_kernel_under_mps_is_not_parkable_and_says_why(jp_fetch, jp_serv
     "args, env_extra, expected",
     [
         (["--GpuQuota.park_idle_after=soon"], None, "c.GpuQuota.park_idle_after = 'soon'"),
-        ([], {"GPU_QUOTA_PARK_IDLE_AFTER": "-5min"}, "c.GpuQuota.park_idle_after = '-5min' (from the environment variable GPU_QUOTA_PARK_IDLE_AFTER)"),
+        (
+            [],
+            {"GPU_QUOTA_PARK_IDLE_AFTER": "-5min"},
+            "c.GpuQuota.park_idle_after = '-5min' (from the environment variable GPU_QUOTA_PARK_IDLE_AFTER)",
+        ),
         (["--GpuQuota.park_host_margin=lots"], None, "c.GpuQuota.park_host_margin = 'lots'"),
         (["--GpuQuota.checkpoint_class=os.path"], None, "checkpoint_class"),
     ],

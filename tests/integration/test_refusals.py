@@ -16,10 +16,16 @@ from jupyter_client.connect import LocalPortCache
 from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
-from gpu_quota_ext.jupyter_private import pending_kernels
+from gpu_quota_ext.usage.kernels import pending_kernels
 
 from .fake_gpu import service_of
-from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config, write_kernelspec
+from .kernels import (
+    execute,
+    shutdown_kernel,
+    start_kernel,
+    static_devices_config,
+    write_kernelspec,
+)
 
 
 class LogLines(logging.Handler):
@@ -98,10 +104,14 @@ class TestRefusalsLeaveNothing:
     @pytest.fixture
     def jp_server_config(self):
         # One 16 GiB device, budget 8 GiB, 8 GiB caps: the first kernel fills it, every later start is refused.
-        return Config(static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse"))
+        return Config(
+            static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse")
+        )
 
     @pytest.mark.slow
-    async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(self, jp_fetch, jp_serverapp, server_log):
+    async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(
+        self, jp_fetch, jp_serverapp, server_log
+    ):
         holder = await start_kernel(jp_fetch)
         before = await leftovers(jp_serverapp)
         assert before["grants"] == [holder] and before["reserved ports"] >= 5
@@ -127,7 +137,11 @@ class TestRefusalsLeaveNothing:
 @pytest.fixture
 def broken_kernelspec(jp_kernel_dir, tmp_path):
     """A kernelspec whose program does not exist: the launch itself fails."""
-    spec = {"argv": [str(tmp_path / "no-such-kernel"), "-f", "{connection_file}"], "display_name": "Broken", "language": "python"}
+    spec = {
+        "argv": [str(tmp_path / "no-such-kernel"), "-f", "{connection_file}"],
+        "display_name": "Broken",
+        "language": "python",
+    }
     return write_kernelspec(jp_kernel_dir, "broken", spec)
 
 
@@ -136,7 +150,9 @@ class TestFailedLaunch:
     def jp_server_config(self):
         return Config(static_devices_config("16GiB", default_cap="0.25", overcommit=1.0, on_full="refuse"))
 
-    async def test_a_launch_that_fails_gives_back_its_grant_ports_and_file(self, jp_fetch, jp_serverapp, broken_kernelspec):
+    async def test_a_launch_that_fails_gives_back_its_grant_ports_and_file(
+        self, jp_fetch, jp_serverapp, broken_kernelspec
+    ):
         before = await leftovers(jp_serverapp)
         for _ in range(3):
             code, _answer = await post_start(jp_fetch, name=broken_kernelspec)

@@ -9,11 +9,10 @@ import pytest
 from traitlets.config import Config
 
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
 
 from .fake_gpu import service_of
 from .kernels import start_kernel, static_devices_config
-
-from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
 
 
 @pytest.fixture
@@ -24,7 +23,9 @@ def jp_server_config():
 
 async def put(jp_fetch, kernel_id, body, token=None):
     headers = {TOKEN_HEADER: token} if token else {}
-    response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body), headers=headers)
+    response = await jp_fetch(
+        "api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body), headers=headers
+    )
     return json.loads(response.body)
 
 

@@ -11,7 +11,15 @@ import threading
 import pytest
 from traitlets.config import Config
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status  # noqa: F401
+from .fake_gpu import (  # noqa: F401
+    fake_gpu_config,
+    fake_nvml,
+    kernel_entry,
+    kernel_pid,
+    next_samples,
+    service_of,
+    status,
+)
 from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config
 
 

@@ -13,8 +13,25 @@ import pytest
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_entry, kernel_pid, next_samples, service_of, status, wait_for  # noqa: F401
-from .kernels import execute, restart_kernel, shutdown_kernel, start_child_process, start_kernel, write_kernelspec
+from .fake_gpu import (  # noqa: F401
+    POLL,
+    fake_gpu_config,
+    fake_nvml,
+    kernel_entry,
+    kernel_pid,
+    next_samples,
+    service_of,
+    status,
+    wait_for,
+)
+from .kernels import (
+    execute,
+    restart_kernel,
+    shutdown_kernel,
+    start_child_process,
+    start_kernel,
+    write_kernelspec,
+)
 
 # Two poll intervals, plus what a busy 2-core CI machine adds to one round (thread hop, loop scheduling).
 
@@ -167,13 +184,18 @@ class TestDeadKernel:
         config.KernelRestarter.time_to_dead = 0.5
         return config
 
-    async def test_a_kernel_that_dies_for_good_gives_its_grant_back(self, jp_fetch, jp_serverapp, jp_kernel_dir, fake_nvml):
+    async def test_a_kernel_that_dies_for_good_gives_its_grant_back(
+        self, jp_fetch, jp_serverapp, jp_kernel_dir, fake_nvml
+    ):
         # jupyter_server drops a dead kernel without the provisioner's cleanup; the monitor must notice.
         name = write_kernelspec(
             jp_kernel_dir,
             "short-lived",
-            {"argv": [sys.executable, "-c", "import time; time.sleep(1)", "{connection_file}"],
-             "display_name": "dies after a second", "language": "python"},
+            {
+                "argv": [sys.executable, "-c", "import time; time.sleep(1)", "{connection_file}"],
+                "display_name": "dies after a second",
+                "language": "python",
+            },
         )
         kernel_id = await start_kernel(jp_fetch, name)
         service = service_of(jp_serverapp)
@@ -194,7 +216,8 @@ class TestDeadKernel:
 DAEMON_CODE = (
     "import os, subprocess\n"
     "env = dict(os.environ, GPU_QUOTA_KERNEL_ID={victim!r})\n"
-    "starter = subprocess.Popen(['setsid', '-f', 'sh', '-c', 'echo $$; exec sleep 60'], env=env, stdout=subprocess.PIPE)\n"
+    "starter = subprocess.Popen(['setsid', '-f', 'sh', '-c', 'echo $$; exec sleep 60'], env=env, "
+    "stdout=subprocess.PIPE)\n"
     "print(int(starter.stdout.readline()))\n"
     "starter.wait()\n"
 )
@@ -262,15 +285,21 @@ def other_unix_user() -> str:
     return "gpu-quota-test"
 
 
-@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="starting a process as another Unix user needs root")
+@pytest.mark.skipif(
+    not hasattr(os, "getuid") or os.getuid() != 0, reason="starting a process as another Unix user needs root"
+)
 @pytest.mark.parametrize("enforce", ["kill"])
-async def test_a_process_of_another_user_is_never_attributed_by_its_environment(jp_fetch, jp_serverapp, fake_nvml, enforce):
+async def test_a_process_of_another_user_is_never_attributed_by_its_environment(
+    jp_fetch, jp_serverapp, fake_nvml, enforce
+):
     victim = await start_kernel(jp_fetch)
     service = service_of(jp_serverapp)
     grant = service.ledger.get(victim)
     device = grant.devices[0]
     user = other_unix_user()
-    stranger = subprocess.Popen(["sleep", "60"], user=user, env={"PATH": os.environ["PATH"], "GPU_QUOTA_KERNEL_ID": victim})
+    stranger = subprocess.Popen(
+        ["sleep", "60"], user=user, env={"PATH": os.environ["PATH"], "GPU_QUOTA_KERNEL_ID": victim}
+    )
     try:
         await wait_for(lambda: open(f"/proc/{stranger.pid}/environ", "rb").read().find(victim.encode()) >= 0)
         fake_nvml.set_usage(stranger.pid, f"static-{device}", 6 * GiB)
@@ -295,7 +324,9 @@ class TestNoAutorestart:
         config.KernelManager.autorestart = False
         return config
 
-    async def test_a_kernel_killed_without_a_restarter_gives_its_grant_back_within_a_poll(self, jp_fetch, jp_serverapp, fake_nvml):
+    async def test_a_kernel_killed_without_a_restarter_gives_its_grant_back_within_a_poll(
+        self, jp_fetch, jp_serverapp, fake_nvml
+    ):
         kernel_id = await start_kernel(jp_fetch)
         service = service_of(jp_serverapp)
         pid = await kernel_pid(jp_serverapp, kernel_id)

@@ -1,4 +1,5 @@
-"""Process -> kernel attribution (gpu_quota_ext.usage.attribution): the pure mapping, NSpid, the live table, the resolver."""
+"""Process -> kernel attribution (gpu_quota_ext.usage.attribution): the pure mapping, NSpid, the live table,
+the resolver."""
 
 import os
 import subprocess
@@ -59,7 +60,13 @@ UIDS = {500: (OTHER, OTHER, OTHER, OTHER), 600: (ME, 0, ME, ME), 601: (OTHER,) *
 
 def owner(pid, roots=None, known=("k1", "k2", "k-escaped"), own_uid=ME):
     return kernel_for_pid(
-        pid, roots or {100: "k1", 200: "k2"}, PARENTS.get, ENVIRON.get, set(known), lambda p: UIDS.get(p, (ME,) * 4), own_uid
+        pid,
+        roots or {100: "k1", 200: "k2"},
+        PARENTS.get,
+        ENVIRON.get,
+        set(known),
+        lambda p: UIDS.get(p, (ME,) * 4),
+        own_uid,
     )
 
 
@@ -120,8 +127,12 @@ def test_proc_table_reads_the_live_tree_and_environment():
         assert set(table.uids_of(child.pid)) == {os.getuid()}
         assert isinstance(table.namespace_aliases(), dict)  # a full scan runs without error here
         resolver = PidResolver(table)
-        assert resolver.resolve([child.pid], {os.getpid(): "me"}, {"me"}, now=0.0) == {child.pid: (("me", TREE), child.pid)}
-        assert resolver.resolve([child.pid], {}, {"k-live"}, now=100.0) == {child.pid: (("k-live", ENVIRONMENT), child.pid)}
+        assert resolver.resolve([child.pid], {os.getpid(): "me"}, {"me"}, now=0.0) == {
+            child.pid: (("me", TREE), child.pid)
+        }
+        assert resolver.resolve([child.pid], {}, {"k-live"}, now=100.0) == {
+            child.pid: (("k-live", ENVIRONMENT), child.pid)
+        }
         # A server of another user does not believe what our process's environment says.
         assert PidResolver(table, own_uid=os.getuid() + 1).resolve([child.pid], {}, {"k-live"}, now=0.0) == {}
     finally:

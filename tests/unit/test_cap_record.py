@@ -13,7 +13,9 @@ WAIT_S = 10  # a deadline for a thread that should finish at once, not a timing 
 
 
 def record() -> KernelCapState:
-    return KernelCapState(kernel_id="k", devices=[DeviceCap(0, 3, "GPU-a", 10, 40, 100), DeviceCap(1, 4, "GPU-b", 10, 40, 100)])
+    return KernelCapState(
+        kernel_id="k", devices=[DeviceCap(0, 3, "GPU-a", 10, 40, 100), DeviceCap(1, 4, "GPU-b", 10, 40, 100)]
+    )
 
 
 def test_write_caps_changes_caps_max_caps_and_source_together():

@@ -2,7 +2,8 @@
 
 import pytest
 
-from gpu_quota_ext.devices import Device, parse_cuda_visible_devices, parse_static_devices, select_visible
+from gpu_quota_ext.devices import Device, parse_cuda_visible_devices, select_visible
+from gpu_quota_ext.devices.inventory import parse_static_devices
 from gpu_quota_ext.policy import GiB, PolicyError
 
 FOUR = [Device(i, "H200", f"GPU-{i}{i}{i}{i}-uuid", 140 * GiB, i) for i in range(4)]
@@ -43,7 +44,10 @@ def test_cuda_id_prefers_uuid():
 
 def test_static_devices():
     devices = parse_static_devices([{"name": "A", "total": "80GiB"}, {"total": 1 << 34, "uuid": "GPU-x"}])
-    assert [(d.index, d.name, d.total, d.uuid) for d in devices] == [(0, "A", 80 * GiB, "static-0"), (1, "Static GPU", 1 << 34, "GPU-x")]
+    assert [(d.index, d.name, d.total, d.uuid) for d in devices] == [
+        (0, "A", 80 * GiB, "static-0"),
+        (1, "Static GPU", 1 << 34, "GPU-x"),
+    ]
     for bad in ("80GiB", [{"name": "A"}], [{"total": "0.5"}], [{"total": "lots"}]):
         with pytest.raises(PolicyError, match="StaticInventory.devices"):
             parse_static_devices(bad)
@@ -51,11 +55,20 @@ def test_static_devices():
 
 def test_static_devices_with_the_same_uuid_are_refused_naming_both():
     # Issue 10, item 13: two entries that claim one device would be granted and watched as two.
-    entries = [{"total": "16GiB", "uuid": "GPU-x"}, {"total": "16GiB", "uuid": "GPU-y"}, {"total": "16GiB", "uuid": "GPU-x"}]
-    with pytest.raises(PolicyError, match=r"c.StaticInventory.devices\[0\] and c.StaticInventory.devices\[2\] have the same uuid 'GPU-x'"):
+    entries = [
+        {"total": "16GiB", "uuid": "GPU-x"},
+        {"total": "16GiB", "uuid": "GPU-y"},
+        {"total": "16GiB", "uuid": "GPU-x"},
+    ]
+    with pytest.raises(
+        PolicyError,
+        match=r"c.StaticInventory.devices\[0\] and c.StaticInventory.devices\[2\] have the same uuid 'GPU-x'",
+    ):
         parse_static_devices(entries)
     # An explicit uuid can clash with a default one too.
-    with pytest.raises(PolicyError, match=r"devices\[0\] and c.StaticInventory.devices\[1\] have the same uuid 'static-0'"):
+    with pytest.raises(
+        PolicyError, match=r"devices\[0\] and c.StaticInventory.devices\[1\] have the same uuid 'static-0'"
+    ):
         parse_static_devices([{"total": "16GiB"}, {"total": "16GiB", "uuid": "static-0"}])
     # Same names are fine: only the uuid identifies a device.
     assert len(parse_static_devices([{"total": "16GiB", "name": "A"}, {"total": "16GiB", "name": "A"}])) == 2

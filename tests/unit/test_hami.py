@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from gpu_quota_ext import devices as devices_module
 from gpu_quota_ext.devices import Device, HamiInventory, NvmlInventory, StaticInventory
-from gpu_quota_ext.hami import parse_hami_size, read_pod_share, share_devices
+from gpu_quota_ext.devices import inventory as devices_module
+from gpu_quota_ext.devices.hami import parse_hami_size, read_pod_share, share_devices
 from gpu_quota_ext.policy import GiB, KiB, MiB, PolicyError
 
 H200 = 143_771_287_552  # bytes NVML reports for an H200 (141 GiB class)
@@ -73,7 +73,10 @@ def test_a_bad_limit_anywhere_is_refused():
 
 
 def physical(*totals):
-    return [Device(index=i, name="NVIDIA H200", uuid=f"GPU-{i:08d}-aaaa", total=t, nvml_index=i) for i, t in enumerate(totals)]
+    return [
+        Device(index=i, name="NVIDIA H200", uuid=f"GPU-{i:08d}-aaaa", total=t, nvml_index=i)
+        for i, t in enumerate(totals)
+    ]
 
 
 def test_share_becomes_each_devices_total_and_says_so():
@@ -82,7 +85,9 @@ def test_share_becomes_each_devices_total_and_says_so():
     assert [d.total for d in shared] == [20 * GiB, 10 * GiB]
     assert all(d.name == "NVIDIA H200 (HAMi share)" for d in shared)
     # Identity stays: kernels are still placed on the same GPU by UUID.
-    assert [(d.index, d.uuid, d.nvml_index) for d in shared] == [(d.index, d.uuid, d.nvml_index) for d in physical(H200, H200)]
+    assert [(d.index, d.uuid, d.nvml_index) for d in shared] == [
+        (d.index, d.uuid, d.nvml_index) for d in physical(H200, H200)
+    ]
     assert "budget 20.0 GiB from CUDA_DEVICE_MEMORY_LIMIT_0=20480m" in lines[0]
     assert "the GPU has 133.9 GiB" in lines[0]
 
@@ -160,7 +165,9 @@ def test_hami_inventory_over_a_static_list(fake_driver, monkeypatch):
     from traitlets.config import Config
 
     monkeypatch.setenv("CUDA_DEVICE_MEMORY_LIMIT", "30000m")
-    config = Config({"HamiInventory": {"physical_class": StaticInventory}, "StaticInventory": {"devices": [{"total": "80GiB"}]}})
+    config = Config(
+        {"HamiInventory": {"physical_class": StaticInventory}, "StaticInventory": {"devices": [{"total": "80GiB"}]}}
+    )
     (device,) = HamiInventory(config=config).list_devices()
     assert device.total == 30000 * MiB and device.name == "Static GPU (HAMi share)"
 

@@ -5,13 +5,12 @@ import json
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.hard_limit import (
+from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
+from gpu_quota_ext.hard_limit.decisions import (
     DEFAULT_CONTEXT_ALLOWANCE,
     PARK_REASON,
-    HardCapSettings,
     Probe,
     Route,
-    build_hard_cap_settings,
     ceiling_commands,
     ceilings,
     decide,
@@ -40,7 +39,9 @@ UID = 1000
 
 def grant(devices=(1,), cap=35 * GiB, max_cap=70 * GiB, placed=True):
     caps = {d: cap for d in devices}
-    return Grant("kid", "u", "python3", tuple(devices), caps, dict(caps), {d: max_cap for d in devices}, "default", placed)
+    return Grant(
+        "kid", "u", "python3", tuple(devices), caps, dict(caps), {d: max_cap for d in devices}, "default", placed
+    )
 
 
 # --- settings ------------------------------------------------------------------------------------------
@@ -215,5 +216,7 @@ def test_a_managed_daemon_gets_the_largest_limit_policy_can_give_as_its_default(
 
 
 def test_settings_describe_names_the_setting_and_leaves_out_the_control_program():
-    shown = HardCapSettings(mode="mps", daemon="external", limit="cap", context_allowance=MiB, control="/x/mps").describe()
+    shown = HardCapSettings(
+        mode="mps", daemon="external", limit="cap", context_allowance=MiB, control="/x/mps"
+    ).describe()
     assert shown == {"mode": "mps", "daemon": "external", "hard_limit": "cap", "context_allowance": MiB, "timeout": 5.0}

@@ -6,11 +6,11 @@ import json
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient
-
-from gpu_quota_ext.host_service.app import GpuQuotaService
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, STATUS_PATH
-from tests.hub.hubtools import free_port
 from traitlets.config import Config
+
+from gpu_quota_ext.hub.service.app import GpuQuotaService
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
+from tests.hub.hubtools import free_port
 
 
 @pytest.fixture

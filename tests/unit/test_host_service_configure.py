@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.host_service.configure import configure_host_service
+from gpu_quota_ext.hub.service.configure import configure_host_service
+from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV
 from gpu_quota_ext.policy import PolicyError
-from gpu_quota_ext.remote_ledger import SERVICE_URL_ENV
 
 ACCESS = "access:services!service=gpu-quota"
 
@@ -33,9 +33,16 @@ def test_what_the_admin_set_is_kept_and_extended():
     c = Config()
     c.Spawner.environment = {"TZ": "UTC"}
     c.Spawner.server_token_scopes = ["users:activity!user"]
-    c.JupyterHub.load_roles = [{"name": "user", "scopes": ["self", "read:groups"]}, {"name": "teachers", "scopes": [], "users": ["t"]}]
-    configure_host_service(c, name="quota", port=1, server_url="http://hub.internal:1/services/quota/", admin_roles=["teachers"])
-    configure_host_service(c, name="quota", port=1, server_url="http://hub.internal:1/services/quota/", admin_roles=[])  # twice: no duplicates
+    c.JupyterHub.load_roles = [
+        {"name": "user", "scopes": ["self", "read:groups"]},
+        {"name": "teachers", "scopes": [], "users": ["t"]},
+    ]
+    configure_host_service(
+        c, name="quota", port=1, server_url="http://hub.internal:1/services/quota/", admin_roles=["teachers"]
+    )
+    configure_host_service(
+        c, name="quota", port=1, server_url="http://hub.internal:1/services/quota/", admin_roles=[]
+    )  # twice: no duplicates
     access = "access:services!service=quota"
     assert c.Spawner.environment == {"TZ": "UTC", SERVICE_URL_ENV: "http://hub.internal:1/services/quota/"}
     assert c.Spawner.server_token_scopes == ["users:activity!user", access]

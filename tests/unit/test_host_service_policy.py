@@ -4,7 +4,7 @@ as configure_hub_caps does; what the mapping leaves open is the service's own se
 import pytest
 
 from gpu_quota_ext.hub import HubGroup, hub_caps
-from gpu_quota_ext.host_service.user_policy import user_policy
+from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.policy import PolicyError, build_policy
 
 HOST = build_policy("0.1", "0.5", overcommit=1.0, on_full="cpu-only")

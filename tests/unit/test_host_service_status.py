@@ -4,13 +4,13 @@ only their own to a user; usage from the host sample; unmanaged usage per user; 
 from prometheus_client.exposition import generate_latest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.host_service.attribution import GpuProcess, attribute
-from gpu_quota_ext.host_service.book import HostBook
-from gpu_quota_ext.host_service.metrics import registry_for
-from gpu_quota_ext.host_service.page import render_page
-from gpu_quota_ext.host_service.sampler import Action, Sample
-from gpu_quota_ext.host_service.status import build_status
-from gpu_quota_ext.host_service.user_policy import UserPolicy
+from gpu_quota_ext.hub.service.attribution import GpuProcess, attribute
+from gpu_quota_ext.hub.service.book import HostBook
+from gpu_quota_ext.hub.service.metrics import registry_for
+from gpu_quota_ext.hub.service.page import render_page
+from gpu_quota_ext.hub.service.sampler import Action, Sample
+from gpu_quota_ext.hub.service.status import build_status
+from gpu_quota_ext.hub.service.user_policy import UserPolicy
 from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
 
 DEVICE = Device(0, "Test GPU", "GPU-a", 80 * GiB, 0)
@@ -27,7 +27,10 @@ def scene():
     book.grant("alice", "", "ka", "python3", POLICY, None, 100.0)
     book.grant("<bob>", "", "kb", "python3", POLICY, None, 100.0)
     book.lease("alice", "", {"ka": (10,)}, 100.0)
-    processes = [GpuProcess(10, "GPU-a", 30 * GiB, 1000, "alice", "ka"), GpuProcess(20, "GPU-a", 5 * GiB, 1001, "<bob>", None)]
+    processes = [
+        GpuProcess(10, "GPU-a", 30 * GiB, 1000, "alice", "ka"),
+        GpuProcess(20, "GPU-a", 5 * GiB, 1001, "<bob>", None),
+    ]
     granted = {"ka": ("alice", ("GPU-a",)), "kb": ("<bob>", ("GPU-a",))}
     sample = Sample(101.0, {"GPU-a": 35 * GiB}, tuple(processes), attribute(processes, granted, "{username}"))
     actions = [Action(101.0, "warn", "<bob>", 20, "GPU-a", 5 * GiB, "PID 20 of <bob> holds memory outside every grant")]

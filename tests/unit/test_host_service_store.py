@@ -2,15 +2,16 @@
 directory; leases release what their servers no longer run, and everything of a server whose lease ran out."""
 
 import os
+import sqlite3
 import stat
 import threading
 
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.host_service.book import Forbidden, HostBook
-from gpu_quota_ext.host_service.store import Store
-from gpu_quota_ext.host_service.user_policy import UserPolicy
+from gpu_quota_ext.hub.service.book import Forbidden, HostBook
+from gpu_quota_ext.hub.service.store import Store
+from gpu_quota_ext.hub.service.user_policy import UserPolicy
 from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
 from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
 
@@ -151,7 +152,7 @@ def test_concurrent_grants_never_pass_a_devices_budget(tmp_path):
 def test_a_grant_the_store_could_not_write_is_not_granted(tmp_path):
     store, book = open_book(tmp_path)
     store.db.close()  # every write fails now
-    with pytest.raises(Exception):
+    with pytest.raises(sqlite3.ProgrammingError):  # "Cannot operate on a closed database"
         book.grant("alice", "", "k1", "python3", QUARTER, None, T0)
     assert book.owned() == [] and all(e["granted"] == 0 for e in book.ledger.usage())
 

@@ -6,9 +6,14 @@ import time
 
 import pytest
 
-from gpu_quota_ext.fake_nvml import FakeNvml
-from gpu_quota_ext.host_service.attribution import GpuProcess, attribute, decide, hub_user_of
-from gpu_quota_ext.host_service.sampler import HostSampler
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.hub.service.attribution import (
+    GpuProcess,
+    attribute,
+    decide,
+    hub_user_of,
+)
+from gpu_quota_ext.hub.service.sampler import HostSampler
 from gpu_quota_ext.policy import GiB
 
 GRANTED = {"k1": ("alice", ("GPU-a",)), "k2": ("bob", ("GPU-b",))}
@@ -38,7 +43,9 @@ def test_kernel_processes_count_as_their_kernels_and_the_rest_as_unmanaged():
 
 def test_warn_once_then_kill_after_the_grace_and_never_root():
     unmanaged = attribute(
-        [GpuProcess(20, "GPU-b", GiB, 1002, "bob", None), GpuProcess(21, "GPU-b", GiB, 0, "root", None)], GRANTED, "{username}"
+        [GpuProcess(20, "GPU-b", GiB, 1002, "bob", None), GpuProcess(21, "GPU-b", GiB, 0, "root", None)],
+        GRANTED,
+        "{username}",
     ).unmanaged
     decisions, seen = decide(unmanaged, {}, 100.0, "warn", 10, (0,))
     assert [(d.action, d.item.pid) for d in decisions] == [("warn", 20), ("warn", 21)]
@@ -98,7 +105,9 @@ def test_a_hung_nvml_call_makes_the_state_stalled_and_never_blocks_the_caller(fa
     sampler.stop()
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="creates a Unix user: needs root (CI runs as root)")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="creates a Unix user: needs root (CI runs as root)"
+)
 def test_a_real_users_process_outside_every_grant_is_their_unmanaged_usage_and_killed_by_policy(fake_nvml):
     import subprocess
 
@@ -113,7 +122,15 @@ def test_a_real_users_process_outside_every_grant_is_their_unmanaged_usage_and_k
         fake_nvml.set_usage(stray.pid, "GPU-a", 2 * GiB)
         fake_nvml.set_usage(kernel.pid, "GPU-a", GiB)
         sampler = HostSampler(
-            FakeNvml(), ["GPU-a"], lambda: {kernel.pid: ("alice", "k1")}, lambda: GRANTED, 0.05, 5, "kill", 0.0, "gqt-{username}"
+            FakeNvml(),
+            ["GPU-a"],
+            lambda: {kernel.pid: ("alice", "k1")},
+            lambda: GRANTED,
+            0.05,
+            5,
+            "kill",
+            0.0,
+            "gqt-{username}",
         )
         sampler.start()
         import psutil

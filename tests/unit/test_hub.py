@@ -14,9 +14,15 @@ from gpu_quota_ext.hub import (
     choose_settings,
     configure_hub_caps,
     hub_caps,
-    set_spawner_environment,
 )
-from gpu_quota_ext.kube import HamiResources, kube_gpu, merge_limits, pod_gpu, settle_limits
+from gpu_quota_ext.hub.caps import set_spawner_environment
+from gpu_quota_ext.hub.kube import (
+    HamiResources,
+    kube_gpu,
+    merge_limits,
+    pod_gpu,
+    settle_limits,
+)
 from gpu_quota_ext.policy import PolicyError
 
 DEFAULT = "GPU_QUOTA_DEFAULT_CAP"
@@ -197,7 +203,7 @@ def test_configure_with_a_bad_mapping_raises_before_touching_config():
     assert "pre_spawn_hook" not in c.Spawner
 
 
-@pytest.mark.parametrize("module", ["gpu_quota_ext.hub", "gpu_quota_ext.kube"])
+@pytest.mark.parametrize("module", ["gpu_quota_ext.hub", "gpu_quota_ext.hub.kube"])
 def test_importing_the_helper_does_not_import_jupyterhub(module):
     code = f"import sys, {module}; print('jupyterhub' in sys.modules, 'kubespawner' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -218,13 +224,24 @@ def test_the_pods_keys_belong_to_the_kubernetes_helper_only():
 
 def test_pod_decision_and_the_profile_rule_are_pure():
     names = HamiResources()
-    decision = pod_gpu({"gpus": "2", "gpu_memory": "25%", "gpu_type": "H200"}, {"gpus": "g", "gpu_memory": "g", "gpu_type": "g"})
+    chosen = {"gpus": "2", "gpu_memory": "25%", "gpu_type": "H200"}
+    decision = pod_gpu(chosen, {"gpus": "g", "gpu_memory": "g", "gpu_type": "g"})
     assert decision.limits == {names.count: "2", names.memory_percentage: "25", names.memory: None}
     assert decision.annotations == {"nvidia.com/use-gputype": "H200"}
-    assert merge_limits({names.memory: "1000", "cpu": "2"}, decision) == {names.count: "2", names.memory_percentage: "25", "cpu": "2"}
+    assert merge_limits({names.memory: "1000", "cpu": "2"}, decision) == {
+        names.count: "2",
+        names.memory_percentage: "25",
+        "cpu": "2",
+    }
     # A profile asking for more is lowered; one asking for less keeps less; none means none.
-    assert settle_limits({names.count: "4", names.memory_percentage: "50"}, decision)[0] == {names.count: "2", names.memory_percentage: "25"}
-    assert settle_limits({names.count: "1", names.memory_percentage: "10"}, decision) == ({names.count: "1", names.memory_percentage: "10"}, [])
+    assert settle_limits({names.count: "4", names.memory_percentage: "50"}, decision)[0] == {
+        names.count: "2",
+        names.memory_percentage: "25",
+    }
+    assert settle_limits({names.count: "1", names.memory_percentage: "10"}, decision) == (
+        {names.count: "1", names.memory_percentage: "10"},
+        [],
+    )
     assert settle_limits({names.count: "0", names.memory_percentage: "25", "cpu": "1"}, decision)[0] == {"cpu": "1"}
     no_gpu = pod_gpu({"gpus": "0", "gpu_memory": "10GiB"}, {"gpus": "g", "gpu_memory": "d"})
     assert no_gpu.no_gpu and all(value is None for value in no_gpu.limits.values())

@@ -1,6 +1,8 @@
 """The package's import graph, read from the source (nothing is imported): no import cycle anywhere;
-`gpu_quota_ext.kernel` imports from the server side only `gpu_quota_ext.shared`; the shared core imports
-only the standard library and itself.
+imports go only down the design's picture (LAYERS below), and into another concern only through its
+package's `__init__`; `gpu_quota_ext.kernel` imports from the server side only `gpu_quota_ext.shared`; the
+shared core imports only the standard library and itself; the package keeps at most a dozen top-level
+modules.
 
 Module-level and function-level imports both count (a function-level import is a cycle waiting for its
 first call); imports under `if TYPE_CHECKING:` do not (they never run).
@@ -19,6 +21,28 @@ import gpu_quota_ext
 PACKAGE = "gpu_quota_ext"
 KERNEL = PACKAGE + ".kernel"
 SHARED = PACKAGE + ".shared"
+
+# The design's picture as layers, bottom first: a concern imports only its own modules and concerns of
+# lower layers. kernel/ stands beside the server's layers (it imports only shared/).
+LAYERS = (
+    ("shared",),
+    ("settings", "threads"),
+    ("devices", "policy"),
+    ("ledger",),
+    ("usage", "hard_limit", "parking", "launch_env"),
+    ("status", "hub"),
+    ("manager",),
+    ("provisioner", "handlers"),
+    ("app",),
+    ("cli",),
+    ("__init__",),
+)
+SIDE = {"kernel": ("shared",)}
+# shared/ is a set of contracts (sizes, env variable names, the REST and host-service wire): each of its
+# modules is a surface of its own, as kernel/ imports them. The package's __init__ holds the entry points
+# of both sides (the server extension's app, the kernel's magic).
+OPEN_SURFACES = ("shared", "kernel")
+MOST_TOP_LEVEL_MODULES = 12
 
 
 def modules() -> Dict[str, Path]:
@@ -135,6 +159,61 @@ def test_the_package_has_no_import_cycle():
     graph, _ = package_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def concern_of(module: str) -> str:
+    """gpu_quota_ext.parking.parker -> "parking"; gpu_quota_ext.app -> "app"; the package itself -> "__init__"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layering_problems(graph: Dict[str, Set[str]]) -> List[str]:
+    """Every import that runs up the layers, or into another concern past its package's __init__."""
+    layer = {name: position for position, names in enumerate(LAYERS) for name in names}
+    problems = []
+    for module, targets in sorted(graph.items()):
+        own = concern_of(module)
+        for target in sorted(targets):
+            other = concern_of(target)
+            if other == own:
+                continue
+            if own == "__init__":
+                continue
+            if own in SIDE:
+                allowed = other in SIDE[own]
+            else:
+                allowed = other in layer and own in layer and layer[other] < layer[own]
+            if not allowed:
+                problems.append(f"{module} imports {target}: {own} may not import {other}")
+            elif target.count(".") > 1 and other not in OPEN_SURFACES:
+                problems.append(f"{module} imports {target}: import {PACKAGE}.{other} (its __init__), not its module")
+    return problems
+
+
+def test_imports_go_down_the_picture_and_through_each_packages_surface():
+    graph, _ = package_graph()
+    unknown = sorted({concern_of(m) for m in graph} - {n for names in LAYERS for n in names} - set(SIDE))
+    assert not unknown, f"concerns missing from LAYERS (say where they sit in the picture): {unknown}"
+    problems = layering_problems(graph)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_package_keeps_at_most_a_dozen_top_level_modules():
+    top = sorted(path.name for path in Path(gpu_quota_ext.__file__).parent.glob("*.py"))
+    assert len(top) <= MOST_TOP_LEVEL_MODULES, top
+
+
+def test_the_layering_check_finds_an_upward_and_a_deep_import():
+    graph = {
+        PACKAGE + ".ledger.local": {PACKAGE + ".manager"},  # up
+        PACKAGE + ".manager": {PACKAGE + ".parking.parker", PACKAGE + ".parking"},  # deep, then fine
+        PACKAGE + ".kernel.magic": {PACKAGE + ".policy"},  # kernel/ beyond shared/
+    }
+    problems = layering_problems(graph)
+    assert len(problems) == 3
+    assert "ledger may not import manager" in problems[1] or "ledger may not import manager" in problems[0]
+    assert any("not its module" in problem for problem in problems)
+    assert any("kernel may not import policy" in problem for problem in problems)
 
 
 def test_kernel_code_imports_from_the_server_side_only_the_shared_core():

@@ -5,7 +5,7 @@ import asyncio
 
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
-from gpu_quota_ext.usage.kernel_manager import KernelManagerView
+from gpu_quota_ext.usage.kernels import KernelManagerView
 
 
 class ListsAGoneKernel(AsyncMappingKernelManager):

@@ -12,7 +12,18 @@ DEVICES = {0: Device(0, "H200", "GPU-aaaa", 140 * GiB, 0), 1: Device(1, "H200", 
 
 def grant(devices=(1,), cap=35 * GiB, placed=True, reason=None):
     caps = {d: cap for d in devices}
-    return Grant("kid", "u", "python3", tuple(devices), caps, dict(caps), {d: 70 * GiB for d in devices}, "default", placed, reason)
+    return Grant(
+        "kid",
+        "u",
+        "python3",
+        tuple(devices),
+        caps,
+        dict(caps),
+        {d: 70 * GiB for d in devices},
+        "default",
+        placed,
+        reason,
+    )
 
 
 def test_placed_grant_sets_every_framework_and_our_variables():
@@ -99,7 +110,9 @@ def test_fraction_is_rounded_down_but_reads_as_written():
     cap = int(0.2 * 150_754_820_096)  # what the ledger grants for "0.2" on an H200
     env = launch_env(grant(devices=(0,), cap=cap), {0: Device(0, "H200", "GPU-a", 150_754_820_096, 0)}, {})
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2000"
-    env = launch_env(grant(devices=(0,), cap=int(0.33339 * 150_754_820_096)), {0: Device(0, "H200", "GPU-a", 150_754_820_096, 0)}, {})
+    env = launch_env(
+        grant(devices=(0,), cap=int(0.33339 * 150_754_820_096)), {0: Device(0, "H200", "GPU-a", 150_754_820_096, 0)}, {}
+    )
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3333"
 
 

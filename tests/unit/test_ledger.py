@@ -6,7 +6,7 @@ import pytest
 
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
-from gpu_quota_ext.local_ledger import LocalLedger
+from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
 
 TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b", 80 * GiB, 1)]
@@ -129,7 +129,9 @@ def test_reset_returns_to_the_policy_cap():
     assert outcome.grant.caps == outcome.grant.policy_caps == {0: 20 * GiB}
 
 
-@pytest.mark.parametrize("on_over_max, status, cap_after", [("clamp", "clamped", 10 * GiB), ("refuse", "refused", 8 * GiB)])
+@pytest.mark.parametrize(
+    "on_over_max, status, cap_after", [("clamp", "clamped", 10 * GiB), ("refuse", "refused", 8 * GiB)]
+)
 def test_reset_cannot_take_budget_another_kernel_took_meanwhile(on_over_max, status, cap_after):
     ledger, policy = make(devices=TWO_GPUS[:1], overcommit=0.5, max_cap="0.5", on_over_max=on_over_max)
     admit(ledger, policy, "a")  # 20 GiB of a 40 GiB budget

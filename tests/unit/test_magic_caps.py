@@ -59,7 +59,10 @@ class FakeShell:
 def two_device_state() -> KernelCapState:
     return KernelCapState(
         kernel_id="k1",
-        devices=[DeviceCap(0, 2, "GPU-a", 20 * GiB, 40 * GiB, TOTAL), DeviceCap(1, 5, "GPU-b", 20 * GiB, 40 * GiB, TOTAL)],
+        devices=[
+            DeviceCap(0, 2, "GPU-a", 20 * GiB, 40 * GiB, TOTAL),
+            DeviceCap(1, 5, "GPU-b", 20 * GiB, 40 * GiB, TOTAL),
+        ],
     )
 
 
@@ -152,7 +155,11 @@ def refused(line: str) -> bool:
 
 # Lines the parser refuses (the lines it accepts are the tests above): every example is a refusal to check.
 REFUSED_LINES = st.one_of(
-    st.lists(st.sampled_from(["--device", "7", "-1", "abc", "1.5", "0", "999TiB", "--cells", "x", "reset", '"']), min_size=1, max_size=4).map(" ".join),
+    st.lists(
+        st.sampled_from(["--device", "7", "-1", "abc", "1.5", "0", "999TiB", "--cells", "x", "reset", '"']),
+        min_size=1,
+        max_size=4,
+    ).map(" ".join),
     st.text(min_size=1, max_size=30),
 ).filter(refused)
 
@@ -194,4 +201,7 @@ def test_the_lazy_hook_reads_caps_when_it_runs_not_when_it_is_installed(torch):
 
 def test_merge_alloc_conf_raises_only_when_asked():
     assert merge_alloc_conf("per_process_memory_fraction:0.2", 0.3) == "per_process_memory_fraction:0.200000"
-    assert merge_alloc_conf("per_process_memory_fraction:0.2", 0.3, tighten_only=False) == "per_process_memory_fraction:0.300000"
+    assert (
+        merge_alloc_conf("per_process_memory_fraction:0.2", 0.3, tighten_only=False)
+        == "per_process_memory_fraction:0.300000"
+    )

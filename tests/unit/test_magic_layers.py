@@ -13,7 +13,10 @@ TOTAL = 80 * GiB
 def state(*caps):
     return KernelCapState(
         kernel_id="k",
-        devices=[DeviceCap(ordinal=i, index=i + 2, uuid=f"GPU-{i}", cap=c, max_cap=40 * GiB, total=TOTAL) for i, c in enumerate(caps)],
+        devices=[
+            DeviceCap(ordinal=i, index=i + 2, uuid=f"GPU-{i}", cap=c, max_cap=40 * GiB, total=TOTAL)
+            for i, c in enumerate(caps)
+        ],
     )
 
 
@@ -29,8 +32,15 @@ def test_hard_limit_line_names_each_device_and_the_context():
 
 
 def test_soft_only_says_why():
-    env = {"GPU_QUOTA_LAYERS": json.dumps({"hard": None, "reason": "the MPS server runs for another Unix user (uid 0)", "devices": []})}
-    assert layer_line(state(20 * GiB), env) == "layers: soft cap only, no hard limit: the MPS server runs for another Unix user (uid 0)"
+    env = {
+        "GPU_QUOTA_LAYERS": json.dumps(
+            {"hard": None, "reason": "the MPS server runs for another Unix user (uid 0)", "devices": []}
+        )
+    }
+    assert (
+        layer_line(state(20 * GiB), env)
+        == "layers: soft cap only, no hard limit: the MPS server runs for another Unix user (uid 0)"
+    )
     assert "hard_cap, is off" in layer_line(state(20 * GiB), {})
     assert "unreadable GPU_QUOTA_LAYERS" in layer_line(state(20 * GiB), {"GPU_QUOTA_LAYERS": "{not json"})
     assert read_layers({"GPU_QUOTA_LAYERS": "[1]"})["reason"] == "unreadable GPU_QUOTA_LAYERS"

@@ -14,7 +14,9 @@ from .fake_torch import fake_torch
 
 AT_CAP = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which 60.00 GiB "
           "is free. Of the allocated memory 9.50 GiB is allocated by PyTorch. 9.90 GiB allowed; 9.80 GiB reserved")
-DEVICE_FULL = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB is free."
+DEVICE_FULL = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB is free."
+)
 
 
 def test_cap_hit_names_the_cap_and_what_is_reserved():
@@ -26,7 +28,9 @@ def test_cap_hit_names_the_cap_and_what_is_reserved():
 
 
 def test_cap_hit_without_our_record_uses_torchs_figure():
-    assert explain_oom(AT_CAP, caps={}, reserved={}).startswith("gpu-quota: 9.90 GiB allowed by your GPU quota on cuda:1")
+    assert explain_oom(AT_CAP, caps={}, reserved={}).startswith(
+        "gpu-quota: 9.90 GiB allowed by your GPU quota on cuda:1"
+    )
 
 
 def test_device_full_says_other_processes_hold_the_rest():
@@ -45,7 +49,10 @@ def test_hook_speaks_only_for_torch_oom(monkeypatch):
     assert explain_after_cell(result, state, stream) == stream.getvalue().strip()
     assert "itself is full" in stream.getvalue()
     stream = io.StringIO()
-    assert explain_after_cell(types.SimpleNamespace(error_in_exec=RuntimeError("CUDA out of memory")), state, stream) is None
+    assert (
+        explain_after_cell(types.SimpleNamespace(error_in_exec=RuntimeError("CUDA out of memory")), state, stream)
+        is None
+    )
     assert explain_after_cell(types.SimpleNamespace(error_in_exec=None), state, stream) is None
     assert stream.getvalue() == ""
 

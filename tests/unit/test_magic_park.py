@@ -11,7 +11,13 @@ from gpu_quota_ext.kernel.client import ParkAnswer
 from gpu_quota_ext.kernel.command import Command, CommandError, help_text, parse_command
 from gpu_quota_ext.kernel.magic import GpuCap, format_table
 from gpu_quota_ext.kernel.panel import panel_view
-from gpu_quota_ext.kernel.park import PARK_ANNOUNCEMENT, duration_words, refusal_text, state_words, table_line
+from gpu_quota_ext.kernel.park import (
+    PARK_ANNOUNCEMENT,
+    duration_words,
+    refusal_text,
+    state_words,
+    table_line,
+)
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
@@ -110,14 +116,18 @@ def test_a_reason_without_a_refusal_word_gets_one(capsys):
 
 
 def test_accepted_but_not_parking_says_why(capsys):
-    answer = ParkAnswer("accepted", park=park("idle", idle_seconds=5, reason="did not park: the host has 3.0 GiB free"), status=202)
+    answer = ParkAnswer(
+        "accepted", park=park("idle", idle_seconds=5, reason="did not park: the host has 3.0 GiB free"), status=202
+    )
     out = run("park", FakeParkClient(answer), capsys)
     assert out.out == "" and out.err == "gpu-quota: error: did not park: the host has 3.0 GiB free\n"
 
 
 def test_a_server_without_the_route_or_unreachable_is_one_line(capsys):
-    for message in ("this server cannot park kernels: it has no park route (HTTP 403; its gpu-quota-ext predates parking)",
-                    "cannot reach the GPU quota server at http://127.0.0.1:1/: refused"):
+    for message in (
+        "this server cannot park kernels: it has no park route (HTTP 403; its gpu-quota-ext predates parking)",
+        "cannot reach the GPU quota server at http://127.0.0.1:1/: refused",
+    ):
         out = run("park", FakeParkClient(ParkAnswer("error", message)), capsys)
         assert out.out == ""
         assert out.err == f"gpu-quota: error: {message}\n"
@@ -159,7 +169,9 @@ def test_state_words():
     since = time.mktime((2026, 11, 29, 14, 2, 0, 0, 0, -1))
     assert state_words(park("busy")) == "running"
     assert state_words(park("idle", idle_seconds=12 * 60 + 5)) == "idle for 12 min"
-    assert state_words(park("parked", since=since, host_bytes=int(17.8 * GiB))) == "parked since 14:02, 17.8 GiB on host"
+    assert (
+        state_words(park("parked", since=since, host_bytes=int(17.8 * GiB))) == "parked since 14:02, 17.8 GiB on host"
+    )
     assert state_words(park("resuming")) == "resuming"
     assert state_words(park("waiting", reason="GPU 0 has 2.0 GiB free, 17.8 GiB needed")) == (
         "waiting for device memory: GPU 0 has 2.0 GiB free, 17.8 GiB needed"
@@ -172,7 +184,10 @@ def test_table_line_says_parkable_or_why_not():
     assert table_line(park("busy")).startswith("parking: possible: %gpucap park")
     assert table_line(park("busy", parkable=False, reason="MPS client")) == "parking: not parkable: MPS client"
     # The server's reason may say "not parkable" itself: said once.
-    assert table_line(park("busy", parkable=False, reason="not parkable: MPS client")) == "parking: not parkable: MPS client"
+    assert (
+        table_line(park("busy", parkable=False, reason="not parkable: MPS client"))
+        == "parking: not parkable: MPS client"
+    )
     assert table_line(park("pending")) == "parking: parks when its current cell ends"
 
 
@@ -191,7 +206,10 @@ def test_plain_gpucap_shows_the_park_line_when_the_server_sends_one(capsys, monk
 def test_panel_shows_the_park_state():
     view = panel_view(kernel_state(), {}, None, park("idle", idle_seconds=180))
     assert view.park == "park: idle for 3 min"
-    assert panel_view(kernel_state(), {}, None, park("busy", parkable=False, reason="no GPU")).park == "park: not parkable: no GPU"
+    assert (
+        panel_view(kernel_state(), {}, None, park("busy", parkable=False, reason="no GPU")).park
+        == "park: not parkable: no GPU"
+    )
     said_twice = park("busy", parkable=False, reason="not parkable: no GPU")
     assert panel_view(kernel_state(), {}, None, said_twice).park == "park: not parkable: no GPU"
     assert panel_view(kernel_state(), {}, None, None).park == ""
@@ -205,7 +223,12 @@ def test_panel_shows_the_park_state():
     [
         (202, {"park": {"state": "pending"}}, "accepted", ""),
         (409, {"message": "not parkable: MPS client"}, "refused", "not parkable: MPS client"),
-        (403, {"message": "this secret does not belong to kernel k1"}, "error", "refused this kernel's credentials (403)"),
+        (
+            403,
+            {"message": "this secret does not belong to kernel k1"},
+            "error",
+            "refused this kernel's credentials (403)",
+        ),
         (403, None, "error", "it has no park route (HTTP 403"),  # jupyter_server's HTML page: no such route
         (404, None, "error", "it has no park route (HTTP 404"),
         (404, {"message": "no GPU grant for kernel k1"}, "error", "no GPU grant for kernel k1"),

@@ -39,7 +39,10 @@ def test_a_failing_bootstrap_prints_nothing_at_start_and_tells_after_the_first_c
     monkeypatch.setenv("PYTHONSTARTUP", str(STARTUP_FILE))  # restored after the test (the startup unsets it)
     exec(compile(STARTUP_FILE.read_text(), str(STARTUP_FILE), "exec"), {"__name__": "__main__"})
     assert capfd.readouterr() == ("", "")
-    said = "gpu-quota: problem: the gpu-quota-ext bootstrap failed: RuntimeError('boom'); no GPU cap applied in this kernel\n"
+    said = (
+        "gpu-quota: problem: the gpu-quota-ext bootstrap failed: RuntimeError('boom'); no GPU cap applied in this "
+        "kernel\n"
+    )
     shell.events.trigger("post_run_cell", cell())
     assert capfd.readouterr().err == said
     shell.events.trigger("post_run_cell", cell())
@@ -127,7 +130,9 @@ def test_a_failed_cell_loads_the_magic_and_hands_it_that_cell(unmanaged, monkeyp
     monkeypatch.setitem(sys.modules, "torch", torch)
     shell = Shell()
     registered = stub.register(shell)
-    shell.events.trigger("post_run_cell", cell(error=torch.OutOfMemoryError("CUDA out of memory. GPU 0 has a total capacity of 80 GiB")))
+    shell.events.trigger(
+        "post_run_cell", cell(error=torch.OutOfMemoryError("CUDA out of memory. GPU 0 has a total capacity of 80 GiB"))
+    )
     assert len(unmanaged._loaded) == 1
     hooks = shell.events.callbacks["post_run_cell"]
     assert registered.post_run_cell not in hooks and unmanaged._loaded[0].post_run_cell in hooks

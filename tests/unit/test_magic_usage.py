@@ -16,7 +16,12 @@ from gpu_quota_ext.kernel.cells import CellReporter, format_cell_report
 from gpu_quota_ext.kernel.client import TOKEN_HEADER, QuotaClient
 from gpu_quota_ext.kernel.panel import panel_view
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
-from gpu_quota_ext.kernel.usage import DeviceUsage, read_usage, report_to_server, usage_report
+from gpu_quota_ext.kernel.usage import (
+    DeviceUsage,
+    read_usage,
+    report_to_server,
+    usage_report,
+)
 from gpu_quota_ext.policy import GiB
 
 from .fake_torch import fake_torch
@@ -47,7 +52,9 @@ def test_readings_once_cuda_runs_and_usage_report_uses_server_indexes(monkeypatc
     torch.cuda.allocated[0], torch.cuda.reserved[0], torch.cuda.peak[0] = 1 * GiB, 2 * GiB, 3 * GiB
     readings = read_usage([0])
     assert readings[0] == DeviceUsage(0, 1 * GiB, 2 * GiB, 3 * GiB, 3 * GiB, 80 * GiB)
-    assert usage_report(state_on(index=3), readings) == [{"index": 3, "allocated": GiB, "reserved": 2 * GiB, "peak": 3 * GiB}]
+    assert usage_report(state_on(index=3), readings) == [
+        {"index": 3, "allocated": GiB, "reserved": 2 * GiB, "peak": 3 * GiB}
+    ]
 
 
 # --- per-cell report ------------------------------------------------------------------------------------
@@ -73,7 +80,10 @@ def test_cell_reporter_resets_peaks_only_when_on(monkeypatch, capsys):
     reporter.pre_run_cell()
     torch.cuda.allocated[0] = GiB
     reporter.post_run_cell()
-    assert capsys.readouterr().out.strip() == "gpu-quota: cuda:0 peak 1.0 GiB of 20.0 GiB cap (5%), allocated +1.0 GiB (now 1.0 GiB)"
+    assert (
+        capsys.readouterr().out.strip()
+        == "gpu-quota: cuda:0 peak 1.0 GiB of 20.0 GiB cap (5%), allocated +1.0 GiB (now 1.0 GiB)"
+    )
 
 
 # --- the panel's view ------------------------------------------------------------------------------------
@@ -84,10 +94,16 @@ def test_panel_view_states():
     cpu_torch = panel_view(state, {}, "this kernel's torch 2.13.0+cpu is built without CUDA")
     # The grant is shown, usage marked as not available, and why (the simulated demo's case).
     assert cpu_torch.gpu_visible and len(cpu_torch.rows) == 1
-    assert cpu_torch.status == "usage not available: this kernel's torch 2.13.0+cpu is built without CUDA; the caps below are this kernel's grants"
+    assert (
+        cpu_torch.status
+        == "usage not available: this kernel's torch 2.13.0+cpu is built without CUDA; the caps below are this "
+            "kernel's grants"
+    )
     row = cpu_torch.rows[0]
     assert row.label == "cuda:0 (server GPU 3)" and row.cap == 20 * GiB and row.allocated is None
-    assert row.details().startswith("usage not available (this kernel's torch 2.13.0+cpu is built without CUDA) · cap 20.0 GiB")
+    assert row.details().startswith(
+        "usage not available (this kernel's torch 2.13.0+cpu is built without CUDA) · cap 20.0 GiB"
+    )
     cpu_only = panel_view(KernelCapState(kernel_id="k", cpu_only_reason="no GPU has 0.25 of budget left"), {}, None)
     assert cpu_only.status == "this kernel started without a GPU (CPU-only): no GPU has 0.25 of budget left"
     assert not cpu_only.gpu_visible and cpu_only.rows == []
@@ -200,7 +216,14 @@ class Recorder(BaseHTTPRequestHandler):
     requests: list = []
     hold = None  # a threading.Event: when given, each answer waits until it is set
     answered = 0  # answers written so far
-    answer = (200, {"outcome": "granted", "message": "ok", "kernel": {"source": "kernel request", "devices": [{"index": 3, "cap": 1}]}})
+    answer = (
+        200,
+        {
+            "outcome": "granted",
+            "message": "ok",
+            "kernel": {"source": "kernel request", "devices": [{"index": 3, "cap": 1}]},
+        },
+    )
 
     def _handle(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -239,7 +262,9 @@ def test_cap_request_carries_the_secret_in_its_header_only(server):
     method, path, headers, body = Recorder.requests[0]
     assert (method, path, body) == ("PUT", "/base%40x/api/gpu-quota/kernels/kernel-1", {"cap": "30%", "device": 3})
     assert headers[TOKEN_HEADER.lower()] == SECRET
-    assert answer.outcome == "granted" and answer.devices == [{"index": 3, "cap": 1}] and answer.source == "kernel request"
+    assert (
+        answer.outcome == "granted" and answer.devices == [{"index": 3, "cap": 1}] and answer.source == "kernel request"
+    )
     assert SECRET not in repr(client)
 
 

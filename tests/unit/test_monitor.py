@@ -9,15 +9,15 @@ import threading
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.fake_nvml import FakeNvml
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.ledger import UnknownKernel
-from gpu_quota_ext.local_ledger import LocalLedger
+from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.policy import GiB, build_policy, parse_cap, resolve
 from gpu_quota_ext.shared.contract import KERNEL_FIELDS
+from gpu_quota_ext.status.view import VIEW_FIELDS
 from gpu_quota_ext.usage.attribution import PidResolver
-from gpu_quota_ext.usage.status import VIEW_FIELDS
-from gpu_quota_ext.policy import watchdog_settings
+from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings
 
 ME = 1000
 
@@ -66,7 +66,9 @@ def make_manager(enforce="warn", roots=None, kernels=("k1",)):
     for kernel_id in kernels:
         ledger.grant(kernel_id, "me", "python3", resolve(policy, "me", "python3"))
     source = Kernels(roots if roots is not None else {os.getpid(): "k1"})
-    manager = GpuQuotaManager(policy, DEVICES, ledger, source, FakeNvml(), watchdog_settings(enforce, "1GiB", 0, 0.1), user="me")
+    manager = GpuQuotaManager(
+        policy, DEVICES, ledger, source, FakeNvml(), build_watchdog_settings(enforce, "1GiB", 0, 0.1), user="me"
+    )
     return manager, ledger, source
 
 
@@ -157,7 +159,13 @@ def test_failing_mid_run_degrades_then_recovers_logging_once_each(fake_nvml, cap
 def test_no_devices_means_no_gpu_without_touching_nvml(fake_nvml):
     policy = build_policy("0.25", "1.0")
     manager = GpuQuotaManager(
-        policy, [], LocalLedger([], policy), Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 1), no_gpu_reason="no GPU: none here"
+        policy,
+        [],
+        LocalLedger([], policy),
+        Kernels({}),
+        FakeNvml(),
+        build_watchdog_settings("warn", "1GiB", 0, 1),
+        no_gpu_reason="no GPU: none here",
     )
     monitor = manager.monitor  # exists without a GPU, and says why there is none
     run(monitor.tick())
@@ -219,7 +227,9 @@ class Table:
 
 def manager_with_table(enforce, table, kernels=("k1", "k2")):
     roots = {os.getpid(): "k1", 999_999: "k2"}  # k2's own process uses nothing here
-    manager, ledger, source = make_manager(enforce, roots={p: k for p, k in roots.items() if k in kernels}, kernels=kernels)
+    manager, ledger, source = make_manager(
+        enforce, roots={p: k for p, k in roots.items() if k in kernels}, kernels=kernels
+    )
     manager.monitor.resolver = PidResolver(table, own_uid=ME)
     return manager, ledger, source
 
@@ -329,7 +339,9 @@ def test_ledger_writes_run_off_the_loop_in_order_and_a_release_is_made_once(fake
         policy = build_policy("0.25", "1.0")
         ledger = SlowLedger(DEVICES, policy)
         ledger.grant("k1", "me", "python3", resolve(policy, "me", "python3"))
-        manager = GpuQuotaManager(policy, DEVICES, ledger, Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 0.1))
+        manager = GpuQuotaManager(
+            policy, DEVICES, ledger, Kernels({}), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 0.1)
+        )
         assert manager.release_soon("k1") is True  # returns at once although the ledger blocks
         assert manager.release_soon("k1") is False  # under way: the same release
         assert await asyncio.to_thread(ledger.entered.wait, 10)  # the loop runs while the ledger blocks
@@ -365,7 +377,9 @@ def test_a_hung_call_makes_the_monitor_stalled_and_usage_unknown_until_it_return
             await until(lambda: monitor.describe()["state"] == "stalled")
             described = monitor.describe()
             assert described["message"].startswith("no GPU sample since ") and "NVML" in described["message"]
-            assert manager.status.kernel_device_usage("k1", device)["used"] is None and monitor.device_used(device) is None
+            assert (
+                manager.status.kernel_device_usage("k1", device)["used"] is None and monitor.device_used(device) is None
+            )
             # The lifecycle goes on without samples: a kernel that died gives its grant back.
             ticks = monitor.ticks
             source.dead = {"k1"}
@@ -405,7 +419,7 @@ def test_the_sampler_thread_is_a_daemon_that_stop_does_not_wait_for(fake_nvml):
     assert not thread.is_alive()  # it ran the close job and ended once the call returned
 
 
-# --- /metrics families, built from plain facts (gpu_quota_ext.metrics) --------------------------------
+# --- /metrics families, built from plain facts (gpu_quota_ext.status.collector) --------------------------------
 
 
 def _series(families):
@@ -417,12 +431,17 @@ def _series(families):
 
 
 def test_metric_families_show_unknown_usage_as_absent_not_zero():
-    from gpu_quota_ext.metrics import monitor_families
+    from gpu_quota_ext.status.collector import monitor_families
 
     series = _series(
         monitor_families(
-            {0: (16, 5), 1: (16, None)}, {"k": {0: 3, 1: 2}}, {"k": {0: 4, 1: 4}},
-            nvml_ok=False, stalled=False, sample_age=0.3, actions={"warn": 2, "kill": 1},
+            {0: (16, 5), 1: (16, None)},
+            {"k": {0: 3, 1: 2}},
+            {"k": {0: 4, 1: 4}},
+            nvml_ok=False,
+            stalled=False,
+            sample_age=0.3,
+            actions={"warn": 2, "kill": 1},
         )
     )
     assert series[("gpu_quota_kernel_used_bytes", (("device", "0"), ("kernel_id", "k")))] == 3
@@ -434,7 +453,7 @@ def test_metric_families_show_unknown_usage_as_absent_not_zero():
 
 
 def test_metric_families_while_stalled_have_caps_but_no_usage():
-    from gpu_quota_ext.metrics import monitor_families
+    from gpu_quota_ext.status.collector import monitor_families
 
     series = _series(monitor_families({0: (16, 5)}, {"k": {0: 3}}, {"k": {0: 4}}, True, True, 9.0, {}))
     assert not [key for key in series if key[0].endswith("used_bytes")]
@@ -449,9 +468,14 @@ def test_under_a_ledger_that_decides_elsewhere_the_status_shows_who_not_this_ser
             return "the host's GPU quota service at http://127.0.0.1:10101/services/gpu-quota/"
 
     policy = build_policy("0.25", "1.0")
-    manager = GpuQuotaManager(policy, [], Elsewhere([], policy), Kernels({}), FakeNvml(), watchdog_settings("warn", "1GiB", 0, 1))
+    manager = GpuQuotaManager(
+        policy, [], Elsewhere([], policy), Kernels({}), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 1)
+    )
     shown = manager.status.answer({})["policy"]
     assert shown["decided_by"].startswith("the host's GPU quota service at ")
     assert "default_cap" not in shown and "max_cap" not in shown  # ignored here: the service's caps apply
     assert shown["enforce"] == "warn"  # this server's watchdog still runs
-    assert "decided_by" not in GpuQuotaManager(policy, [], LocalLedger([], policy), Kernels({}), FakeNvml()).status.answer({})["policy"]
+    assert (
+        "decided_by"
+        not in GpuQuotaManager(policy, [], LocalLedger([], policy), Kernels({}), FakeNvml()).status.answer({})["policy"]
+    )

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gpu_quota_ext.checkpoint import CHECKPOINTED, LOCKED, RUNNING
-from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.fake_nvml import FakeNvml
-from gpu_quota_ext.parker import Parker
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking import ParkSettings
+from gpu_quota_ext.parking.checkpoint import CHECKPOINTED, LOCKED, RUNNING
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.shared.contract import PARK_STATES
 
 GiB = 1 << 30
@@ -28,7 +28,9 @@ class Kernels:
     state and last activity, the kernel manager itself (for iopub)."""
 
     def __init__(self):
-        self.kernel = SimpleNamespace(execution_state="idle", last_activity=datetime.datetime.now(datetime.timezone.utc))
+        self.kernel = SimpleNamespace(
+            execution_state="idle", last_activity=datetime.datetime.now(datetime.timezone.utc)
+        )
         self.manager = self
 
     def kernel_ids(self):
@@ -53,7 +55,14 @@ class ParkerMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.kernels = Kernels()
         ledger = SimpleNamespace(get=lambda kernel_id: SimpleNamespace(devices=[0]))
-        self.parker = Parker(ParkSettings(fresh_sample_wait=0), FakeCheckpoint(), self.kernels, ledger, host=lambda: (None, None), own_uid=0)
+        self.parker = Parker(
+            ParkSettings(fresh_sample_wait=0),
+            FakeCheckpoint(),
+            self.kernels,
+            ledger,
+            host=lambda: (None, None),
+            own_uid=0,
+        )
         self.run(self._start())
 
     async def _start(self):

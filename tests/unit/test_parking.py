@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_quota_ext.checkpoint import (
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.parking import ParkSettings, build_park_settings
+from gpu_quota_ext.parking.checkpoint import (
     CHECKPOINTED,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -18,14 +20,9 @@ from gpu_quota_ext.checkpoint import (
     CheckpointUnavailable,
     CudaCheckpointDriver,
 )
-from gpu_quota_ext.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.fake_nvml import FakeNvml
-from gpu_quota_ext.parker import park_processes, resume_processes
-from gpu_quota_ext.parking import (
+from gpu_quota_ext.parking.decisions import (
     MPS_REASON,
     ParkRecord,
-    ParkSettings,
-    build_park_settings,
     due_for_park,
     host_guard,
     idle_seconds,
@@ -35,17 +32,27 @@ from gpu_quota_ext.parking import (
     retry_delay,
     waiting_reason,
 )
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.parker import park_processes, resume_processes
 from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
 from gpu_quota_ext.shared.durations import parse_duration
 from gpu_quota_ext.shared.sizes import GiB, PolicyError
-
 
 # --- durations and settings ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("30min", 1800), ("90s", 90), ("1.5h", 5400), ("2d", 172800), (300, 300), ("300", 300), (" 45 MIN ", 2700), (0.5, 0.5)],
+    [
+        ("30min", 1800),
+        ("90s", 90),
+        ("1.5h", 5400),
+        ("2d", 172800),
+        (300, 300),
+        ("300", 300),
+        (" 45 MIN ", 2700),
+        (0.5, 0.5),
+    ],
 )
 def test_durations_in_seconds_or_with_a_unit(text, seconds):
     assert parse_duration(text) == seconds
@@ -56,7 +63,9 @@ def test_off_is_none(off):
     assert parse_duration(off) is None
 
 
-@pytest.mark.parametrize("bad", ["soon", "-5", "5 parsecs", "1e999", float("nan"), float("inf"), True, [], "400d", -1, "min"])
+@pytest.mark.parametrize(
+    "bad", ["soon", "-5", "5 parsecs", "1e999", float("nan"), float("inf"), True, [], "400d", -1, "min"]
+)
 def test_bad_durations_say_what_is_accepted(bad):
     with pytest.raises(PolicyError, match="duration"):
         parse_duration(bad)
@@ -90,7 +99,12 @@ def test_host_guard_needs_the_gpu_bytes_plus_the_margin_on_the_host_and_in_the_c
     assert host_guard(10 * GiB, None, None, 2 * GiB) is None  # unknown: the driver answers for itself
 
 
-@given(st.integers(0, 1 << 45), st.integers(0, 1 << 45), st.one_of(st.none(), st.integers(0, 1 << 45)), st.integers(0, 1 << 35))
+@given(
+    st.integers(0, 1 << 45),
+    st.integers(0, 1 << 45),
+    st.one_of(st.none(), st.integers(0, 1 << 45)),
+    st.integers(0, 1 << 35),
+)
 def test_host_guard_parks_exactly_when_both_can_hold_it(gpu, available, room, margin):
     refused = host_guard(gpu, available, room, margin) is not None
     assert refused == (available < gpu + margin or (room is not None and room < gpu + margin))
@@ -248,7 +262,7 @@ def test_a_driver_without_the_checkpoint_calls_is_named(tmp_path):
 
 
 def test_another_users_process_is_found_before_the_driver_is_asked(children):
-    from gpu_quota_ext.parker import foreign_processes
+    from gpu_quota_ext.parking.parker import foreign_processes
 
     me = os.geteuid()
     assert foreign_processes(children, me + 1) == children  # as seen by a server of another uid

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.fake_nvml import FakeNvml
-from gpu_quota_ext.local_ledger import LocalLedger
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.policy import GiB, build_policy
 
@@ -58,14 +58,20 @@ def test_every_kernel_of_a_pinned_kernelspec_lands_on_its_device(pin, device):
 
 def test_a_pin_on_both_devices_places_among_them():
     service = manager()
-    placed = [admit(service, f"k{n}", {"CUDA_VISIBLE_DEVICES": "GPU-3333,2"}) and service.ledger.get(f"k{n}").devices for n in range(4)]
+    placed = [
+        admit(service, f"k{n}", {"CUDA_VISIBLE_DEVICES": "GPU-3333,2"}) and service.ledger.get(f"k{n}").devices
+        for n in range(4)
+    ]
     assert sorted(placed) == [(0,), (0,), (1,), (1,)]
 
 
 def test_the_servers_own_visible_devices_are_no_pin():
     # A kernelspec env that repeats the server's variable (jupyter copies it) places anywhere: spread.
     service = manager()
-    placed = [admit(service, f"k{n}", {"CUDA_VISIBLE_DEVICES": SERVER_VISIBLE}) and service.ledger.get(f"k{n}").devices for n in range(2)]
+    placed = [
+        admit(service, f"k{n}", {"CUDA_VISIBLE_DEVICES": SERVER_VISIBLE}) and service.ledger.get(f"k{n}").devices
+        for n in range(2)
+    ]
     assert placed == [(0,), (1,)]
 
 

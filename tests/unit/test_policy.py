@@ -1,14 +1,15 @@
 """Policy parsing and rule resolution: pure, no server."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpu_quota_ext.policy import (
+    CapSpec,
     GiB,
     MiB,
-    TiB,
-    CapSpec,
     PolicyError,
+    TiB,
     build_policy,
     format_bytes,
     parse_cap,
@@ -84,7 +85,9 @@ def test_any_string_is_a_cap_or_a_clear_error(text):
     assert (spec.fraction is None) != (spec.nbytes is None)
 
 
-@given(st.one_of(st.integers(), st.floats(allow_nan=True), st.booleans(), st.none(), st.lists(st.integers(), max_size=2)))
+@given(
+    st.one_of(st.integers(), st.floats(allow_nan=True), st.booleans(), st.none(), st.lists(st.integers(), max_size=2))
+)
 def test_any_value_is_a_cap_or_a_clear_error(value):
     try:
         spec = parse_cap(value)
@@ -160,7 +163,12 @@ def test_bad_settings_name_the_setting_and_value(kwargs, words):
 
 def test_defaults_and_overcommit_forms():
     policy = build_policy("0.25", "1.0")
-    assert (policy.overcommit, policy.placement, policy.on_full, policy.on_over_max) == (None, "spread", "cpu-only", "clamp")
+    assert (policy.overcommit, policy.placement, policy.on_full, policy.on_over_max) == (
+        None,
+        "spread",
+        "cpu-only",
+        "clamp",
+    )
     assert build_policy("0.25", "1.0", overcommit="1.5").overcommit == 1.5
     assert build_policy("0.25", "1.0", overcommit="none").overcommit is None
     assert build_policy("0.25", "1.0", placement=" PACK ").placement == "pack"

@@ -19,11 +19,16 @@ from tornado import httpserver, web
 
 from gpu_quota_ext.app import _make_ledger
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.host_service.contract import GRANTS_PATH, LEASE_PATH, START_RETRIES, STATUS_PATH
 from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
-from gpu_quota_ext.local_ledger import LocalLedger
+from gpu_quota_ext.ledger.local import LocalLedger
+from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV, RemoteLedger
 from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
-from gpu_quota_ext.remote_ledger import SERVICE_URL_ENV, RemoteLedger
+from gpu_quota_ext.shared.service_contract import (
+    GRANTS_PATH,
+    LEASE_PATH,
+    START_RETRIES,
+    STATUS_PATH,
+)
 
 TOTAL = 80 * GiB
 # The service numbers the host's GPUs one way, this server the other: only uuids cross the wire.
@@ -149,7 +154,8 @@ class Grants(Base):
             return self.answer(403, {"message": f"kernel {body['kernel_id']} is another user's"})
         allowed = None if body["allowed"] is None else [d.index for d in HOST_DEVICES if d.uuid in body["allowed"]]
         try:
-            grant = s.ledger.grant(body["kernel_id"], self.user, body["kernelspec"], resolve(s.policy, self.user, body["kernelspec"]), allowed)
+            decision = resolve(s.policy, self.user, body["kernelspec"])
+            grant = s.ledger.grant(body["kernel_id"], self.user, body["kernelspec"], decision, allowed)
         except AdmissionRefused as refusal:
             return self.answer(409, {"message": str(refusal)})
         s.owner[body["kernel_id"]] = (self.user, body["server"])
@@ -166,11 +172,18 @@ class OneGrant(Base):
             if self.body.get("reset"):
                 outcome = ledger.reset(kernel_id)
             else:
-                device = None if self.body["device"] is None else next(d.index for d in HOST_DEVICES if d.uuid == self.body["device"])
+                device = (
+                    None
+                    if self.body["device"] is None
+                    else next(d.index for d in HOST_DEVICES if d.uuid == self.body["device"])
+                )
                 outcome = ledger.change(kernel_id, parse_cap(self.body["cap"]), device)
         except PolicyError as error:
             return self.answer(400, {"message": str(error)})
-        self.answer(200, {"status": outcome.status, "message": outcome.message, "grant": self.standin.grant_record(outcome.grant)})
+        self.answer(
+            200,
+            {"status": outcome.status, "message": outcome.message, "grant": self.standin.grant_record(outcome.grant)},
+        )
 
     def delete(self, kernel_id):
         if self.mine(kernel_id):
@@ -185,8 +198,11 @@ class Lease(Base):
         s.leases.append(self.body)
         listed = {k["kernel_id"] for k in self.body["kernels"]}
         gone = [
-            k for k, (user, server) in s.owner.items()
-            if user == self.user and server == self.body["server"] and k not in listed
+            k
+            for k, (user, server) in s.owner.items()
+            if user == self.user
+            and server == self.body["server"]
+            and k not in listed
             and time.monotonic() - s.granted_at[k] >= s.start_grace
         ]
         for kernel_id in gone:
@@ -354,7 +370,10 @@ def test_release_frees_the_budget_and_is_idempotent(standin, make_ledger):
 def test_a_start_while_the_service_is_down_is_refused_after_the_retries_then_it_recovers(standin, make_ledger):
     ledger = make_ledger()
     standin.stop()
-    with pytest.raises(AdmissionRefused, match=r"^the GPU quota service at http://127\.0\.0\.1:\d+/services/gpu-quota/ is unreachable: .*refused"):
+    with pytest.raises(
+        AdmissionRefused,
+        match=r"^the GPU quota service at http://127\.0\.0\.1:\d+/services/gpu-quota/ is unreachable: .*refused",
+    ):
         ledger.grant("k1", "alice", "python3", wide_open())
     assert ledger.get("k1") is None
     standin.start()
@@ -481,7 +500,9 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
 
     ledger = make_ledger(renew_every=3600)
     ledger.grant("k1", "alice", "python3", wide_open())
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env={KERNEL_ID: "k1"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env={KERNEL_ID: "k1"}
+    )
     try:
         assert ledger.renew()
         # (the lease thread's own first renewal may land after this one: look at every renewal)
@@ -517,8 +538,10 @@ def test_the_server_asks_the_service_when_the_hub_names_one(standin, monkeypatch
     try:
         assert isinstance(ledger, RemoteLedger)
         assert [r.getMessage() for r in caplog.records if "is in charge" in r.getMessage()] == [
-            f"gpu-quota-ext: the host's GPU quota service at {standin.url} is in charge ({SERVICE_URL_ENV}): it decides "
-            "every cap and admission; this server's c.GpuQuota default_cap, max_cap, caps, overcommit, placement and on_full are ignored"
+            f"gpu-quota-ext: the host's GPU quota service at {standin.url} is in charge ({SERVICE_URL_ENV}): it "
+            "decides "
+            "every cap and admission; this server's c.GpuQuota default_cap, max_cap, caps, overcommit, placement and "
+            "on_full are ignored"
         ]
         # The local policy says a whole device; the service's says half.
         assert ledger.grant("k1", "alice", "python3", resolve(policy, "alice", "python3")).caps == {1: TOTAL // 2}
@@ -530,5 +553,7 @@ def test_a_service_url_without_a_token_stops_the_server(monkeypatch):
     monkeypatch.setenv(SERVICE_URL_ENV, "http://127.0.0.1:1/services/gpu-quota/")
     monkeypatch.delenv("JUPYTERHUB_API_TOKEN", raising=False)
     monkeypatch.delenv("JPY_API_TOKEN", raising=False)
-    with pytest.raises(SystemExit, match="invalid configuration: .*GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"):
+    with pytest.raises(
+        SystemExit, match="invalid configuration: .*GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"
+    ):
         _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0"))

@@ -9,16 +9,31 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from gpu_quota_ext import hub
+import gpu_quota_ext.hub.caps as hub
 from gpu_quota_ext.app import GpuQuota
 from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
 from gpu_quota_ext.parking import ParkSettings, build_park_settings
-from gpu_quota_ext.policy import GiB, MiB, Policy, PolicyError, build_policy, watchdog_settings
+from gpu_quota_ext.policy import GiB, MiB, Policy, PolicyError, build_policy
 from gpu_quota_ext.settings import (
-    CAP, CHOICE, DEFAULTS, FACTOR, HARD_CAP, PARK, POLICY, SECONDS, SETTINGS, SIZE, SLACK, WATCHDOG, names_of,
+    CAP,
+    CHOICE,
+    DEFAULTS,
+    FACTOR,
+    HARD_CAP,
+    PARK,
+    POLICY,
+    SECONDS,
+    SETTINGS,
+    SIZE,
+    SLACK,
+    WATCHDOG,
+    names_of,
 )
 from gpu_quota_ext.shared import env_vars
-from gpu_quota_ext.watchdog import WatchdogSettings
+from gpu_quota_ext.usage.watchdog_settings import (
+    WatchdogSettings,
+    build_watchdog_settings,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CHOICES = [name for name, row in SETTINGS.items() if row.kind == CHOICE]
@@ -63,12 +78,16 @@ def test_every_part_is_built_from_the_table_and_the_dataclasses_defaults_are_the
     policy = build_policy(**{name: DEFAULTS[name] for name in names_of(POLICY)})
     assert policy == Policy(policy.default_cap, policy.max_cap)
     assert (str(policy.default_cap), str(policy.max_cap)) == (DEFAULTS["default_cap"], DEFAULTS["max_cap"])
-    assert watchdog_settings(**{name: DEFAULTS[name] for name in names_of(WATCHDOG)}) == WatchdogSettings()
-    assert watchdog_settings() == WatchdogSettings()
+    assert build_watchdog_settings(**{name: DEFAULTS[name] for name in names_of(WATCHDOG)}) == WatchdogSettings()
+    assert build_watchdog_settings() == WatchdogSettings()
     assert build_hard_cap_settings(**{name: DEFAULTS[name] for name in names_of(HARD_CAP)}) == HardCapSettings()
     # A fresh extension (no config, no variable) validates to the same objects.
     assert extension().validated_settings() == (policy, WatchdogSettings(), HardCapSettings())
-    assert build_park_settings(**{name: DEFAULTS[name] for name in names_of(PARK)}) == ParkSettings() == extension().park_settings()
+    assert (
+        build_park_settings(**{name: DEFAULTS[name] for name in names_of(PARK)})
+        == ParkSettings()
+        == extension().park_settings()
+    )
 
 
 def test_the_hubs_keys_and_variables_are_the_tables_per_user_rows():
@@ -122,10 +141,14 @@ def test_each_choice_refuses_a_bad_value_in_one_line_naming_the_setting(name, mo
 
 def test_a_value_from_the_environment_is_named_with_its_variable_and_config_wins_over_it(monkeypatch):
     monkeypatch.setenv("GPU_QUOTA_POLL_INTERVAL", "0.01")
-    with pytest.raises(TraitError, match=r"poll_interval = '0.01' \(from the environment variable GPU_QUOTA_POLL_INTERVAL\)"):
+    with pytest.raises(
+        TraitError, match=r"poll_interval = '0.01' \(from the environment variable GPU_QUOTA_POLL_INTERVAL\)"
+    ):
         extension().validated_settings()
     monkeypatch.setenv("GPU_QUOTA_MAX_CAP", "2.0")
-    with pytest.raises(PolicyError, match=r"^c.GpuQuota.max_cap = '2.0' \(from the environment variable GPU_QUOTA_MAX_CAP\): "):
+    with pytest.raises(
+        PolicyError, match=r"^c.GpuQuota.max_cap = '2.0' \(from the environment variable GPU_QUOTA_MAX_CAP\): "
+    ):
         extension(poll_interval=1).validated_settings()
     with pytest.raises(PolicyError) as refused:
         extension(poll_interval=1, max_cap="3.0").validated_settings()

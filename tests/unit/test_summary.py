@@ -17,7 +17,9 @@ def run_summary(folder: Path) -> subprocess.CompletedProcess:
 def test_deselected_gpu_tests_count_as_skipped_in_the_closing_line(tmp_path):
     (tmp_path / "pytest.xml").write_text(JUNIT)
     # pytest's own closing line, coloured as on a terminal
-    (tmp_path / "pytest.out").write_text("....s\n\x1b[32m4 passed\x1b[0m, \x1b[33m1 skipped\x1b[0m, \x1b[33m17 deselected\x1b[0m in 3.10s\n")
+    (tmp_path / "pytest.out").write_text(
+        "....s\n\x1b[32m4 passed\x1b[0m, \x1b[33m1 skipped\x1b[0m, \x1b[33m17 deselected\x1b[0m in 3.10s\n"
+    )
     result = run_summary(tmp_path)
     assert result.returncode == 0
     *before, closing = result.stdout.strip().splitlines()

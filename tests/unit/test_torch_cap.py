@@ -25,7 +25,10 @@ def test_alloc_conf_fraction_only_from_torch_2_10():
 
 def test_merge_alloc_conf_keeps_other_options_and_the_tighter_fraction():
     assert merge_alloc_conf(None, 0.25) == "per_process_memory_fraction:0.250000"
-    assert merge_alloc_conf("expandable_segments:True", 0.2) == "expandable_segments:True,per_process_memory_fraction:0.200000"
+    assert (
+        merge_alloc_conf("expandable_segments:True", 0.2)
+        == "expandable_segments:True,per_process_memory_fraction:0.200000"
+    )
     assert merge_alloc_conf("per_process_memory_fraction:0.1,max_split_size_mb:128", 0.5) == (
         "max_split_size_mb:128,per_process_memory_fraction:0.100000"
     )
@@ -85,10 +88,13 @@ def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch):
 def test_bootstrap_without_torch_writes_no_allocator_option(monkeypatch):
     # No torch installed in the kernel's environment: nothing to read the option, so none is written;
     # the import watcher still waits, in case the user installs torch during the session.
-    from gpu_quota_ext.kernel import state as state_module, torch_cap
+    from gpu_quota_ext.kernel import state as state_module
+    from gpu_quota_ext.kernel import torch_cap
 
     monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: None)
-    state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
+    state = state_module.KernelCapState(
+        kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)]
+    )
     env = {}
     installed = []
     monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: installed.append(s))
@@ -99,11 +105,14 @@ def test_bootstrap_without_torch_writes_no_allocator_option(monkeypatch):
 
 
 def test_bootstrap_with_old_torch_uses_only_the_lazy_route(monkeypatch):
-    from gpu_quota_ext.kernel import state as state_module, torch_cap
+    from gpu_quota_ext.kernel import state as state_module
+    from gpu_quota_ext.kernel import torch_cap
 
     monkeypatch.setattr(torch_cap, "installed_torch_version", lambda: "2.9.1")
     monkeypatch.setattr(torch_cap, "install_lazy_hook", lambda s: None)
-    state = state_module.KernelCapState(kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
+    state = state_module.KernelCapState(
+        kernel_id="k", devices=[state_module.DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)]
+    )
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     torch_cap.cap_torch(state, env=env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch 2.9 would reject the new key
@@ -123,7 +132,8 @@ def test_the_installed_torch_has_the_private_lazy_call_we_rely_on():
 
 
 def test_a_torch_without_lazy_call_gives_one_clear_problem_line_at_kernel_start(monkeypatch):
-    from gpu_quota_ext.kernel import bootstrap, state as state_module
+    from gpu_quota_ext.kernel import bootstrap
+    from gpu_quota_ext.kernel import state as state_module
     from gpu_quota_ext.shared.env_vars import DEVICES, KERNEL_ID, USER_STARTUP
 
     from .fake_torch import fake_torch
@@ -133,7 +143,10 @@ def test_a_torch_without_lazy_call_gives_one_clear_problem_line_at_kernel_start(
     monkeypatch.setitem(sys.modules, "torch", module)
     monkeypatch.setattr(state_module, "STATE", state_module.KernelCapState())
     monkeypatch.setenv(KERNEL_ID, "k")
-    monkeypatch.setenv(DEVICES, '[{"ordinal": 0, "index": 0, "uuid": "GPU-a", "cap": 1073741824, "max_cap": 2147483648, "total": 17179869184}]')
+    monkeypatch.setenv(
+        DEVICES,
+        '[{"ordinal": 0, "index": 0, "uuid": "GPU-a", "cap": 1073741824, "max_cap": 2147483648, "total": 17179869184}]',
+    )
     monkeypatch.delenv(USER_STARTUP, raising=False)
     monkeypatch.setenv("PYTHONSTARTUP", "")  # restored after the test (the bootstrap unsets it)
     from gpu_quota_ext.kernel import torch_cap

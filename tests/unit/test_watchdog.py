@@ -2,13 +2,21 @@
 
 import pytest
 
-from gpu_quota_ext.policy import GiB, MiB, PolicyError, parse_slack, watchdog_settings
-from gpu_quota_ext.usage.watchdog import OverLimitEpisode, Watchdog, decide, worst_device
-from gpu_quota_ext.watchdog import WatchdogSettings
+from gpu_quota_ext.policy import GiB, MiB, PolicyError, parse_slack
+from gpu_quota_ext.usage.watchdog import (
+    OverLimitEpisode,
+    Watchdog,
+    decide,
+    worst_device,
+)
+from gpu_quota_ext.usage.watchdog_settings import (
+    WatchdogSettings,
+    build_watchdog_settings,
+)
 
 
 def settings(enforce="kill", slack="1GiB", grace=0, poll=1):
-    return watchdog_settings(enforce, slack, grace, poll)
+    return build_watchdog_settings(enforce, slack, grace, poll)
 
 
 def test_defaults_are_warn_with_a_slack_that_covers_a_cuda_context():
@@ -20,7 +28,14 @@ def test_defaults_are_warn_with_a_slack_that_covers_a_cuda_context():
 
 @pytest.mark.parametrize(
     "slack, cap, limit",
-    [("1GiB", 4 * GiB, 5 * GiB), ("0.5", 4 * GiB, 6 * GiB), ("10%", 10 * GiB, 11 * GiB), ("0", 4 * GiB, 4 * GiB), (0, GiB, GiB), (512 * MiB, GiB, GiB + 512 * MiB)],
+    [
+        ("1GiB", 4 * GiB, 5 * GiB),
+        ("0.5", 4 * GiB, 6 * GiB),
+        ("10%", 10 * GiB, 11 * GiB),
+        ("0", 4 * GiB, 4 * GiB),
+        (0, GiB, GiB),
+        (512 * MiB, GiB, GiB + 512 * MiB),
+    ],
 )
 def test_limit_is_cap_plus_slack_in_bytes_or_as_a_fraction_of_the_cap(slack, cap, limit):
     assert settings(slack=slack).limit(cap) == limit
@@ -142,6 +157,9 @@ def test_review_acts_on_the_process_tree_and_only_warns_on_the_rest():
     usage = {"k1": {0: 6 * GiB}, "k2": {0: 6 * GiB}}
     in_tree = {"k1": {0: 6 * GiB}, "k2": {0: GiB}}  # k2 is over only with processes found by environment
     actions = dog.review(usage, caps, now=1.0, wall=1000.0, in_tree=in_tree)
-    assert [(a.kernel_id, a.action, a.attributed) for a in actions] == [("k1", "kill", "tree"), ("k2", "warn", "environment")]
+    assert [(a.kernel_id, a.action, a.attributed) for a in actions] == [
+        ("k1", "kill", "tree"),
+        ("k2", "warn", "environment"),
+    ]
     assert "never interrupts, restarts or kills" in actions[1].describe()
     assert actions[1].to_json()["attributed"] == "environment"

@@ -1,0 +1,229 @@
+"""GPU inventories: which devices this server may place kernels on, and how big each is.
+
+Two backends behind one small interface: NVML (the real machine) and a static list from config (tests,
+demos on machines without a GPU). `CUDA_VISIBLE_DEVICES` of the server narrows what NVML reports, the
+way CUDA itself would. Inside a HAMi-limited container a device's size is the pod's share of it
+(gpu_quota_ext.devices.hami reads it): NVML's inventory applies it by default, `HamiInventory` on any other.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from traitlets import Bool, Type
+from traitlets import List as ListTrait
+from traitlets.config import LoggingConfigurable
+
+from ..shared.sizes import PolicyError, parse_cap, shown
+from .device import Device, parse_cuda_visible_devices, select_visible
+from .hami import describe_share, read_pod_share, share_devices
+
+
+class DeviceInventory(LoggingConfigurable):
+    """The interface: `list_devices()` lists the GPUs this server may use; [] means "no GPU"."""
+
+    def list_devices(self) -> List[Device]:
+        raise NotImplementedError
+
+    @property
+    def problem(self) -> Optional[str]:
+        """Why there are no devices, in one line, or None."""
+        return None
+
+
+class StaticInventory(DeviceInventory):
+    """Devices written in config, for tests and GPU-less demos:
+
+        c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+        c.StaticInventory.devices = [{"name": "Demo GPU", "total": "80GiB"}, {"total": "80GiB"}]
+    """
+
+    devices = ListTrait(
+        default_value=[],
+        help="Devices of this static inventory: dicts with 'total' (bytes or '80GiB'), optional 'name', 'uuid'.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._devices = parse_static_devices(self.devices)
+
+    def list_devices(self) -> List[Device]:
+        return list(self._devices)
+
+    @property
+    def problem(self) -> Optional[str]:
+        return None if self._devices else "no GPU: the static inventory lists no devices"
+
+
+def parse_static_devices(entries) -> List[Device]:
+    if not isinstance(entries, (list, tuple)):
+        raise PolicyError(f"c.StaticInventory.devices = {shown(entries)}: must be a list of dicts")
+    devices = []
+    first_with_uuid = {}
+    for i, entry in enumerate(entries):
+        where = f"c.StaticInventory.devices[{i}]"
+        if not isinstance(entry, dict) or "total" not in entry:
+            raise PolicyError(f"{where} = {shown(entry)}: must be a dict with 'total', e.g. {{'total': '80GiB'}}")
+        try:
+            spec = parse_cap(entry["total"])
+        except PolicyError as error:
+            raise PolicyError(f"{where}['total']: {error}") from None
+        if spec.nbytes is None:
+            raise PolicyError(
+                f"{where}['total'] = {shown(entry['total'])}: a device's memory is a size, not a fraction"
+            )
+        # No "GPU-" prefix by default: a static device is named by index in CUDA_VISIBLE_DEVICES.
+        uuid = str(entry.get("uuid", f"static-{i}"))
+        # A UUID names one device: the monitor and CUDA_VISIBLE_DEVICES would mix up two that share one.
+        if uuid in first_with_uuid:
+            raise PolicyError(
+                f"c.StaticInventory.devices[{first_with_uuid[uuid]}] and {where} have the same uuid {shown(uuid)}; "
+                "each device needs its own"
+            )
+        first_with_uuid[uuid] = i
+        devices.append(
+            Device(index=i, name=str(entry.get("name", "Static GPU")), uuid=uuid, total=spec.nbytes, nvml_index=i)
+        )
+    return devices
+
+
+class NvmlInventory(DeviceInventory):
+    """The machine's GPUs through NVML (nvidia-ml-py). No library, no driver: no devices, said once."""
+
+    pod_share = Bool(
+        True,
+        help="""Inside a HAMi-limited container (HAMi's CUDA_DEVICE_MEMORY_LIMIT variables in the server's
+        environment) each GPU's size is the pod's share: caps are fractions of it, admission splits it among
+        the kernels, the sidebar shows it as the device's total. False: the whole GPU as NVML reports it.""",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._devices: Optional[List[Device]] = None
+        self._problem: Optional[str] = None
+
+    @property
+    def problem(self) -> Optional[str]:
+        self.list_devices()
+        return self._problem
+
+    def list_devices(self) -> List[Device]:
+        # Device totals do not change while the server runs: read NVML once.
+        if self._devices is None:
+            found, self._problem = read_nvml_devices()
+            visible = parse_cuda_visible_devices(_server_env("CUDA_VISIBLE_DEVICES"))
+            self._devices = select_visible(found, visible)
+            if self.pod_share and self._devices:
+                self._devices = apply_pod_share(self._devices, _server_environ(), self.log)
+            if self._problem:
+                self.log.warning("gpu-quota-ext: %s; kernels start without GPU caps", self._problem)
+            elif not self._devices:
+                self._problem = "no GPU: CUDA_VISIBLE_DEVICES of the server hides every device"
+                self.log.warning("gpu-quota-ext: %s", self._problem)
+            else:
+                self.log.info(
+                    "gpu-quota-ext: %d GPU(s): %s",
+                    len(self._devices),
+                    ", ".join(f"{d.index}: {d.name} ({d.total} bytes)" for d in self._devices),
+                )
+        return list(self._devices)
+
+
+def _server_env(name: str) -> Optional[str]:
+    import os
+
+    return os.environ.get(name)
+
+
+def _server_environ() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def read_nvml_devices():
+    """(devices, problem): every GPU NVML reports, or [] and one line saying why not."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "no GPU: nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return [], f"no GPU: NVML could not start ({error.__class__.__name__}: {error})"
+    try:
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            devices.append(
+                Device(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    total=int(total),
+                    nvml_index=i,
+                )
+            )
+        return devices, None
+    except pynvml.NVMLError as error:
+        return [], f"no GPU: NVML failed listing devices ({error})"
+
+
+def apply_pod_share(devices: List[Device], env, log, *, expected: bool = False) -> List[Device]:
+    """`devices` with HAMi's per-container limits in `env` as their totals, said in the log.
+
+    Raises PolicyError naming the variable when a HAMi value cannot be read as HAMi-core reads it.
+    """
+    share = read_pod_share(env)
+    if share is None:
+        if expected:
+            log.warning(
+                "gpu-quota-ext: no CUDA_DEVICE_MEMORY_LIMIT variables in the server's environment: "
+                "each GPU's whole memory is the budget"
+            )
+        return devices
+    shared, lines = share_devices(devices, share)
+    log.info("gpu-quota-ext: %s; %s", describe_share(share), "; ".join(lines))
+    if not share.enforced:
+        log.warning(
+            "gpu-quota-ext: CUDA_DISABLE_CONTROL is set: caps split the pod's share, but no driver-side "
+            "limit holds the pod to it"
+        )
+    return shared
+
+
+class HamiInventory(DeviceInventory):
+    """The GPUs of a HAMi-limited container, from any inventory: each device's size is the pod's share.
+
+        c.GpuQuota.inventory_class = "gpu_quota_ext.devices.HamiInventory"
+        c.HamiInventory.physical_class = "gpu_quota_ext.devices.StaticInventory"   # or NVML (the default)
+
+    NVML's own inventory already applies the share (NvmlInventory.pod_share): this class is for the
+    other sources of devices, and for saying explicitly that this server runs under HAMi (a warning
+    when the variables are missing).
+    """
+
+    physical_class = Type(
+        default_value=NvmlInventory,
+        klass=DeviceInventory,
+        help="Where the physical GPUs come from: NVML (default) or gpu_quota_ext.devices.StaticInventory.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._physical = self.physical_class(parent=self)
+        if isinstance(self._physical, NvmlInventory):
+            self._physical.pod_share = False  # applied here, once
+        self._devices: Optional[List[Device]] = None
+
+    def list_devices(self) -> List[Device]:
+        if self._devices is None:
+            self._devices = apply_pod_share(self._physical.list_devices(), _server_environ(), self.log, expected=True)
+        return list(self._devices)
+
+    @property
+    def problem(self) -> Optional[str]:
+        return self._physical.problem

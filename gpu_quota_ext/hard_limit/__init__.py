@@ -1,0 +1,10 @@
+"""The hard limit: a per-kernel memory limit the driver enforces at allocation time (NVIDIA MPS).
+
+decisions.py holds the pure rules (settings, each kernel's limit and route); mps.py runs and asks the MPS
+control daemon; layer.py is what the server holds (the daemon it manages, each kernel's layers).
+"""
+
+from .decisions import HardCapSettings, KernelLayers, build_hard_cap_settings
+from .layer import HardCapLayer, HardCapUnavailable
+
+__all__ = ["HardCapSettings", "KernelLayers", "build_hard_cap_settings", "HardCapLayer", "HardCapUnavailable"]

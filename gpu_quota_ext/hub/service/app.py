@@ -1,0 +1,364 @@
+"""`jupyter gpu-quota service`: the host's quota service as a JupyterHub service (tornado).
+
+Settings are traits of `GpuQuotaService` (c.GpuQuotaService.NAME in a config file given with
+--config, or on the command line). The hub gives the rest in the environment of a hub-managed service:
+JUPYTERHUB_SERVICE_URL (where to listen), JUPYTERHUB_SERVICE_PREFIX (the paths), JUPYTERHUB_API_URL and
+JUPYTERHUB_API_TOKEN (the service's own token: never logged, never written), JUPYTERHUB_CLIENT_ID (OAuth
+for the admin's page). The caps mapping can come in the environment too, as JSON in
+GPU_QUOTA_SERVICE_CAPS ({"users": ..., "groups": ..., "default": ...}): what `service_entry` (spec.py) puts
+there for the hub.
+
+This module wires the parts (book.py, store.py, sampler.py, handlers.py) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Dict, Optional
+from urllib.parse import urlparse
+
+from jupyter_core.paths import jupyter_data_dir
+from tornado import web
+from tornado.ioloop import IOLoop, PeriodicCallback
+from traitlets import Bool, Enum, Float, Type, Unicode
+from traitlets import Dict as DictTrait
+from traitlets import default as default_value
+from traitlets.config import Application
+
+from ...devices import (
+    DeviceInventory,
+    NvmlBackend,
+    NvmlInventory,
+    PynvmlBackend,
+    StaticInventory,
+)
+from ...policy import PolicyError, build_policy
+from ...settings import DEFAULTS, SETTINGS
+from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
+from ...shared.service_contract import (
+    ADMIN_PAGE,
+    ADMIN_SCOPE,
+    GRANTS_PATH,
+    LEASE_PATH,
+    LEASE_SECONDS,
+    METRICS_PATH,
+    SERVICE_NAME,
+    STATUS_PATH,
+)
+from ..caps import PROPERTY_KEY, hub_caps
+from .book import HostBook
+from .handlers import (
+    GrantHandler,
+    GrantsHandler,
+    LeaseHandler,
+    MetricsHandler,
+    PageHandler,
+    StatusHandler,
+    Who,
+)
+from .hub_directory import HubDirectory, HubUnavailable
+from .metrics import registry_for
+from .sampler import HostSampler
+from .status import build_status
+from .store import StateDirError, Store
+from .user_policy import UserPolicy, user_policy
+
+log = logging.getLogger("gpu_quota_ext")
+
+
+def _access_log(handler: web.RequestHandler) -> None:
+    # The path without its query: a "?token=" must never reach a log.
+    request = handler.request
+    log.info("%d %s %s %.1fms", handler.get_status(), request.method, request.path, 1000.0 * request.request_time())
+
+
+class GpuQuotaService(Application):
+    name = "jupyter-gpu-quota-service"
+    description = """The host's GPU quota service: one ledger for every user of a JupyterHub host. Run by the
+    hub (c.JupyterHub.services, see gpu_quota_ext.hub.service.spec.service_entry) or as an external service
+    with the JUPYTERHUB_* variables set."""
+
+    config_file = Unicode("", help="A Python config file with c.GpuQuotaService settings.").tag(config=True)
+    state_dir = Unicode(help="Where the ledger's database lives (created 0700, owned by the service's user).").tag(
+        config=True
+    )
+    users = DictTrait(help="Per-user settings, as configure_hub_caps takes them.").tag(config=True)
+    groups = DictTrait(help="Per-group settings (first group in this order wins), as configure_hub_caps.").tag(
+        config=True
+    )
+    default = DictTrait(help="Settings for everyone else, as configure_hub_caps.").tag(config=True)
+    property_key = Unicode(
+        PROPERTY_KEY, allow_none=True, help="Group property read for live settings; None: ignore properties."
+    ).tag(config=True)
+    default_cap = Unicode(str(DEFAULTS["default_cap"]), help="A kernel's cap where the mapping sets none.").tag(
+        config=True
+    )
+    max_cap = Unicode(str(DEFAULTS["max_cap"]), help="The most a kernel may ask for where the mapping sets none.").tag(
+        config=True
+    )
+    overcommit = Float(
+        1.0, allow_none=True, help="Budget per device = its memory × this; None: no admission control."
+    ).tag(config=True)
+    placement = Enum(
+        SETTINGS["placement"].choices, DEFAULTS["placement"], help="How kernels are placed on the host's GPUs."
+    ).tag(config=True)
+    on_full = Enum(
+        SETTINGS["on_full"].choices,
+        DEFAULTS["on_full"],
+        help="A full host: refuse the kernel, or start it CPU-only (per user in the mapping).",
+    ).tag(config=True)
+    on_over_max = Enum(
+        SETTINGS["on_over_max"].choices, DEFAULTS["on_over_max"], help="A request above max_cap: clamp it or refuse it."
+    ).tag(config=True)
+    inventory_class = Type(
+        NvmlInventory, klass=DeviceInventory, help="The host's GPUs (StaticInventory for tests)."
+    ).tag(config=True)
+    nvml_class = Type(PynvmlBackend, klass=NvmlBackend, help="NVML for the host watchdog (FakeNvml for tests).").tag(
+        config=True
+    )
+    poll_interval = Float(5.0, help="Seconds between host samples.").tag(config=True)
+    stall_after = Float(10.0, help="A sample out longer than this: the watchdog is 'stalled'.").tag(config=True)
+    unmanaged_action = Enum(
+        ("warn", "kill"),
+        "warn",
+        help="GPU memory outside every grant: warn, or kill the process after unmanaged_grace.",
+    ).tag(config=True)
+    unmanaged_grace = Float(30.0, help="Seconds an unmanaged process is seen before 'kill' acts.").tag(config=True)
+    unix_user_template = Unicode("{username}", help="A hub user's Unix user name ('jupyter-{username}' on TLJH).").tag(
+        config=True
+    )
+    lease_seconds = Float(float(LEASE_SECONDS), help="A server not heard of this long loses its grants.").tag(
+        config=True
+    )
+    start_grace = Float(30.0, help="A grant this young is kept even when its server's lease does not list it yet.").tag(
+        config=True
+    )
+    hub_cache_seconds = Float(10.0, help="How long the hub's answers (tokens, users, groups) are kept.").tag(
+        config=True
+    )
+    sampler_enabled = Bool(True, help="Run the host watchdog.").tag(config=True)
+
+    aliases = {"config": "GpuQuotaService.config_file", "state-dir": "GpuQuotaService.state_dir"}
+    classes = [StaticInventory, NvmlInventory]
+
+    @default_value("state_dir")
+    def _state_dir(self):
+        return os.path.join(jupyter_data_dir(), "gpu_quota_service")
+
+    def _caps_mapping(self) -> dict:
+        mapping = {"users": self.users, "groups": self.groups, "default": self.default}
+        raw = os.environ.get(CAPS_ENV)
+        if raw and not any(mapping.values()):
+            try:
+                given = json.loads(raw)
+            except ValueError:
+                raise PolicyError(f"{CAPS_ENV} is not JSON") from None
+            if not isinstance(given, dict) or set(given) - {"users", "groups", "default"}:
+                raise PolicyError(f'{CAPS_ENV} must be {{"users": ..., "groups": ..., "default": ...}}')
+            mapping.update({k: v for k, v in given.items() if v is not None})
+        return mapping
+
+    def initialize(self, argv=None):
+        super().initialize(argv)
+        if self.config_file:
+            self.load_config_file(self.config_file)
+        try:
+            self.build()
+        except (PolicyError, StateDirError) as error:
+            raise SystemExit(f"gpu-quota service: {error}") from None
+
+    def build(self) -> None:
+        """Every part, from the settings; raises PolicyError for a bad one."""
+        self.host_policy = build_policy(
+            self.default_cap, self.max_cap, (), self.overcommit, self.placement, self.on_full, self.on_over_max
+        )
+        self.caps = hub_caps(**self._caps_mapping(), property_key=self.property_key)
+        self.inventory = self.inventory_class(parent=self)
+        self.devices = self.inventory.list_devices()
+        self.store = Store(self.state_dir, self.devices)
+        self.book = HostBook(self.devices, self.host_policy, self.store, self.lease_seconds, self.start_grace)
+        owned, leases = self.store.load()
+        self.book.restore(owned, leases, time.time())
+        log.info("gpu-quota service: %d grant(s) and %d server lease(s) restored", len(owned), len(leases))
+        self.sampler = HostSampler(
+            self.nvml_class(),
+            [d.uuid for d in self.devices],
+            self.book.kernel_pids,
+            self._granted_uuids,
+            self.poll_interval,
+            self.stall_after,
+            self.unmanaged_action,
+            self.unmanaged_grace,
+            self.unix_user_template,
+        )
+        self.policies: Dict[str, UserPolicy] = {}
+        self.registry = registry_for(lambda: self.status_now("metrics", True))
+
+    def _granted_uuids(self):
+        uuid_of = {d.index: d.uuid for d in self.devices}
+        return {
+            o.grant.kernel_id: (o.grant.user, tuple(uuid_of[i] for i in o.grant.devices)) for o in self.book.owned()
+        }
+
+    # --- what the handlers ask ------------------------------------------------------------------
+
+    async def identify(self, handler: web.RequestHandler) -> Who:
+        token = self.hub_auth.get_token(handler, in_cookie=False)
+        if not token:
+            raise web.HTTPError(
+                401, "this API needs a hub token: Authorization: token <your server's JUPYTERHUB_API_TOKEN>"
+            )
+        try:
+            model = await self.hub_auth.user_for_token(token, sync=False)
+        except web.HTTPError as error:
+            if error.status_code < 500:
+                raise
+            # The hub is down or failing: a clear "try again", never a grant without knowing who asks.
+            raise web.HTTPError(503, "the hub did not answer: this token cannot be checked now") from None
+        if not model:
+            raise web.HTTPError(403, "the hub does not know this token")
+        return await self.who_for_model(model)
+
+    async def who_for_model(self, model: dict) -> Who:
+        scopes = set(model.get("scopes") or ())
+        if model.get("kind", "user") != "user":
+            if ADMIN_SCOPE in scopes:
+                return Who(f"service:{model['name']}", True, model)
+            raise web.HTTPError(403, f"service {model.get('name')} is not a user and lacks {ADMIN_SCOPE}")
+        try:
+            user = await self.directory.user(model["name"])
+        except HubUnavailable as error:
+            raise web.HTTPError(503, f"cannot ask the hub about this user: {error}") from None
+        return Who(user.name, user.admin or ADMIN_SCOPE in scopes, model)
+
+    async def policy_for(self, name: str) -> UserPolicy:
+        try:
+            user = await self.directory.user(name)
+            policy = user_policy(self.caps, self.host_policy, name, user.groups)
+        except HubUnavailable as error:
+            raise web.HTTPError(503, f"cannot ask the hub for {name}'s groups: {error}") from None
+        except PolicyError as error:
+            raise web.HTTPError(409, f"the hub's caps for {name} are invalid: {error}") from None
+        self.policies[name] = policy
+        return policy
+
+    async def status(self, name: str, admin: bool) -> dict:
+        users = {o.grant.user for o in self.book.visible(name, admin)} | (
+            {name} if not name.startswith("service:") else set()
+        )
+        await asyncio.gather(*(self._quiet_policy(u) for u in users))
+        return self.status_now(name, admin)
+
+    async def _quiet_policy(self, name: str) -> None:
+        try:
+            await self.policy_for(name)
+        except web.HTTPError:
+            pass  # the status shows no policy for this user rather than failing for everyone
+
+    def status_now(self, name: str, admin: bool) -> dict:
+        return build_status(
+            self.book,
+            self.sampler.last,
+            self.sampler.state(),
+            list(self.sampler.actions),
+            dict(self.policies),
+            name,
+            admin,
+            time.time(),
+        )
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def web_app(self, prefix: str) -> web.Application:
+        from jupyterhub.services.auth import HubOAuthCallbackHandler
+
+        kernel = r"(?P<kernel_id>[\w-]{1,128})"
+        handlers = [
+            (prefix + GRANTS_PATH, GrantsHandler),
+            (prefix + GRANTS_PATH + "/" + kernel, GrantHandler),
+            (prefix + LEASE_PATH, LeaseHandler),
+            (prefix + STATUS_PATH, StatusHandler),
+            (prefix + METRICS_PATH, MetricsHandler),
+            (prefix + "oauth_callback", HubOAuthCallbackHandler),
+            (prefix + ADMIN_PAGE, PageHandler),
+        ]
+        return web.Application(
+            handlers,
+            gpu_quota_service=self,
+            hub_auth=self.hub_auth,
+            hub_oauth=self.hub_oauth,
+            cookie_secret=os.urandom(32),  # only the OAuth state and login cookies: a restart signs in again
+            login_url=self.hub_oauth.login_url,
+            log_function=_access_log,
+            xsrf_cookies=False,
+        )
+
+    def connect_hub(self) -> None:
+        """The hub's side, from the JUPYTERHUB_* environment: token checks, OAuth, users and groups."""
+        from jupyterhub.services.auth import HubAuth, HubOAuth
+
+        self.hub_auth = HubAuth(cache_max_age=int(self.hub_cache_seconds))
+        self.hub_oauth = HubOAuth(cache_max_age=int(self.hub_cache_seconds))
+        self.directory = HubDirectory(self.hub_auth.api_url, self.hub_auth.api_token, self.hub_cache_seconds)
+
+    def start(self) -> None:
+        if not logging.getLogger().handlers and not log.handlers:
+            logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s %(name)s] %(message)s")
+
+        url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
+        prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
+        if not prefix.endswith("/"):
+            prefix += "/"
+        stop_on_signal()
+        self.connect_hub()
+        app = self.web_app(prefix)
+        server = app.listen(url.port or 80, url.hostname or "127.0.0.1", xheaders=True)
+        if self.sampler_enabled:
+            self.sampler.start()
+        every = max(0.5, min(5.0, self.lease_seconds / 4))
+        expiry = PeriodicCallback(self._expire, every * 1000)
+        expiry.start()
+        log.info(
+            "gpu-quota service: %d GPU(s), %d grant(s), listening on %s:%s%s",
+            len(self.devices),
+            len(self.book.owned()),
+            url.hostname,
+            url.port,
+            prefix,
+        )
+        try:
+            IOLoop.current().start()
+        finally:
+            expiry.stop()
+            server.stop()
+            self.sampler.stop()
+            self.store.close()
+
+    def _expire(self) -> None:
+        gone = self.book.expire(time.time())
+        if gone:
+            log.info(
+                "gpu-quota service: released %d grant(s) of servers whose lease ran out: %s", len(gone), ", ".join(gone)
+            )
+
+
+def stop_on_signal() -> None:
+    """SIGTERM (the hub stopping its service) ends the loop, so the store is closed cleanly."""
+    import signal
+
+    loop = IOLoop.current()
+    loop.asyncio_loop.add_signal_handler(signal.SIGTERM, loop.stop)
+
+
+def main(argv: Optional[list] = None) -> None:
+    service = GpuQuotaService.instance()
+    service.initialize(argv)
+    service.start()
+
+
+if __name__ == "__main__":
+    main()

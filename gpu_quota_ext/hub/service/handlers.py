@@ -1,0 +1,282 @@
+"""The service's HTTP API (contract.py), thin: authenticate with the hub, parse, ask the book, answer.
+
+Every API call carries a hub token; the hub says whose it is (HubAuth, cached a short while). The user is
+that token's owner, never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
+chunked body grows past it); bodies that are not what the contract says: 400; another user's kernel: 403;
+a kernel the service does not know: 404. Errors are JSON `{"message": ...}`. The admin's page is behind
+hub OAuth (HubOAuthenticated). Tokens are never logged: tornado's access log prints no headers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Dict, Optional, Tuple
+
+try:
+    from jupyterhub.services.auth import HubOAuthenticated
+except ImportError:  # only the service imports this module, in the hub's environment, which has JupyterHub
+    raise SystemExit(
+        "gpu-quota-ext: the host quota service needs JupyterHub in its environment: pip install 'gpu-quota-ext[hub]'"
+    ) from None
+from prometheus_client.exposition import generate_latest
+from tornado import web
+from tornado.httputil import responses
+
+from ...ledger import AdmissionRefused, UnknownKernel
+from ...policy import PolicyError, shown
+from ...shared.cap_request import read_cap_request
+from ...shared.service_contract import ADMIN_SCOPE
+from .book import Forbidden
+from .page import render_page
+
+MAX_BODY = 64 * 1024
+KERNEL_ID = re.compile(r"^[\w-]{1,128}$")
+MAX_NAME = 255
+MAX_KERNELS = 4096
+MAX_PIDS = 1024
+
+
+class Who:
+    def __init__(self, name: str, admin: bool, model: dict):
+        self.name, self.admin, self.model = name, admin, model
+
+    def require_user(self) -> None:
+        """Grants and leases are users' (their servers'): a service may look (with the admin scope), not hold."""
+        if self.model.get("kind", "user") != "user":
+            raise web.HTTPError(403, "only a hub user's token can hold grants or renew a lease")
+
+
+def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dict[str, Any]) -> None:
+    error = (kwargs.get("exc_info") or (None, None, None))[1]
+    message = None
+    if isinstance(error, web.HTTPError) and error.log_message:
+        try:
+            message = error.log_message % error.args
+        except (TypeError, ValueError):
+            message = error.log_message
+    handler.set_header("Content-Type", "application/json")
+    handler.finish(json.dumps({"message": message or responses.get(status_code, "error")}))
+
+
+def _summary(handler: web.RequestHandler) -> str:
+    # What tornado's warnings print of a request: without its query, where a "?token=" could be.
+    return f"{handler.request.method} {handler.request.path} ({handler.request.remote_ip})"
+
+
+@web.stream_request_body
+class ApiHandler(web.RequestHandler):
+    _request_summary = _summary
+
+    @property
+    def service(self):
+        return self.settings["gpu_quota_service"]
+
+    async def prepare(self):
+        self._body = bytearray()
+        # Too large: the body is read and dropped, then refused (413) by body(). Refusing before it is
+        # read would reset the connection under the proxy's feet, and the client would see a 503.
+        length = self.request.headers.get("Content-Length")
+        self._too_large = length is not None and (not length.isdigit() or int(length) > MAX_BODY)
+        self.who = await self.service.identify(self)
+
+    def data_received(self, chunk: bytes) -> None:
+        if self._too_large:
+            return
+        if len(self._body) + len(chunk) > MAX_BODY:
+            self._too_large, self._body = True, bytearray()
+        else:
+            self._body += chunk
+
+    def body(self) -> Any:
+        if self._too_large:
+            raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
+        try:
+            return json.loads(bytes(self._body) or b"null")
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise web.HTTPError(400, "the body is not JSON") from None
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        _write_json_error(self, status_code, kwargs)
+
+    def check_xsrf_cookie(self):
+        return None  # token-authenticated API: no cookies are read
+
+    def answer(self, code: int, data: Optional[dict]) -> None:
+        self.set_status(code)
+        if data is None:
+            self.finish()
+        else:
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps(data))
+
+
+def _string(body: dict, key: str, required: bool = True, pattern: Optional[re.Pattern] = None) -> Optional[str]:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_NAME or (pattern is not None and not pattern.match(value)):
+        raise web.HTTPError(
+            400, f'"{key}" must be a string{" of letters, digits, - and _" if pattern else ""}, not {shown(value)}'
+        )
+    return value
+
+
+def parse_grant_request(body: Any) -> Tuple[str, str, str, Optional[list]]:
+    if not isinstance(body, dict):
+        raise web.HTTPError(400, 'the body must be a JSON object {"server", "kernel_id", "kernelspec", "allowed"}')
+    unknown = sorted(set(body) - {"server", "kernel_id", "kernelspec", "allowed"})
+    if unknown:
+        raise web.HTTPError(400, f"unknown fields {shown(unknown)}")
+    server = _string(body, "server")
+    kernel_id = _string(body, "kernel_id", pattern=KERNEL_ID)
+    kernelspec = _string(body, "kernelspec")
+    allowed = body.get("allowed")
+    if allowed is not None and (
+        not isinstance(allowed, list)
+        or len(allowed) > 64
+        or not all(isinstance(u, str) and len(u) <= MAX_NAME for u in allowed)
+    ):
+        raise web.HTTPError(400, '"allowed" must be null or a list of device uuids')
+    return server, kernel_id, kernelspec, allowed
+
+
+def parse_change_request(body: Any):
+    """ "reset" or (CapSpec, device uuid or None)."""
+    try:
+        return read_cap_request(body, lambda d: isinstance(d, str) and len(d) <= MAX_NAME, "a device uuid or null")
+    except PolicyError as error:
+        raise web.HTTPError(400, str(error)) from None
+
+
+def parse_lease_request(body: Any) -> Tuple[str, Dict[str, Tuple[int, ...]]]:
+    if not isinstance(body, dict) or set(body) - {"server", "kernels"}:
+        raise web.HTTPError(
+            400, 'the body must be a JSON object {"server": str, "kernels": [{"kernel_id": str, "pids": [int]}]}'
+        )
+    server = _string(body, "server")
+    entries = body.get("kernels")
+    if not isinstance(entries, list) or len(entries) > MAX_KERNELS:
+        raise web.HTTPError(400, '"kernels" must be a list of {"kernel_id": str, "pids": [int, ...]}')
+    kernels: Dict[str, Tuple[int, ...]] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"kernel_id", "pids"}:
+            raise web.HTTPError(400, 'each kernel must be {"kernel_id": str, "pids": [int, ...]}')
+        kernel_id = _string(entry, "kernel_id", pattern=KERNEL_ID)
+        pids = entry.get("pids", [])
+        if (
+            not isinstance(pids, list)
+            or len(pids) > MAX_PIDS
+            or not all(isinstance(p, int) and not isinstance(p, bool) and 1 < p < 2**31 for p in pids)
+        ):
+            raise web.HTTPError(400, f'"pids" of kernel {kernel_id} must be a list of process ids')
+        kernels[kernel_id] = tuple(pids)
+    return server, kernels
+
+
+class GrantsHandler(ApiHandler):
+    async def post(self):
+        self.who.require_user()
+        server, kernel_id, kernelspec, allowed = parse_grant_request(self.body())
+        service = self.service
+        policy = await service.policy_for(self.who.name)
+        indexes = None if allowed is None else [d.index for d in service.book.ledger.devices if d.uuid in allowed]
+        try:
+            grant, created = service.book.grant(
+                self.who.name, server, kernel_id, kernelspec, policy, indexes, time.time()
+            )
+        except Forbidden:
+            raise web.HTTPError(403, f"kernel {kernel_id} is another user's") from None
+        except AdmissionRefused as refusal:
+            raise web.HTTPError(409, str(refusal)) from None
+        self.answer(201 if created else 200, {"grant": service.book.record(grant)})
+
+    async def get(self):
+        book = self.service.book
+        self.answer(200, {"grants": [book.record(o.grant) for o in book.visible(self.who.name, self.who.admin)]})
+
+
+class GrantHandler(ApiHandler):
+    def _call(self, method, kernel_id: str, *args):
+        try:
+            return method(self.who.name, kernel_id, self.who.admin, *args)
+        except Forbidden:
+            raise web.HTTPError(403, f"kernel {kernel_id} is another user's") from None
+        except UnknownKernel:
+            raise web.HTTPError(404, f"no grant for kernel {kernel_id}") from None
+        except PolicyError as error:
+            raise web.HTTPError(400, str(error)) from None
+
+    async def get(self, kernel_id: str):
+        grant = self._call(self.service.book.get, kernel_id)
+        self.answer(200, {"grant": self.service.book.record(grant)})
+
+    async def put(self, kernel_id: str):
+        request = parse_change_request(self.body())
+        book = self.service.book
+        if request == "reset":
+            outcome = self._call(book.reset, kernel_id)
+        else:
+            cap, uuid = request
+            device = None
+            if uuid is not None:
+                device = next((d.index for d in book.ledger.devices if d.uuid == uuid), None)
+                if device is None:
+                    raise web.HTTPError(400, f"device {shown(uuid)} is not one of this host's")
+            outcome = self._call(book.change, kernel_id, cap, device)
+        self.answer(200, {"status": outcome.status, "message": outcome.message, "grant": book.record(outcome.grant)})
+
+    async def delete(self, kernel_id: str):
+        self._call(self.service.book.release, kernel_id)
+        self.answer(204, None)
+
+
+class LeaseHandler(ApiHandler):
+    async def post(self):
+        self.who.require_user()
+        server, kernels = parse_lease_request(self.body())
+        released = self.service.book.lease(self.who.name, server, kernels, time.time())
+        self.answer(200, {"lease_seconds": int(self.service.book.lease_seconds), "released": released})
+
+
+class StatusHandler(ApiHandler):
+    async def get(self):
+        self.answer(200, await self.service.status(self.who.name, self.who.admin))
+
+
+class MetricsHandler(ApiHandler):
+    async def get(self):
+        if not self.who.admin:
+            raise web.HTTPError(403, f"the metrics need the hub's admin or {ADMIN_SCOPE}")
+        self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.finish(generate_latest(self.service.registry))
+
+
+class PageHandler(HubOAuthenticated, web.RequestHandler):
+    """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+
+    _request_summary = _summary
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_oauth"]
+
+    @property
+    def hub_scopes(self):
+        return None  # any hub user may look: what they see depends on who they are
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        self.finish(f"<!doctype html><p>{status_code}: {responses.get(status_code, 'error')}</p>")
+
+    async def prepare(self):
+        # Asked here, awaited: the mixin's get_current_user would block the event loop on the hub.
+        self._hub_auth_user_cache = await self.hub_auth.get_user(self, sync=False)
+
+    @web.authenticated
+    async def get(self):
+        who = await self.settings["gpu_quota_service"].who_for_model(self.current_user)
+
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(render_page(await self.settings["gpu_quota_service"].status(who.name, who.admin)))

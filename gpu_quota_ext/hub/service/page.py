@@ -1,0 +1,96 @@
+"""The admin's page: the status (status.py) as server-rendered HTML tables. Pure; every value escaped."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any, Iterable, List, Sequence
+
+from ...policy import format_bytes
+
+
+def _size(value: Any) -> str:
+    return "–" if value is None else format_bytes(int(value))
+
+
+def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = list(rows)
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
+    if not rows:
+        body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
+    return f"<h2>{escape(title)}</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_page(status: dict) -> str:
+    viewer = status["viewer"]
+    parts: List[str] = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>GPU quota</title>",
+        "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
+        "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}th{background:#eee}</style></head><body>",
+        f"<h1>GPU quota of this host</h1><p>{escape(viewer['name'])}"
+        f"{' (admin: every user)' if viewer['admin'] else ' (your kernels only)'}; watchdog: {escape(status['state'])}"
+        f"{(' (' + escape(status['problem']) + ')') if status.get('problem') else ''}</p>",
+        _table(
+            "Devices",
+            ["device", "name", "total", "budget", "granted", "kernels", "used (NVML)"],
+            (
+                (
+                    d["uuid"],
+                    d["name"],
+                    _size(d["total"]),
+                    _size(d["budget"]) if d["budget"] is not None else "no admission control",
+                    _size(d["granted"]),
+                    d["kernels"],
+                    _size(d["used"]),
+                )
+                for d in status["devices"]
+            ),
+        ),
+        _table(
+            "Users",
+            ["user", "default cap", "max cap", "kernels", "granted", "used", "unmanaged"],
+            (
+                (
+                    u["name"],
+                    (u["policy"] or {}).get("default_cap", "–"),
+                    (u["policy"] or {}).get("max_cap", "–"),
+                    u["kernels"],
+                    _size(u["granted"]),
+                    _size(u["used"]),
+                    _size(u["unmanaged"]),
+                )
+                for u in status["users"]
+            ),
+        ),
+        _table(
+            "Kernels",
+            ["user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "source"],
+            (
+                (
+                    k["user"],
+                    k["kernel_id"],
+                    k["server"] or "(default)",
+                    k["kernelspec"],
+                    d["uuid"],
+                    _size(d["cap"]),
+                    _size(d["used"]),
+                    "yes" if d["used"] is not None and d["used"] > d["cap"] else "",
+                    k["source"],
+                )
+                for k in status["kernels"]
+                for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
+            ),
+        ),
+        _table(
+            "Unmanaged usage (GPU memory outside every grant)",
+            ["user", "pid", "device", "used", "why"],
+            ((u["user"], u["pid"], u["uuid"], _size(u["used"]), u["why"]) for u in status["unmanaged"]),
+        ),
+        _table(
+            "Last actions",
+            ["action", "user", "pid", "message"],
+            ((a["action"], a["user"], a["pid"], a["message"]) for a in reversed(status["actions"])),
+        ),
+        "</body></html>",
+    ]
+    return "".join(parts)

@@ -1,0 +1,136 @@
+"""The ledger's interface: grants, the answers to cap requests, and the `Ledger` protocol.
+
+A grant says "kernel K may use `cap` bytes on device D". Every change of a cap goes through a ledger, so
+the ledger's answer is the truth the launch hook, the magic, the API and the sidebar all show. The server
+depends on this interface only: `LocalLedger` (local.py) keeps the record in this server's memory;
+a remote ledger asks the host's quota service, which keeps one record for every user of the host.
+
+Calls may block (a remote ledger waits for the service, up to its timeout), so the manager makes every
+write (grant, change, reset, release) off the event loop. Reads (get, grants, usage, devices) answer from
+memory at once: a remote ledger keeps a copy of this server's grants as the service last answered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import (
+    Any,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    runtime_checkable,
+)
+
+from ..devices import Device
+from ..policy import CapSpec, PolicyDecision
+
+
+class AdmissionRefused(Exception):
+    """No device has budget left for this kernel and policy says refuse (`on_full = "refuse"`)."""
+
+
+class UnknownKernel(KeyError):
+    """The ledger holds no grant for this kernel id."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A kernel's caps. `caps` maps device index -> bytes; empty `devices` means the kernel runs on CPU."""
+
+    kernel_id: str
+    user: str
+    kernelspec: str
+    devices: Tuple[int, ...]
+    caps: Mapping[int, int]
+    policy_caps: Mapping[int, int]  # what policy gave at start: `%gpucap reset` returns here
+    max_caps: Mapping[int, int]
+    source: str  # who set the current cap: "default", "rule 0 (user=alice)", "kernel request", ...
+    placed: bool  # True when the launch hook chose the devices through CUDA_VISIBLE_DEVICES
+    cpu_only_reason: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {
+            "kernel_id": self.kernel_id,
+            "user": self.user,
+            "kernelspec": self.kernelspec,
+            "source": self.source,
+            "placed": self.placed,
+            "cpu_only_reason": self.cpu_only_reason,
+            "devices": [
+                {"index": d, "cap": self.caps[d], "max_cap": self.max_caps[d], "policy_cap": self.policy_caps[d]}
+                for d in self.devices
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class ChangeOutcome:
+    """The ledger's answer to a cap request: "granted", "clamped" (to what) or "refused" (why)."""
+
+    status: str
+    grant: Grant
+    message: str
+
+
+class HeldGrants:
+    """The reads every ledger answers from memory at once: `_grants` (kernel id -> Grant) under `_lock`,
+    which the implementation sets up and writes."""
+
+    _grants: Dict[str, Grant]
+    _lock: Any
+
+    def get(self, kernel_id: str) -> Optional[Grant]:
+        with self._lock:
+            return self._grants.get(kernel_id)
+
+    def grants(self) -> List[Grant]:
+        with self._lock:
+            return list(self._grants.values())
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """What the server needs of a ledger. Writes raise AdmissionRefused, PolicyError or UnknownKernel."""
+
+    def grant(
+        self,
+        kernel_id: str,
+        user: str,
+        kernelspec: str,
+        decision: PolicyDecision,
+        allowed: Optional[Sequence[int]] = None,
+    ) -> Grant:
+        """Admit a starting kernel with policy's `decision`; `allowed` narrows placement to these device
+        indexes. A kernel that holds a grant already (a restart) keeps it."""
+
+    def change(
+        self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request"
+    ) -> ChangeOutcome:
+        """A new cap on one granted device (or all), within max_cap and the device's budget."""
+
+    def reset(self, kernel_id: str, source: str = "kernel request") -> ChangeOutcome:
+        """Back to what policy gave the kernel at start, as far as the budget allows."""
+
+    def release(self, kernel_id: str) -> Optional[Grant]:
+        """The kernel is gone: its budget is free again. Idempotent."""
+
+    def get(self, kernel_id: str) -> Optional[Grant]: ...
+
+    def grants(self) -> List[Grant]: ...
+
+    def usage(self) -> List[dict]:
+        """Per device: index, name, uuid, total, budget, granted bytes and kernel count."""
+
+    @property
+    def devices(self) -> List[Device]: ...
+
+    def decided_by(self) -> Optional[str]:
+        """Who decides caps and admission when this server does not (its own c.GpuQuota policy then does not
+        apply): a line for the status API, e.g. "the host's GPU quota service at <url>"; None: this server."""
+
+    def close(self) -> None:
+        """The server stops: end whatever the ledger runs in the background (a remote ledger's lease)."""

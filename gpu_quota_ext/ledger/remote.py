@@ -1,0 +1,468 @@
+"""The remote ledger: a user server's grants, held by the host's quota service (a JupyterHub service).
+
+On a hub host the service keeps one ledger for every user (shared/service_contract.py is the wire). This
+server asks it for every write (grant, change, reset, release) and keeps a copy of its own grants as the
+service last answered them, so reads (get, grants, usage) answer at once. Writes block up to
+CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
+
+- It authenticates with this server's own hub token and never names the user: the service asks the hub
+  whose token it is. The policy is the service's too: the local PolicyDecision passed to `grant` (what
+  c.GpuQuota would give) is ignored, so a user's own config can neither raise a cap nor skip admission.
+- Devices are UUIDs on the wire and this server's indexes here.
+- A background thread renews this server's lease every LEASE_RENEW seconds (sooner when the service
+  grants shorter leases), listing every kernel it holds a grant for and their processes: a service that
+  restarted re-learns them, and the grants of a server that stopped renewing (it crashed) are released
+  by the service when the lease runs out. The thread never touches the event loop; `close()` stops it.
+- A kernel start while the service cannot be reached is retried START_RETRIES times, then refused with
+  "the GPU quota service at <url> is unreachable: ...": never a kernel started without a cap silently.
+  A cap change then is refused (the cap stays); a release is left to the next lease renewal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import ssl
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import psutil
+
+from ..devices import Device
+from ..policy import CapSpec, PolicyDecision, PolicyError, shown
+from ..shared.env_vars import KERNEL_ID
+from ..shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
+from ..shared.service_contract import (
+    CALL_TIMEOUT,
+    GRANTS_PATH,
+    LEASE_PATH,
+    LEASE_RENEW,
+    START_RETRIES,
+    STATUS_PATH,
+)
+from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
+
+log = logging.getLogger("gpu_quota_ext")
+
+# Set by the hub (hub/service/configure.py) in every user server's environment: the service's URL with
+# its prefix, e.g. "http://127.0.0.1:10101/services/gpu-quota/". Only the hub sets
+# it: there is no c.GpuQuota setting for it, so a user's config file cannot point it elsewhere.
+RETRY_DELAY = 1.0  # seconds between two tries of a kernel start, and between lease tries while unreachable
+MAX_ANSWER = 1024 * 1024  # bytes of one answer this server reads
+
+
+class _Unreachable(Exception):
+    """No usable answer: connection refused or reset, timeout, a proxy's 502/503/504, not JSON."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    code: int
+    data: dict
+
+    @property
+    def message(self) -> str:
+        text = self.data.get("message") if isinstance(self.data, dict) else None
+        return str(text) if text else f"HTTP {self.code}"
+
+
+def _ssl_context(environ: Mapping[str, str]) -> Optional[ssl.SSLContext]:
+    """The hub's internal TLS (c.JupyterHub.internal_ssl): its CA and this server's client certificate."""
+    ca = environ.get("JUPYTERHUB_SSL_CLIENT_CA")
+    if not ca:
+        return None
+    context = ssl.create_default_context(cafile=ca)
+    if environ.get("JUPYTERHUB_SSL_CERTFILE"):
+        context.load_cert_chain(environ["JUPYTERHUB_SSL_CERTFILE"], environ.get("JUPYTERHUB_SSL_KEYFILE") or None)
+    return context
+
+
+class RemoteLedger(HeldGrants):
+    """The `Ledger` of a user server on a hub host: the quota service decides, this keeps its answers."""
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        url: str,
+        token: str,
+        server: str = "",
+        call_timeout: float = CALL_TIMEOUT,
+        renew_every: float = LEASE_RENEW,
+        start_retries: int = START_RETRIES,
+        retry_delay: float = RETRY_DELAY,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ):
+        self._devices = list(devices)
+        self._uuid_of = {d.index: d.uuid for d in self._devices}
+        self._index_of = {d.uuid: d.index for d in self._devices}
+        self.url = url if url.endswith("/") else url + "/"
+        self._token = token
+        self.server = server
+        self.call_timeout = call_timeout
+        self.renew_every = renew_every
+        self.start_retries = start_retries
+        self.retry_delay = retry_delay
+        # No proxy from the environment: the service is the hub's, reached on the hub's own network.
+        handlers: list = [urllib.request.ProxyHandler({})]
+        if ssl_context is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
+        self._opener = urllib.request.build_opener(*handlers)
+        self._grants: Dict[str, Grant] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._renewer: Optional[threading.Thread] = None
+        self._interval = renew_every
+        self._reachable = True  # the renewer logs the moments this changes, not every failed try
+        self._host_devices: Dict[str, dict] = {}  # uuid -> the service's row: the host's budget, every user's grants
+
+    @classmethod
+    def from_environment(
+        cls, devices: Sequence[Device], environ: Mapping[str, str] = os.environ
+    ) -> Optional["RemoteLedger"]:
+        """The remote ledger the hub asks for ($GPU_QUOTA_SERVICE_URL), or None when it asks for none.
+        PolicyError when the hub set the URL but gave this server no token to present."""
+        url = (environ.get(SERVICE_URL_ENV) or "").strip()
+        if not url:
+            return None
+        token = environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JPY_API_TOKEN")
+        if not token:
+            raise PolicyError(
+                f"${SERVICE_URL_ENV} is set ({shown(url)}) but this server has no JUPYTERHUB_API_TOKEN to present to it"
+            )
+        return cls(devices, url, token, environ.get("JUPYTERHUB_SERVER_NAME", ""), ssl_context=_ssl_context(environ))
+
+    # --- the interface ------------------------------------------------------------------------
+
+    def grant(
+        self,
+        kernel_id: str,
+        user: str,
+        kernelspec: str,
+        decision: PolicyDecision,
+        allowed: Optional[Sequence[int]] = None,
+    ) -> Grant:
+        """Ask the service to admit a starting kernel. `user` and `decision` are not sent: the service
+        knows the user from the token and resolves the policy itself. Raises AdmissionRefused (budget
+        full, not this user's kernel id, the service unreachable after START_RETRIES tries) or PolicyError."""
+        with self._lock:
+            held = self._grants.get(kernel_id)
+        if held is not None:
+            return held  # a restart keeps its grant
+        body = {
+            "server": self.server,
+            "kernel_id": kernel_id,
+            "kernelspec": kernelspec,
+            "allowed": None if allowed is None else [self._uuid_of[i] for i in allowed if i in self._uuid_of],
+        }
+        answer = self._call_retrying("POST", GRANTS_PATH, body)
+        if answer.code in (200, 201):
+            grant = self._grant_from_wire(answer.data, kernel_id)
+            with self._lock:
+                self._grants[kernel_id] = grant
+            self._start_renewer()
+            return grant
+        if answer.code == 400:
+            raise PolicyError(f"the GPU quota service: {answer.message}")
+        if answer.code == 409:
+            raise AdmissionRefused(answer.message)
+        raise AdmissionRefused(
+            f"the GPU quota service at {self.url} refused this kernel ({answer.code}): {answer.message}"
+        )
+
+    def change(
+        self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request"
+    ) -> ChangeOutcome:
+        """Ask the service for a new cap. `source` is not on the wire: the grant's source is the service's."""
+        current = self._held(kernel_id)
+        if not current.devices:
+            raise PolicyError("this kernel holds no GPU (it runs on CPU), so it has no cap to change")
+        if device is not None and device not in current.devices:
+            raise PolicyError(f"device {device} is not one of this kernel's devices {list(current.devices)}")
+        cap = requested.text or (requested.nbytes if requested.nbytes is not None else requested.fraction)
+        body = {"cap": cap, "device": None if device is None else self._uuid_of[device]}
+        return self._put(kernel_id, current, body)
+
+    def reset(self, kernel_id: str, source: str = "kernel request") -> ChangeOutcome:
+        return self._put(kernel_id, self._held(kernel_id), {"reset": True})
+
+    def release(self, kernel_id: str) -> Optional[Grant]:
+        """Forget the grant here and tell the service. Unreachable: the next lease renewal, which no longer
+        lists the kernel, releases it there (or the lease runs out)."""
+        with self._lock:
+            gone = self._grants.pop(kernel_id, None)
+        if gone is None:
+            return None
+        try:
+            answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
+        except _Unreachable as error:
+            log.warning(
+                "gpu-quota-ext: kernel %s released here; the GPU quota service at %s is unreachable (%s): "
+                "its lease renewal releases it there",
+                kernel_id,
+                self.url,
+                error,
+            )
+        else:
+            if answer.code not in (204, 404):
+                log.warning(
+                    "gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
+                    answer.code,
+                    kernel_id,
+                    answer.message,
+                )
+        return gone
+
+    def usage(self) -> List[dict]:
+        """Per device: the host's budget and what every user holds of it, as the service said at the last
+        lease renewal (what decides whether the next kernel fits); before that, this server's grants and
+        no budget."""
+        with self._lock:
+            held = list(self._grants.values())
+            host = dict(self._host_devices)
+        rows = []
+        for d in self._devices:
+            row = {
+                "index": d.index,
+                "name": d.name,
+                "uuid": d.uuid,
+                "total": d.total,
+                "budget": None,
+                "granted": sum(g.caps[d.index] for g in held if d.index in g.caps),
+                "kernels": sum(1 for g in held if d.index in g.caps),
+            }
+            seen = host.get(d.uuid)
+            if seen is not None:
+                row.update(budget=seen["budget"], granted=seen["granted"], kernels=seen["kernels"])
+            rows.append(row)
+        return rows
+
+    @property
+    def devices(self) -> List[Device]:
+        return list(self._devices)
+
+    # --- the lease ------------------------------------------------------------------------------
+
+    def renew(self) -> bool:
+        """One lease renewal: every kernel this server holds a grant for, with its processes. Kernels the
+        service says it released are forgotten here. False when the service could not be reached."""
+        with self._lock:
+            held = list(self._grants)
+        pids = _kernel_processes(set(held))
+        body = {"server": self.server, "kernels": [{"kernel_id": k, "pids": pids.get(k, [])} for k in held]}
+        try:
+            answer = self._call("POST", LEASE_PATH, body)
+        except _Unreachable as error:
+            if self._reachable:
+                log.warning(
+                    "gpu-quota-ext: the GPU quota service at %s is unreachable (%s): kernels keep their caps; "
+                    "new kernels are refused until it answers",
+                    self.url,
+                    error,
+                )
+            self._reachable = False
+            return False
+        if answer.code != 200:
+            log.warning(
+                "gpu-quota-ext: the GPU quota service refused this server's lease (%s): %s", answer.code, answer.message
+            )
+            return False
+        if not self._reachable:
+            log.info(
+                "gpu-quota-ext: the GPU quota service at %s answers again; %d kernel(s) registered", self.url, len(held)
+            )
+        self._reachable = True
+        seconds = answer.data.get("lease_seconds")
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            # Four renewals per lease: one lost answer does not cost a server its grants.
+            self._interval = max(0.1, min(self.renew_every, seconds / 4))
+        released = answer.data.get("released") or []
+        with self._lock:
+            dropped = [k for k in released if isinstance(k, str) and self._grants.pop(k, None) is not None]
+        for kernel_id in dropped:
+            log.warning("gpu-quota-ext: the GPU quota service released kernel %s's grant", kernel_id)
+        self._learn_host_devices()
+        return True
+
+    def _learn_host_devices(self) -> None:
+        """The host's budget and grants per device (the service's status), for usage()."""
+        try:
+            answer = self._call("GET", STATUS_PATH)
+        except _Unreachable:
+            return
+        rows = answer.data.get("devices") if answer.code == 200 else None
+        if not isinstance(rows, list):
+            return
+        seen = {}
+        for row in rows:
+            try:
+                budget = row["budget"]
+                seen[str(row["uuid"])] = {
+                    "budget": None if budget is None else int(budget),
+                    "granted": int(row["granted"]),
+                    "kernels": int(row["kernels"]),
+                }
+            except (KeyError, TypeError, ValueError):
+                continue  # a row this server cannot read: that device shows this server's own view
+        with self._lock:
+            self._host_devices = seen
+
+    def decided_by(self) -> Optional[str]:
+        return f"the host's GPU quota service at {self.url}"
+
+    def close(self) -> None:
+        """Stop renewing (the server is stopping). Idempotent."""
+        self._stopped.set()
+        renewer = self._renewer
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join(self.call_timeout + 1)
+
+    def _start_renewer(self) -> None:
+        with self._lock:
+            if self._renewer is not None or self._stopped.is_set():
+                return
+            self._renewer = threading.Thread(target=self._renew_loop, name="gpu-quota-lease", daemon=True)
+        self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stopped.is_set():
+            ok = self.renew()
+            # Unreachable: try again soon, so a restarted service re-learns this server's kernels at once.
+            self._stopped.wait(self._interval if ok else min(self._interval, self.retry_delay))
+
+    # --- the wire -------------------------------------------------------------------------------
+
+    def _put(self, kernel_id: str, current: Grant, body: dict) -> ChangeOutcome:
+        try:
+            answer = self._call("PUT", f"{GRANTS_PATH}/{kernel_id}", body)
+        except _Unreachable as error:
+            return ChangeOutcome(
+                "refused",
+                current,
+                f"the GPU quota service at {self.url} is unreachable: {error}; the cap stays as it was",
+            )
+        if answer.code in (403, 404):
+            with self._lock:
+                self._grants.pop(kernel_id, None)
+            raise UnknownKernel(kernel_id)
+        if answer.code == 400:
+            raise PolicyError(answer.message)
+        if answer.code != 200:
+            return ChangeOutcome("refused", current, f"the GPU quota service answered {answer.code}: {answer.message}")
+        grant = self._grant_from_wire(answer.data, kernel_id)
+        with self._lock:
+            if kernel_id in self._grants:  # released meanwhile: stays released
+                self._grants[kernel_id] = grant
+        status = answer.data.get("status")
+        if status not in ("granted", "clamped", "refused"):
+            raise PolicyError(f"the GPU quota service answered an unknown status {shown(status)}")
+        return ChangeOutcome(status, grant, str(answer.data.get("message", "")))
+
+    def _held(self, kernel_id: str) -> Grant:
+        with self._lock:
+            grant = self._grants.get(kernel_id)
+        if grant is None:
+            raise UnknownKernel(kernel_id)
+        return grant
+
+    def _grant_from_wire(self, data: dict, kernel_id: str) -> Grant:
+        record = data.get("grant") if isinstance(data, dict) else None
+        try:
+            if not isinstance(record, dict) or record.get("kernel_id") != kernel_id:
+                raise ValueError("no grant for this kernel")
+            entries = record["devices"]
+            unknown = [e["uuid"] for e in entries if e["uuid"] not in self._index_of]
+            if unknown:
+                raise ValueError(f"it grants devices {unknown} this server does not see")
+            index = {e["uuid"]: self._index_of[e["uuid"]] for e in entries}
+            return Grant(
+                kernel_id=kernel_id,
+                user=str(record["user"]),
+                kernelspec=str(record["kernelspec"]),
+                devices=tuple(index[e["uuid"]] for e in entries),
+                caps={index[e["uuid"]]: int(e["cap"]) for e in entries},
+                policy_caps={index[e["uuid"]]: int(e["policy_cap"]) for e in entries},
+                max_caps={index[e["uuid"]]: int(e["max_cap"]) for e in entries},
+                source=str(record["source"]),
+                placed=bool(record["placed"]),
+                cpu_only_reason=record.get("cpu_only_reason"),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise AdmissionRefused(
+                f"the GPU quota service at {self.url} answered something this server cannot use: {error}"
+            ) from None
+
+    def _call_retrying(self, method: str, path: str, body: dict) -> _Answer:
+        """A kernel start's call: START_RETRIES more tries, RETRY_DELAY apart, while the service cannot be
+        reached; then AdmissionRefused. A repeated grant request is harmless (the service answers 200)."""
+        error: Optional[_Unreachable] = None
+        for attempt in range(self.start_retries + 1):
+            if attempt:
+                self._stopped.wait(self.retry_delay)
+            try:
+                return self._call(method, path, body)
+            except _Unreachable as failure:
+                error = failure
+        raise AdmissionRefused(f"the GPU quota service at {self.url} is unreachable: {error}")
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None) -> _Answer:
+        request = urllib.request.Request(
+            self.url + path,
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={
+                "Authorization": f"token {self._token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+            },
+        )
+        try:
+            with self._opener.open(request, timeout=self.call_timeout) as response:
+                return _answer(response.status, response.read(MAX_ANSWER + 1))
+        except urllib.error.HTTPError as error:
+            with error:
+                raw = error.read(MAX_ANSWER + 1)
+            if error.code in (502, 503, 504):  # the proxy's answer: the service is not there
+                raise _Unreachable(f"HTTP {error.code}") from None
+            return _answer(error.code, raw, allow_text=True)
+        except (urllib.error.URLError, OSError, socket.timeout) as error:
+            reason = getattr(error, "reason", error)
+            raise _Unreachable(str(reason) or error.__class__.__name__) from None
+
+
+def _answer(code: int, raw: bytes, allow_text: bool = False) -> _Answer:
+    if len(raw) > MAX_ANSWER:
+        raise _Unreachable(f"an answer over {MAX_ANSWER} bytes")
+    if not raw:
+        return _Answer(code, {})
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        if allow_text:  # an error page: its first line is the message
+            return _Answer(code, {"message": raw[:200].decode(errors="replace").strip()})
+        raise _Unreachable(f"HTTP {code} with an answer that is not JSON") from None
+    return _Answer(code, data if isinstance(data, dict) else {})
+
+
+def _kernel_processes(kernel_ids: set) -> Dict[str, List[int]]:
+    """PIDs of this server's processes that belong to each kernel: the launch hook puts the kernel's id in
+    its environment, which its children inherit. The service attributes GPU memory to kernels by them."""
+    found: Dict[str, List[int]] = {}
+    if not kernel_ids:
+        return found
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return found
+    for child in children:
+        try:
+            kernel_id = child.environ().get(KERNEL_ID)
+        except (psutil.Error, OSError):
+            continue  # gone, or not readable
+        if kernel_id in kernel_ids:
+            found.setdefault(kernel_id, []).append(child.pid)
+    return found

@@ -1,0 +1,151 @@
+"""The server's kernel manager as the usage side needs it: the kernels and their PIDs in, events and
+actions out.
+
+`KernelManagerView` adapts jupyter_server's MappingKernelManager (jupyter_client underneath): which
+kernels exist and which are still starting (through the guarded `pending_kernels`), each
+kernel's own process (the root of its tree, for attribution), its "dead" event and whether its process
+still runs (for the lifecycle), its activity (for parking), and the interrupt / restart / kill the
+watchdog carries out.
+
+The one private jupyter_client attribute the server side reads is here too: MultiKernelManager.
+_pending_kernels (kernel id -> start task) keeps the kernels being started until they are listed; there is
+no public accessor. The release of vanished grants must not release a kernel that is still starting, and
+the provisioner puts a start that lost a race back in it. A new jupyter_client may rename or reshape it:
+then `pending_kernels` says so once, clearly, and callers get None (no starting kernels are seen; the
+provisioner skips its repair), not a silent change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from tornado.web import HTTPError
+
+log = logging.getLogger("gpu_quota_ext")
+
+_warned = False
+
+
+def pending_kernels(multi_kernel_manager: Any) -> Optional[dict]:
+    """The manager's table of kernels being started (kernel id -> start task), or None when this
+    jupyter_client has no such dict (warned once per process)."""
+    pending = getattr(multi_kernel_manager, "_pending_kernels", None)
+    if isinstance(pending, dict):
+        return pending
+    global _warned
+    if not _warned:
+        _warned = True
+        import jupyter_client
+
+        log.warning(
+            "gpu-quota-ext: jupyter_client %s has no MultiKernelManager._pending_kernels dict (found %s):"
+            " kernels being started are not seen as such, so a grant may be released while its kernel starts;"
+            " gpu-quota-ext needs an update for this jupyter_client",
+            getattr(jupyter_client, "__version__", "?"),
+            "nothing" if pending is None else type(pending).__name__,
+        )
+    return None
+
+
+# What get_kernel raises for a kernel that is gone: jupyter_client's KeyError, jupyter_server's 404.
+GONE = (KeyError, HTTPError)
+
+
+def kernel_pid(kernel_manager: Any) -> Optional[int]:
+    """The kernel's own process id, from its provisioner (jupyter_client >= 7) or its Popen."""
+    provisioner = getattr(kernel_manager, "provisioner", None)
+    pid = getattr(provisioner, "pid", None)
+    if pid is None:
+        process = getattr(provisioner, "process", None) or getattr(kernel_manager, "kernel", None)
+        pid = getattr(process, "pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+async def maybe_await(value: Any) -> Any:
+    """jupyter_client's methods are sync or async depending on the manager class: the value either way."""
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value
+
+
+class KernelManagerView:
+    """The server's kernel manager, as the monitor, the lifecycle, the watchdog and parking need it."""
+
+    def __init__(self, multi_kernel_manager: Any):
+        self.manager = multi_kernel_manager
+
+    def kernel_ids(self) -> List[str]:
+        return list(self.manager.list_kernel_ids())
+
+    def starting_ids(self) -> Set[str]:
+        # A kernel being started is not listed yet; jupyter_client keeps it in this table meanwhile.
+        return set(pending_kernels(self.manager) or {})
+
+    def roots(self) -> Dict[int, str]:
+        roots = {}
+        for kernel_id in self.kernel_ids():
+            kernel = self._kernel(kernel_id)
+            pid = kernel_pid(kernel) if kernel is not None else None
+            if pid is not None:
+                roots[pid] = kernel_id
+        return roots
+
+    def _kernel(self, kernel_id: str) -> Any:
+        """The kernel's own manager, or None once it is gone (shut down since it was listed)."""
+        try:
+            return self.manager.get_kernel(kernel_id)
+        except GONE:
+            return None
+
+    def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
+        """(execution_state, last_activity) as jupyter_server keeps them for the kernel ("idle", "busy",
+        "starting", ...; a UTC datetime); (None, None) for a kernel the server does not have."""
+        kernel = self._kernel(kernel_id)
+        if kernel is None:
+            return None, None
+        return getattr(kernel, "execution_state", None), getattr(kernel, "last_activity", None)
+
+    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+        """Call `callback` when the kernel's restarter gives up on it (jupyter_client's "dead" event).
+        A kernel without a restarter (autorestart off) never fires it: see dead_ids."""
+        try:
+            self.manager.add_restart_callback(kernel_id, callback, "dead")
+        except GONE:
+            pass  # shut down meanwhile
+
+    async def dead_ids(self) -> List[str]:
+        """Kernels whose process has ended and that nothing will start again: no restarter (autorestart
+        off), and no start, restart or shutdown in progress (those leave `ready` pending or set
+        `shutting_down` while the process is briefly gone)."""
+        dead = []
+        for kernel_id in self.kernel_ids():
+            manager = self._kernel(kernel_id)
+            if manager is None:
+                continue
+            if getattr(manager, "autorestart", True) or getattr(manager, "shutting_down", False):
+                continue
+            ready = getattr(manager, "ready", None)
+            if ready is not None and not ready.done():
+                continue
+            try:
+                alive = await maybe_await(manager.is_alive())
+            except Exception:
+                continue  # cannot tell: not a reason to take a grant away
+            if not alive:
+                dead.append(kernel_id)
+        return dead
+
+    async def act(self, kernel_id: str, action: str) -> None:
+        manager = self.manager
+        # `now=True`: a kernel over its cap may be stuck inside a CUDA call and never answer a polite request.
+        if action == "interrupt":
+            await maybe_await(manager.interrupt_kernel(kernel_id))
+        elif action == "restart":
+            await maybe_await(manager.restart_kernel(kernel_id, now=True))
+        elif action == "kill":
+            await maybe_await(manager.shutdown_kernel(kernel_id, now=True))
+        else:  # pragma: no cover - the watchdog's settings allow no other value
+            raise ValueError(action)
