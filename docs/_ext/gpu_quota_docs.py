@@ -108,16 +108,29 @@ def trailing_comments(source: str) -> Dict[int, str]:
     return comments
 
 
-def _source(mod: ModuleType) -> Tuple[ast.Module, Dict[int, str]]:
+def _source(mod: ModuleType) -> Tuple[ast.Module, Dict[int, str], List[str]]:
     with open(mod.__file__, encoding="utf-8") as file:
         text = file.read()
-    return ast.parse(text), trailing_comments(text)
+    return ast.parse(text), trailing_comments(text), text.splitlines()
+
+
+def _comment_on(lineno: int, comments: Dict[int, str], lines: List[str]) -> str:
+    """The comment at the end of a statement's line, else the comment lines right above it (a section rule
+    such as `# --- parking ---` is not about the statement)."""
+    if comments.get(lineno) and not lines[lineno - 1].lstrip().startswith("#"):
+        return comments[lineno]
+    above: List[str] = []
+    line = lineno - 1
+    while line >= 1 and lines[line - 1].lstrip().startswith("#") and not comments[line].startswith("---"):
+        above.insert(0, comments[line])
+        line -= 1
+    return " ".join(above)
 
 
 def contract_items(mod: ModuleType, name: str) -> List[Tuple[str, str]]:
     """(item, the contract's comment on it or "") for each string of the tuple `name` in a contract module."""
     values = getattr(mod, name)
-    tree, comments = _source(mod)
+    tree, comments, _ = _source(mod)
     said: Dict[str, str] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
@@ -129,15 +142,15 @@ def contract_items(mod: ModuleType, name: str) -> List[Tuple[str, str]]:
 
 
 def constant_rows(mod: ModuleType) -> List[Tuple[str, Any, str]]:
-    """(constant, value, the comment at the end of its line or "") for each upper-case string constant."""
-    tree, comments = _source(mod)
+    """(constant, value, the comment on it or "") for each upper-case string constant."""
+    tree, comments, lines = _source(mod)
     rows = []
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             value = getattr(mod, name, None)
             if name.isupper() and isinstance(value, str):
-                rows.append((name, value, comments.get(node.lineno, "")))
+                rows.append((name, value, _comment_on(node.lineno, comments, lines)))
     return rows
 
 
@@ -156,11 +169,13 @@ def server_metric_rows() -> List[Tuple[str, str, str, str]]:
     collector = module("collector")
     families = collector.monitor_families({}, {}, {}, True, False, 0.0, {})
     families.append(collector.hard_limit_family({}))
-    parker_module, parking = module("parker"), module("park_settings")
-    fake = module("fake_checkpoint")
-    no_kernels = SimpleNamespace(kernel_ids=lambda: ())  # jupyter_server's kernel manager, with no kernel running
-    parker = parker_module.Parker(parking.build_park_settings(), fake.FakeCheckpoint(), no_kernels, ledger=None)
-    families.extend(parker.families())
+    if hasattr(collector, "park_families"):  # after the move, the collector builds the parker's families too
+        families.extend(collector.park_families({}))
+    else:  # before it, the parker builds its own
+        parker_module, parking = module("parker"), module("park_settings")
+        no_kernels = SimpleNamespace(kernel_ids=lambda: ())  # jupyter_server's kernel manager, no kernel running
+        checkpoint = module("fake_checkpoint").FakeCheckpoint()
+        families.extend(parker_module.Parker(parking.build_park_settings(), checkpoint, no_kernels, None).families())
     return family_rows(families)
 
 
