@@ -1,5 +1,6 @@
 """The code passes the project's linter: ruff with the rules pyproject.toml selects ([tool.ruff]), on the
-package, the tests, the benchmarks and the demo config. A finding fails the test command with ruff's own lines."""
+package, the tests, the benchmarks, the demo config and the docs extension. A finding fails the test command
+with ruff's own lines."""
 
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ["gpu_quota_ext", "tests", "benchmarks", "binder"]
+CHECKED = ["gpu_quota_ext", "tests", "benchmarks", "binder", "docs/_ext"]
 
 
 def ruff() -> list:

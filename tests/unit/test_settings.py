@@ -1,8 +1,10 @@
 """The one table of settings (gpu_quota_ext/settings.py) and the typed traits made from it: every trait has
-a row and every row a trait, each variable is the setting's alone, the hub, the dataclasses and the README
-take what the table says, and a bad value is refused in one line naming the setting (and its variable)."""
+a row and every row a trait, each variable is the setting's alone, the hub, the dataclasses and the docs'
+generated reference take what the table says, and a bad value is refused in one line naming the setting
+(and its variable)."""
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ from gpu_quota_ext.usage.watchdog_settings import (
     build_watchdog_settings,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 CHOICES = [name for name, row in SETTINGS.items() if row.kind == CHOICE]
 # A number as an admin writes one in jupyter_server_config.py, for each size or fraction, and what it gives.
 NUMBERS = {
@@ -171,12 +173,21 @@ def test_caps_takes_a_list_of_rules_or_a_callable_and_nothing_else():
     assert str(refused.value) == "c.GpuQuota.caps = 'alice': must be a list of rules or a callable"
 
 
-def test_the_readme_lists_every_setting_with_its_variable_and_default():
-    rows = re.findall(r"^\| `(\w+)` \| (`GPU_QUOTA_\w+`|–) \| (.+?) \|", README.read_text(encoding="utf-8"), re.M)
-    listed = {name: (env, default) for name, env, default in rows if name in SETTINGS}
-    assert sorted(listed) == sorted(SETTINGS)
-    for name, (env, default) in listed.items():
+def test_the_generated_reference_lists_every_setting_with_its_variable_and_default():
+    # The docs' settings reference is generated from SETTINGS at build time (docs/_ext/gpu_quota_docs.py);
+    # tests/docs builds it and finds every row in the page.
+    sys.path.insert(0, str(DOCS / "_ext"))
+    import gpu_quota_docs  # docs/_ext is not a package
+
+    rows = {name: (env, default) for name, env, default, _ in gpu_quota_docs.setting_rows(SETTINGS)}
+    assert list(rows) == list(SETTINGS)
+    for name, (env, default) in rows.items():
         row = SETTINGS[name]
-        assert env == (f"`{row.env}`" if row.env else "–"), name
-        written = f'"{row.default}"' if isinstance(row.default, str) else repr(row.default)
-        assert default == f"`{written}`", name
+        assert env == (row.env or ""), name
+        assert default == (f'"{row.default}"' if isinstance(row.default, str) else repr(row.default)), name
+    parts = (POLICY, WATCHDOG, HARD_CAP, PARK)
+    by_part = [name for part in parts for name, *_ in gpu_quota_docs.setting_rows(SETTINGS, part)]
+    assert by_part == [name for name in SETTINGS if SETTINGS[name].part in parts]
+    # The reference page shows the whole table, not one part's.
+    page = DOCS.joinpath("reference", "settings.md").read_text(encoding="utf-8")
+    assert re.search(r"^```\{gpu-quota-settings\}\n```$", page, re.M)
