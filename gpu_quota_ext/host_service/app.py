@@ -35,7 +35,9 @@ from ..policy import PolicyError, build_policy
 from ..settings import DEFAULTS, SETTINGS
 from .book import HostBook
 from .contract import ADMIN_PAGE, ADMIN_SCOPE, GRANTS_PATH, LEASE_PATH, LEASE_SECONDS, METRICS_PATH, SERVICE_NAME, STATUS_PATH
-from .handlers import GrantHandler, GrantsHandler, LeaseHandler, MetricsHandler, PageHandler, StatusHandler, Who
+from .handlers import (
+    GrantHandler, GrantsHandler, LeaseHandler, MetricsHandler, OAuthCallbackHandler, PageHandler, StatusHandler, Who,
+)
 from .hub_directory import HubDirectory, HubUnavailable
 from .metrics import registry_for
 from .sampler import HostSampler
@@ -193,8 +195,6 @@ class GpuQuotaService(Application):
     # --- running ---------------------------------------------------------------------------------
 
     def web_app(self, prefix: str) -> web.Application:
-        from jupyterhub.services.auth import HubOAuthCallbackHandler
-
         kernel = r"(?P<kernel_id>[\w-]{1,128})"
         handlers = [
             (prefix + GRANTS_PATH, GrantsHandler),
@@ -202,7 +202,7 @@ class GpuQuotaService(Application):
             (prefix + LEASE_PATH, LeaseHandler),
             (prefix + STATUS_PATH, StatusHandler),
             (prefix + METRICS_PATH, MetricsHandler),
-            (prefix + "oauth_callback", HubOAuthCallbackHandler),
+            (prefix + "oauth_callback", OAuthCallbackHandler),
             (prefix + ADMIN_PAGE, PageHandler),
         ]
         return web.Application(
