@@ -260,11 +260,13 @@ class GpuQuotaService(Application):
 
 
 def stop_on_signal() -> None:
-    """SIGTERM (the hub stopping its service) ends the loop, so the store is closed cleanly."""
+    """SIGINT or SIGTERM ends the loop, so the store is closed cleanly. The hub stops its services as it
+    stops local servers (LocalProcessSpawner.stop): SIGINT first, SIGTERM if that did not do it."""
     import signal
 
     loop = IOLoop.current()
-    loop.asyncio_loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.asyncio_loop.add_signal_handler(signum, loop.stop)
 
 
 def main(argv: Optional[list] = None) -> None:
