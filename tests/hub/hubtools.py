@@ -20,6 +20,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 CHP = HERE / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
 
 
@@ -44,8 +45,11 @@ def free_port() -> int:
 class Hub:
     """A JupyterHub process (and its proxy, and the servers it spawns) in a folder of its own."""
 
-    def __init__(self, folder: Path, config_text: str):
+    def __init__(self, folder: Path, config_text: str, python: str = sys.executable):
+        """`python`: the Python that runs the hub, its service and its servers (another JupyterHub major's
+        environment, tests/hub/hub_versions.py); this checkout's gpu_quota_ext is put on its path."""
         self.folder = folder
+        self.python = python
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = uuid.uuid4().hex
@@ -57,7 +61,7 @@ class Hub:
             proxy_api_port=free_port(),
             chp=str(CHP),
             folder=str(folder),
-            python=sys.executable,
+            python=python,
             admin_token=self.admin_token,
         )
         self.config_path.write_text(header + "\n" + config_text)
@@ -65,9 +69,12 @@ class Hub:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "JUPYTER_", "JPY_"))}
+        if self.python != sys.executable:
+            # That environment has JupyterHub and the package's dependencies, not the package.
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jupyterhub", "-f", str(self.config_path)],
+            [self.python, "-m", "jupyterhub", "-f", str(self.config_path)],
             cwd=self.folder,
             env=env,
             stdout=self._log,

@@ -56,6 +56,7 @@ from .handlers import (
     GrantsHandler,
     LeaseHandler,
     MetricsHandler,
+    OAuthCallbackHandler,
     PageHandler,
     StatusHandler,
     Who,
@@ -274,8 +275,6 @@ class GpuQuotaService(Application):
     # --- running ---------------------------------------------------------------------------------
 
     def web_app(self, prefix: str) -> web.Application:
-        from jupyterhub.services.auth import HubOAuthCallbackHandler
-
         kernel = r"(?P<kernel_id>[\w-]{1,128})"
         handlers = [
             (prefix + GRANTS_PATH, GrantsHandler),
@@ -283,7 +282,7 @@ class GpuQuotaService(Application):
             (prefix + LEASE_PATH, LeaseHandler),
             (prefix + STATUS_PATH, StatusHandler),
             (prefix + METRICS_PATH, MetricsHandler),
-            (prefix + "oauth_callback", HubOAuthCallbackHandler),
+            (prefix + "oauth_callback", OAuthCallbackHandler),
             (prefix + ADMIN_PAGE, PageHandler),
         ]
         return web.Application(
@@ -347,11 +346,13 @@ class GpuQuotaService(Application):
 
 
 def stop_on_signal() -> None:
-    """SIGTERM (the hub stopping its service) ends the loop, so the store is closed cleanly."""
+    """SIGINT or SIGTERM ends the loop, so the store is closed cleanly. The hub stops its services as it
+    stops local servers (LocalProcessSpawner.stop): SIGINT first, SIGTERM if that did not do it."""
     import signal
 
     loop = IOLoop.current()
-    loop.asyncio_loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.asyncio_loop.add_signal_handler(signum, loop.stop)
 
 
 def main(argv: Optional[list] = None) -> None:

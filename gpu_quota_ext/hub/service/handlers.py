@@ -4,7 +4,8 @@ Every API call carries a hub token; the hub says whose it is (HubAuth, cached a 
 that token's owner, never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
 chunked body grows past it); bodies that are not what the contract says: 400; another user's kernel: 403;
 a kernel the service does not know: 404. Errors are JSON `{"message": ...}`. The admin's page is behind
-hub OAuth (HubOAuthenticated). Tokens are never logged: tornado's access log prints no headers.
+hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the service's own HubOAuth.
+Tokens are never logged: tornado's access log prints no headers.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from html import escape
 from typing import Any, Dict, Optional, Tuple
 
 try:
-    from jupyterhub.services.auth import HubOAuthenticated
+    from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 except ImportError:  # only the service imports this module, in the hub's environment, which has JupyterHub
     raise SystemExit(
         "gpu-quota-ext: the host quota service needs JupyterHub in its environment: pip install 'gpu-quota-ext[hub]'"
@@ -48,7 +50,8 @@ class Who:
             raise web.HTTPError(403, "only a hub user's token can hold grants or renew a lease")
 
 
-def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dict[str, Any]) -> None:
+def _error_message(status_code: int, kwargs: Dict[str, Any]) -> str:
+    """An HTTPError's own message (ours, or JupyterHub's in the OAuth callback), else the status's name."""
     error = (kwargs.get("exc_info") or (None, None, None))[1]
     message = None
     if isinstance(error, web.HTTPError) and error.log_message:
@@ -56,8 +59,12 @@ def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dic
             message = error.log_message % error.args
         except (TypeError, ValueError):
             message = error.log_message
+    return message or responses.get(status_code, "error")
+
+
+def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dict[str, Any]) -> None:
     handler.set_header("Content-Type", "application/json")
-    handler.finish(json.dumps({"message": message or responses.get(status_code, "error")}))
+    handler.finish(json.dumps({"message": _error_message(status_code, kwargs)}))
 
 
 def _summary(handler: web.RequestHandler) -> str:
@@ -253,8 +260,11 @@ class MetricsHandler(ApiHandler):
         self.finish(generate_latest(self.service.registry))
 
 
-class PageHandler(HubOAuthenticated, web.RequestHandler):
-    """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+class ServiceOAuth(HubOAuthenticated):
+    """The OAuth side of the service's handlers, bound to the app's own HubOAuth (settings["hub_oauth"]), as
+    JupyterHub's single-user server binds its own. The mixin's default, HubOAuth.instance(), is another
+    object: JupyterHub 6 keeps each login's PKCE code verifier in the HubOAuth that began the login, and a
+    callback asking another one has none to send ("Code verifier required.")."""
 
     _request_summary = _summary
 
@@ -262,12 +272,21 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
     def hub_auth(self):
         return self.settings["hub_oauth"]
 
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(f"<!doctype html><p>{status_code}: {escape(_error_message(status_code, kwargs))}</p>")
+
+
+class OAuthCallbackHandler(ServiceOAuth, HubOAuthCallbackHandler):
+    """JupyterHub's own end of the login (state check, code for token, the login cookie), at oauth_callback."""
+
+
+class PageHandler(ServiceOAuth, web.RequestHandler):
+    """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+
     @property
     def hub_scopes(self):
         return None  # any hub user may look: what they see depends on who they are
-
-    def write_error(self, status_code: int, **kwargs: Any) -> None:
-        self.finish(f"<!doctype html><p>{status_code}: {responses.get(status_code, 'error')}</p>")
 
     async def prepare(self):
         # Asked here, awaited: the mixin's get_current_user would block the event loop on the hub.
