@@ -3,7 +3,8 @@
 #   device run, carry [".whl"], command: bash tests/gpu/run_on_device.sh [pytest -k expression]
 # .whl holds the wheelhouse (../shared/device/wheelhouse.sh .whl), pytest-jupyter's wheel and this
 # project's own wheel (pip wheel --no-deps -w .whl .). Results land in $OUT: the log, the measured
-# figures (JSON lines), nvidia-smi's view, and the benchmarks' JSON.
+# figures (JSON lines), nvidia-smi's view, JUnit XML and the benchmarks' JSON; tests/gpu/save_results.py
+# turns them into a dated file under benchmarks/results/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -16,7 +17,8 @@ python3 -c 'import torch, cupy, jax; print("torch", torch.__version__, "cupy", c
 status=0
 select=()
 [ $# -gt 0 ] && select=(-k "$*")
-timeout 480 python3 -m pytest tests/gpu tests/integration/test_examples.py -m gpu -s -v -p no:cacheprovider -o addopts="" "${select[@]}" 2>&1 \
+timeout 480 python3 -m pytest tests/gpu tests/integration/test_examples.py -m gpu -s -v -p no:cacheprovider -o addopts="" \
+  --junitxml="$OUT/junit.xml" "${select[@]}" 2>&1 \
   | grep -v -E '^(DEBUG|INFO) ' | tee "$OUT/gpu-tests.log" || status=1
 
 if [ -z "${GPU_QUOTA_SKIP_BENCH:-}" ]; then
