@@ -316,7 +316,3 @@ def layers_summary(layers: KernelLayers) -> str:
             "hard limit " + ", ".join(f"{format_bytes(d.usable)} on device {d.index}" for d in layers.limits) + " (MPS)"
         )
     return f"soft cap only: {layers.reason}"
-
-
-def limits_by_index(layers: KernelLayers) -> Dict[int, int]:
-    return {d.index: d.limit for d in layers.limits}

@@ -19,7 +19,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..settings import PARK, validated
 from ..shared.contract import PARK_FIELDS, PARK_STATES
-from ..shared.durations import format_duration
 from ..shared.sizes import GiB, format_bytes
 from .checkpoint import (
     CUDA_ERROR_NOT_FOUND,
@@ -210,7 +209,3 @@ def describe_transition(kernel_id: str, old: str, new: str, record: ParkRecord) 
     elif record.reason:
         line += f": {record.reason}"
     return line
-
-
-def idle_text(seconds: Optional[float]) -> str:
-    return format_duration(seconds)
