@@ -157,7 +157,7 @@ class LocalLedger(HeldGrants):
                 book.granted.pop(kernel_id, None)
             return gone
 
-    def usage(self) -> List[dict]:
+    def device_grants(self) -> List[dict]:
         """Per device: total, budget and granted bytes (what the status API shows)."""
         with self._lock:
             return [

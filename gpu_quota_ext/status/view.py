@@ -74,7 +74,7 @@ class StatusView:
 
     def answer(self, paths: Mapping[str, Optional[str]]) -> dict:
         """GET /api/gpu-quota/status. `paths`: kernel id -> notebook path (the session manager's)."""
-        devices = self.ledger.usage()
+        devices = self.ledger.device_grants()
         for device in devices:
             device["used"] = self.monitor.device_used(device["index"])
         # Under the host's quota service this server's own policy settings are ignored: say who decides instead.
