@@ -10,11 +10,11 @@ included). Other parts add fields to each kernel's entry through
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from ..ledger import Grant, Ledger
 from ..policy import Policy
-from ..usage import KernelReports, Monitor, Watchdog, WatchdogSettings
+from ..usage import KernelIds, KernelReports, Monitor, Watchdog, WatchdogSettings
 from .collector import hard_limit_family, monitor_families
 
 KernelField = Callable[[str], Any]  # kernel id -> a JSON-able value
@@ -35,6 +35,16 @@ VIEW_FIELDS = (
 )
 
 
+class HardLimitShown(Protocol):
+    """The hard-limit layer (hard_limit.HardCapLayer) as the view shows it."""
+
+    def describe(self) -> dict: ...
+
+    def kernel_json(self, grant: Grant) -> dict: ...
+
+    def limits(self) -> Dict[str, Dict[int, int]]: ...
+
+
 class StatusView:
     def __init__(
         self,
@@ -47,8 +57,8 @@ class StatusView:
         monitor: Monitor,
         reports: KernelReports,
         watchdog: Watchdog,
-        hard_cap: Any,
-        kernels: Any,
+        hard_cap: HardLimitShown,
+        kernels: KernelIds,
     ):
         self.policy = policy
         self.settings = settings
@@ -152,7 +162,7 @@ class StatusView:
         return families
 
 
-def _listed(kernels: Any) -> set:
+def _listed(kernels: KernelIds) -> set:
     try:
         return set(kernels.kernel_ids())
     except Exception:  # the kernel manager's table changed under us: the grants alone then
