@@ -9,6 +9,7 @@ alike); here are the rules and how the settings hold together. Sizes and their p
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -118,7 +119,7 @@ def build_policy(*args: Any, **given: Any) -> Policy:
     _check_not_above("default_cap", values["default_cap"], values["max_cap"])
     if not callable(values["rules"]):
         values["rules"] = tuple(
-            parsed("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(values["rules"])
+            parsed("caps", functools.partial(parse_rule, position=i), entry) for i, entry in enumerate(values["rules"])
         )
         for rule in values["rules"]:
             _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or values["max_cap"])

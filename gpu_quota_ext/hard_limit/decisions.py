@@ -226,10 +226,7 @@ class KernelLayers:
         """The status API's "layers" of a kernel. `restart_needed`: a cap in force now is above what the
         hard limit lets through (hard_limit = "cap" after a raise): it takes effect at the next restart."""
         by_index = {d.index: d for d in self.limits}
-        restart = bool(grant) and any(
-            grant.caps.get(i, 0) > d.usable
-            for i, d in by_index.items()  # type: ignore[union-attr]
-        )
+        restart = grant is not None and any(grant.caps.get(i, 0) > d.usable for i, d in by_index.items())
         return {
             "soft": self.soft,
             "hard_cap": self.mode,
@@ -283,7 +280,11 @@ def decide(
     With hard_cap = "off" nothing is added: a server with the layer off starts kernels as before.
     """
     soft = bool(grant.devices)
-    common = dict(mode=settings.mode, number=settings.limit, context_allowance=settings.context_allowance)
+    common: Dict[str, Any] = {
+        "mode": settings.mode,
+        "number": settings.limit,
+        "context_allowance": settings.context_allowance,
+    }
     if settings.mode == "off":
         return KernelLayers(soft, reason="hard limits are off on this server (c.GpuQuota.hard_cap)", **common), {}
     reason = unavailable
