@@ -11,7 +11,7 @@ import asyncio
 import copy
 import logging
 import os
-from typing import Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -62,6 +62,9 @@ from .settings import (
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings
+
+if TYPE_CHECKING:
+    from jupyter_server.serverapp import ServerApp
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -220,7 +223,7 @@ class GpuQuota(ExtensionApp):
     park_host_margin = setting_trait("park_host_margin")
     checkpoint_class = setting_trait("checkpoint_class")
 
-    def _link_jupyter_server_extension(self, serverapp):
+    def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         try:
             super()._link_jupyter_server_extension(serverapp)
             # Every value read now, while a TraitError still stops the server: the extension's
@@ -339,7 +342,7 @@ class GpuQuota(ExtensionApp):
             enforcement.poll_interval,
         )
 
-    async def _start_jupyter_server_extension(self, serverapp):
+    async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         # The loop runs now: the monitor's and the lifecycle's tasks can start.
         manager = self.settings.get(SETTINGS_KEY)
         if manager is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence
 
 from .devices import Device
 from .ledger import Grant
@@ -136,7 +136,7 @@ def _tighter_fraction(existing: Optional[str], ours: str) -> str:
     return ours
 
 
-def is_python_kernel(argv) -> bool:
+def is_python_kernel(argv: Sequence[str]) -> bool:
     """ipykernel-style kernelspecs: argv[0] is a python and `-m ipykernel...` or a *python* launcher."""
     if not argv:
         return False

@@ -12,7 +12,7 @@ may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at
 kernel run in the order asked (a release asked before a restart's grant is made before it). A release asked
 from a sync callback (jupyter_client's "dead" event, a failed start) does its bookkeeping at once and the
 ledger's call in a thread; one asked again while it is under way is the same release. Reads (get, grants,
-usage, devices) stay direct.
+device_grants, devices) stay direct.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_devices
 from .hard_limit import HardCapLayer, HardCapSettings
@@ -46,6 +46,7 @@ from .status import COLLECTOR, StatusView, park_families
 from .threads import off_loop
 from .usage import (
     KernelLifecycle,
+    KernelManagerView,
     KernelReports,
     Monitor,
     PidResolver,
@@ -85,16 +86,16 @@ def server_user() -> str:
 
 
 class GpuQuotaManager:
-    """`kernels`: the server's kernel manager as the usage side needs it (usage.kernel_manager.
-    KernelManagerView); `backend`: where the monitor reads NVML; `hard_cap`: the hard-limit layer
-    (off when not given); `checkpoint`: what parks kernels (the CUDA driver's checkpoint API when not given)."""
+    """`kernels`: the server's kernel manager as the usage side needs it (usage.KernelManagerView); `backend`:
+    where the monitor reads NVML; `hard_cap`: the hard-limit layer (off when not given); `checkpoint`: what
+    parks kernels (the CUDA driver's checkpoint API when not given)."""
 
     def __init__(
         self,
         policy: Policy,
         devices: List[Device],
         ledger: Ledger,
-        kernels: Any,
+        kernels: KernelManagerView,
         backend: NvmlBackend,
         watchdog_settings: WatchdogSettings = WatchdogSettings(),
         hard_cap: Optional[HardCapLayer] = None,
@@ -114,7 +115,8 @@ class GpuQuotaManager:
         self._api_url = api_url
         self._tokens: Dict[str, str] = {}
         self._tokens_lock = threading.Lock()
-        self._holders: Dict[str, Any] = {}  # kernel id -> the start (provisioner) that holds its grant
+        # kernel id -> the start (its provisioner, any object: compared by identity) that holds its grant
+        self._holders: Dict[str, object] = {}
         self._holders_lock = threading.RLock()
         self.caps_timeout = CAPS_CALLABLE_TIMEOUT
         self._caps_slots = threading.BoundedSemaphore(CAPS_CALLABLE_THREADS)
@@ -239,7 +241,12 @@ class GpuQuotaManager:
     # --- kernel lifecycle (called by the provisioner) -----------------------------------------
 
     async def admit(
-        self, kernel_id: str, kernelspec: str, argv, env: Mapping[str, str], holder: Any = None
+        self,
+        kernel_id: str,
+        kernelspec: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        holder: Optional[object] = None,
     ) -> Dict[str, str]:
         """Grant (or find, on restart) the kernel's caps; return the variables its environment gets.
 
@@ -283,7 +290,7 @@ class GpuQuotaManager:
             hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
 
-    async def release(self, kernel_id: str, holder: Any = None) -> Optional[Grant]:
+    async def release(self, kernel_id: str, holder: Optional[object] = None) -> Optional[Grant]:
         """Free the kernel's grant and secret; the grant that was released, or None. With `holder`, only
         if that start holds them (a start that lost the race for its kernel id must not release the
         winner's grant). Idempotent."""
@@ -294,7 +301,7 @@ class GpuQuotaManager:
         )
         return await task
 
-    def release_soon(self, kernel_id: str, holder: Any = None) -> bool:
+    def release_soon(self, kernel_id: str, holder: Optional[object] = None) -> bool:
         """`release` for sync callers on the event loop (jupyter_client's callbacks, a start that failed):
         the bookkeeping at once, the ledger's call in a thread. False when the holder check refused or
         this kernel's release is already under way."""
@@ -308,7 +315,7 @@ class GpuQuotaManager:
         self._write(kernel_id, "release", functools.partial(self.ledger.release, kernel_id))
         return True
 
-    def _forget(self, kernel_id: str, holder: Any) -> bool:
+    def _forget(self, kernel_id: str, holder: Optional[object]) -> bool:
         """The release's bookkeeping: who holds the id, the secret, the hard limit. False (nothing done)
         when `holder` is given and another start holds the id."""
         with self._holders_lock:
@@ -375,17 +382,17 @@ class GpuQuotaManager:
         while self._writes:
             await asyncio.wait([task for _, task in list(self._writes.values())])
 
-    def holder(self, kernel_id: str) -> Any:
+    def holder(self, kernel_id: str) -> Optional[object]:
         with self._holders_lock:
             return self._holders.get(kernel_id)
 
-    def _held_grant(self, kernel_id: str, holder: Any) -> Optional[Grant]:
+    def _held_grant(self, kernel_id: str, holder: Optional[object]) -> Optional[Grant]:
         with self._holders_lock:
             if kernel_id not in self._holders or self._holders[kernel_id] is not holder:
                 return None
         return self.ledger.get(kernel_id)
 
-    def _check_free(self, kernel_id: str, holder: Any) -> None:
+    def _check_free(self, kernel_id: str, holder: Optional[object]) -> None:
         with self._holders_lock:
             if kernel_id in self._holders and self._holders[kernel_id] is not holder:
                 raise KernelIdTaken(

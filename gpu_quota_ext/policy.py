@@ -1,19 +1,26 @@
 """Who gets which cap, and what the watchdog does: the admin's settings validated, a kernel's cap resolved.
 
-Pure: no I/O, no Jupyter imports, stdlib only. Each setting's name, default, choices and range come from
-the table in `settings`; its parsing is here (`parse_value`), used by the server's start, `jupyter
-gpu-quota check` and the hub alike. Sizes and their parsing live in `shared.sizes` (the kernel's `%gpucap`
-uses them too); they are imported here so the policy's callers find them in one place.
+Pure: no I/O, no Jupyter imports, stdlib only. Each setting's name, default, choices, range and parsing come
+from the table in `settings` (`parse_value`, used by the server's start, `jupyter gpu-quota check` and the hub
+alike); here are the rules and how the settings hold together. Sizes and their parsing live in `shared.sizes`
+(the kernel's `%gpucap` uses them too); they are imported here so the policy's callers find them in one place.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
-from .settings import CHOICE, DEFAULTS, SECONDS, SETTINGS, SettingError, parsed
+from .settings import (  # noqa: F401  (parse_slack, parse_value re-exported: callers read values with the policy)
+    DEFAULTS,
+    POLICY,
+    parse_slack,
+    parse_value,
+    parsed,
+    validated,
+)
 from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports sizes with the policy)
     MIN_CAP,
     CapSpec,
@@ -80,9 +87,6 @@ def parse_rule(entry: Any, position: int, where: Optional[str] = None) -> Rule:
     )
 
 
-RuleSource = Union[Sequence[Any], Callable[[str, str], Any]]
-
-
 @dataclass(frozen=True)
 class Policy:
     """The admin's whole configuration, validated. Built once at server start."""
@@ -108,36 +112,18 @@ class Policy:
         }
 
 
-def build_policy(
-    default_cap: Any,
-    max_cap: Any,
-    caps: RuleSource = DEFAULTS["caps"],
-    overcommit: Any = DEFAULTS["overcommit"],
-    placement: str = DEFAULTS["placement"],
-    on_full: str = DEFAULTS["on_full"],
-    on_over_max: str = DEFAULTS["on_over_max"],
-) -> Policy:
-    """Validate every setting; raise a SettingError (a PolicyError) naming the first bad one and its value."""
-    default = parsed("default_cap", parse_cap, default_cap)
-    maximum = parsed("max_cap", parse_cap, max_cap)
-    _check_not_above("default_cap", default, maximum)
-    if callable(caps):
-        rules: Union[tuple, Callable[[str, str], Any]] = caps
-    else:
-        if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
-            raise SettingError("caps", caps, SETTINGS["caps"].must)
-        rules = tuple(parsed("caps", lambda entry, i=i: parse_rule(entry, i), entry) for i, entry in enumerate(caps))
-        for rule in rules:
-            _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or maximum)
-    return Policy(
-        default_cap=default,
-        max_cap=maximum,
-        rules=rules,
-        overcommit=parse_setting("overcommit", overcommit),
-        placement=parse_setting("placement", placement),
-        on_full=parse_setting("on_full", on_full),
-        on_over_max=parse_setting("on_over_max", on_over_max),
-    )
+def build_policy(*args: Any, **given: Any) -> Policy:
+    """The policy from its settings (the table's POLICY rows: in its order, or by name), each validated, then
+    how they hold together; a SettingError (a PolicyError) names the first bad one and its value."""
+    values = validated(POLICY, args, given)
+    _check_not_above("default_cap", values["default_cap"], values["max_cap"])
+    if not callable(values["rules"]):
+        values["rules"] = tuple(
+            parsed("caps", functools.partial(parse_rule, position=i), entry) for i, entry in enumerate(values["rules"])
+        )
+        for rule in values["rules"]:
+            _check_not_above(f"caps: {rule.label} cap", rule.cap, rule.max_cap or values["max_cap"])
+    return Policy(**values)
 
 
 def _check_not_above(name: str, cap: CapSpec, maximum: CapSpec) -> None:
@@ -152,69 +138,6 @@ def _is_above(cap: CapSpec, maximum: CapSpec) -> bool:
     if cap.nbytes is not None and maximum.nbytes is not None:
         return cap.nbytes > maximum.nbytes
     return False
-
-
-def parse_overcommit(value: Any) -> Optional[float]:
-    """None / "" / "none" = no admission control; else a positive factor (1.0 = grant at most the device)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        return None
-    row = SETTINGS["overcommit"]
-    factor = _number(value, row.must)
-    if factor <= row.low or factor > row.high:
-        raise PolicyError(row.must)
-    return factor
-
-
-def parse_slack(value: Any) -> CapSpec:
-    """Slack over the cap: bytes ("1GiB", 1073741824), a fraction of the kernel's cap ("0.1", "10%") or 0."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return CapSpec(nbytes=0, text="0")
-    if isinstance(value, str) and value.strip() in ("0", "0B", "0b", "0%"):
-        return CapSpec(nbytes=0, text=value.strip())
-    return parse_cap(value)
-
-
-def parse_value(name: str, value: Any) -> Any:
-    """One setting's value parsed the way the server parses it (choices and ranges from the table);
-    PolicyError says why not. The server's settings and the hub's per-user mapping both come here."""
-    row = SETTINGS[name]
-    if row.kind == CHOICE:
-        if not isinstance(value, str) or value.strip().lower() not in row.choices:
-            raise PolicyError(row.must)
-        return value.strip().lower()
-    if row.kind == SECONDS:
-        if value is None and row.default is None:
-            return None
-        seconds = _number(value, row.must)
-        if not row.low <= seconds <= row.high:
-            raise PolicyError(row.must)
-        return seconds
-    return _PARSERS[name](value)
-
-
-def parse_setting(name: str, value: Any) -> Any:
-    """`parse_value`, its refusal naming the setting and the value (a SettingError)."""
-    return parsed(name, lambda v: parse_value(name, v), value)
-
-
-def _number(value: Any, must: str) -> float:
-    if isinstance(value, bool):
-        raise PolicyError(must)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PolicyError(must) from None
-    if not math.isfinite(number):
-        raise PolicyError(must)
-    return number
-
-
-_PARSERS: Dict[str, Callable[[Any], Any]] = {
-    "default_cap": parse_cap,
-    "max_cap": parse_cap,
-    "overcommit": parse_overcommit,
-    "slack": parse_slack,
-}
 
 
 @dataclass(frozen=True)

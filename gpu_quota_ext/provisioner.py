@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, List, Optional, Union
 
-from jupyter_client.connect import LocalPortCache
+from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
 from .ledger import AdmissionRefused
-from .manager import SETTINGS_KEY, KernelIdTaken
+from .manager import SETTINGS_KEY, GpuQuotaManager, KernelIdTaken
 from .shared.sizes import PolicyError
 from .usage import pending_kernels
 
@@ -44,7 +44,7 @@ class _NoRefusalTracebacks(logging.Filter):
 _NO_REFUSAL_TRACEBACKS = _NoRefusalTracebacks()
 
 
-def _quiet_refusals(logger: Any) -> None:
+def _quiet_refusals(logger: Union[logging.Logger, logging.LoggerAdapter]) -> None:
     logger = getattr(logger, "logger", logger)  # a LoggerAdapter's logger
     if isinstance(logger, logging.Logger) and _NO_REFUSAL_TRACEBACKS not in logger.filters:
         logger.addFilter(_NO_REFUSAL_TRACEBACKS)
@@ -55,7 +55,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
 
     _start_task: Optional[asyncio.Task] = None
 
-    def _manager(self) -> Optional[Any]:
+    def _manager(self) -> Optional[GpuQuotaManager]:
         # provisioner -> KernelManager -> MappingKernelManager -> ServerApp, whose web app holds the manager
         node = self.parent
         while node is not None:
@@ -104,7 +104,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         kwargs["env"] = env
         return kwargs
 
-    async def launch_kernel(self, cmd, **kwargs: Any):
+    async def launch_kernel(self, cmd: List[str], **kwargs: Any) -> KernelConnectionInfo:
         try:
             return await super().launch_kernel(cmd, **kwargs)
         except BaseException:
@@ -127,7 +127,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         if not restart and manager is not None and self.kernel_id:
             await manager.release(self.kernel_id, holder=self)  # the ledger's call in a thread
 
-    def _refuse(self, manager: Any, status: int, message: str, reason: str) -> StartRefused:
+    def _refuse(self, manager: Optional[GpuQuotaManager], status: int, message: str, reason: str) -> StartRefused:
         self._give_back(manager)
         for logger in (
             self.log,
@@ -140,7 +140,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         log.log(level, "gpu-quota-ext: kernel %s (%s) refused: %s", self.kernel_id, self._kernelspec_name(), message)
         return StartRefused(status, message, reason=reason)
 
-    def _give_back(self, manager: Any) -> None:
+    def _give_back(self, manager: Optional[GpuQuotaManager]) -> None:
         """Everything a start that did not happen took: its grant, its ports, its connection file and
         jupyter_client's pending entry. Safe to call whatever was taken, and more than once."""
         self._release(manager)
@@ -157,7 +157,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
             km.cleanup_ipc_files()
         self._forget_failed_start(manager)
 
-    def _forget_failed_start(self, manager: Any) -> None:
+    def _forget_failed_start(self, manager: Optional[GpuQuotaManager]) -> None:
         # jupyter_client (8.10) keeps the id of a kernel whose start failed in its pending table for
         # good; the server's shutdown_all then fails with "Kernel does not exist". We drop our own
         # entry. A start that lost the race for its kernel id had overwritten the winner's entry:
@@ -173,7 +173,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         else:
             pending.pop(self.kernel_id, None)
 
-    def _release(self, manager: Any) -> None:
+    def _release(self, manager: Optional[GpuQuotaManager]) -> None:
         # Sync (a failed start's give-back): the bookkeeping now, the ledger's call in a thread.
         if manager is not None and self.kernel_id:
             manager.release_soon(self.kernel_id, holder=self)

@@ -1,21 +1,26 @@
-"""The extension's settings, one row each: name, environment variable, default, help and kind.
+"""The extension's settings, one row each: name, environment variable, default, help, kind and how its
+value is read.
 
-Everything that needs a setting's name, variable or default reads it here, so none is written twice: the
-GpuQuota traits (app.py), the validation of the policy, the watchdog's and the hard limit's settings
-(policy.py, hard_limit/, parking/, usage/) and their dataclasses' defaults, the hub's per-user environment
-(hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no I/O, standard library only.
+Everything that needs a setting's name, variable, default or parsing reads it here, so none is written twice:
+the GpuQuota traits (app.py), the builders of the policy, the watchdog's, the hard limit's and the park
+settings (`validated`, called by policy.py, usage/, hard_limit/, parking/) and their dataclasses' defaults,
+the hub's per-user environment (hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no I/O, standard
+library only.
 
-To add a setting: a row in SETTINGS (its `part` says which validated object takes it: the builder of that
-part gets a keyword argument of the same name), a line `name = setting_trait("name")` in GpuQuota (app.py),
-a row in the README's table; tests/unit/test_settings.py checks that all of these agree.
+To add a setting: a row in SETTINGS (its `part` says which validated object takes it, `attribute` under
+which name when not its own, `parser` how its value is read when its kind does not say), a line
+`name = setting_trait("name")` in GpuQuota (app.py), a row in the README's table;
+tests/unit/test_settings.py checks that all of these agree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, TypeVar
 
-from .shared.sizes import PolicyError, shown
+from .shared.durations import parse_duration
+from .shared.sizes import CapSpec, GiB, PolicyError, format_bytes, parse_cap, shown
 
 # Kinds: what values a setting takes (the trait that holds it, app.py) and what it must be.
 CAP = "cap"  # a fraction, a percentage, a size or bytes: a string or a number
@@ -28,7 +33,7 @@ TEXT = "text"
 RULES = "rules"  # a list of rule dicts, or a callable
 CLASS = "class"  # a subclass of `klass`, or its import path
 
-# Parts: which validated object a setting belongs to (its builder takes the setting as a keyword argument).
+# Parts: which validated object a setting belongs to (its builder takes the setting as an argument, `validated`).
 POLICY = "policy"  # policy.build_policy -> Policy
 WATCHDOG = "watchdog"  # usage.build_watchdog_settings -> WatchdogSettings
 HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
@@ -51,6 +56,14 @@ class Setting:
     high: Optional[float] = None
     klass: Optional[str] = None  # CLASS: the base class's import path
     per_user: bool = False  # the hub's mapping may set it per user and group (hub/caps.py)
+    attribute: Optional[str] = None  # the validated object's attribute that holds it; None: the setting's name
+    parser: Optional[Callable[[Any], Any]] = None  # how its value is read, where its kind alone does not say
+
+    def parse(self, value: Any) -> Any:
+        """The value as its part holds it (choices and ranges from the row); PolicyError says why not."""
+        if self.parser is not None:
+            return self.parser(value)
+        return _KIND_PARSERS[self.kind](self, value)
 
     @property
     def must(self) -> str:
@@ -71,6 +84,132 @@ class Setting:
             TEXT: "must be a string",
             RULES: "must be a list of rules or a callable",
         }[self.kind]
+
+
+# --- reading a value, by kind ------------------------------------------------------------------------
+
+
+def _number(value: Any, must: str) -> float:
+    if isinstance(value, bool):
+        raise PolicyError(must)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError(must) from None
+    if not math.isfinite(number):
+        raise PolicyError(must)
+    return number
+
+
+def _bounds(row: Setting) -> Tuple[float, float]:
+    assert row.low is not None and row.high is not None, row.name  # a SECONDS or FACTOR row has both
+    return row.low, row.high
+
+
+def _choice(row: Setting, value: Any) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in row.choices:
+        raise PolicyError(row.must)
+    return value.strip().lower()
+
+
+def _seconds(row: Setting, value: Any) -> Optional[float]:
+    if value is None and row.default is None:
+        return None
+    low, high = _bounds(row)
+    seconds = _number(value, row.must)
+    if not low <= seconds <= high:
+        raise PolicyError(row.must)
+    return seconds
+
+
+def _factor(row: Setting, value: Any) -> Optional[float]:
+    """None / "" / "none": off (overcommit: no admission control); else above `low`, at most `high`."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    low, high = _bounds(row)
+    factor = _number(value, row.must)
+    if factor <= low or factor > high:
+        raise PolicyError(row.must)
+    return factor
+
+
+def parse_slack(value: Any) -> CapSpec:
+    """Slack over the cap: bytes ("1GiB", 1073741824), a fraction of the kernel's cap ("0.1", "10%") or 0."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return CapSpec(nbytes=0, text="0")
+    if isinstance(value, str) and value.strip() in ("0", "0B", "0b", "0%"):
+        return CapSpec(nbytes=0, text=value.strip())
+    return parse_cap(value)
+
+
+def _size(row: Setting, value: Any) -> int:
+    """Bytes from a size or 0; never a fraction (of what? these sizes do not grow with the device)."""
+    nbytes = 0 if str(value).strip() in ("0", "0B") else parse_cap(value).nbytes
+    if nbytes is None:
+        raise PolicyError(f"must be a size like {row.default} (not a fraction)")
+    return nbytes
+
+
+def _rules(row: Setting, value: Any) -> Any:
+    """A callable as it is, a list of rules as a tuple (policy.py reads each rule)."""
+    if callable(value):
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise PolicyError(row.must)
+    return tuple(value)
+
+
+def _text(row: Setting, value: Any) -> Optional[str]:
+    if value is None and row.default is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(row.must)
+    return value
+
+
+def _as_given(row: Setting, value: Any) -> Any:
+    return value  # CLASS: the trait (traitlets' Type) has checked and imported it
+
+
+_KIND_PARSERS: Dict[str, Callable[[Setting, Any], Any]] = {
+    CHOICE: _choice,
+    SECONDS: _seconds,
+    FACTOR: _factor,
+    CAP: lambda row, value: parse_cap(value),
+    SLACK: lambda row, value: parse_slack(value),
+    SIZE: _size,
+    RULES: _rules,
+    TEXT: _text,
+    CLASS: _as_given,
+}
+
+
+# --- rows whose value means more than their kind says -----------------------------------------------
+
+MAX_CONTEXT_ALLOWANCE = 16 * GiB
+
+
+def parse_context_allowance(value: Any) -> int:
+    """A size ("640MiB", bytes) or 0; never a fraction (the context does not grow with the device)."""
+    if isinstance(value, str) and value.strip().lower() in ("0", "0b", "0mib"):
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    spec = parse_cap(value)
+    if spec.nbytes is None:
+        raise PolicyError("must be a size like 640MiB (the CUDA context's memory), not a fraction")
+    if spec.nbytes > MAX_CONTEXT_ALLOWANCE:
+        raise PolicyError(f"must be at most {format_bytes(MAX_CONTEXT_ALLOWANCE)} (a CUDA context takes about 0.5 GiB)")
+    return spec.nbytes
+
+
+def _mps_control_program(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise PolicyError("must be the name or path of nvidia-cuda-mps-control")
+    return value.strip()
+
+
+# --- the table -----------------------------------------------------------------------------------------
 
 
 def _table(*rows: Setting) -> Dict[str, Setting]:
@@ -104,6 +243,7 @@ SETTINGS: Dict[str, Setting] = _table(
         RULES,
         POLICY,
         [],
+        attribute="rules",
         help="""Rules that give some kernels another cap, first match wins: a list of dicts with keys
         'user' and 'kernelspec' (glob patterns, default '*'), 'cap', and optional 'max_cap' and 'devices'
         (how many GPUs the kernel gets, default 1). Or a callable (user, kernelspec) -> cap, rule dict or None.""",
@@ -204,6 +344,7 @@ SETTINGS: Dict[str, Setting] = _table(
         CHOICE,
         HARD_CAP,
         "off",
+        attribute="mode",
         env="GPU_QUOTA_HARD_CAP",
         choices=("off", "auto", "mps"),
         help="""A hard limit at allocation time through NVIDIA MPS, on top of the soft caps: "off", "auto" (MPS
@@ -215,6 +356,7 @@ SETTINGS: Dict[str, Setting] = _table(
         CHOICE,
         HARD_CAP,
         "managed",
+        attribute="daemon",
         env="GPU_QUOTA_MPS_DAEMON",
         choices=("managed", "external"),
         help="""Which MPS control daemon kernels use: "managed" (this server starts its own, with pipe and log
@@ -226,6 +368,7 @@ SETTINGS: Dict[str, Setting] = _table(
         CHOICE,
         HARD_CAP,
         "max_cap",
+        attribute="limit",
         env="GPU_QUOTA_HARD_LIMIT",
         choices=("max_cap", "cap"),
         help="""Which number a kernel's hard limit is: "max_cap" (%gpucap stays live up to max_cap, nothing ever
@@ -236,6 +379,8 @@ SETTINGS: Dict[str, Setting] = _table(
         SIZE,
         HARD_CAP,
         "640MiB",
+        attribute="context_allowance",
+        parser=parse_context_allowance,
         env="GPU_QUOTA_MPS_CONTEXT_ALLOWANCE",
         help="""Added to each hard limit for the CUDA context, which MPS counts against the limit (about 514 MiB
         measured on an H200, docs/measurements.md): a size or 0.""",
@@ -245,6 +390,8 @@ SETTINGS: Dict[str, Setting] = _table(
         TEXT,
         HARD_CAP,
         "nvidia-cuda-mps-control",
+        attribute="control",
+        parser=_mps_control_program,
         env="GPU_QUOTA_MPS_CONTROL",
         help="""The MPS control program, a name looked up on PATH and in /usr/local/nvidia/bin, or a path.""",
     ),
@@ -253,6 +400,7 @@ SETTINGS: Dict[str, Setting] = _table(
         SECONDS,
         HARD_CAP,
         5,
+        attribute="timeout",
         env="GPU_QUOTA_MPS_TIMEOUT",
         low=0.1,
         high=120,
@@ -265,6 +413,8 @@ SETTINGS: Dict[str, Setting] = _table(
         TEXT,
         PARK,
         "off",
+        attribute="idle_after",
+        parser=parse_duration,
         env="GPU_QUOTA_PARK_IDLE_AFTER",
         help="""Park a kernel that holds GPU memory and has been idle this long (jupyter_server's own view of
         its activity): seconds ("1800") or a duration ("30min", "2h"); "off" never parks by itself (the park
@@ -275,6 +425,7 @@ SETTINGS: Dict[str, Setting] = _table(
         SIZE,
         PARK,
         "2GiB",
+        attribute="host_margin",
         env="GPU_QUOTA_PARK_HOST_MARGIN",
         help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
         goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
@@ -317,6 +468,17 @@ def names_of(part: str) -> Tuple[str, ...]:
     return tuple(name for name, row in SETTINGS.items() if row.part == part)
 
 
+def parse_value(name: str, value: Any) -> Any:
+    """One setting's value read the way the server reads it; PolicyError says why not. The server's
+    settings and the hub's per-user mapping both come here."""
+    return SETTINGS[name].parse(value)
+
+
+def default_of(name: str) -> Any:
+    """A setting's built-in default as its part holds it (the dataclasses' defaults)."""
+    return SETTINGS[name].parse(SETTINGS[name].default)
+
+
 class SettingError(PolicyError):
     """A setting's value that cannot be used: one line naming the setting, the value and, when the value came
     from there, the environment variable: `c.GpuQuota.NAME = VALUE (from the environment variable X): why`."""
@@ -351,3 +513,26 @@ def parsed(name: str, parse: Callable[[Any], T], value: Any) -> T:
         raise
     except PolicyError as error:
         raise SettingError(name, value, str(error)) from None
+
+
+def validated(part: str, args: Sequence[Any] = (), given: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Every setting of one part read by its row, keyed by the attribute that holds it: what a builder
+    passes to its dataclass. `args` come in the table's order and `given` by name (a builder's own
+    arguments); a setting neither gives has the table's default. A SettingError names the first bad one.
+    A wrong call (too many, twice, unknown names) is a TypeError, as a Python signature would raise."""
+    names = names_of(part)
+    if len(args) > len(names):
+        raise TypeError(f"the {part} settings are {', '.join(names)}: {len(args)} given")
+    values = dict(given or {})
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise TypeError(f"not a {part} setting: {', '.join(unknown)} (the {part} settings are {', '.join(names)})")
+    for name, value in zip(names, args):
+        if name in values:
+            raise TypeError(f"the {part} setting {name} given twice")
+        values[name] = value
+    held = {}
+    for name in names:
+        row = SETTINGS[name]
+        held[row.attribute or name] = parsed(name, row.parse, values.get(name, row.default))
+    return held

@@ -8,7 +8,8 @@ way CUDA itself would. Inside a HAMi-limited container a device's size is the po
 
 from __future__ import annotations
 
-from typing import List, Optional
+import logging
+from typing import Any, List, Mapping, Optional, Union
 
 from traitlets import Bool, Type
 from traitlets import List as ListTrait
@@ -55,7 +56,7 @@ class StaticInventory(DeviceInventory):
         return None if self._devices else "no GPU: the static inventory lists no devices"
 
 
-def parse_static_devices(entries) -> List[Device]:
+def parse_static_devices(entries: Any) -> List[Device]:  # as the admin's config wrote it
     if not isinstance(entries, (list, tuple)):
         raise PolicyError(f"c.StaticInventory.devices = {shown(entries)}: must be a list of dicts")
     devices = []
@@ -172,7 +173,13 @@ def read_nvml_devices():
         return [], f"no GPU: NVML failed listing devices ({error})"
 
 
-def apply_pod_share(devices: List[Device], env, log, *, expected: bool = False) -> List[Device]:
+def apply_pod_share(
+    devices: List[Device],
+    env: Mapping[str, str],
+    log: Union[logging.Logger, logging.LoggerAdapter],
+    *,
+    expected: bool = False,
+) -> List[Device]:
     """`devices` with HAMi's per-container limits in `env` as their totals, said in the log.
 
     Raises PolicyError naming the variable when a HAMi value cannot be read as HAMi-core reads it.

@@ -11,7 +11,9 @@ the monitor can degrade to a clear state instead of crashing:
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
 class NvmlUnavailable(Exception):
@@ -68,13 +70,13 @@ class PynvmlBackend(NvmlBackend):
             except pynvml.NVMLError:
                 pass
 
-    def _handle(self, uuid: str):
+    def _handle(self, uuid: str) -> Any:  # pynvml's handle
         handle = self._handles.get(uuid)
         if handle is None:
             handle = self._handles[uuid] = self._pynvml.nvmlDeviceGetHandleByUUID(uuid)
         return handle
 
-    def _call(self, uuid: str, what: str, call):
+    def _call(self, uuid: str, what: str, call: Callable[[Any], T]) -> T:
         pynvml = self._pynvml
         if pynvml is None:
             raise NvmlFailure("NVML is not open")

@@ -23,22 +23,13 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..devices import Device, parse_cuda_visible_devices
 from ..ledger import Grant
-from ..policy import (
-    GiB,
-    MiB,
-    Policy,
-    PolicyError,
-    format_bytes,
-    parse_cap,
-    parse_setting,
-)
-from ..settings import DEFAULTS, parsed
+from ..policy import GiB, MiB, Policy, format_bytes
+from ..settings import DEFAULTS, HARD_CAP, default_of, validated
 from ..shared.env_vars import LAYERS
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where MPS looks when CUDA_MPS_PIPE_DIRECTORY is unset
 # 640 MiB: the measured context is 514 MiB (538,968,064 B) on an H200, CUDA 13
-DEFAULT_CONTEXT_ALLOWANCE = parse_cap(DEFAULTS["mps_context_allowance"]).nbytes
-MAX_CONTEXT_ALLOWANCE = 16 * GiB
+DEFAULT_CONTEXT_ALLOWANCE: int = default_of("mps_context_allowance")
 
 LIMIT_VARIABLE = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 PIPE_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
@@ -57,12 +48,12 @@ PARK_REASON = (
 class HardCapSettings:
     """The admin's hard-cap settings, validated (c.GpuQuota.hard_cap, mps_*, hard_limit)."""
 
-    mode: str = DEFAULTS["hard_cap"]  # "off", "auto" (MPS when usable) or "mps" (required)
-    daemon: str = DEFAULTS["mps_daemon"]  # "managed" (this server starts and stops one) or "external" (an admin's)
-    limit: str = DEFAULTS["hard_limit"]  # which number goes in the limit: the kernel's "max_cap" or its "cap"
+    mode: str = default_of("hard_cap")  # "off", "auto" (MPS when usable) or "mps" (required)
+    daemon: str = default_of("mps_daemon")  # "managed" (this server starts and stops one) or "external" (an admin's)
+    limit: str = default_of("hard_limit")  # which number goes in the limit: the kernel's "max_cap" or its "cap"
     context_allowance: int = DEFAULT_CONTEXT_ALLOWANCE
-    control: str = DEFAULTS["mps_control"]
-    timeout: float = float(DEFAULTS["mps_timeout"])  # seconds any one call of the control program may take
+    control: str = default_of("mps_control")
+    timeout: float = default_of("mps_timeout")  # seconds any one call of the control program may take
 
     def describe(self) -> dict:
         """As the status answer shows them: `limit` under its setting's name, and without the control
@@ -73,43 +64,10 @@ class HardCapSettings:
         return shown
 
 
-def build_hard_cap_settings(
-    hard_cap: Any = DEFAULTS["hard_cap"],
-    mps_daemon: Any = DEFAULTS["mps_daemon"],
-    hard_limit: Any = DEFAULTS["hard_limit"],
-    mps_context_allowance: Any = DEFAULTS["mps_context_allowance"],
-    mps_control: Any = DEFAULTS["mps_control"],
-    mps_timeout: Any = DEFAULTS["mps_timeout"],
-) -> HardCapSettings:
-    """Validate every setting; raise a SettingError (a PolicyError) naming the first bad one and its value."""
-    return HardCapSettings(
-        mode=parse_setting("hard_cap", hard_cap),
-        daemon=parse_setting("mps_daemon", mps_daemon),
-        limit=parse_setting("hard_limit", hard_limit),
-        context_allowance=parsed("mps_context_allowance", parse_allowance, mps_context_allowance),
-        control=parsed("mps_control", _program, mps_control),
-        timeout=parse_setting("mps_timeout", mps_timeout),
-    )
-
-
-def parse_allowance(value: Any) -> int:
-    """A size ("640MiB", bytes) or 0; never a fraction (the context does not grow with the device)."""
-    if isinstance(value, str) and value.strip().lower() in ("0", "0b", "0mib"):
-        return 0
-    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
-        return 0
-    spec = parse_cap(value)
-    if spec.nbytes is None:
-        raise PolicyError("must be a size like 640MiB (the CUDA context's memory), not a fraction")
-    if spec.nbytes > MAX_CONTEXT_ALLOWANCE:
-        raise PolicyError(f"must be at most {format_bytes(MAX_CONTEXT_ALLOWANCE)} (a CUDA context takes about 0.5 GiB)")
-    return spec.nbytes
-
-
-def _program(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip() or "\0" in value:
-        raise PolicyError("must be the name or path of nvidia-cuda-mps-control")
-    return value.strip()
+def build_hard_cap_settings(*args: Any, **given: Any) -> HardCapSettings:
+    """The hard limit's settings (the table's HARD_CAP rows: in its order, or by name), validated; a
+    SettingError (a PolicyError) names the first bad one and its value."""
+    return HardCapSettings(**validated(HARD_CAP, args, given))
 
 
 # --- the limit of one kernel ----------------------------------------------------------------------
@@ -268,10 +226,7 @@ class KernelLayers:
         """The status API's "layers" of a kernel. `restart_needed`: a cap in force now is above what the
         hard limit lets through (hard_limit = "cap" after a raise): it takes effect at the next restart."""
         by_index = {d.index: d for d in self.limits}
-        restart = bool(grant) and any(
-            grant.caps.get(i, 0) > d.usable
-            for i, d in by_index.items()  # type: ignore[union-attr]
-        )
+        restart = grant is not None and any(grant.caps.get(i, 0) > d.usable for i, d in by_index.items())
         return {
             "soft": self.soft,
             "hard_cap": self.mode,
@@ -325,7 +280,11 @@ def decide(
     With hard_cap = "off" nothing is added: a server with the layer off starts kernels as before.
     """
     soft = bool(grant.devices)
-    common = dict(mode=settings.mode, number=settings.limit, context_allowance=settings.context_allowance)
+    common: Dict[str, Any] = {
+        "mode": settings.mode,
+        "number": settings.limit,
+        "context_allowance": settings.context_allowance,
+    }
     if settings.mode == "off":
         return KernelLayers(soft, reason="hard limits are off on this server (c.GpuQuota.hard_cap)", **common), {}
     reason = unavailable
@@ -358,7 +317,3 @@ def layers_summary(layers: KernelLayers) -> str:
             "hard limit " + ", ".join(f"{format_bytes(d.usable)} on device {d.index}" for d in layers.limits) + " (MPS)"
         )
     return f"soft cap only: {layers.reason}"
-
-
-def limits_by_index(layers: KernelLayers) -> Dict[int, int]:
-    return {d.index: d.limit for d in layers.limits}

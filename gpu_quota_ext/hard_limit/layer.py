@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence
 
 from ..devices import Device
 from ..ledger import Grant
@@ -34,6 +34,9 @@ from .decisions import (
     layers_summary,
 )
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
+
+if TYPE_CHECKING:
+    from jupyter_client.multikernelmanager import MultiKernelManager
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -154,7 +157,7 @@ class HardCapLayer:
             self.state, self.problem = "stopped", "the server is stopping"
             self.message = self.problem
 
-    async def stop(self, kernel_manager: Any = None) -> None:
+    async def stop(self, kernel_manager: Optional[MultiKernelManager] = None) -> None:
         """At shutdown: kernels first (they are the daemon's clients), then the daemon, off the loop."""
         if self.daemon is not None and kernel_manager is not None:
             try:

@@ -195,7 +195,9 @@ def pod_gpu(chosen: Mapping[str, str], sources: Mapping[str, str], names: HamiRe
             value = text[:-1]
         else:
             chosen_name, other = names.memory, names.memory_percentage
-            value = str(parse_cap(text).nbytes // MiB)
+            nbytes = parse_cap(text).nbytes
+            assert nbytes is not None  # _gpu_memory wrote it: a percentage or whole MiB
+            value = str(nbytes // MiB)
         limits[chosen_name], where[chosen_name] = value, source
         limits[other], where[other] = None, source  # one unit per pod, the policy's: never both
     if "gpu_cores" in chosen:

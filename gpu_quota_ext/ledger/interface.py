@@ -6,8 +6,8 @@ depends on this interface only: `LocalLedger` (local.py) keeps the record in thi
 a remote ledger asks the host's quota service, which keeps one record for every user of the host.
 
 Calls may block (a remote ledger waits for the service, up to its timeout), so the manager makes every
-write (grant, change, reset, release) off the event loop. Reads (get, grants, usage, devices) answer from
-memory at once: a remote ledger keeps a copy of this server's grants as the service last answered.
+write (grant, change, reset, release) off the event loop. Reads (get, grants, device_grants, devices) answer
+from memory at once: a remote ledger keeps a copy of this server's grants as the service last answered.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ class Ledger(Protocol):
 
     def grants(self) -> List[Grant]: ...
 
-    def usage(self) -> List[dict]:
-        """Per device: index, name, uuid, total, budget, granted bytes and kernel count."""
+    def device_grants(self) -> List[dict]:
+        """Per device: index, name, uuid, total, budget, granted bytes and kernel count (what is granted,
+        not what is used: usage is the monitor's)."""
 
     @property
     def devices(self) -> List[Device]: ...

@@ -33,6 +33,10 @@ class _DeviceBook:
     def room(self) -> Optional[int]:
         return None if self.budget is None else self.budget - self.granted_total
 
+    def fits(self, nbytes: int) -> bool:
+        room = self.room()
+        return room is None or room >= nbytes
+
 
 def budget_of(device: Device, overcommit: Optional[float]) -> Optional[int]:
     return None if overcommit is None else int(device.total * overcommit)
@@ -46,7 +50,7 @@ def choose_devices(
     spread: least granted first (kernels spread out, each gets the emptiest GPU);
     pack: lowest index first (fill GPU 0 up to its budget, keep the others free for big jobs).
     """
-    fitting = [b for b in books if b.room() is None or b.room() >= caps[b.device.index]]
+    fitting = [b for b in books if b.fits(caps[b.device.index])]
     if len(fitting) < count:
         return None
     if strategy == "pack":
@@ -157,7 +161,7 @@ class LocalLedger(HeldGrants):
                 book.granted.pop(kernel_id, None)
             return gone
 
-    def usage(self) -> List[dict]:
+    def device_grants(self) -> List[dict]:
         """Per device: total, budget and granted bytes (what the status API shows)."""
         with self._lock:
             return [
@@ -202,7 +206,9 @@ class LocalLedger(HeldGrants):
         )
         return most
 
-    def _admit(self, kernel_id: str, user: str, kernelspec: str, decision: PolicyDecision, books) -> Grant:
+    def _admit(
+        self, kernel_id: str, user: str, kernelspec: str, decision: PolicyDecision, books: Sequence[_DeviceBook]
+    ) -> Grant:
         def grant_on(indexes: Sequence[int], placed: bool, reason: Optional[str] = None) -> Grant:
             caps = {i: wanted_on(i) for i in indexes}
             max_caps = {i: decision.max_cap.to_bytes(self._books[i].device.total, f"device {i}") for i in indexes}
@@ -228,7 +234,7 @@ class LocalLedger(HeldGrants):
         wanted = {b.device.index: wanted_on(b.device.index) for b in books}
         if self._policy.placement == "none":
             # The kernel sees every device: it needs room on all of them.
-            if all(b.room() is None or b.room() >= wanted[b.device.index] for b in books):
+            if all(b.fits(wanted[b.device.index]) for b in books):
                 return grant_on([b.device.index for b in books], placed=False)
         else:
             chosen = choose_devices(books, wanted, min(decision.devices, len(books)), self._policy.placement)

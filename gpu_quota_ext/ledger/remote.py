@@ -2,7 +2,7 @@
 
 On a hub host the service keeps one ledger for every user (shared/service_contract.py is the wire). This
 server asks it for every write (grant, change, reset, release) and keeps a copy of its own grants as the
-service last answered them, so reads (get, grants, usage) answer at once. Writes block up to
+service last answered them, so reads (get, grants, device_grants) answer at once. Writes block up to
 CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
 
 - It authenticates with this server's own hub token and never names the user: the service asks the hub
@@ -217,7 +217,7 @@ class RemoteLedger(HeldGrants):
                 )
         return gone
 
-    def usage(self) -> List[dict]:
+    def device_grants(self) -> List[dict]:
         """Per device: the host's budget and what every user holds of it, as the service said at the last
         lease renewal (what decides whether the next kernel fits); before that, this server's grants and
         no budget."""
@@ -289,7 +289,7 @@ class RemoteLedger(HeldGrants):
         return True
 
     def _learn_host_devices(self) -> None:
-        """The host's budget and grants per device (the service's status), for usage()."""
+        """The host's budget and grants per device (the service's status), for device_grants()."""
         try:
             answer = self._call("GET", STATUS_PATH)
         except _Unreachable:

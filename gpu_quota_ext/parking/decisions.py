@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..settings import DEFAULTS, parsed
+from ..settings import PARK, validated
 from ..shared.contract import PARK_FIELDS, PARK_STATES
-from ..shared.durations import format_duration, parse_duration
-from ..shared.sizes import GiB, PolicyError, format_bytes, parse_cap
+from ..shared.sizes import GiB, format_bytes
 from .checkpoint import (
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_NOT_PERMITTED,
@@ -51,19 +50,10 @@ class ParkSettings:
         return {"park_idle_after": self.idle_after, "park_host_margin": self.host_margin}
 
 
-def build_park_settings(
-    park_idle_after: Any = DEFAULTS["park_idle_after"], park_host_margin: Any = DEFAULTS["park_host_margin"]
-) -> ParkSettings:
-    """Validate the park settings (the settings table's PARK rows); a SettingError names the bad one and its value."""
-    idle = parsed("park_idle_after", parse_duration, park_idle_after)
-    return ParkSettings(idle_after=idle, host_margin=parsed("park_host_margin", _margin, park_host_margin))
-
-
-def _margin(value: Any) -> int:
-    margin = 0 if str(value).strip() in ("0", "0B") else parse_cap(value).nbytes
-    if margin is None:
-        raise PolicyError("must be a size like 2GiB (not a fraction)")
-    return margin
+def build_park_settings(*args: Any, **given: Any) -> ParkSettings:
+    """The park settings (the table's PARK rows: in its order, or by name), validated; a SettingError names the
+    bad one and its value."""
+    return ParkSettings(**validated(PARK, args, given))
 
 
 @dataclass(frozen=True)
@@ -73,7 +63,7 @@ class ParkRecord:
     state: str  # one of PARK_STATES
     since: float  # wall clock
     pids: Tuple[int, ...] = ()  # the processes parked together
-    gpu_bytes: Mapping[int, int] = None  # device index -> bytes the kernel held when it parked
+    gpu_bytes: Optional[Mapping[int, int]] = None  # device index -> bytes the kernel held when it parked
     host_bytes: Optional[int] = None
     reason: Optional[str] = None
     attempt: int = 0  # resume attempts that found no device memory
@@ -219,7 +209,3 @@ def describe_transition(kernel_id: str, old: str, new: str, record: ParkRecord) 
     elif record.reason:
         line += f": {record.reason}"
     return line
-
-
-def idle_text(seconds: Optional[float]) -> str:
-    return format_duration(seconds)

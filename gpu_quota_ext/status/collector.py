@@ -17,13 +17,11 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from ..shared.contract import PARK_STATES
+# jupyter_server depends on prometheus_client: it is always there where this runs.
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-try:
-    from prometheus_client import REGISTRY
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-except ImportError:  # pragma: no cover - jupyter_server depends on prometheus_client
-    REGISTRY = None
+from ..shared.contract import PARK_STATES
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -121,15 +119,13 @@ def park_families(parks: Mapping[str, Mapping[str, Any]]) -> List["Metric"]:
 class SourcesCollector:
     """The one collector of this process: the families of every published source, merged by name."""
 
-    def __init__(self, registry=None) -> None:
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry if registry is not None else REGISTRY
         self._lock = threading.Lock()
         self._sources: List[Source] = []
 
     def publish(self, source: Source) -> None:
         """Add a source; the first one registers the collector. Idempotent per source."""
-        if self.registry is None:
-            return
         with self._lock:
             if source in self._sources:
                 return
@@ -139,8 +135,6 @@ class SourcesCollector:
 
     def withdraw(self, source: Source) -> None:
         """Remove a source (a stopping server); the last one unregisters the collector."""
-        if self.registry is None:
-            return
         with self._lock:
             if source not in self._sources:
                 return
@@ -153,7 +147,7 @@ class SourcesCollector:
         # nor calls collect() at registration. Ours are all "gpu_quota_*", which nothing else uses.
         return []
 
-    def collect(self):
+    def collect(self) -> List["Metric"]:
         with self._lock:
             sources = list(self._sources)
         merged: Dict[str, "Metric"] = {}

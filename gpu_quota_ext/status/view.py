@@ -10,11 +10,11 @@ included). Other parts add fields to each kernel's entry through
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from ..ledger import Grant, Ledger
 from ..policy import Policy
-from ..usage import KernelReports, Monitor, Watchdog, WatchdogSettings
+from ..usage import KernelIds, KernelReports, Monitor, Watchdog, WatchdogSettings
 from .collector import hard_limit_family, monitor_families
 
 KernelField = Callable[[str], Any]  # kernel id -> a JSON-able value
@@ -35,6 +35,16 @@ VIEW_FIELDS = (
 )
 
 
+class HardLimitShown(Protocol):
+    """The hard-limit layer (hard_limit.HardCapLayer) as the view shows it."""
+
+    def describe(self) -> dict: ...
+
+    def kernel_json(self, grant: Grant) -> dict: ...
+
+    def limits(self) -> Dict[str, Dict[int, int]]: ...
+
+
 class StatusView:
     def __init__(
         self,
@@ -47,8 +57,8 @@ class StatusView:
         monitor: Monitor,
         reports: KernelReports,
         watchdog: Watchdog,
-        hard_cap: Any,
-        kernels: Any,
+        hard_cap: HardLimitShown,
+        kernels: KernelIds,
     ):
         self.policy = policy
         self.settings = settings
@@ -74,7 +84,7 @@ class StatusView:
 
     def answer(self, paths: Mapping[str, Optional[str]]) -> dict:
         """GET /api/gpu-quota/status. `paths`: kernel id -> notebook path (the session manager's)."""
-        devices = self.ledger.usage()
+        devices = self.ledger.device_grants()
         for device in devices:
             device["used"] = self.monitor.device_used(device["index"])
         # Under the host's quota service this server's own policy settings are ignored: say who decides instead.
@@ -152,7 +162,7 @@ class StatusView:
         return families
 
 
-def _listed(kernels: Any) -> set:
+def _listed(kernels: KernelIds) -> set:
     try:
         return set(kernels.kernel_ids())
     except Exception:  # the kernel manager's table changed under us: the grants alone then

@@ -9,7 +9,7 @@ every poll interval). The manager (manager.py) builds and owns them; nothing her
 """
 
 from .attribution import PidResolver, ProcTable, kernel_for_pid
-from .kernels import KernelManagerView, pending_kernels
+from .kernels import KernelActions, KernelEnds, KernelIds, KernelManagerView, KernelRoots, pending_kernels
 from .lifecycle import KernelLifecycle
 from .reports import KernelReports
 from .sampling import Monitor, Sample
@@ -17,6 +17,7 @@ from .watchdog import Watchdog
 from .watchdog_settings import WatchdogSettings, build_watchdog_settings
 
 __all__ = [
-    "PidResolver", "ProcTable", "kernel_for_pid", "KernelManagerView", "pending_kernels", "KernelLifecycle",
+    "PidResolver", "ProcTable", "kernel_for_pid", "KernelManagerView", "KernelIds", "KernelRoots", "KernelEnds",
+    "KernelActions", "pending_kernels", "KernelLifecycle",
     "KernelReports", "Monitor", "Sample", "Watchdog", "WatchdogSettings", "build_watchdog_settings",
 ]

@@ -233,11 +233,13 @@ class PidResolver:
         self._cache = cache  # PIDs no longer on any GPU drop out here
         return found
 
-    def _owner(self, pid: int, roots, known) -> Optional[Attribution]:
+    def _owner(self, pid: int, roots: Mapping[int, str], known: Collection[str]) -> Optional[Attribution]:
         table = self.table
         return kernel_for_pid(pid, roots, table.parent_of, table.kernel_in_environ, known, table.uids_of, self.own_uid)
 
-    def _lookup(self, pid: int, roots, known, now) -> Tuple[Optional[Attribution], Optional[int]]:
+    def _lookup(
+        self, pid: int, roots: Mapping[int, str], known: Collection[str], now: float
+    ) -> Tuple[Optional[Attribution], Optional[int]]:
         owner = self._owner(pid, roots, known)
         if owner is not None:
             return owner, pid

@@ -20,16 +20,50 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 from tornado.web import HTTPError
 
+if TYPE_CHECKING:  # jupyter_client's own classes, for the signatures only
+    from jupyter_client.manager import KernelManager
+    from jupyter_client.multikernelmanager import MultiKernelManager
+
 log = logging.getLogger("gpu_quota_ext")
+
+
+# What each part needs of the kernel manager. KernelManagerView has all of it; tests stand in for it with
+# small fakes that have only what the part under test reads.
+
+
+class KernelIds(Protocol):
+    """Which kernels the server has (the status view, the manager)."""
+
+    def kernel_ids(self) -> List[str]: ...
+
+
+class KernelRoots(KernelIds, Protocol):
+    """... and each one's own process, the root of its tree (the monitor's attribution)."""
+
+    def roots(self) -> Dict[int, str]: ...
+
+
+class KernelEnds(KernelIds, Protocol):
+    """... and how each one ends (the lifecycle)."""
+
+    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None: ...
+
+    async def dead_ids(self) -> List[str]: ...
+
+
+class KernelActions(Protocol):
+    """What the watchdog does to a kernel: "interrupt", "restart" or "kill"."""
+
+    async def act(self, kernel_id: str, action: str) -> None: ...
 
 _warned = False
 
 
-def pending_kernels(multi_kernel_manager: Any) -> Optional[dict]:
+def pending_kernels(multi_kernel_manager: MultiKernelManager) -> Optional[dict]:
     """The manager's table of kernels being started (kernel id -> start task), or None when this
     jupyter_client has no such dict (warned once per process)."""
     pending = getattr(multi_kernel_manager, "_pending_kernels", None)
@@ -54,7 +88,7 @@ def pending_kernels(multi_kernel_manager: Any) -> Optional[dict]:
 GONE = (KeyError, HTTPError)
 
 
-def kernel_pid(kernel_manager: Any) -> Optional[int]:
+def kernel_pid(kernel_manager: KernelManager) -> Optional[int]:
     """The kernel's own process id, from its provisioner (jupyter_client >= 7) or its Popen."""
     provisioner = getattr(kernel_manager, "provisioner", None)
     pid = getattr(provisioner, "pid", None)
@@ -74,7 +108,7 @@ async def maybe_await(value: Any) -> Any:
 class KernelManagerView:
     """The server's kernel manager, as the monitor, the lifecycle, the watchdog and parking need it."""
 
-    def __init__(self, multi_kernel_manager: Any):
+    def __init__(self, multi_kernel_manager: MultiKernelManager):
         self.manager = multi_kernel_manager
 
     def kernel_ids(self) -> List[str]:
@@ -93,7 +127,7 @@ class KernelManagerView:
                 roots[pid] = kernel_id
         return roots
 
-    def _kernel(self, kernel_id: str) -> Any:
+    def _kernel(self, kernel_id: str) -> Optional[KernelManager]:
         """The kernel's own manager, or None once it is gone (shut down since it was listed)."""
         try:
             return self.manager.get_kernel(kernel_id)

@@ -38,6 +38,7 @@ from typing import (
 from ..devices import Device, NvmlBackend, NvmlFailure, NvmlUnavailable
 from ..threads import SerialThread
 from .attribution import TREE, PidResolver
+from .kernels import KernelRoots
 from .periodic import every
 
 log = logging.getLogger("gpu_quota_ext")
@@ -95,7 +96,7 @@ class Monitor:
         self,
         devices: Iterable[Device],
         backend: NvmlBackend,
-        kernels: Any,
+        kernels: KernelRoots,
         poll_interval: float,
         no_gpu_reason: Optional[str] = None,
         resolver: Optional[PidResolver] = None,

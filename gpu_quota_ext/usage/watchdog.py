@@ -21,10 +21,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Container, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..shared.sizes import format_bytes
 from .attribution import ENVIRONMENT, TREE
+from .kernels import KernelActions
 from .sampling import Sample
 from .watchdog_settings import WatchdogSettings
 
@@ -119,7 +120,7 @@ class Watchdog:
 
     `kernels.act(kernel_id, action)` carries out "interrupt", "restart" and "kill" (KernelManagerView)."""
 
-    def __init__(self, settings: WatchdogSettings, kernels: Any = None):
+    def __init__(self, settings: WatchdogSettings, kernels: Optional[KernelActions] = None):
         self.settings = settings
         self.kernels = kernels
         self._acting: Set[str] = set()
@@ -219,7 +220,7 @@ class Watchdog:
     def last_action(self, kernel_id: str) -> Optional[WatchdogAction]:
         return self._last.get(kernel_id)
 
-    def forget_all_but(self, kernel_ids) -> None:
+    def forget_all_but(self, kernel_ids: Container[str]) -> None:
         """Drop the state of every kernel not in `kernel_ids` (the ones still running)."""
         for kernel_id in [k for k in self._watches if k not in kernel_ids]:
             self.forget(kernel_id)

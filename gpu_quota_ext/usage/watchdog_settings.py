@@ -9,19 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..policy import parse_setting
-from ..settings import DEFAULTS
-from ..shared.sizes import CapSpec, parse_cap
+from ..settings import WATCHDOG, default_of, validated
+from ..shared.sizes import CapSpec
 
 
 @dataclass(frozen=True)
 class WatchdogSettings:
     """The admin's enforcement settings, validated (build_watchdog_settings builds them)."""
 
-    enforce: str = DEFAULTS["enforce"]
-    slack: CapSpec = parse_cap(DEFAULTS["slack"])
-    grace: float = float(DEFAULTS["grace"])  # seconds over the limit before acting
-    poll_interval: float = float(DEFAULTS["poll_interval"])
+    enforce: str = default_of("enforce")
+    slack: CapSpec = default_of("slack")
+    grace: float = default_of("grace")  # seconds over the limit before acting
+    poll_interval: float = default_of("poll_interval")
 
     @property
     def cooldown(self) -> float:
@@ -44,16 +43,7 @@ class WatchdogSettings:
         }
 
 
-def build_watchdog_settings(
-    enforce: Any = DEFAULTS["enforce"],
-    slack: Any = DEFAULTS["slack"],
-    grace: Any = DEFAULTS["grace"],
-    poll_interval: Any = DEFAULTS["poll_interval"],
-) -> WatchdogSettings:
-    """The watchdog's settings, validated; a SettingError names the first bad one and its value."""
-    return WatchdogSettings(
-        enforce=parse_setting("enforce", enforce),
-        slack=parse_setting("slack", slack),
-        grace=parse_setting("grace", grace),
-        poll_interval=parse_setting("poll_interval", poll_interval),
-    )
+def build_watchdog_settings(*args: Any, **given: Any) -> WatchdogSettings:
+    """The watchdog's settings (the table's WATCHDOG rows: in its order, or by name), validated; a SettingError
+    names the first bad one and its value."""
+    return WatchdogSettings(**validated(WATCHDOG, args, given))

@@ -66,7 +66,7 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
     ]
     # The answer matches the ledger, device by device and kernel by kernel.
     ledger = service_of(jp_serverapp).ledger
-    for row in ledger.usage():
+    for row in ledger.device_grants():
         assert {k: devices[row["index"]][k] for k in row} == row
     assert {k["id"] for k in state["kernels"]} == {g.kernel_id for g in ledger.grants()}
     one = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)

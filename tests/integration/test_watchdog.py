@@ -205,7 +205,7 @@ class TestDeadKernel:
         # same callback run (the ledger's call in a thread): no need to wait for the lifecycle's next poll.
         await service.settled()
         assert service.ledger.get(kernel_id) is None
-        assert all(d["granted"] == 0 for d in service.ledger.usage())
+        assert all(d["granted"] == 0 for d in service.ledger.device_grants())
 
 
 # --- whose usage the watchdog may act on ----------------------------------------------------------
@@ -337,7 +337,7 @@ class TestNoAutorestart:
         await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
         # The next round after the death notices it (the one running at the kill may have missed it).
         assert monitor.ticks <= rounds + 2
-        assert all(d["granted"] == 0 for d in service.ledger.usage())
+        assert all(d["granted"] == 0 for d in service.ledger.device_grants())
         # jupyter_server keeps listing a dead kernel when autorestart is off (the user may restart it);
         # a restart asks the ledger again, like a new kernel.
         assert kernel_id in jp_serverapp.kernel_manager.list_kernel_ids()

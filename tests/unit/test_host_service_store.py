@@ -34,14 +34,14 @@ def test_a_restart_restores_every_grant_with_its_changed_cap(tmp_path):
     book.grant("bob", "", "k2", "python3", QUARTER, None, T0)
     book.change("alice", "k1", False, parse_cap("0.5"), None)
     before = {o.grant.kernel_id: o.grant for o in book.owned()}
-    usage_before = book.ledger.usage()
+    grants_before = book.ledger.device_grants()
     store.close()
 
     store, book = open_book(tmp_path)
     after = {o.grant.kernel_id: o.grant for o in book.owned()}
     assert after == before
     assert after["k1"].caps[after["k1"].devices[0]] == 40 * GiB
-    assert book.ledger.usage() == usage_before  # the budget counts the restored grants
+    assert book.ledger.device_grants() == grants_before  # the budget counts the restored grants
     assert book.get("bob", "k2", False).user == "bob"
 
 
@@ -92,7 +92,7 @@ def test_a_lease_that_runs_out_releases_every_grant_of_its_server(tmp_path):
     assert book.expire(T0 + 61) == ["k1"]  # alice's server was not heard of for 61 s
     assert [o.grant.kernel_id for o in book.owned()] == ["k2"]
     assert store.counts() == {"grants": 1, "leases": 1}
-    assert sum(e["granted"] for e in book.ledger.usage()) == 20 * GiB
+    assert sum(e["granted"] for e in book.ledger.device_grants()) == 20 * GiB
 
 
 def test_after_a_restart_every_server_has_a_full_lease_to_re_register(tmp_path):
@@ -145,7 +145,7 @@ def test_concurrent_grants_never_pass_a_devices_budget(tmp_path):
         t.join()
     granted = [g for g in results if g is not None]
     assert len(granted) == 8  # 4 quarters on each of 2 devices
-    for entry in book.ledger.usage():
+    for entry in book.ledger.device_grants():
         assert entry["granted"] <= entry["budget"]
 
 
@@ -154,7 +154,7 @@ def test_a_grant_the_store_could_not_write_is_not_granted(tmp_path):
     store.db.close()  # every write fails now
     with pytest.raises(sqlite3.ProgrammingError):  # "Cannot operate on a closed database"
         book.grant("alice", "", "k1", "python3", QUARTER, None, T0)
-    assert book.owned() == [] and all(e["granted"] == 0 for e in book.ledger.usage())
+    assert book.owned() == [] and all(e["granted"] == 0 for e in book.ledger.device_grants())
 
 
 def test_a_device_gone_since_is_dropped_from_the_restored_grant(tmp_path):

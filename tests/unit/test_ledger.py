@@ -25,7 +25,7 @@ def test_spread_puts_each_new_kernel_on_the_least_granted_gpu():
     ledger, policy = make()
     placed = [admit(ledger, policy, f"k{i}").devices for i in range(4)]
     assert placed == [(0,), (1,), (0,), (1,)]
-    assert [d["granted"] for d in ledger.usage()] == [40 * GiB, 40 * GiB]
+    assert [d["granted"] for d in ledger.device_grants()] == [40 * GiB, 40 * GiB]
 
 
 def test_pack_fills_gpu0_up_to_its_budget_first():
@@ -50,7 +50,7 @@ def test_a_restarted_kernel_keeps_its_grant_and_release_frees_budget():
     assert ledger.release("k") is not None
     assert ledger.release("k") is None  # idempotent
     assert ledger.get("k") is None
-    assert [d["granted"] for d in ledger.usage()] == [0, 0]
+    assert [d["granted"] for d in ledger.device_grants()] == [0, 0]
 
 
 @pytest.mark.parametrize("on_full", ["refuse", "cpu-only"])
@@ -65,7 +65,7 @@ def test_a_full_machine_refuses_or_hides_the_gpus(on_full):
     else:
         grant = admit(ledger, policy, "k-late")
         assert grant.devices == () and grant.placed and "budget" in grant.cpu_only_reason
-    assert all(d["granted"] <= d["budget"] for d in ledger.usage())
+    assert all(d["granted"] <= d["budget"] for d in ledger.device_grants())
 
 
 def test_concurrent_grants_never_overcommit():
@@ -83,7 +83,7 @@ def test_concurrent_grants_never_overcommit():
         t.join()
     on_gpu = [g for g in ledger.grants() if g.devices]
     assert len(on_gpu) == 8  # 2 devices x budget 80 GiB / 20 GiB caps
-    assert all(d["granted"] <= d["budget"] for d in ledger.usage())
+    assert all(d["granted"] <= d["budget"] for d in ledger.device_grants())
 
 
 def test_change_within_max_is_granted():
@@ -116,7 +116,7 @@ def test_change_is_bounded_by_the_device_budget():
     admit(ledger, policy, "b")  # 40 GiB granted, 40 GiB left
     outcome = ledger.change("a", parse_cap("1.0"))
     assert outcome.status == "clamped" and outcome.grant.caps == {0: 60 * GiB}
-    assert ledger.usage()[0]["granted"] == 80 * GiB
+    assert ledger.device_grants()[0]["granted"] == 80 * GiB
     assert ledger.change("b", parse_cap("0.5")).status == "refused"
 
 
@@ -141,7 +141,7 @@ def test_reset_cannot_take_budget_another_kernel_took_meanwhile(on_over_max, sta
     outcome = ledger.reset("a")  # 20 GiB would need 12 more; 2 are left
     assert outcome.status == status
     assert ledger.get("a").caps == {0: cap_after}
-    assert ledger.usage()[0]["granted"] <= ledger.usage()[0]["budget"]
+    assert ledger.device_grants()[0]["granted"] <= ledger.device_grants()[0]["budget"]
 
 
 def test_a_kernelspec_pinned_to_an_unmanaged_gpu_is_handled_as_full():
@@ -218,7 +218,7 @@ def test_a_fraction_below_one_mib_on_a_device_is_refused_where_it_becomes_bytes(
     ledger, policy = make(default_cap="0.0000001")
     with pytest.raises(PolicyError, match=r"device 0 \(80.0 GiB\) is 8.4 KiB: a cap must be at least 1 MiB"):
         admit(ledger, policy, "k")
-    assert ledger.grants() == [] and ledger.usage()[0]["granted"] == 0
+    assert ledger.grants() == [] and ledger.device_grants()[0]["granted"] == 0
     ledger, policy = make()
     before = admit(ledger, policy, "k")
     with pytest.raises(PolicyError, match="at least 1 MiB"):
@@ -243,6 +243,6 @@ def test_local_ledger_implements_the_ledger_interface():
     # Every method of the interface has the same parameters in the local ledger.
     import inspect
 
-    for name in ("grant", "change", "reset", "release", "get", "grants", "usage", "decided_by", "close"):
+    for name in ("grant", "change", "reset", "release", "get", "grants", "device_grants", "decided_by", "close"):
         expected = list(inspect.signature(getattr(Ledger, name)).parameters)
         assert list(inspect.signature(getattr(LocalLedger, name)).parameters) == expected, name

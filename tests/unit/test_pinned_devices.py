@@ -82,4 +82,4 @@ def test_a_pin_on_no_device_of_this_server_is_handled_as_full(pin):
     admit(service, "k", {"CUDA_VISIBLE_DEVICES": pin})
     grant = service.ledger.get("k")
     assert grant.devices == () and "does not manage" in grant.cpu_only_reason
-    assert [d["granted"] for d in service.ledger.usage()] == [0, 0]
+    assert [d["granted"] for d in service.ledger.device_grants()] == [0, 0]

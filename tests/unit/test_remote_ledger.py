@@ -213,7 +213,7 @@ class Lease(Base):
 
 class Status(Base):
     def get(self):
-        self.answer(200, {"devices": self.standin.ledger.usage()})
+        self.answer(200, {"devices": self.standin.ledger.device_grants()})
 
 
 def _free_port() -> int:
@@ -268,7 +268,7 @@ def test_a_grant_is_the_services_decision_on_this_servers_device_numbers(standin
     assert headers["Authorization"] == "token alice-token"
     assert body == {"server": "", "kernel_id": "k1", "kernelspec": "python3", "allowed": None}  # no user, no cap
     assert ledger.get("k1") == grant and ledger.grants() == [grant]
-    assert [u["granted"] for u in ledger.usage()] == [0, TOTAL // 2]
+    assert [u["granted"] for u in ledger.device_grants()] == [0, TOTAL // 2]
 
 
 def test_a_restart_keeps_its_grant_without_asking(standin, make_ledger):
@@ -292,7 +292,7 @@ def test_a_full_budget_is_the_services_refusal_and_nothing_is_held(standin, make
     with pytest.raises(AdmissionRefused, match="no GPU has 0.5 of budget left"):
         alice.grant("k9", "alice", "python3", wide_open())
     assert alice.get("k9") is None and "k9" not in standin.owner
-    assert sum(u["granted"] for u in standin.ledger.usage()) == 2 * TOTAL
+    assert sum(u["granted"] for u in standin.ledger.device_grants()) == 2 * TOTAL
 
 
 def test_another_users_kernel_id_is_refused_and_not_taken(standin, make_ledger):
@@ -516,9 +516,10 @@ def test_usage_shows_the_hosts_budget_and_every_users_grants_after_a_renewal(sta
     alice, bob = make_ledger(renew_every=3600), make_ledger("bob-token", renew_every=3600)
     alice.grant("k1", "alice", "python3", wide_open())
     bob.grant("k2", "bob", "python3", wide_open())  # packed on the same device, GPU-aaaa
-    assert [(u["budget"], u["granted"]) for u in alice.usage()] == [(None, 0), (None, TOTAL // 2)]  # its own, before
+    # its own, before
+    assert [(u["budget"], u["granted"]) for u in alice.device_grants()] == [(None, 0), (None, TOTAL // 2)]
     assert alice.renew()
-    assert [(u["uuid"], u["budget"], u["granted"], u["kernels"]) for u in alice.usage()] == [
+    assert [(u["uuid"], u["budget"], u["granted"], u["kernels"]) for u in alice.device_grants()] == [
         ("GPU-bbbb", TOTAL, 0, 0),
         ("GPU-aaaa", TOTAL, TOTAL, 2),
     ]

@@ -191,3 +191,24 @@ def test_the_generated_reference_lists_every_setting_with_its_variable_and_defau
     # The reference page shows the whole table, not one part's.
     page = DOCS.joinpath("reference", "settings.md").read_text(encoding="utf-8")
     assert re.search(r"^```\{gpu-quota-settings\}\n```$", page, re.M)
+
+
+def test_a_builder_takes_its_rows_in_the_tables_order_or_by_name_and_nothing_else():
+    # Each builder reads its part's rows from the table (settings.validated): positional in the table's order.
+    by_position = build_hard_cap_settings(*[DEFAULTS[name] for name in names_of(HARD_CAP)][:-1], "2.5")
+    assert by_position == build_hard_cap_settings(mps_timeout="2.5") and by_position.timeout == 2.5
+    assert build_policy("0.5", "0.75").default_cap.fraction == 0.5
+    with pytest.raises(TypeError, match="the watchdog settings are enforce, slack, grace, poll_interval: 5 given"):
+        build_watchdog_settings("warn", "1GiB", 0, 1, "extra")
+    with pytest.raises(TypeError, match="the policy setting default_cap given twice"):
+        build_policy("0.25", default_cap="0.5")
+    with pytest.raises(TypeError, match=r"not a park setting: enforce \(the park settings are park_idle_after, "):
+        build_park_settings(enforce="kill")
+
+
+def test_every_row_reads_its_default_and_its_builder_holds_it_under_its_attribute():
+    parts = {POLICY: Policy, WATCHDOG: WatchdogSettings, HARD_CAP: HardCapSettings, PARK: ParkSettings}
+    for name, row in SETTINGS.items():
+        row.parse(row.default)  # a default its own row refuses would stop every server
+        if row.part in parts:
+            assert (row.attribute or name) in parts[row.part].__dataclass_fields__, name

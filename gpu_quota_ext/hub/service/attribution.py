@@ -75,7 +75,7 @@ def attribute(
     result = Attributed()
     for proc in processes:
         held = granted.get(proc.kernel_id) if proc.kernel_id else None
-        if held is not None and proc.uuid in held[1]:
+        if held is not None and proc.kernel_id is not None and proc.uuid in held[1]:
             per = result.kernel_used.setdefault(proc.kernel_id, {})
             per[proc.uuid] = per.get(proc.uuid, 0) + proc.used
             continue

@@ -70,7 +70,7 @@ def build_status(
     if not admin:
         user_row(viewer)
     device_rows = []
-    for entry in book.ledger.usage():
+    for entry in book.ledger.device_grants():
         uuid = uuid_of[entry["index"]]
         device_rows.append({**entry, "used": (sample.device_used.get(uuid) if sample else None) if admin else None})
     return {
