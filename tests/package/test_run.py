@@ -73,7 +73,8 @@ def test_a_stamp_with_a_working_install_installs_nothing(checkout):
 
 def test_a_stamp_over_a_broken_install_reinstalls_and_says_why(checkout):
     stamp(checkout)
-    said = run_function(checkout, "FAKE_CHECK_SAYS='gpu-quota-ext is not installed' FAKE_CHECK_STATUS=1 install_reason lab")
+    said = run_function(checkout, "FAKE_CHECK_SAYS='gpu-quota-ext is not installed' FAKE_CHECK_STATUS=1 "
+                                  "install_reason lab")
     assert said == "gpu-quota-ext is not installed"
     assert run_function(checkout, "FAKE_CHECK_STATUS=1 install_reason lab") == "scripts/check_install.py failed"
 

@@ -67,7 +67,8 @@ def run_logged(command: List[str], log: Path, env: Dict[str, str], cwd: Path, ti
 
 def without_checkout(extra: Dict[str, str]) -> Dict[str, str]:
     """This environment, less what would put the checkout's package in front of the installed one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("GPU_QUOTA_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("GPU_QUOTA_")}
     env.update(extra)
     return env
 
@@ -172,7 +173,9 @@ class InstalledServer(Server):
 def server(installed, tmp_path_factory):
     config = {
         # No ServerApp.jpserver_extensions here: the wheel's jupyter_server_config.d enables the extension.
-        "GpuQuota": {"inventory_class": "gpu_quota_ext.devices.StaticInventory", "default_cap": "0.25", "max_cap": "0.5"},
+        "GpuQuota": {
+            "inventory_class": "gpu_quota_ext.devices.StaticInventory", "default_cap": "0.25", "max_cap": "0.5",
+        },
         "StaticInventory": {"devices": [{"name": "Wheel GPU 0", "total": "80GiB"}]},
     }
     started = InstalledServer(installed, tmp_path_factory.mktemp("server"), config)
@@ -191,15 +194,18 @@ def test_the_sdist_is_the_source_a_rebuild_needs_and_nothing_built(dists):
         names = [name.split("/", 1)[1] for name in archive.getnames() if "/" in name]
     files = set(names)
     for needed in ("pyproject.toml", "LICENSE", "README.md", "labextension/package.json", "labextension/yarn.lock",
-                   "labextension/.yarnrc.yml", "labextension/install.json", "jupyter-config/jupyter_server_config.d/gpu_quota_ext.json"):
+                   "labextension/.yarnrc.yml", "labextension/install.json",
+                   "jupyter-config/jupyter_server_config.d/gpu_quota_ext.json"):
         assert needed in files, needed
     assert any(name.startswith("labextension/src/") and name.endswith(".ts") for name in files)
-    built = [n for n in files if "node_modules/" in n or n.startswith(("gpu_quota_ext/labextension/", "labextension/lib/"))
-             or n.endswith((".tsbuildinfo", ".pyc", ".whl")) or "/__pycache__/" in n]
+    built = [n for n in files
+             if "node_modules/" in n or "/__pycache__/" in n or n.endswith((".tsbuildinfo", ".pyc", ".whl"))
+             or n.startswith(("gpu_quota_ext/labextension/", "labextension/lib/"))]
     assert built == [], built
     if dists.status_before is not None:  # a git checkout: every tracked source file of the package is there
         tracked = subprocess.run(["git", "ls-files"], cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout
-        wanted = {p for p in tracked.splitlines() if p.startswith(("gpu_quota_ext/", "labextension/", "jupyter-config/"))}
+        package_folders = ("gpu_quota_ext/", "labextension/", "jupyter-config/")
+        wanted = {p for p in tracked.splitlines() if p.startswith(package_folders)}
         assert wanted - files == set()
 
 
@@ -215,7 +221,8 @@ def test_the_wheel_has_the_built_extension_and_no_tests_or_machine_paths(dists):
     assert any(re.fullmatch(re.escape(extension) + r"static/remoteEntry\.[0-9a-f]+\.js", n) for n in names)
     assert data + "etc/jupyter/jupyter_server_config.d/gpu_quota_ext.json" in names
     assert f"gpu_quota_ext-{version}.dist-info/licenses/LICENSE" in names
-    tests = [n for n in names if n.startswith("tests/") or "/tests/" in n or re.search(r"(^|/)(test_\w+|conftest)\.py$", n)]
+    tests = [n for n in names
+             if n.startswith("tests/") or "/tests/" in n or re.search(r"(^|/)(test_\w+|conftest)\.py$", n)]
     assert tests == []
     assert not [n for n in names if n.endswith("build_log.json")]  # JupyterLab's builder log: absolute paths
     machine = [str(CHECKOUT), str(dists.work), os.path.expanduser("~") + "/", "/tmp/pip-", "/tmp/build-"]
@@ -250,13 +257,15 @@ def test_the_labextension_is_listed_from_the_venv(installed):
     out = installed.run("jupyter", "labextension", "list")
     listing = out.split(f"{installed.venv}/share/jupyter/labextensions", 1)
     assert len(listing) == 2, out
-    line = rf"^\s+gpu-quota-ext v{re.escape(labextension_version.npm_version(checkout_version()))} enabled OK \(python, gpu-quota-ext\)$"
+    version = re.escape(labextension_version.npm_version(checkout_version()))
+    line = rf"^\s+gpu-quota-ext v{version} enabled OK \(python, gpu-quota-ext\)$"
     assert re.search(line, listing[1], re.MULTILINE), out
 
 
 def test_the_installed_server_serves_the_sidebars_code(server):
     page = server.text("/lab")
-    config = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    config_data = re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S)
+    config = json.loads(config_data.group(1))
     (ours,) = [e for e in config["federated_extensions"] if e["name"] == "gpu-quota-ext"]
     script = server.text(f"/lab/extensions/gpu-quota-ext/{ours['load']}")
     assert "gpu-quota-ext" in script
