@@ -23,6 +23,7 @@ from jupyter_core.application import JupyterApp
 from traitlets import TraitError
 from traitlets.utils.text import wrap_paragraphs
 
+from . import __version__
 from .app import GpuQuota, invalid_configuration
 from .devices import StaticInventory
 from .settings import DEFAULTS, POLICY, SETTINGS, names_of
@@ -190,6 +191,7 @@ def check_report(argv: List[str]) -> str:
 
 class GpuQuotaCheck(JupyterApp):
     name = "jupyter-gpu-quota-check"
+    version = __version__
     description = """Load the configuration the way `jupyter server` and `jupyter lab` do (jupyter_server_config.py
     and .json on the Jupyter config path, jupyter_server_config.d/, the GPU_QUOTA_* environment variables,
     and --config=FILE or --GpuQuota.NAME=VALUE given here), validate it with the server's own code, and
@@ -206,8 +208,8 @@ class GpuQuotaCheck(JupyterApp):
 
     def initialize(self, argv=None):
         argv = list(sys.argv[1:] if argv is None else argv)
-        if {"-h", "--help", "--help-all"} & set(argv):
-            super().initialize(argv)  # prints this command's help and exits
+        if {"-h", "--help", "--help-all", "--version"} & set(argv):
+            super().initialize(argv)  # prints this command's help (or version) and exits; the server's would not
         self.server_argv = argv
 
     def start(self):
@@ -216,6 +218,7 @@ class GpuQuotaCheck(JupyterApp):
 
 class GpuQuotaCommand(JupyterApp):
     name = "jupyter-gpu-quota"
+    version = __version__  # --version prints it; traitlets' Application says "0.0" otherwise
     description = """gpu-quota-ext's settings without a server: --help-all lists every setting (c.GpuQuota.NAME)
     with its help; --generate-config prints a commented configuration; `check` validates the configuration
     the server would load and shows the GPUs it sees."""

@@ -32,18 +32,25 @@ class Server:
     JUPYTER_RUNTIME_DIR (connection files and the managed MPS daemon's directories go there); `config`
     (a Config as a dict, as pytest-jupyter's jp_server_config) becomes its jupyter_server_config.json."""
 
+    # The Python whose jupyter_server runs, what enables the extension on its command line, and the folder
+    # it starts in: a subclass for another installation (tests/package's venv) runs its own Python, enables
+    # nothing itself, and starts outside the checkout (`python -m` would import the checkout's package).
+    python = sys.executable
+    enabling_args: Sequence[str] = ("--ServerApp.jpserver_extensions={'gpu_quota_ext': True}",)
+    cwd: Optional[Path] = None
+
     def __init__(self, runtime: Path, args: Sequence[str], env_extra=None, prefix: Sequence[str] = (), config=None):
         self.runtime = Path(runtime)
         if config is not None:
             (self.runtime / "config").mkdir(parents=True, exist_ok=True)
             (self.runtime / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
+        env = self.base_environment()
         env.update(
             JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {})
         )
         command = [
             *prefix,
-            sys.executable,
+            self.python,
             "-m",
             "jupyter_server",
             "--no-browser",
@@ -52,16 +59,21 @@ class Server:
             "--port=0",
             f"--IdentityProvider.token={TOKEN}",
             f"--ServerApp.root_dir={runtime}",
-            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}",
+            *self.enabling_args,
             *args,
         ]
         self.lines: list = []
         # A session of its own: kill() reaches a server started through runuser, which forks it.
         self.process = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            command, env=env, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def base_environment(self) -> dict:
+        """This process's environment without the settings a test must give explicitly."""
+        return {k: v for k, v in os.environ.items() if not k.startswith(("GPU_QUOTA_", "CUDA_MPS_"))}
 
     def _read(self):
         for line in self.process.stderr:

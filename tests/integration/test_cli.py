@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import gpu_quota_ext
 from gpu_quota_ext.app import GpuQuota
 
 from .test_bad_config import start_server
@@ -43,6 +44,15 @@ def gpu_quota(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPro
     return subprocess.run(
         [*command(), *args], env=environment(tmp_path, **env), cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.mark.parametrize("args", [["--version"], ["check", "--version"]])
+def test_version_is_the_packages(tmp_path, args):
+    # One source: gpu_quota_ext.__version__ (hatch writes it into the metadata; tests/package checks a wheel's).
+    result = gpu_quota(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == gpu_quota_ext.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", gpu_quota_ext.__version__) and gpu_quota_ext.__version__ != "0.0"
 
 
 def test_help_all_lists_every_setting_with_its_help(tmp_path):

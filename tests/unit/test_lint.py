@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ["gpu_quota_ext", "tests", "benchmarks", "binder", "docs/_ext"]
+CHECKED = ["gpu_quota_ext", "tests", "benchmarks", "binder", "docs/_ext", "scripts"]
 
 
 def ruff() -> list:
