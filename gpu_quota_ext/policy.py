@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
-from .settings import CHOICE, DEFAULTS, SECONDS, SETTINGS, SettingError, parsed
+from .settings import CHOICE, COUNT, DEFAULTS, SECONDS, SETTINGS, SettingError, parsed
 from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports sizes with the policy)
     MIN_CAP,
     CapSpec,
@@ -174,6 +174,13 @@ def parse_slack(value: Any) -> CapSpec:
     return parse_cap(value)
 
 
+def parse_user_budget(value: Any) -> Optional[CapSpec]:
+    """The most one user's grants may add up to on a device: a cap's forms, or "none" (the device's budget only)."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    return parse_cap(value)
+
+
 def parse_value(name: str, value: Any) -> Any:
     """One setting's value parsed the way the server parses it (choices and ranges from the table);
     PolicyError says why not. The server's settings and the hub's per-user mapping both come here."""
@@ -189,6 +196,11 @@ def parse_value(name: str, value: Any) -> Any:
         if not row.low <= seconds <= row.high:
             raise PolicyError(row.must)
         return seconds
+    if row.kind == COUNT:
+        number = _number(value, row.must)
+        if number != int(number) or not row.low <= number <= row.high:
+            raise PolicyError(row.must)
+        return int(number)
     return _PARSERS[name](value)
 
 
@@ -214,6 +226,7 @@ _PARSERS: Dict[str, Callable[[Any], Any]] = {
     "max_cap": parse_cap,
     "overcommit": parse_overcommit,
     "slack": parse_slack,
+    "user_budget": parse_user_budget,
 }
 
 
