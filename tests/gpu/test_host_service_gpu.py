@@ -103,9 +103,8 @@ class HostService:
         from gpu_quota_ext.hub.service.book import HostBook
         from gpu_quota_ext.hub.service.sampler import HostSampler
         from gpu_quota_ext.hub.service.store import Store
-        from gpu_quota_ext.policy import build_policy
-
         from gpu_quota_ext.hub.service.user_policy import host_limits
+        from gpu_quota_ext.policy import build_policy
 
         self.host_policy = build_policy("0.2", "0.3", (), 1.0, "spread", "cpu-only", "clamp")
         # No per-user budget: these checks are of the device's budget, which one user's kernels fill here.
