@@ -32,7 +32,9 @@ This module does not import jupyterhub: the decision is a pure function of the u
 and the mapping (`caps_environment`); the glue (`HubCaps.pre_spawn_hook`) only reads `spawner.user`
 and writes `spawner.environment`. On Kubernetes with HAMi, `gpu_quota_ext.hub.kube.configure_kubespawner_gpu`
 takes the same mapping with more keys (the pod's GPUs and its share of their memory) and uses the same
-layering (`choose_settings`).
+layering (`choose_settings`). The host quota service (`configure_host_service`) takes the same mapping with
+the host's limits on each user as more keys (`HOST_KEYS`: `max_kernels`, `user_budget`); `configure_hub_caps`
+refuses those, since a server alone would not read them.
 """
 
 from __future__ import annotations
