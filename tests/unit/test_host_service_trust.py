@@ -314,3 +314,59 @@ def test_checks_that_stopped_make_nothing_idle_and_a_restart_of_them_gives_a_ful
     for tick in range(100, 165, 5):  # the checks are back, every 5 s: a full period from their restart
         book.note_round({}, T0 + tick)
         assert book.idle(T0 + tick) == ([] if tick < 160 else ["a1"]), tick
+
+
+operation = st.one_of(
+    st.tuples(st.just("grant"), st.sampled_from(["alice", "bob"]), st.sampled_from([None, [0], [1]])),
+    st.tuples(st.just("change"), st.integers(0, 30), st.sampled_from(["0.1", "0.3", "0.5", "1.0", "50GiB"])),
+    st.tuples(st.just("reset"), st.integers(0, 30), st.none()),
+    st.tuples(st.just("release"), st.integers(0, 30), st.none()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    operations=st.lists(operation, max_size=40),
+    budget=st.sampled_from(["0.3", "0.5", "0.75", "none"]),
+    most=st.integers(1, 6),
+    on_over_max=st.sampled_from(["clamp", "refuse"]),
+)
+def test_no_sequence_of_starts_raises_resets_and_releases_passes_a_users_limits(operations, budget, most, on_over_max):
+    class Journal:
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    host = build_policy("0.25", "1.0", overcommit=2.0, on_over_max=on_over_max)
+    limits = host_limits(most, budget)
+    book = HostBook(DEVICES, host, Journal(), 60, 0, limits)
+    started = []
+    for kind, who, arg in operations:
+        if kind == "grant":
+            kernel_id = f"k{len(started)}"
+            try:
+                book.grant(who, "", kernel_id, "python3", policy(limits), arg, T0)
+                started.append(kernel_id)
+            except AdmissionRefused:
+                pass
+        elif started:
+            kernel_id = started[who % len(started)]
+            held = {o.grant.kernel_id: o.grant for o in book.owned()}
+            if kernel_id not in held:
+                continue
+            owner = held[kernel_id].user
+            try:
+                if kind == "change":
+                    book.change(owner, kernel_id, False, parse_cap(arg), None)
+                elif kind == "reset":
+                    book.reset(owner, kernel_id, False)
+                else:
+                    book.release(owner, kernel_id, False)
+            except PolicyError:
+                pass  # a CPU-only kernel has no cap to change
+        for user in ("alice", "bob"):
+            mine = [o.grant for o in book.owned() if o.grant.user == user]
+            assert len(mine) <= most
+            for device in DEVICES:
+                total = sum(g.caps.get(device.index, 0) for g in mine)
+                limit = limits.budget_on(device)
+                assert limit is None or total <= limit, (user, device.index, total, limit)
