@@ -184,6 +184,7 @@ class HostBook:
                 lease = replace(lease, expires=max(lease.expires, now + self.lease_seconds))
                 self.journal.save_lease(lease)
                 self._leases[(lease.user, lease.server)] = lease
+            self._drop_empty_leases()  # a store of an older version may hold leases of servers without grants
 
     # --- the API's operations -----------------------------------------------------------------
 
