@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import statistics
 import sys
 import tempfile
@@ -113,7 +114,12 @@ async def main() -> None:
         folder = Path(folder)
         single_user_config = folder / "single_user_config.py"
         single_user_config.write_text(SINGLE_USER_CONFIG)
-        _, service = quota_service_config(folder, devices=({"name": "Bench GPU", "total": "80GiB", "uuid": UUID},))
+        # Both servers run as this OS user: the service checks their kernels' PIDs against that Unix user.
+        _, service = quota_service_config(
+            folder,
+            devices=({"name": "Bench GPU", "total": "80GiB", "uuid": UUID},),
+            settings={"unix_user_template": getpass.getuser()},
+        )
         hub = Hub(
             folder,
             textwrap.dedent(

@@ -59,6 +59,7 @@ from .settings import (
     SettingError,
     as_text,
     names_of,
+    server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings
@@ -256,7 +257,7 @@ class GpuQuota(ExtensionApp):
 
     def _setting_values(self) -> dict:
         """Every setting's value; a bad type, choice or range (config or environment): a TraitError, one line."""
-        return {name: getattr(self, name) for name in SETTINGS}
+        return {name: getattr(self, name) for name in server_setting_names()}
 
     def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardCapSettings]:
         """The policy, the watchdog's and the hard limit's settings, validated. The server's start and

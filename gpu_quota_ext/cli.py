@@ -26,12 +26,12 @@ from traitlets.utils.text import wrap_paragraphs
 from . import __version__
 from .app import GpuQuota, invalid_configuration
 from .devices import StaticInventory
-from .settings import DEFAULTS, POLICY, SETTINGS, names_of
+from .settings import DEFAULTS, POLICY, SETTINGS, names_of, server_setting_names
 from .shared.sizes import PolicyError, format_bytes
 
 
 def setting_names() -> List[str]:
-    return sorted(SETTINGS)
+    return sorted(server_setting_names())  # the host service's limits are its own (jupyter gpu-quota service)
 
 
 def environment_variable(name: str) -> Optional[str]:
@@ -40,7 +40,7 @@ def environment_variable(name: str) -> Optional[str]:
 
 def builtin_defaults() -> Dict[str, object]:
     """Each setting's value with no config and no GPU_QUOTA_* variable: what a fresh install gets."""
-    return dict(DEFAULTS)
+    return {name: DEFAULTS[name] for name in server_setting_names()}
 
 
 def settings_help(current: GpuQuota) -> str:

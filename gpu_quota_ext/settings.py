@@ -7,10 +7,11 @@ settings (`validated`, called by policy.py, usage/, hard_limit/, parking/) and t
 the hub's per-user environment (hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no I/O, standard
 library only.
 
-To add a setting: a row in SETTINGS (its `part` says which validated object takes it, `attribute` under
-which name when not its own, `parser` how its value is read when its kind does not say), a line
-`name = setting_trait("name")` in GpuQuota (app.py), a row in the README's table;
-tests/unit/test_settings.py checks that all of these agree.
+To add a setting: a row in SETTINGS (its `part` says which validated object takes it, `attribute` under which
+name when not its own, `parser` how its value is read when its kind does not say), a line `name =
+setting_trait("name")` in GpuQuota (app.py), the docs' reference follows from the row;
+tests/unit/test_settings.py checks that all of these agree. A row of the HOST part is the host service's
+instead: a trait of GpuQuotaService (hub/service/app.py) and a key of the hub's mapping.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ FACTOR = "factor"  # a number above `low` up to `high`, or None
 TEXT = "text"
 RULES = "rules"  # a list of rule dicts, or a callable
 CLASS = "class"  # a subclass of `klass`, or its import path
+COUNT = "count"  # a whole number from `low` to `high`
 
 # Parts: which validated object a setting belongs to (its builder takes the setting as an argument, `validated`).
 POLICY = "policy"  # policy.build_policy -> Policy
@@ -39,6 +41,9 @@ WATCHDOG = "watchdog"  # usage.build_watchdog_settings -> WatchdogSettings
 HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
 PARK = "park"  # parking.build_park_settings -> ParkSettings
 PLUGINS = "plugins"  # the classes the extension instantiates
+# The host service's limits on each user (hub/service/user_policy.py). The hub's mapping sets them per user
+# and group; no user's server reads them (they never reach its environment) and c.GpuQuota has no trait for them.
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Setting:
             return f"must be a positive number up to {self.high:g} (1.0 = never grant more than the device) or None"
         if self.kind == CLASS:
             return f"must be a subclass of {self.klass} (the class or its import path)"
+        if self.kind == COUNT:
+            return f"must be a whole number from {self.low:g} to {self.high:g}"
         return {
             CAP: "must be a fraction like '0.25', a percentage like '25%', a size like '12GiB', or bytes",
             SIZE: "must be a size like '640MiB', bytes, or 0",
@@ -167,6 +174,21 @@ def _text(row: Setting, value: Any) -> Optional[str]:
     return value
 
 
+def _count(row: Setting, value: Any) -> int:
+    low, high = _bounds(row)
+    number = _number(value, row.must)
+    if number != int(number) or not low <= number <= high:
+        raise PolicyError(row.must)
+    return int(number)
+
+
+def parse_user_budget(value: Any) -> Optional[CapSpec]:
+    """The most one user's grants may add up to on a device: a cap's forms, or "none" (the device's budget only)."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    return parse_cap(value)
+
+
 def _as_given(row: Setting, value: Any) -> Any:
     return value  # CLASS: the trait (traitlets' Type) has checked and imported it
 
@@ -181,6 +203,7 @@ _KIND_PARSERS: Dict[str, Callable[[Setting, Any], Any]] = {
     RULES: _rules,
     TEXT: _text,
     CLASS: _as_given,
+    COUNT: _count,
 }
 
 
@@ -430,6 +453,33 @@ SETTINGS: Dict[str, Setting] = _table(
         help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
         goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
     ),
+    # --- the host service's limits on each user ---------------------------------------------------
+    Setting(
+        "max_kernels",
+        COUNT,
+        HOST,
+        16,
+        low=1,
+        high=1024,
+        per_user=True,
+        help="""The most kernels one user may hold grants for on the host at once (every server of theirs
+        together, CPU-only kernels included); the next start is refused (409), whatever on_full says. The
+        built-in 16 is more notebooks than a person keeps running, and bounds what a burst of starts from one
+        user's token can leave in the service's memory and on its disk.""",
+    ),
+    Setting(
+        "user_budget",
+        CAP,
+        HOST,
+        "0.5",
+        per_user=True,
+        parser=parse_user_budget,
+        help="""The most one user's grants may add up to on each device: a fraction of the device ("0.5"), a
+        percentage, a size or bytes, or "none" (only the device's budget). A start that would pass it is
+        handled by on_full, a cap raise by on_over_max. The built-in "0.5" leaves at least half of every GPU
+        to the other users whatever one user starts, while one kernel of that user can still get half a
+        device; give a user or group that needs whole GPUs more in the mapping.""",
+    ),
     # --- pluggable parts -----------------------------------------------------------------------------
     Setting(
         "inventory_class",
@@ -477,6 +527,11 @@ def parse_value(name: str, value: Any) -> Any:
 def default_of(name: str) -> Any:
     """A setting's built-in default as its part holds it (the dataclasses' defaults)."""
     return SETTINGS[name].parse(SETTINGS[name].default)
+
+
+def server_setting_names() -> Tuple[str, ...]:
+    """The settings of a user's server (c.GpuQuota, `jupyter gpu-quota`): every row but the host service's."""
+    return tuple(name for name, row in SETTINGS.items() if row.part != HOST)
 
 
 class SettingError(PolicyError):

@@ -6,10 +6,14 @@ monitor made from `c.GpuQuota.nvml_class`) reports it on its next tick. `FakeNvm
 
 A driver call that hangs: `release = FakeNvml.hang()` makes every device call block until `release.set()`
 (or `reset()`, so no test leaves a thread stuck). `HungNvml` hangs for good, for a server in its own process.
+`FileFakeNvml` reads the usage from a JSON file a test writes (`{"PID": {"UUID": bytes}}`, at the path in
+$GPU_QUOTA_FAKE_NVML_FILE), for a process the test did not start itself (the host service under a hub).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -87,3 +91,25 @@ class HungNvml(FakeNvml):
 
     def _check(self, uuid: str) -> None:
         threading.Event().wait()
+
+
+class FileFakeNvml(FakeNvml):
+    """The usage of a JSON file, read at every call: {"PID": {"UUID": bytes}} (none while the file is absent)."""
+
+    VARIABLE = "GPU_QUOTA_FAKE_NVML_FILE"
+
+    def _file_usage(self) -> Dict[int, Dict[str, int]]:
+        try:
+            with open(os.environ[self.VARIABLE], encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (KeyError, OSError, ValueError):
+            return {}
+        return {int(pid): {str(uuid): int(n) for uuid, n in per.items()} for pid, per in data.items()}
+
+    def device_processes(self, uuid: str) -> List[Tuple[int, int]]:
+        self._check(uuid)
+        return [(pid, per[uuid]) for pid, per in self._file_usage().items() if uuid in per]
+
+    def device_used(self, uuid: str) -> int:
+        self._check(uuid)
+        return sum(per.get(uuid, 0) for per in self._file_usage().values())

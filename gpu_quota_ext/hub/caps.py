@@ -32,7 +32,9 @@ This module does not import jupyterhub: the decision is a pure function of the u
 and the mapping (`caps_environment`); the glue (`HubCaps.pre_spawn_hook`) only reads `spawner.user`
 and writes `spawner.environment`. On Kubernetes with HAMi, `gpu_quota_ext.hub.kube.configure_kubespawner_gpu`
 takes the same mapping with more keys (the pod's GPUs and its share of their memory) and uses the same
-layering (`choose_settings`).
+layering (`choose_settings`). The host quota service (`configure_host_service`) takes the same mapping with
+the host's limits on each user as more keys (`HOST_KEYS`: `max_kernels`, `user_budget`); `configure_hub_caps`
+refuses those, since a server alone would not read them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..policy import PolicyError, build_policy, parse_value
-from ..settings import DEFAULTS, POLICY, SETTINGS, as_text, names_of
+from ..settings import DEFAULTS, HOST, POLICY, SETTINGS, as_text, names_of
 
 # The keys of the mapping: setting name (as in c.GpuQuota) -> the environment variable the extension reads
 # it from. The table's rows marked per_user (gpu_quota_ext.settings).
@@ -54,6 +56,20 @@ Settings = Dict[str, str]
 # Keys a caller adds to the mapping (kube.py: the pod's GPU keys): name -> parser(value) -> normalized
 # text, raising PolicyError. They are layered like the server's settings but never reach its environment.
 ExtraKeys = Mapping[str, Callable[[Any], str]]
+
+
+def _host_key(name: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = as_text(value)
+        parse_value(name, text)
+        return text
+
+    return parse
+
+
+# The host service's limits on each user (the table's per_user rows of its HOST part): keys of the mapping the
+# service takes (configure_host_service), never a server's environment.
+HOST_KEYS: ExtraKeys = {name: _host_key(name) for name, row in SETTINGS.items() if row.per_user and row.part == HOST}
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,12 @@ def parse_settings(entry: Any, where: str, extra_keys: Optional[ExtraKeys] = Non
     if not isinstance(entry, Mapping):
         raise PolicyError(f"{where} must be a dict like {{'default_cap': '0.25', 'max_cap': '0.5'}}, not {entry!r}")
     unknown = sorted(str(key) for key in entry if key not in SETTING_ENV and key not in extra_keys)
+    host_only = [key for key in unknown if key in HOST_KEYS]
+    if host_only:
+        raise PolicyError(
+            f"{where}: {host_only} {'is a limit' if len(host_only) == 1 else 'are limits'} of the host quota service "
+            "(configure_host_service takes the same mapping); a user's server alone does not read it"
+        )
     if unknown:
         raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(SETTING_ENV) + list(extra_keys)}")
     settings: Settings = {}

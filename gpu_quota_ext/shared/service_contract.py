@@ -6,7 +6,9 @@ from the request body. Paths are relative to the service's prefix (JUPYTERHUB_SE
 "/services/gpu-quota/"), reached through the hub's proxy or directly at the service's URL.
 
 Authentication: every API call carries `Authorization: token <the user server's JUPYTERHUB_API_TOKEN>`.
-The service asks the hub who owns the token (HubAuth); the owner is the user the grant is for.
+The service asks the hub who owns the token (HubAuth); the owner is the user the grant is for. The token must
+have been given access to the service (`access:services!service=<its name>`, as JupyterHub services check):
+any other is a 403, whoever owns it.
 Admins (hub admin, or the ADMIN_SCOPE custom scope) see every user; everyone else sees their own only.
 
 Devices are named by UUID on the wire: a user server and the service may number them differently.
@@ -17,14 +19,16 @@ from __future__ import annotations
 SERVICE_NAME = "gpu-quota"  # the default name in c.JupyterHub.services
 API = "api/"
 # POST: {"server": str, "kernel_id": str, "kernelspec": str, "allowed": [uuid, ...] | null}
-#   201 {"grant": GRANT}   403 not yours   409 {"message": str} refused (budget full, on_full="refuse")
+#   201 {"grant": GRANT}   403 not yours   409 {"message": str} refused (budget full, on_full="refuse"; the
+#   user's max_kernels or user_budget)
 #   A kernel id the same server holds already (a restart) gets its grant back, 200.
 GRANTS_PATH = API + "grants"
 # + "/<kernel id>": GET {"grant": GRANT}; PUT {"cap": ..., "device": uuid | null} or {"reset": true}
 #   -> {"status": "granted" | "clamped" | "refused", "message": str, "grant": GRANT}; DELETE -> 204.
 # POST {"server": str, "kernels": [{"kernel_id": str, "pids": [int, ...]}]}: the server's lease, renewed
 #   every LEASE_RENEW seconds; it lists every kernel the server runs (re-registration after a service
-#   restart). Grants of kernels not listed, and of servers whose lease ran out, are released.
+#   restart). Grants of kernels not listed, and of servers whose lease ran out, are released. The PIDs are
+#   checked by the service (a PID counts only while its real uid is the user's Unix user).
 #   -> {"lease_seconds": int, "released": [kernel id, ...]}
 LEASE_PATH = API + "lease"
 STATUS_PATH = API + "status"  # GET: users, kernels, devices, caps, usage, unmanaged usage, last actions

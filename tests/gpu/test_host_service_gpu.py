@@ -103,9 +103,12 @@ class HostService:
         from gpu_quota_ext.hub.service.book import HostBook
         from gpu_quota_ext.hub.service.sampler import HostSampler
         from gpu_quota_ext.hub.service.store import Store
+        from gpu_quota_ext.hub.service.user_policy import host_limits
         from gpu_quota_ext.policy import build_policy
 
         self.host_policy = build_policy("0.2", "0.3", (), 1.0, "spread", "cpu-only", "clamp")
+        # No per-user budget: these checks are of the device's budget, which one user's kernels fill here.
+        self.limits = host_limits(user_budget="none")
         self.caps = hub_caps(default={"default_cap": "0.2", "max_cap": "0.3"})
         self.devices = NvmlInventory().list_devices()
         self.book = HostBook(self.devices, self.host_policy, Store(state_dir, self.devices), 60.0, 30.0)
@@ -119,7 +122,7 @@ class HostService:
         self.sampler = HostSampler(
             PynvmlBackend(),
             [d.uuid for d in self.devices],
-            self.book.kernel_pids,
+            self.book.registrations,
             granted,
             0.5,
             10.0,
@@ -169,7 +172,7 @@ def test_two_users_under_one_budget_and_a_stray_process_shown_as_unmanaged(tmp_p
         # Grants as the API gives them: each user's policy from the hub mapping, placement by the book.
         grants = {}
         for user in (alice, bob):
-            policy = user_policy(app.caps, app.host_policy, user, ())
+            policy = user_policy(app.caps, app.host_policy, user, (), app.limits)
             grant, created = app.book.grant(user, "", f"kernel-{user}", "python3", policy, None, time.time())
             assert created and grant.devices, grant
             grants[user] = grant
@@ -178,7 +181,7 @@ def test_two_users_under_one_budget_and_a_stray_process_shown_as_unmanaged(tmp_p
         # Five more kernels of 0.2 each cannot all fit in a budget of 1.0 x the device.
         extra = []
         for number in range(5):
-            policy = user_policy(app.caps, app.host_policy, alice, ())
+            policy = user_policy(app.caps, app.host_policy, alice, (), app.limits)
             grant, _ = app.book.grant(alice, "", f"more-{number}", "python3", policy, None, time.time())
             extra.append(grant)
         on_gpu = [g for g in extra if g.devices]
@@ -221,7 +224,7 @@ def test_kill_stops_the_stray_process_and_nothing_else(tmp_path, unix_users):
     kernel = hold(alice, 2 * GiB)
     stray = hold(bob, 2 * GiB)
     try:
-        policy = user_policy(app.caps, app.host_policy, alice, ())
+        policy = user_policy(app.caps, app.host_policy, alice, (), app.limits)
         app.book.grant(alice, "", "kernel-a", "python3", policy, None, time.time())
         app.book.lease(alice, "", {"kernel-a": (cuda_pid(kernel),)}, time.time())
         started = time.monotonic()

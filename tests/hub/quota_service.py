@@ -1,7 +1,8 @@
 """The host quota service under a real hub, for tests: `quota_service_config(folder, ...)` writes the
 service's own config into the hub's folder and returns the jupyterhub_config.py lines that register it
-(a hub-managed service, its role, the admin scope). Its GPUs are a static inventory; NVML is the fake
-(empty: a hub test cannot put usage into another process's fake)."""
+(configure_host_service: a hub-managed service, its role, the admin scope, access for users' tokens).
+Its GPUs are a static inventory; NVML is the fake (empty; a test that needs usage sets
+nvml_class to FileFakeNvml and writes the file it reads: tests/hub/test_host_service_trust.py)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ def quota_service_config(
     ]
     lines += [f"c.GpuQuotaService.{key} = {value!r}" for key, value in (settings or {}).items()]
     service.config_path.write_text("\n".join(lines) + "\n")
+    # As an admin's jupyterhub_config.py does: the service, and access to it for users' and servers' tokens.
     hub_lines = f"""
-from gpu_quota_ext.hub.service.spec import register_service
-register_service(
+from gpu_quota_ext.hub.service.configure import configure_host_service
+configure_host_service(
     c, name={name!r}, port={service.port}, users={dict(users or {})!r}, groups={dict(groups or {})!r},
     default={dict(default or {})!r}, args=["--config={service.config_path}"], admin_roles={list(admin_roles)!r},
 )

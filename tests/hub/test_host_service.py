@@ -43,7 +43,9 @@ def test_one_budget_for_every_user_of_the_hub(setup_ok, tmp_path):
         default={"default_cap": "0.5", "max_cap": "1.0", "on_full": "refuse"},
         groups={"small": {"default_cap": "0.25", "max_cap": "0.25"}},
         # start_grace: a renewal sent while a grant is on its way does not list it yet; it must not release it.
-        settings={"lease_seconds": LEASE, "start_grace": 3.0},
+        # idle_held "keep": the servers here are this test, whose leases name no process; their grants stay,
+        # shown as idle-held (tests/hub/test_host_service_trust.py: released, the default).
+        settings={"lease_seconds": LEASE, "start_grace": 3.0, "idle_held": "keep"},
         admin_roles=["hub-test-admin"],
     )
     hub = Hub(tmp_path, textwrap.dedent(lines) + '\nc.Authenticator.admin_users = {"carol"}\n')
@@ -96,12 +98,15 @@ async def _scenario(hub: Hub, service) -> None:
     async def renew_forever():
         while True:
             for user, kernels in running.items():
-                await call(
-                    "POST",
-                    service.path(LEASE_PATH),
-                    user,
-                    {"server": "", "kernels": [{"kernel_id": k, "pids": []} for k in kernels]},
-                )
+                try:
+                    await call(
+                        "POST",
+                        service.path(LEASE_PATH),
+                        user,
+                        {"server": "", "kernels": [{"kernel_id": k, "pids": []} for k in kernels]},
+                    )
+                except (AssertionError, ConnectionError):
+                    pass  # the service restarting: a server tries again at its next renewal, so does this
             await asyncio.sleep(LEASE / 4)
 
     renewer = asyncio.ensure_future(renew_forever())
@@ -122,8 +127,10 @@ async def _scenario(hub: Hub, service) -> None:
         answers = await asyncio.gather(*(start(user, f"{user}-{i}") for i in range(3) for user in ("alice", "bob")))
         codes = sorted(code for code, _ in answers)
         assert codes == [201, 201, 409, 409, 409, 409], answers
-        refused = next(data for code, data in answers if code == 409)
-        assert "no GPU has" in refused["message"]
+        refused = [data["message"] for code, data in answers if code == 409]
+        # A user's second kernel passes their user_budget (half the device) before the device's budget is full.
+        assert all("no GPU has" in m or "(user_budget 0.5)" in m for m in refused), refused
+        assert any("no GPU has" in m for m in refused) or sorted(len(k) for k in running.values()) == [1, 1], refused
         _, admin_view = await call("GET", status, "carol")
         (device,) = admin_view["devices"]
         assert device["granted"] == 80 * GiB <= device["budget"]
@@ -197,6 +204,15 @@ async def _scenario(hub: Hub, service) -> None:
             timeout=LEASE * 4,
             what="dana's expired lease releasing her grant",
         )
+
+        # Kept though no process of theirs ever held them (idle_held "keep"): shown as idle-held.
+        async def shown_idle_held():
+            _, seen = await call("GET", status, "carol")
+            return seen["kernels"] and all(k["idle_held"] for k in seen["kernels"])
+
+        await _until(shown_idle_held, timeout=LEASE * 4, what="grants no process held shown as idle-held")
+        _, page = await call("GET", service.prefix, "carol")
+        assert "idle-held" in page
 
         # The service restarted (killed: the hub starts it again) keeps every grant, caps as changed.
         _, before = await call("GET", grants, "carol")

@@ -49,3 +49,38 @@ def test_no_token_is_401_and_a_hub_that_does_not_answer_is_503_with_nothing_gran
 
     asyncio.run(scenario())
     assert service.book.owned() == []
+
+
+def test_a_token_not_given_access_to_the_service_is_403_before_anything_else(service, monkeypatch):
+    """As HubAuthenticated checks hub_scopes: the token's own scopes must include access to this service (any
+    user's or service's token is not enough); the admin scope alone is not access."""
+    from tornado.web import HTTPError
+
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_NAME", "gpu-quota")
+    service.connect_hub()  # HubAuth reads its access scopes from the hub-given environment
+
+    async def who(scopes, kind="user"):
+        return await service.who_for_model({"kind": kind, "name": "bob", "scopes": scopes})
+
+    for scopes, kind in (
+        (["read:users:name!user=bob"], "user"),  # as the hub expands the token's read:users:name!user
+        (["read:users:name!user"], "user"),  # unexpanded: not a scope the hub's parser reads
+        (["access:services!service=another"], "user"),
+        (["custom:gpu-quota:admin"], "service"),
+    ):
+        with pytest.raises(HTTPError) as refused:
+            asyncio.run(who(scopes, kind))
+        assert refused.value.status_code == 403 and "access:services!service=gpu-quota" in refused.value.log_message
+    # With access, the next question is the hub's (down here: 503), so the scope check let it through.
+    for scopes in (["access:services!service=gpu-quota"], ["access:services"]):
+        with pytest.raises(HTTPError) as asked:
+            asyncio.run(who(scopes))
+        assert asked.value.status_code == 503, scopes
+
+
+def test_the_service_says_the_packages_version():
+    # `jupyter gpu-quota service --version` printed traitlets' 0.0 before.
+    import gpu_quota_ext
+    from gpu_quota_ext.hub.service.app import GpuQuotaService
+
+    assert GpuQuotaService.version == gpu_quota_ext.__version__

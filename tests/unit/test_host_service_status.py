@@ -1,10 +1,11 @@
 """What the status, the admin's page and the Prometheus gauges show: every user's kernels to an admin,
-only their own to a user; usage from the host sample; unmanaged usage per user; values escaped."""
+only their own to a user; usage from the host sample; unmanaged usage per user; a refused PID registration
+(with whose the process is to the admin only); values escaped."""
 
 from prometheus_client.exposition import generate_latest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.hub.service.attribution import GpuProcess, attribute
+from gpu_quota_ext.hub.service.attribution import GpuProcess, attribute, verify
 from gpu_quota_ext.hub.service.book import HostBook
 from gpu_quota_ext.hub.service.metrics import registry_for
 from gpu_quota_ext.hub.service.page import render_page
@@ -27,12 +28,16 @@ def scene():
     book.grant("alice", "", "ka", "python3", POLICY, None, 100.0)
     book.grant("<bob>", "", "kb", "python3", POLICY, None, 100.0)
     book.lease("alice", "", {"ka": (10,)}, 100.0)
+    book.lease("<bob>", "", {"kb": (10,)}, 100.0)  # alice's process, named by bob's server: refused
+    verified = verify(book.registrations(), {10: 1000}, {"alice": 1000, "<bob>": 1001})
     processes = [
         GpuProcess(10, "GPU-a", 30 * GiB, 1000, "alice", "ka"),
         GpuProcess(20, "GPU-a", 5 * GiB, 1001, "<bob>", None),
     ]
     granted = {"ka": ("alice", ("GPU-a",)), "kb": ("<bob>", ("GPU-a",))}
-    sample = Sample(101.0, {"GPU-a": 35 * GiB}, tuple(processes), attribute(processes, granted, "{username}"))
+    sample = Sample(
+        101.0, {"GPU-a": 35 * GiB}, tuple(processes), attribute(processes, granted, "{username}"), None, verified
+    )
     actions = [Action(101.0, "warn", "<bob>", 20, "GPU-a", 5 * GiB, "PID 20 of <bob> holds memory outside every grant")]
     return book, sample, actions
 
@@ -49,12 +54,20 @@ def test_an_admin_sees_everyone_and_a_user_only_themselves():
     ka = next(k for k in admin["kernels"] if k["kernel_id"] == "ka")
     assert ka["over_cap"] and ka["pids"] == [10] and ka["devices"][0]["used"] == 30 * GiB
     assert admin["devices"][0]["used"] == 35 * GiB and len(admin["actions"]) == 1
+    kb = next(k for k in admin["kernels"] if k["kernel_id"] == "kb")
+    assert kb["registered_pids"] == [10] and kb["pids"] == [] and kb["devices"][0]["used"] is None
+    (refused,) = admin["refused_pids"]
+    assert (refused["user"], refused["pid"], refused["uid"]) == ("<bob>", 10, 1000) and "uid 1001" in refused["why"]
 
     alice = build_status(book, sample, "ok", actions, policies, "alice", False, 102.0)
     assert [k["kernel_id"] for k in alice["kernels"]] == ["ka"]
     assert [u["name"] for u in alice["users"]] == ["alice"]
     assert alice["unmanaged"] == [] and alice["actions"] == []
     assert alice["devices"][0]["used"] is None  # the whole device's usage says something of others
+    assert alice["refused_pids"] == []
+    bob = build_status(book, sample, "ok", actions, policies, "<bob>", False, 102.0)
+    (refused,) = bob["refused_pids"]
+    assert "uid" not in refused and "1000" not in refused["why"]  # whose the process is: not bob's business
 
 
 def test_the_page_escapes_every_value():
@@ -62,6 +75,7 @@ def test_the_page_escapes_every_value():
     page = render_page(build_status(book, sample, "ok", actions, {}, "carol", True, 102.0))
     assert "&lt;bob&gt;" in page and "<bob>" not in page
     assert "<td>ka</td>" in page and "<td>yes</td>" in page  # ka uses more than its cap
+    assert "Refused PID registrations" in page and "runs as uid 1000, not as &lt;bob&gt;" in page
 
 
 def test_the_gauges_are_per_user_and_kernel_and_follow_the_ledger():

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from gpu_quota_ext.devices import Device
+from gpu_quota_ext.hub.service.attribution import Registration
 from gpu_quota_ext.hub.service.book import Forbidden, HostBook
 from gpu_quota_ext.hub.service.store import Store
 from gpu_quota_ext.hub.service.user_policy import UserPolicy
@@ -70,7 +71,7 @@ def test_a_lease_releases_kernels_its_server_no_longer_lists(tmp_path):
     released = book.lease("alice", "", {"k1": (123,)}, T0 + 1)
     assert released == ["k2"]
     assert {o.grant.kernel_id for o in book.owned()} == {"k1", "k3"}  # another server's kernel stays
-    assert book.kernel_pids() == {123: ("alice", "k1")}
+    assert book.registrations() == [Registration("alice", "", "k1", 123)]
     store.close()
     _, book = open_book(tmp_path)
     assert {o.grant.kernel_id for o in book.owned()} == {"k1", "k3"}
@@ -122,7 +123,7 @@ def test_another_users_kernel_is_forbidden_and_unknown_is_unknown(tmp_path):
         book.get("bob", "nope", False)
     assert book.get("root", "k1", True).user == "alice"  # an admin sees it
     assert book.lease("bob", "", {"k1": (1234,)}, T0) == []  # bob cannot register alice's kernel
-    assert book.kernel_pids() == {}
+    assert book.registrations() == []
     assert book.get("alice", "k1", False).caps  # and nothing of alice's changed
 
 

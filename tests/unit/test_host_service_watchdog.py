@@ -9,11 +9,12 @@ import pytest
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.hub.service.attribution import (
     GpuProcess,
+    Registration,
     attribute,
     decide,
     hub_user_of,
 )
-from gpu_quota_ext.hub.service.sampler import HostSampler
+from gpu_quota_ext.hub.service.sampler import HostSampler, unix_uid_of
 from gpu_quota_ext.policy import GiB
 
 GRANTED = {"k1": ("alice", ("GPU-a",)), "k2": ("bob", ("GPU-b",))}
@@ -80,7 +81,16 @@ def test_the_sampler_attributes_a_registered_kernels_process_and_shows_the_rest(
     fake_nvml.set_usage(me, "GPU-a", 3 * GiB)
     fake_nvml.set_usage(999_999_999, "GPU-a", GiB)  # no such process
     sampler = HostSampler(
-        FakeNvml(), ["GPU-a"], lambda: {me: ("alice", "k1")}, lambda: GRANTED, 0.05, 5, "warn", 10, "{username}"
+        FakeNvml(),
+        ["GPU-a"],
+        lambda: [Registration("alice", "", "k1", me)],
+        lambda: GRANTED,
+        0.05,
+        5,
+        "warn",
+        10,
+        "{username}",
+        uid_of_user=lambda user: os.getuid() if user == "alice" else None,  # alice's processes run as this test
     )
     sampler.start()
     try:
@@ -124,13 +134,14 @@ def test_a_real_users_process_outside_every_grant_is_their_unmanaged_usage_and_k
         sampler = HostSampler(
             FakeNvml(),
             ["GPU-a"],
-            lambda: {kernel.pid: ("alice", "k1")},
+            lambda: [Registration("alice", "", "k1", kernel.pid)],
             lambda: GRANTED,
             0.05,
             5,
             "kill",
             0.0,
             "gqt-{username}",
+            uid_of_user=lambda user: os.getuid() if user == "alice" else unix_uid_of(user, "gqt-{username}"),
         )
         sampler.start()
         import psutil

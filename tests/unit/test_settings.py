@@ -22,6 +22,7 @@ from gpu_quota_ext.settings import (
     DEFAULTS,
     FACTOR,
     HARD_CAP,
+    HOST,
     PARK,
     POLICY,
     SECONDS,
@@ -30,6 +31,7 @@ from gpu_quota_ext.settings import (
     SLACK,
     WATCHDOG,
     names_of,
+    server_setting_names,
 )
 from gpu_quota_ext.shared import env_vars
 from gpu_quota_ext.usage.watchdog_settings import (
@@ -38,7 +40,8 @@ from gpu_quota_ext.usage.watchdog_settings import (
 )
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-CHOICES = [name for name, row in SETTINGS.items() if row.kind == CHOICE]
+SERVER = {name: SETTINGS[name] for name in server_setting_names()}  # the host service's rows are its own
+CHOICES = [name for name, row in SERVER.items() if row.kind == CHOICE]
 # A number as an admin writes one in jupyter_server_config.py, for each size or fraction, and what it gives.
 NUMBERS = {
     "default_cap": (0.5, lambda policy, watchdog, hard, park: policy.default_cap.fraction == 0.5),
@@ -62,7 +65,8 @@ def extension(**settings) -> GpuQuota:
 
 def test_every_trait_has_a_row_and_every_row_a_trait_with_its_variable():
     traits = GpuQuota.class_own_traits(config=True)
-    assert sorted(traits) == sorted(SETTINGS)
+    assert sorted(traits) == sorted(SERVER)
+    assert {name for name, row in SETTINGS.items() if row.part == HOST} == {"max_kernels", "user_budget"}
     for name, trait in traits.items():
         assert trait.metadata.get("env") == SETTINGS[name].env, name
         assert SETTINGS[name].help.split()[0] in trait.help, name
@@ -93,8 +97,10 @@ def test_every_part_is_built_from_the_table_and_the_dataclasses_defaults_are_the
 
 
 def test_the_hubs_keys_and_variables_are_the_tables_per_user_rows():
-    per_user = {name: row.env for name, row in SETTINGS.items() if row.per_user}
+    per_user = {name: row.env for name, row in SERVER.items() if row.per_user}
     assert hub.SETTING_ENV == per_user and set(hub.ENV_NAMES) == set(per_user.values())
+    host = {name for name, row in SETTINGS.items() if row.per_user and row.part == HOST}
+    assert set(hub.HOST_KEYS) == host and not {SETTINGS[name].env for name in host} - {None}
     for name in per_user:
         if DEFAULTS[name] is not None:
             assert hub.caps_environment(hub.hub_caps(default={name: DEFAULTS[name]}), "u") == {
@@ -104,7 +110,7 @@ def test_the_hubs_keys_and_variables_are_the_tables_per_user_rows():
         hub.hub_caps(default={"enforce": "kill"})  # a server setting the table does not give the hub
 
 
-@pytest.mark.parametrize("name", [name for name, row in SETTINGS.items() if row.kind in (CAP, SIZE, SLACK)])
+@pytest.mark.parametrize("name", [name for name, row in SERVER.items() if row.kind in (CAP, SIZE, SLACK)])
 def test_a_number_in_a_config_file_is_accepted_for_each_size_or_fraction(name):
     number, holds = NUMBERS[name]  # a KeyError here: a new size setting needs its number above
     app = extension(**{name: number})
@@ -112,7 +118,7 @@ def test_a_number_in_a_config_file_is_accepted_for_each_size_or_fraction(name):
     assert holds(*app.validated_settings(), app.park_settings())
 
 
-@pytest.mark.parametrize("name", [name for name, row in SETTINGS.items() if row.kind in (SECONDS, FACTOR)])
+@pytest.mark.parametrize("name", [name for name, row in SERVER.items() if row.kind in (SECONDS, FACTOR)])
 def test_a_number_or_its_text_is_accepted_for_each_number_setting(name):
     row = SETTINGS[name]
     inside = (row.low + row.high) / 2

@@ -24,11 +24,12 @@ from urllib.parse import urlparse
 from jupyter_core.paths import jupyter_data_dir
 from tornado import web
 from tornado.ioloop import IOLoop, PeriodicCallback
-from traitlets import Bool, Enum, Float, Type, Unicode
+from traitlets import Bool, Enum, Float, Int, Type, Unicode
 from traitlets import Dict as DictTrait
 from traitlets import default as default_value
 from traitlets.config import Application
 
+from ... import __version__
 from ...devices import (
     DeviceInventory,
     NvmlBackend,
@@ -49,7 +50,7 @@ from ...shared.service_contract import (
     SERVICE_NAME,
     STATUS_PATH,
 )
-from ..caps import PROPERTY_KEY, hub_caps
+from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
 from .book import HostBook
 from .handlers import (
     GrantHandler,
@@ -66,7 +67,7 @@ from .metrics import registry_for
 from .sampler import HostSampler
 from .status import build_status
 from .store import StateDirError, Store
-from .user_policy import UserPolicy, user_policy
+from .user_policy import UserPolicy, host_limits, user_policy
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -79,6 +80,7 @@ def _access_log(handler: web.RequestHandler) -> None:
 
 class GpuQuotaService(Application):
     name = "jupyter-gpu-quota-service"
+    version = __version__
     description = """The host's GPU quota service: one ledger for every user of a JupyterHub host. Run by the
     hub (c.JupyterHub.services, see gpu_quota_ext.hub.service.spec.service_entry) or as an external service
     with the JUPYTERHUB_* variables set."""
@@ -123,6 +125,22 @@ class GpuQuotaService(Application):
     )
     poll_interval = Float(5.0, help="Seconds between host samples.").tag(config=True)
     stall_after = Float(10.0, help="A sample out longer than this: the watchdog is 'stalled'.").tag(config=True)
+    max_kernels = Int(
+        DEFAULTS["max_kernels"],
+        min=int(SETTINGS["max_kernels"].low),
+        max=int(SETTINGS["max_kernels"].high),
+        help=SETTINGS["max_kernels"].help + " Where the mapping sets none.",
+    ).tag(config=True)
+    user_budget = Unicode(
+        str(DEFAULTS["user_budget"]), help=SETTINGS["user_budget"].help + " Where the mapping sets none."
+    ).tag(config=True)
+    idle_held = Enum(
+        ("release", "keep"),
+        "release",
+        help="""A grant that no live process of its user (a PID its server registered, verified by its uid) has
+        held for a lease period: release it, or keep it and show it as idle-held on the admin's page. A lease
+        renewed with empty PID lists keeps nothing under "release".""",
+    ).tag(config=True)
     unmanaged_action = Enum(
         ("warn", "kill"),
         "warn",
@@ -177,24 +195,30 @@ class GpuQuotaService(Application):
         self.host_policy = build_policy(
             self.default_cap, self.max_cap, (), self.overcommit, self.placement, self.on_full, self.on_over_max
         )
-        self.caps = hub_caps(**self._caps_mapping(), property_key=self.property_key)
+        self.limits = host_limits(self.max_kernels, self.user_budget)
+        self.caps = hub_caps(**self._caps_mapping(), property_key=self.property_key, extra_keys=HOST_KEYS)
         self.inventory = self.inventory_class(parent=self)
         self.devices = self.inventory.list_devices()
         self.store = Store(self.state_dir, self.devices)
-        self.book = HostBook(self.devices, self.host_policy, self.store, self.lease_seconds, self.start_grace)
+        # A round of PID checks missing this long means they stopped (a hung driver call): nothing is idle then.
+        check_gap = max(3 * self.poll_interval, self.stall_after)
+        self.book = HostBook(
+            self.devices, self.host_policy, self.store, self.lease_seconds, self.start_grace, self.limits, check_gap
+        )
         owned, leases = self.store.load()
         self.book.restore(owned, leases, time.time())
         log.info("gpu-quota service: %d grant(s) and %d server lease(s) restored", len(owned), len(leases))
         self.sampler = HostSampler(
             self.nvml_class(),
             [d.uuid for d in self.devices],
-            self.book.kernel_pids,
+            self.book.registrations,
             self._granted_uuids,
             self.poll_interval,
             self.stall_after,
             self.unmanaged_action,
             self.unmanaged_grace,
             self.unix_user_template,
+            on_round=self.book.note_round,
         )
         self.policies: Dict[str, UserPolicy] = {}
         self.registry = registry_for(lambda: self.status_now("metrics", True))
@@ -206,6 +230,13 @@ class GpuQuotaService(Application):
         }
 
     # --- what the handlers ask ------------------------------------------------------------------
+
+    def access_scopes(self) -> set:
+        """The scopes a token needs to use this service at all: what the hub gives the service as its access
+        scopes (HubAuth.access_scopes, from $JUPYTERHUB_OAUTH_ACCESS_SCOPES), else access to it by name."""
+        hub_auth = getattr(self, "hub_auth", None)  # None before connect_hub (unit tests)
+        scopes = set(hub_auth.access_scopes) if hub_auth is not None else set()
+        return scopes or {f"access:services!service={os.environ.get('JUPYTERHUB_SERVICE_NAME') or SERVICE_NAME}"}
 
     async def identify(self, handler: web.RequestHandler) -> Who:
         token = self.hub_auth.get_token(handler, in_cookie=False)
@@ -226,6 +257,18 @@ class GpuQuotaService(Application):
 
     async def who_for_model(self, model: dict) -> Who:
         scopes = set(model.get("scopes") or ())
+        from jupyterhub.services.auth import check_scopes
+
+        try:
+            allowed = check_scopes(self.access_scopes(), scopes)
+        except ValueError:  # a scope the hub's own parser cannot read: no access, not a traceback
+            allowed = set()
+        if not allowed:
+            # As a JupyterHub service checks (HubAuthenticated.hub_scopes): a token must be given access to
+            # this service; being some user's or service's token is not enough.
+            raise web.HTTPError(
+                403, f"this token was not given access to this service: it needs {sorted(self.access_scopes())}"
+            )
         if model.get("kind", "user") != "user":
             if ADMIN_SCOPE in scopes:
                 return Who(f"service:{model['name']}", True, model)
@@ -239,12 +282,13 @@ class GpuQuotaService(Application):
     async def policy_for(self, name: str) -> UserPolicy:
         try:
             user = await self.directory.user(name)
-            policy = user_policy(self.caps, self.host_policy, name, user.groups)
+            policy = user_policy(self.caps, self.host_policy, name, user.groups, self.limits)
         except HubUnavailable as error:
             raise web.HTTPError(503, f"cannot ask the hub for {name}'s groups: {error}") from None
         except PolicyError as error:
             raise web.HTTPError(409, f"the hub's caps for {name} are invalid: {error}") from None
         self.policies[name] = policy
+        self.book.set_limits(name, policy.limits)
         return policy
 
     async def status(self, name: str, admin: bool) -> dict:
@@ -338,11 +382,21 @@ class GpuQuotaService(Application):
             self.store.close()
 
     def _expire(self) -> None:
-        gone = self.book.expire(time.time())
+        now = time.time()
+        gone = self.book.expire(now)
         if gone:
             log.info(
                 "gpu-quota service: released %d grant(s) of servers whose lease ran out: %s", len(gone), ", ".join(gone)
             )
+        if self.idle_held == "release":
+            idle = self.book.release_idle(now)
+            if idle:
+                log.info(
+                    "gpu-quota service: released %d grant(s) no live process of their user held for %g s: %s",
+                    len(idle),
+                    self.lease_seconds,
+                    ", ".join(idle),
+                )
 
 
 def stop_on_signal() -> None:

@@ -9,7 +9,17 @@ time (`now`, seconds since the epoch: leases outlive a restart of the service, s
   disk is always one the ledger held.
 - Leases: a server renews its lease listing the kernels it runs and their PIDs. Its grants that the
   list no longer names are released (unless younger than `start_grace`: a kernel is granted before its
-  server lists it); a server whose lease runs out loses every grant.
+  server lists it); a server whose lease runs out loses every grant. A lease keeps only the user's own
+  kernels (the first PIDS_PER_KERNEL PIDs of each), and only while its server holds a grant: what one user
+  can leave here is bounded by their limits.
+- The PIDs are claims: the sampler verifies them (attribution.verify) at every round and tells the book
+  which kernels a live process of their user held (`note_round`). A grant no verified process held for a
+  lease period is *idle-held* (`idle`): a token can renew a lease with empty PID lists for ever, so the
+  service releases those (`release_idle`) unless its admin chose to keep them, shown as idle-held.
+- Per-user limits (limits.py, from each user's UserPolicy): the most kernels a user holds grants for, and
+  the most their grants add up to on each device. A start past either is refused or CPU-only as the
+  user's on_full says (the count always refuses); a cap raise past the budget is clamped or refused as
+  the host's on_over_max says.
 """
 
 from __future__ import annotations
@@ -20,8 +30,14 @@ from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, 
 
 from ...devices import Device
 from ...ledger import AdmissionRefused, ChangeOutcome, Grant, LocalLedger, UnknownKernel
-from ...policy import CapSpec, Policy
-from .user_policy import UserPolicy
+from ...policy import CapSpec, Policy, PolicyError, format_bytes
+from .attribution import Registration
+from .limits import kernels_refusal, over_budget, room_for, user_totals
+from .user_policy import BUILT_IN_LIMITS, UserLimits, UserPolicy
+
+# PIDs of one kernel a lease keeps. The kernel's own process comes first (its server's direct child); its
+# descendants are found by their process tree, so a kernel needs more only for processes that left it.
+PIDS_PER_KERNEL = 64
 
 
 class Forbidden(Exception):
@@ -97,9 +113,38 @@ def grant_from_record(data: Mapping, devices_by_uuid: Mapping[str, Device]) -> T
     return grant, gone
 
 
+def idle_grants(
+    owned: Iterable[Owned],
+    held_at: Mapping[str, float],
+    checked_since: Optional[float],
+    last_check: Optional[float],
+    now: float,
+    period: float,
+    check_gap: float,
+) -> List[str]:
+    """The kernel ids whose grant no verified live process held for `period` seconds. `held_at`: kernel id ->
+    the last round a verified process of it was alive; `checked_since`: since when the rounds have run without
+    a gap longer than `check_gap` (a hung driver call, the sampler off: then nothing is idle, for want of
+    looking). A grant is given `period` from its start, and from when the checks (re)started."""
+    if checked_since is None or last_check is None or now - last_check > check_gap:
+        return []
+    return [
+        o.grant.kernel_id
+        for o in owned
+        if now - max(o.granted_at, held_at.get(o.grant.kernel_id, checked_since), checked_since) >= period
+    ]
+
+
 class HostBook:
     def __init__(
-        self, devices: Sequence[Device], policy: Policy, journal: Journal, lease_seconds: float, start_grace: float
+        self,
+        devices: Sequence[Device],
+        policy: Policy,
+        journal: Journal,
+        lease_seconds: float,
+        start_grace: float,
+        limits: UserLimits = BUILT_IN_LIMITS,
+        check_gap: float = 30.0,
     ):
         # The ledger never refuses by itself: on_full is each user's (UserPolicy), applied here.
         self.ledger = HostLedger(devices, replace(policy, on_full="cpu-only"))
@@ -110,6 +155,13 @@ class HostBook:
         self._owned: Dict[str, Owned] = {}
         self._leases: Dict[Tuple[str, str], Lease] = {}
         self._lock = threading.RLock()
+        self.host_limits = limits  # for a user whose policy the book has not been told yet (after a restart)
+        self._limits: Dict[str, UserLimits] = {}
+        self.check_gap = check_gap
+        self._held_at: Dict[str, float] = {}
+        self._verified: Dict[str, Tuple[int, ...]] = {}
+        self._checked_since: Optional[float] = None
+        self._last_check: Optional[float] = None
 
     @property
     def devices(self) -> Dict[int, Device]:
@@ -132,6 +184,7 @@ class HostBook:
                 lease = replace(lease, expires=max(lease.expires, now + self.lease_seconds))
                 self.journal.save_lease(lease)
                 self._leases[(lease.user, lease.server)] = lease
+            self._drop_empty_leases()  # a store of an older version may hold leases of servers without grants
 
     # --- the API's operations -----------------------------------------------------------------
 
@@ -153,7 +206,20 @@ class HostBook:
                 if held.grant.user != user:
                     raise Forbidden(kernel_id)
                 return held.grant, False
-            grant = self.ledger.grant(kernel_id, user, kernelspec, policy.decision, allowed)
+            self._limits[user] = policy.limits
+            mine = [o.grant for o in self._owned.values() if o.grant.user == user]
+            refusal = kernels_refusal(len(mine), policy.limits)
+            if refusal:
+                raise AdmissionRefused(refusal)
+            allowed, over = self._within_budget(mine, policy, allowed)
+            if over:
+                if policy.on_full == "refuse":
+                    raise AdmissionRefused(over)
+                grant = self.ledger.grant(kernel_id, user, kernelspec, policy.decision, ())
+                grant = replace(grant, cpu_only_reason=over)
+                self.ledger.restore(grant)
+            else:
+                grant = self.ledger.grant(kernel_id, user, kernelspec, policy.decision, allowed)
             if not grant.devices and grant.cpu_only_reason and policy.on_full == "refuse" and self.ledger.devices:
                 self.ledger.release(kernel_id)
                 raise AdmissionRefused(grant.cpu_only_reason)
@@ -177,7 +243,7 @@ class HostBook:
         with self._lock:
             held = self._mine(user, kernel_id, admin)
             source = "user request" if held.grant.user == user else f"admin {user}"
-            outcome = self.ledger.change(kernel_id, requested, device, source=source)
+            outcome = self._change_within_budget(held, requested, device, source)
             self._save_outcome(held, outcome)
             return outcome
 
@@ -186,8 +252,21 @@ class HostBook:
             held = self._mine(user, kernel_id, admin)
             source = "user request" if held.grant.user == user else f"admin {user}"
             outcome = self.ledger.reset(kernel_id, source=source)
+            over = self._past_budget(held.grant.user, outcome.grant)
+            if over:
+                self.ledger.restore(held.grant)
+                outcome = ChangeOutcome("refused", held.grant, f"the policy cap does not fit any more: {over}")
             self._save_outcome(held, outcome)
             return outcome
+
+    def set_limits(self, user: str, limits: UserLimits) -> None:
+        """What the hub's mapping says of `user` now (the service asks the hub at each grant and status)."""
+        with self._lock:
+            self._limits[user] = limits
+
+    def limits_of(self, user: str) -> UserLimits:
+        with self._lock:
+            return self._limits.get(user, self.host_limits)
 
     def release(self, user: str, kernel_id: str, admin: bool) -> Grant:
         with self._lock:
@@ -215,7 +294,9 @@ class HostBook:
         so one bad entry does not stop a server's renewal."""
         with self._lock:
             mine = {
-                k: tuple(p) for k, p in kernels.items() if k not in self._owned or self._owned[k].grant.user == user
+                k: tuple(p)[:PIDS_PER_KERNEL]
+                for k, p in kernels.items()
+                if k in self._owned and self._owned[k].grant.user == user
             }
             gone = [
                 kid
@@ -225,10 +306,13 @@ class HostBook:
                 and kid not in mine
                 and now - o.granted_at >= self.start_grace
             ]
-            lease = Lease(user, server, now + self.lease_seconds, mine)
-            self.journal.save_lease(lease)
-            self._leases[(user, server)] = lease
             self._release(gone)
+            if any(o.grant.user == user and o.server == server for o in self._owned.values()):
+                lease = Lease(user, server, now + self.lease_seconds, mine)
+                self.journal.save_lease(lease)
+                self._leases[(user, server)] = lease
+            elif self._leases.pop((user, server), None) is not None:
+                self.journal.delete_lease(user, server)  # nothing left to keep: no row for a server with no grant
             return gone
 
     def expire(self, now: float) -> List[str]:
@@ -240,20 +324,143 @@ class HostBook:
             for user, server in ended:
                 self.journal.delete_lease(user, server)
                 del self._leases[(user, server)]
+            self._drop_empty_leases()
             return gone
 
-    def kernel_pids(self) -> Dict[int, Tuple[str, str]]:
-        """Every registered kernel process: PID -> (user, kernel id), from the live leases."""
+    def registrations(self) -> List[Registration]:
+        """Every PID the live leases register for one of their user's kernels: claims, for the sampler to verify."""
         with self._lock:
-            return {
-                pid: (lease.user, kid)
+            return [
+                Registration(lease.user, lease.server, kid, pid)
                 for lease in self._leases.values()
                 for kid, pids in lease.kernels.items()
+                if kid in self._owned and self._owned[kid].grant.user == lease.user
                 for pid in pids
-                if kid in self._owned
-            }
+            ]
+
+    # --- which grants a live process holds -------------------------------------------------------
+
+    def note_round(self, verified: Mapping[str, Tuple[int, ...]], now: float) -> None:
+        """One round of the sampler's checks: kernel id -> its verified live PIDs."""
+        with self._lock:
+            if self._last_check is None or now - self._last_check > self.check_gap:
+                self._checked_since = now  # checks (re)started: every grant gets a full period from here
+            self._last_check = now
+            self._verified = {kid: tuple(pids) for kid, pids in verified.items() if kid in self._owned and pids}
+            for kid in self._verified:
+                self._held_at[kid] = now
+            self._held_at = {kid: at for kid, at in self._held_at.items() if kid in self._owned}
+
+    def verified_pids(self, kernel_id: str) -> Tuple[int, ...]:
+        """The kernel's PIDs the last round believed."""
+        with self._lock:
+            return self._verified.get(kernel_id, ())
+
+    def idle(self, now: float) -> List[str]:
+        """Grants no verified live process of their user held for a lease period."""
+        with self._lock:
+            return idle_grants(
+                self._owned.values(),
+                self._held_at,
+                self._checked_since,
+                self._last_check,
+                now,
+                self.lease_seconds,
+                self.check_gap,
+            )
+
+    def release_idle(self, now: float) -> List[str]:
+        with self._lock:
+            gone = self.idle(now)
+            self._release(gone)
+            self._drop_empty_leases()
+            return gone
 
     # --- inside the lock ----------------------------------------------------------------------
+
+    def _within_budget(
+        self, mine: Sequence[Grant], policy: UserPolicy, allowed: Optional[Sequence[int]]
+    ) -> Tuple[Optional[Sequence[int]], Optional[str]]:
+        """(the devices a new kernel of this user may be placed on, None) or (_, why none may be)."""
+        devices = self.devices
+        candidates = list(devices) if allowed is None else [i for i in allowed if i in devices]
+        wanted = {}
+        for index in candidates:
+            total = devices[index].total
+            try:
+                wanted[index] = min(
+                    policy.decision.cap.to_bytes(total, f"device {index}"),
+                    policy.decision.max_cap.to_bytes(total, f"device {index}"),
+                )
+            except PolicyError:
+                continue  # the ledger says why this device cannot take the cap
+        over = over_budget(user_totals(mine), wanted, devices, policy.limits)
+        if not over:
+            return allowed, None
+        within = [i for i in candidates if i not in over]
+        if within and self.policy.placement != "none":  # "none": the kernel sees every device, needs all
+            return within, None
+        return allowed, "; ".join(over[i] for i in sorted(over))
+
+    def _past_budget(self, user: str, grant: Grant) -> Optional[str]:
+        """Why `grant` (a changed grant of `user`) passes the user's budget on one of its devices, or None."""
+        others = self._others_totals(user, grant.kernel_id)
+        over = over_budget(others, {i: grant.caps[i] for i in grant.devices}, self.devices, self.limits_of(user))
+        return "; ".join(over[i] for i in sorted(over)) or None
+
+    def _change_within_budget(
+        self, held: Owned, requested: CapSpec, device: Optional[int], source: str
+    ) -> ChangeOutcome:
+        """The ledger's change, with the owner's user budget as one more limit: a raise past it is clamped to
+        what is left of it, or refused, as the host's on_over_max says. Lowering a cap always fits."""
+        grant = held.grant
+        limits = self.limits_of(grant.user)
+        others = self._others_totals(grant.user, grant.kernel_id)
+        targets = grant.devices if device is None else (device,)
+        clamped: Dict[int, int] = {}
+        for index in targets:
+            if index not in grant.caps:
+                break  # not one of the kernel's devices: the ledger refuses it
+            room = room_for(others, self.devices[index], limits)
+            wanted = requested.to_bytes(self.devices[index].total, f"device {index}")
+            if room is None or wanted <= max(room, grant.caps[index]):
+                continue
+            if self.policy.on_over_max == "refuse" or room <= grant.caps[index]:
+                return ChangeOutcome(
+                    "refused",
+                    grant,
+                    f"{format_bytes(wanted)} on device {index} is above what your user_budget "
+                    f"({limits.user_budget}) leaves for this kernel: {format_bytes(room)}",
+                )
+            clamped[index] = room
+        if not clamped:
+            return self.ledger.change(grant.kernel_id, requested, device, source=source)
+        notes, outcome = [], None
+        for index in targets:
+            spec = CapSpec(nbytes=clamped[index], text=format_bytes(clamped[index])) if index in clamped else requested
+            outcome = self.ledger.change(grant.kernel_id, spec, index, source=source)
+            if outcome.status == "refused":
+                self.ledger.restore(grant)
+                return ChangeOutcome("refused", grant, outcome.message)
+            notes.append(
+                f"clamped to {format_bytes(clamped[index])} on device {index}: what your user_budget "
+                f"({limits.user_budget}) leaves for this kernel"
+                if index in clamped
+                else outcome.message
+            )
+        assert outcome is not None
+        return ChangeOutcome("clamped", outcome.grant, "; ".join(notes))
+
+    def _others_totals(self, user: str, kernel_id: str) -> Dict[int, int]:
+        """What the user's kernels other than `kernel_id` hold on each device."""
+        grants = self._owned.values()
+        return user_totals(o.grant for o in grants if o.grant.user == user and o.grant.kernel_id != kernel_id)
+
+    def _drop_empty_leases(self) -> None:
+        servers = {(o.grant.user, o.server) for o in self._owned.values()}
+        for key in [key for key in self._leases if key not in servers]:
+            self.journal.delete_lease(*key)
+            del self._leases[key]
 
     def _mine(self, user: str, kernel_id: str, admin: bool) -> Owned:
         held = self._owned.get(kernel_id)
@@ -287,3 +494,5 @@ class HostBook:
         for kid in kernel_ids:
             self.ledger.release(kid)
             self._owned.pop(kid, None)
+            self._held_at.pop(kid, None)
+            self._verified.pop(kid, None)

@@ -1,7 +1,8 @@
 """The service's HTTP API (contract.py), thin: authenticate with the hub, parse, ask the book, answer.
 
-Every API call carries a hub token; the hub says whose it is (HubAuth, cached a short while). The user is
-that token's owner, never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
+Every API call carries a hub token; the hub says whose it is (HubAuth, cached a short while) and what it may
+do: without access to this service it is a 403 (app.py, who_for_model). The user is that token's owner,
+never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
 chunked body grows past it); bodies that are not what the contract says: 400; another user's kernel: 403;
 a kernel the service does not know: 404. Errors are JSON `{"message": ...}`. The admin's page is behind
 hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the service's own HubOAuth.

@@ -48,12 +48,14 @@ def render_page(status: dict) -> str:
         ),
         _table(
             "Users",
-            ["user", "default cap", "max cap", "kernels", "granted", "used", "unmanaged"],
+            ["user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used", "unmanaged"],
             (
                 (
                     u["name"],
                     (u["policy"] or {}).get("default_cap", "–"),
                     (u["policy"] or {}).get("max_cap", "–"),
+                    (u["policy"] or {}).get("max_kernels", "–"),
+                    (u["policy"] or {}).get("user_budget", "–"),
                     u["kernels"],
                     _size(u["granted"]),
                     _size(u["used"]),
@@ -64,7 +66,7 @@ def render_page(status: dict) -> str:
         ),
         _table(
             "Kernels",
-            ["user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "source"],
+            ["user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "source"],
             (
                 (
                     k["user"],
@@ -75,6 +77,8 @@ def render_page(status: dict) -> str:
                     _size(d["cap"]),
                     _size(d["used"]),
                     "yes" if d["used"] is not None and d["used"] > d["cap"] else "",
+                    " ".join(str(p) for p in k["pids"]) or "–",
+                    "idle-held" if k["idle_held"] else "by a live process" if k["pids"] else "",
                     k["source"],
                 )
                 for k in status["kernels"]
@@ -85,6 +89,14 @@ def render_page(status: dict) -> str:
             "Unmanaged usage (GPU memory outside every grant)",
             ["user", "pid", "device", "used", "why"],
             ((u["user"], u["pid"], u["uuid"], _size(u["used"]), u["why"]) for u in status["unmanaged"]),
+        ),
+        _table(
+            "Refused PID registrations (a lease naming another Unix user's process: counted for nobody)",
+            ["user", "server", "kernel", "pid", "why"],
+            (
+                (r["user"], r["server"] or "(default)", r["kernel_id"], r["pid"], r["why"])
+                for r in status["refused_pids"]
+            ),
         ),
         _table(
             "Last actions",

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
 from ...shared.service_contract import ADMIN_SCOPE, SERVICE_NAME
-from ..caps import hub_caps
+from ..caps import HOST_KEYS, hub_caps
 
 # What the service asks the hub: who owns a token (no scope needed), a user's admin flag and groups,
 # a group's properties.
@@ -32,7 +32,7 @@ def service_entry(
 ) -> Dict[str, Any]:
     """A hub-managed service entry. The caps mapping is validated here (a bad one stops the hub at start)
     and handed to the service in its environment; `args` are more `--GpuQuotaService.NAME=VALUE`."""
-    hub_caps(users=users, groups=groups, default=default)
+    hub_caps(users=users, groups=groups, default=default, extra_keys=HOST_KEYS)
     env = dict(environment or {})
     env[CAPS_ENV] = json.dumps({"users": users or {}, "groups": groups or {}, "default": default or {}})
     return {
@@ -55,16 +55,19 @@ def admin_scope() -> Dict[str, Dict[str, str]]:
 
 def register_service(c, name: str = SERVICE_NAME, admin_roles: Sequence[str] = (), **entry: Any) -> Dict[str, Any]:
     """Add the service, its role and the admin scope to the hub's config `c` (keeping what is there).
-    `admin_roles`: names of roles (defined in c.JupyterHub.load_roles) to give the admin scope to."""
+    `admin_roles`: names of roles (defined in c.JupyterHub.load_roles) to give the admin scope to, and access
+    to the service (the service accepts no token without it)."""
     hub = c.JupyterHub
     # Only what the config has set: an unset value is a lazy placeholder, not a list.
     existing = lambda key, empty: hub[key] if key in hub else empty  # noqa: E731
     service = service_entry(name=name, **entry)
     hub.services = [s for s in list(existing("services", [])) if s.get("name") != name] + [service]
     roles: List[dict] = [r for r in list(existing("load_roles", [])) if r.get("name") != f"{name}-service"]
+    access = f"access:services!service={name}"
     for role in roles:
         if role.get("name") in admin_roles:
-            role["scopes"] = list(role.get("scopes", [])) + [ADMIN_SCOPE]
+            kept = [scope for scope in role.get("scopes", []) if scope not in (ADMIN_SCOPE, access)]
+            role["scopes"] = kept + [ADMIN_SCOPE, access]
     hub.load_roles = roles + [service_role(name)]
     hub.custom_scopes = {**dict(existing("custom_scopes", {})), **admin_scope()}
     return service

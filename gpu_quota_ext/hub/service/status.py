@@ -2,7 +2,11 @@
 
 A user sees their own kernels, their own unmanaged usage and the devices' totals; an admin sees every
 user. Usage is NVML's (the host sampler's), per kernel and per device; `over_cap` marks a kernel using
-more than its cap (its own server's watchdog acts on it: interrupt and restart are the server's).
+more than its cap (its own server's watchdog acts on it: interrupt and restart are the server's). Per
+kernel: the PIDs its server registered and those the last sample believed (`pids`, checked by uid), and
+`idle_held` when no verified live process held its grant for a lease period. `refused_pids`: registrations
+the sampler did not believe (a PID of another Unix user); a user sees those of their own leases, without
+whose the process is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def build_status(
     uuid_of = {i: d.uuid for i, d in devices.items()}
     leases = {(lease.user, lease.server): lease for lease in book.leases()}
     kernel_used = sample.attributed.kernel_used if sample else {}
+    verified = sample.verified.pids_of() if sample else {}
+    idle = set(book.idle(now))
     mine = lambda user: admin or user == viewer  # noqa: E731
 
     kernels = []
@@ -55,7 +61,9 @@ def build_status(
             **record,
             "server": owned.server,
             "granted_at": owned.granted_at,
-            "pids": list(lease.kernels.get(grant.kernel_id, ())) if lease else [],
+            "registered_pids": list(lease.kernels.get(grant.kernel_id, ())) if lease else [],
+            "pids": list(verified.get(grant.kernel_id, ())),
+            "idle_held": grant.kernel_id in idle,
             "lease_expires_in": round(lease.expires - now, 1) if lease else None,
             "over_cap": any(e["used"] is not None and e["used"] > e["cap"] for e in record["devices"]),
         })
@@ -67,6 +75,15 @@ def build_status(
                 unmanaged.append(
                     {"user": item.user, "pid": item.pid, "uuid": item.uuid, "used": item.used, "why": item.why}
                 )
+    refused = []
+    for item in sample.verified.refused if sample else ():
+        reg = item.registration
+        if mine(reg.user):
+            refused.append({
+                "user": reg.user, "server": reg.server, "kernel_id": reg.kernel_id, "pid": reg.pid,
+                "why": item.why if admin else f"PID {reg.pid} is not a process of your Unix user",
+                **({"uid": item.uid} if admin else {}),
+            })
     if not admin:
         user_row(viewer)
     device_rows = []
@@ -82,6 +99,7 @@ def build_status(
         "users": sorted(users.values(), key=lambda u: u["name"]),
         "kernels": kernels,
         "unmanaged": unmanaged,
+        "refused_pids": refused,
         "actions": [
             {
                 "at": a.at,

@@ -1,9 +1,11 @@
-"""Each user's policy on the host, from the hub's mapping: the one `configure_hub_caps` takes.
+"""Each user's policy on the host, from the hub's mapping: the one `configure_hub_caps` takes, plus the host's
+limits on each user.
 
 Pure. The mapping (users, groups, default, and groups' "gpu_quota" properties) is layered exactly as
 for the spawner's environment (`gpu_quota_ext.hub.choose_settings`); what the service takes of it per
-user is the kernel's cap (`default_cap`), the most it may ask for (`max_cap`) and what a full host does
-to its start (`on_full`). Budget and placement (`overcommit`, `placement`) and `on_over_max` are the
+user is the kernel's cap (`default_cap`), the most it may ask for (`max_cap`), what a full host does
+to its start (`on_full`), and the user's limits (`max_kernels`, `user_budget`: the settings table's HOST
+rows, hub.HOST_KEYS). Budget and placement (`overcommit`, `placement`) and `on_over_max` are the
 host's: the service's own settings, one value for every user, since one budget is shared.
 
 The caps come from the hub side only: the user's name and groups are what the hub says of the token's
@@ -13,34 +15,66 @@ owner, never what a request carries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Optional
 
-from ...policy import Policy, PolicyDecision, parse_cap
+from ...devices import Device
+from ...policy import CapSpec, Policy, PolicyDecision, parse_cap, parse_value
+from ...settings import DEFAULTS
 from ..caps import HubCaps, choose_settings, environment_of
 
-USER_KEYS = ("default_cap", "max_cap", "on_full")
+USER_KEYS = ("default_cap", "max_cap", "on_full")  # what a kernel's grant says it came from
+LIMIT_KEYS = ("max_kernels", "user_budget")
+
+
+@dataclass(frozen=True)
+class UserLimits:
+    """What one user may hold on the host at once, whatever their kernels ask."""
+
+    max_kernels: int = DEFAULTS["max_kernels"]
+    user_budget: Optional[CapSpec] = parse_value("user_budget", DEFAULTS["user_budget"])  # None: no per-user budget
+
+    def budget_on(self, device: Device) -> Optional[int]:
+        """The most this user's grants may add up to on `device`, in bytes (None: only the device's budget)."""
+        if self.user_budget is None:
+            return None
+        return self.user_budget.to_bytes(device.total, f"device {device.index}")
+
+    def describe(self) -> dict:
+        return {"max_kernels": self.max_kernels, "user_budget": str(self.user_budget or "none")}
+
+
+BUILT_IN_LIMITS = UserLimits()
+
+
+def host_limits(max_kernels: Any = DEFAULTS["max_kernels"], user_budget: Any = DEFAULTS["user_budget"]) -> UserLimits:
+    """The host's own limits (the service's settings, for users the mapping sets none for); PolicyError if bad."""
+    return UserLimits(parse_value("max_kernels", max_kernels), parse_value("user_budget", user_budget))
 
 
 @dataclass(frozen=True)
 class UserPolicy:
-    """What one user's kernels get: `decision` for every kernel they start, and `on_full`."""
+    """What one user's kernels get: `decision` for every kernel they start, `on_full`, and the user's limits."""
 
     decision: PolicyDecision
     on_full: str
+    limits: UserLimits = BUILT_IN_LIMITS
 
     def describe(self) -> dict:
         return {
             "default_cap": str(self.decision.cap),
             "max_cap": str(self.decision.max_cap),
             "on_full": self.on_full,
+            **self.limits.describe(),
             "source": self.decision.source,
         }
 
 
-def user_policy(caps: HubCaps, host: Policy, user: str, groups: Iterable[Any] = ()) -> UserPolicy:
-    """`user`'s policy: each of USER_KEYS from the mapping (their entry, their first group with settings,
-    the default), else the host's own setting. Raises PolicyError (naming the user and the source) when
-    the mapping's result is invalid, like a spawn would."""
+def user_policy(
+    caps: HubCaps, host: Policy, user: str, groups: Iterable[Any] = (), limits: UserLimits = BUILT_IN_LIMITS
+) -> UserPolicy:
+    """`user`'s policy: each of USER_KEYS and LIMIT_KEYS from the mapping (their entry, their first group with settings,
+    the default), else the host's own setting (`host`, `limits`). Raises PolicyError (naming the user and the
+    source) when the mapping's result is invalid, like a spawn would."""
     chosen, sources = choose_settings(caps, user, groups)
     environment_of(chosen, sources, user)  # the combination checked as for a spawned server
     cap = parse_cap(chosen["default_cap"]) if "default_cap" in chosen else host.default_cap
@@ -51,4 +85,13 @@ def user_policy(caps: HubCaps, host: Policy, user: str, groups: Iterable[Any] = 
         cap = maximum
     used = [f"{key} from {sources[key]}" for key in USER_KEYS if key in chosen]
     source = "hub: " + (", ".join(used) if used else "the service's defaults")
-    return UserPolicy(PolicyDecision(cap, maximum, 1, source), chosen.get("on_full", host.on_full))
+    return UserPolicy(
+        PolicyDecision(cap, maximum, 1, source), chosen.get("on_full", host.on_full), _limits(chosen, limits)
+    )
+
+
+def _limits(chosen: Mapping[str, str], host: UserLimits) -> UserLimits:
+    return UserLimits(
+        parse_value("max_kernels", chosen["max_kernels"]) if "max_kernels" in chosen else host.max_kernels,
+        parse_value("user_budget", chosen["user_budget"]) if "user_budget" in chosen else host.user_budget,
+    )

@@ -1,0 +1,56 @@
+"""One user's share of the host: the per-user limits (`max_kernels`, `user_budget`, user_policy.UserLimits)
+decided. Pure: the book (book.py) hands in the user's grants and asks before the ledger places a kernel or
+raises a cap, inside its lock, so a burst of concurrent starts from one user cannot pass a limit.
+
+The limits hold whatever a request says: the user is the token's owner, the counts are the book's own.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Mapping, Optional
+
+from ...devices import Device
+from ...ledger import Grant
+from ...policy import format_bytes
+from .user_policy import UserLimits
+
+
+def kernels_refusal(held: int, limits: UserLimits) -> Optional[str]:
+    """Why one more kernel of a user who holds `held` grants is refused, or None."""
+    if held < limits.max_kernels:
+        return None
+    return (
+        f"you hold grants for {held} kernels, the most this host gives one user (max_kernels "
+        f"{limits.max_kernels}): shut down a kernel first"
+    )
+
+
+def user_totals(grants: Iterable[Grant]) -> Dict[int, int]:
+    """Device index -> the bytes one user's grants hold there."""
+    totals: Dict[int, int] = {}
+    for grant in grants:
+        for index, cap in grant.caps.items():
+            totals[index] = totals.get(index, 0) + cap
+    return totals
+
+
+def over_budget(
+    totals: Mapping[int, int], wanted: Mapping[int, int], devices: Mapping[int, Device], limits: UserLimits
+) -> Dict[int, str]:
+    """The devices where `wanted` bytes more would pass the user's budget: index -> why."""
+    over = {}
+    for index, nbytes in wanted.items():
+        limit = limits.budget_on(devices[index])
+        held = totals.get(index, 0)
+        if limit is not None and held + nbytes > limit:
+            over[index] = (
+                f"your kernels hold {format_bytes(held)} of GPU {devices[index].uuid}, and "
+                f"{format_bytes(nbytes)} more would pass your {format_bytes(limit)} (user_budget {limits.user_budget})"
+            )
+    return over
+
+
+def room_for(others: Mapping[int, int], device: Device, limits: UserLimits) -> Optional[int]:
+    """The most one kernel may hold on `device` while the user's other kernels hold `others` (None: no limit)."""
+    limit = limits.budget_on(device)
+    return None if limit is None else max(limit - others.get(device.index, 0), 0)
