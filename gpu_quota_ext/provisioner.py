@@ -4,7 +4,9 @@ Every kernelspec without a provisioner stanza of its own is launched through it,
 its grant (and the environment that carries it) before its process exists, with no kernelspec edited.
 
 Admission comes first, before jupyter_client takes anything for the kernel (five ports from its port
-cache, the connection file): a refused start takes nothing. A start that fails later (the launch itself,
+cache, the connection file): a refused start takes nothing. A kernel id a client chose that jupyter_server's
+own routes (GET, DELETE /api/kernels/<id>) cannot name is refused before that: its kernel could never be
+shut down, and its grant would hold budget until the server stops. A start that fails later (the launch itself,
 or anything unexpected) gives back everything it took. A refusal is a normal event for a quota: it is
 answered with a clear status and logged in one line, without a traceback.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from typing import Any, Optional
 
 from jupyter_client.connect import LocalPortCache
@@ -23,10 +26,15 @@ from tornado import web
 
 from .ledger import AdmissionRefused
 from .manager import SETTINGS_KEY, KernelIdTaken
-from .shared.sizes import PolicyError
+from .shared.sizes import PolicyError, shown
 from .usage import pending_kernels
 
 log = logging.getLogger("gpu_quota_ext")
+
+# The kernel id in jupyter_server's routes /api/kernels/<id>[/...] (services/kernels/handlers.py, 2.x):
+# a client may choose any id at POST /api/kernels, but only these can be looked up, restarted or shut down.
+ROUTABLE_KERNEL_ID = re.compile(r"\w+-\w+-\w+-\w+-\w+")
+MAX_KERNEL_ID = 128  # characters: a UUID has 36; the id also names the connection file
 
 
 class StartRefused(web.HTTPError):
@@ -77,6 +85,14 @@ class GpuQuotaProvisioner(LocalProvisioner):
             return await super().pre_launch(**kwargs)
         if self._start_task is None:
             self._start_task = asyncio.current_task()  # jupyter_client's pending entry for this start
+        if len(self.kernel_id) > MAX_KERNEL_ID or not ROUTABLE_KERNEL_ID.fullmatch(self.kernel_id):
+            raise self._refuse(
+                manager,
+                400,
+                f"GPU quota: kernel not started: the kernel id {shown(self.kernel_id)} is not one jupyter_server's "
+                "/api/kernels/<id> routes can reach (a UUID like 0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b11)",
+                "Kernel id not usable",
+            )
         # The environment the kernel will have before our additions (the kernelspec's env merged in), as
         # the base provisioner computes it: that step takes no ports and writes no file.
         spec_env = (await KernelProvisionerBase.pre_launch(self, env=kwargs.get("env", os.environ)))["env"]

@@ -202,3 +202,47 @@ class TestSameKernelIdAtOnce:
         await shutdown_kernel(jp_fetch, kernel_id)
         assert kernel_processes(kernel_id) == []
         assert (await leftovers(jp_serverapp)) == before
+
+
+class TestClientChosenKernelIds:
+    """Issue 19, item 5: a client may choose a kernel's id at POST /api/kernels. Four starts at once with one
+    id, five rounds: one kernel that GET and DELETE reach, or none at all; never a process or a grant that
+    nothing can shut down (jupyter_server's /api/kernels/<id> routes match UUID-like ids only)."""
+
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("16GiB", default_cap="0.25"))
+
+    async def test_four_starts_of_one_uuid_give_one_kernel_that_delete_reaches(self, jp_fetch, jp_serverapp):
+        kernel_id = "0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b12"
+        before = await leftovers(jp_serverapp)
+        for _ in range(5):
+            answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(4)))
+            codes = sorted(code for code, _ in answers)
+            # 201 for the start that won, and for any that came once it was running ("Using existing kernel").
+            assert codes[0] == 201 and set(codes) <= {201, 409}, answers
+            assert json.loads((await jp_fetch("api", "kernels", kernel_id)).body)["id"] == kernel_id
+            grants = service_of(jp_serverapp).ledger.grants()
+            assert [(g.kernel_id, sum(g.caps.values())) for g in grants] == [(kernel_id, 4 << 30)]
+            assert len(kernel_processes(kernel_id)) == 1
+            assert (await jp_fetch("api", "kernels", kernel_id, method="DELETE")).code == 204
+            assert kernel_processes(kernel_id) == []
+            assert (await leftovers(jp_serverapp)) == before
+
+    @pytest.mark.parametrize("kernel_id", ["dup", "a/b", "../../etc", "x" * 300, "a-b-c-d-" + "e" * 200])
+    async def test_an_id_the_kernel_routes_cannot_reach_is_refused_and_takes_nothing(
+        self, jp_fetch, jp_serverapp, server_log, kernel_id
+    ):
+        before = await leftovers(jp_serverapp)
+        for _ in range(5):
+            answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(4)))
+            assert [code for code, _ in answers] == [400] * 4, answers
+            assert all("routes can reach" in answer["message"] for _, answer in answers)
+        assert (await leftovers(jp_serverapp)) == before
+        assert kernel_processes() == []
+        assert server_log.tracebacks() == []
+        # The server still starts kernels with ids it chose, and one a client chose that its routes reach.
+        chosen = "a-b-c-d-e"
+        assert (await post_start(jp_fetch, kernel_id=chosen))[0] == 201
+        await shutdown_kernel(jp_fetch, chosen)
+        assert (await leftovers(jp_serverapp)) == before
