@@ -2,8 +2,10 @@
 jupyter_server's authentication and authorization, except that a kernel may change (and report on) itself with
 its own secret, sent in a header.
 
-Bodies are small JSON objects: one over MAX_BODY is refused (413) from its Content-Length, before it is
-read, or as soon as it grows past the limit when it comes chunked. A body that does not parse, however
+Bodies are small JSON objects: one over MAX_BODY is refused (413), from its Content-Length or as soon as it
+grows past the limit when it comes chunked, and never kept. A refusal decided before the body is read (413,
+403) is answered once the body has arrived and been dropped (shared/request_body.py says why); a malformed
+Content-Length is tornado's 400, as on jupyter_server's own routes. A body that does not parse, however
 (deep nesting included), is a 400. Error answers are JSON, `{"message": ..., "reason": ...}`, with the
 message as written (tornado keeps an HTTPError's text as a %-format; it is formatted here, once) and
 any value echoed from the request cut to a few dozen characters.
@@ -32,6 +34,7 @@ from .shared.contract import (
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
+from .shared.request_body import body_follows, declared_length
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -46,25 +49,44 @@ AUTH_RESOURCE = "gpu_quota"
 KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
 
 
-@web.stream_request_body  # so that a body over the limit is refused before it is read
+@web.stream_request_body  # so that a body over the limit is dropped as it arrives, never kept
 class GpuQuotaHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
     def manager(self):
-        """The extension's GpuQuotaManager."""
+        """The extension's GpuQuotaManager (never reached by a request refused before its body)."""
+        self.answer_refusal()
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
         self._body = bytearray()
         self._body_too_large = False
-        await super().prepare()
-        length = self.request.headers.get("Content-Length")
-        if length is not None and int(length) > MAX_BODY:
-            raise web.HTTPError(413, f"the request body is {int(length)} bytes; the most this API reads is 64 KiB")
+        self._refusal: Optional[web.HTTPError] = None
+        try:
+            length = declared_length(self.request.headers)
+        except ValueError as error:
+            # tornado answers 400 and closes when it reads such a body, before any method runs; were it to
+            # read it after all, the method would answer the same.
+            self._refusal = web.HTTPError(400, str(error))
+            return
+        try:
+            await super().prepare()
+            if length is not None and length > MAX_BODY:
+                raise web.HTTPError(413, f"the request body is {length} bytes; the most this API reads is 64 KiB")
+        except web.HTTPError as refusal:
+            if not body_follows(self.request.headers):
+                raise
+            self._refusal, self._body_too_large = refusal, True  # answered by the method, once the body is in
+
+    def answer_refusal(self) -> None:
+        """Raise the refusal prepare() decided before the body arrived. Every route reaches it first: through
+        require_user, require_user_or_kernel or the manager."""
+        if self._refusal is not None:
+            raise self._refusal
 
     def data_received(self, chunk: bytes) -> None:
-        # A chunked body has no length to check up front: keep at most the limit, drop the rest.
+        # Past the limit (or refused already), what arrives is dropped.
         if self._body_too_large:
             return
         if len(self._body) + len(chunk) > MAX_BODY:
@@ -99,6 +121,7 @@ class GpuQuotaHandler(APIHandler):
 
     def require_user(self, action: str) -> None:
         """What @web.authenticated and @authorized do, for routes that also accept a kernel's secret."""
+        self.answer_refusal()
         if not self.current_user:
             raise web.HTTPError(403)
         if not self.authorizer.is_authorized(self, self.current_user, action, self.auth_resource):
@@ -106,6 +129,7 @@ class GpuQuotaHandler(APIHandler):
 
     def require_user_or_kernel(self, kernel_id: str, action: str) -> str:
         """The server's user, or kernel `kernel_id` itself with its own secret. Returns who asked."""
+        self.answer_refusal()
         token = self.kernel_token()
         if token is None:
             self.require_user(action)
@@ -133,7 +157,6 @@ class GpuQuotaHandler(APIHandler):
 
 
 class StatusHandler(GpuQuotaHandler):
-    @web.authenticated
     async def get(self):
         self.require_user("read")
         self.finish(json.dumps(self.manager.status_answer(await self.session_paths())))
