@@ -27,6 +27,7 @@ import socket
 import ssl
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -125,10 +126,14 @@ class RemoteLedger(HeldGrants):
         cls, devices: Sequence[Device], environ: Mapping[str, str] = os.environ
     ) -> Optional["RemoteLedger"]:
         """The remote ledger the hub asks for ($GPU_QUOTA_SERVICE_URL), or None when it asks for none.
-        PolicyError when the hub set the URL but gave this server no token to present."""
+        PolicyError when the hub set something that is not a service's URL, or gave this server no token
+        to present: the server refuses to start, rather than fail every kernel start."""
         url = (environ.get(SERVICE_URL_ENV) or "").strip()
         if not url:
             return None
+        problem = _url_problem(url)
+        if problem:
+            raise PolicyError(f"${SERVICE_URL_ENV} = {shown(url)} is not the URL of a GPU quota service: {problem}")
         token = environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JPY_API_TOKEN")
         if not token:
             raise PolicyError(
@@ -432,6 +437,24 @@ class RemoteLedger(HeldGrants):
         except (urllib.error.URLError, OSError, socket.timeout) as error:
             reason = getattr(error, "reason", error)
             raise _Unreachable(str(reason) or error.__class__.__name__) from None
+
+
+def _url_problem(url: str) -> Optional[str]:
+    """Why urllib could never call `url` (+ a path), or None: an http(s) URL with a host and a valid port."""
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return "it holds spaces or control characters"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number, or out of range)
+    except ValueError as error:
+        return str(error)
+    if parts.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not parts.hostname:
+        return "it names no host"
+    if parts.query or parts.fragment:
+        return "it must end with the service's prefix, without ? or #"
+    return None
 
 
 def _answer(code: int, raw: bytes, allow_text: bool = False) -> _Answer:

@@ -553,7 +553,29 @@ def test_a_service_url_without_a_token_stops_the_server(monkeypatch):
     monkeypatch.setenv(SERVICE_URL_ENV, "http://127.0.0.1:1/services/gpu-quota/")
     monkeypatch.delenv("JUPYTERHUB_API_TOKEN", raising=False)
     monkeypatch.delenv("JPY_API_TOKEN", raising=False)
-    with pytest.raises(
-        SystemExit, match="invalid configuration: .*GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"
-    ):
+    with pytest.raises(PolicyError, match=r"GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"):
         _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0"))
+
+
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("abc", "it must start with http:// or https://"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://quota:99999/", "Port out of range"),
+        ("http:///services/gpu-quota/", "it names no host"),
+        ("http://quota/services/gpu quota/", "spaces or control characters"),
+        ("http://quota/services/gpu-quota/?x=1", "without ? or #"),
+    ],
+)
+def test_a_service_url_that_is_no_url_stops_the_server_even_with_a_token(monkeypatch, url, why):
+    """Issue 19: such a URL made every kernel start a 500 with three tracebacks."""
+    monkeypatch.setenv(SERVICE_URL_ENV, url)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "a-token")
+    with pytest.raises(PolicyError) as refused:
+        _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0"))
+    assert str(refused.value).startswith(f"$GPU_QUOTA_SERVICE_URL = {url!r} is not the URL") and why in str(
+        refused.value
+    )
+    monkeypatch.setenv(SERVICE_URL_ENV, "https://[::1]:8443/services/gpu-quota/")
+    assert _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0")).url == "https://[::1]:8443/services/gpu-quota/"
