@@ -24,6 +24,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
+from .launch_env import kernel_environment
 from .ledger import AdmissionRefused
 from .manager import SETTINGS_KEY, KernelIdTaken
 from .shared.sizes import PolicyError, shown
@@ -98,7 +99,10 @@ class GpuQuotaProvisioner(LocalProvisioner):
         spec_env = (await KernelProvisionerBase.pre_launch(self, env=kwargs.get("env", os.environ)))["env"]
         kernelspec = self._kernelspec_name()
         try:
-            updates = await manager.admit(self.kernel_id, kernelspec, self.kernel_spec.argv, spec_env, holder=self)
+            spec = self.kernel_spec
+            updates = await manager.admit(
+                self.kernel_id, kernelspec, spec.argv, spec_env, holder=self, language=spec.language
+            )
         except AdmissionRefused as refusal:
             raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
         except KernelIdTaken as taken:
@@ -115,9 +119,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         except BaseException:
             self._give_back(manager)
             raise
-        env = dict(kwargs.get("env") or {})
-        env.update(updates)
-        kwargs["env"] = env
+        kwargs["env"] = kernel_environment(kwargs.get("env") or {}, updates)
         return kwargs
 
     async def launch_kernel(self, cmd, **kwargs: Any):
