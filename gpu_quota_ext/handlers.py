@@ -17,6 +17,7 @@ import json
 from typing import Any, Optional
 
 from jupyter_server.base.handlers import APIHandler
+from jupyter_server.services.sessions.handlers import SessionRootHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.httputil import responses
@@ -310,8 +311,39 @@ class ResumeHandler(_ParkRoute):
         return await self.manager.request_resume(kernel_id, who)
 
 
-# Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's.
+class SessionsHandler(SessionRootHandler):
+    """jupyter_server's own POST /api/sessions (what JupyterLab opens a notebook with), in every respect but
+    one: a kernel start that failed with an HTTP status of its own (the quota's 503 "GPU budget full", 400,
+    409) is answered with that status and message, as POST /api/kernels answers it. jupyter_server turns any
+    exception of a session's kernel start into a 500 (keeping the exception as its cause); a full GPU is no
+    server error, and a client that retries on 503 should see one."""
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        refusal = _start_refusal((kwargs.get("exc_info") or (None, None, None))[1])
+        if refusal is not None:
+            kwargs["exc_info"] = (type(refusal), refusal, refusal.__traceback__)
+            status_code = refusal.status_code
+        super().send_error(status_code, **kwargs)
+
+    def log_exception(self, typ, value, tb) -> None:
+        refusal = _start_refusal(value)
+        if refusal is not None:
+            typ, value, tb = type(refusal), refusal, refusal.__traceback__
+        super().log_exception(typ, value, tb)
+
+
+def _start_refusal(error: Optional[BaseException]) -> Optional[web.HTTPError]:
+    """The HTTP error a session's kernel start failed with, when jupyter_server wrapped it in its 500."""
+    cause = getattr(error, "__cause__", None)
+    if isinstance(error, web.HTTPError) and error.status_code == 500 and isinstance(cause, web.HTTPError):
+        return cause
+    return None
+
+
+# Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's, but for
+# jupyter_server's own sessions route: an extension's handlers are matched before the server's.
 HANDLERS = [
+    ("/api/sessions", SessionsHandler),
     (STATUS_PATH, StatusHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN), KernelHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),

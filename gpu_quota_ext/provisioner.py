@@ -39,7 +39,13 @@ MAX_KERNEL_ID = 128  # characters: a UUID has 36; the id also names the connecti
 
 
 class StartRefused(web.HTTPError):
-    """A kernel start the quota turned down, with the HTTP status and message the client gets."""
+    """A kernel start the quota turned down, with the HTTP status and message the client gets.
+
+    Its text is the message alone: whoever wraps it (jupyter_server's POST /api/sessions answers any failed
+    start as a 500 whose message is str() of the error) shows what the user must read, not "HTTP 503: ..."."""
+
+    def __str__(self) -> str:
+        return self.get_message() or super().__str__()
 
 
 class _NoRefusalTracebacks(logging.Filter):

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -246,3 +247,42 @@ class TestClientChosenKernelIds:
         assert (await post_start(jp_fetch, kernel_id=chosen))[0] == 201
         await shutdown_kernel(jp_fetch, chosen)
         assert (await leftovers(jp_serverapp)) == before
+
+
+class TestRefusedSessionStart:
+    """Issue 19, item 5: JupyterLab opens a notebook with POST /api/sessions; jupyter_server answered a refused
+    kernel start there with a 500 whose message began "HTTP 503: GPU budget full (". It gets what POST
+    /api/kernels gets: the 503 and the quota's own words."""
+
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(
+            static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse")
+        )
+
+    async def post_session(self, jp_fetch, path):
+        body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
+        try:
+            response = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+        except HTTPClientError as error:
+            return error.code, json.loads(error.response.body)
+        return response.code, json.loads(response.body)
+
+    async def test_a_full_gpu_answers_a_session_as_it_answers_a_kernel_start(self, jp_fetch, jp_serverapp, server_log):
+        code, first = await self.post_session(jp_fetch, "holds.ipynb")
+        assert code == 201
+        before = await leftovers(jp_serverapp)
+        server_log.records.clear()
+        session = await self.post_session(jp_fetch, "refused.ipynb")
+        kernel = await post_start(jp_fetch)
+        assert session == kernel and session[0] == 503, (session, kernel)
+        message = session[1]["message"]
+        assert message.startswith("GPU quota: kernel not started: no GPU has 0.5 of budget left"), message
+        assert "HTTP 503" not in message and session[1]["reason"] == "GPU budget full"
+        assert server_log.tracebacks() == []
+        assert (await leftovers(jp_serverapp)) == before
+        # jupyter_server's sessions route is otherwise its own: listed, and shut down with its kernel.
+        listed = json.loads((await jp_fetch("api", "sessions")).body)
+        assert [s["path"] for s in listed] == ["holds.ipynb"]
+        await jp_fetch("api", "sessions", first["id"], method="DELETE")
+        assert await self.post_session(jp_fetch, "now-it-fits.ipynb") == (201, mock.ANY)
