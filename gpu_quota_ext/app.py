@@ -62,7 +62,7 @@ from .settings import (
     names_of,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
-from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings
+from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings, processes_by_kernel
 
 PROVISIONER_NAME = "gpu-quota-provisioner"
 
@@ -325,11 +325,15 @@ class GpuQuota(ExtensionApp):
         self._log_through_the_server()
         parts = self.start_parts(self.serverapp.runtime_dir if self.serverapp else None)
         policy, enforcement = parts.policy, parts.enforcement
+        kernels = KernelManagerView(self.serverapp.kernel_manager)
+        if isinstance(parts.ledger, RemoteLedger):
+            # Its lease names each kernel's processes, found as the monitor finds them (usage.attribution).
+            parts.ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots())
         manager = GpuQuotaManager(
             policy,
             parts.devices,
             parts.ledger,
-            KernelManagerView(self.serverapp.kernel_manager),
+            kernels,
             self.nvml_class(),
             watchdog_settings=enforcement,
             hard_cap=parts.hard_layer,

@@ -110,7 +110,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
                 self.kernel_id, kernelspec, spec.argv, spec_env, holder=self, language=spec.language
             )
         except AdmissionRefused as refusal:
-            raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
+            raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", refusal.reason) from None
         except KernelIdTaken as taken:
             raise self._refuse(manager, 409, f"GPU quota: kernel not started: {taken}", "Kernel id in use") from None
         except PolicyError as error:
