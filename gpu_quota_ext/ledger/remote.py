@@ -180,7 +180,7 @@ class RemoteLedger(HeldGrants):
                 grant = self._grant_from_wire(answer.data, kernel_id)
             except _Unusable as problem:
                 # The service holds it now: given back at once, not when this server's lease runs out.
-                self._give_back_unusable(kernel_id)
+                self._give_back(kernel_id)
                 reason = OTHER_DEVICES if problem.args[1:] == ("devices",) else UNUSABLE
                 raise AdmissionRefused(f"{problem.args[0]}; the grant was given back", reason) from None
             with self._lock:
@@ -194,25 +194,6 @@ class RemoteLedger(HeldGrants):
         raise AdmissionRefused(
             f"the GPU quota service at {self.url} refused this kernel ({answer.code}): {answer.message}", REFUSED
         )
-
-    def _give_back_unusable(self, kernel_id: str) -> None:
-        try:
-            answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
-        except _Unreachable as error:
-            log.warning(
-                "gpu-quota-ext: kernel %s: the unusable grant could not be given back (%s): the lease renewal, "
-                "which does not list it, releases it",
-                kernel_id,
-                error,
-            )
-            return
-        if answer.code not in (204, 404):
-            log.warning(
-                "gpu-quota-ext: the GPU quota service answered %s to giving back kernel %s's unusable grant: %s",
-                answer.code,
-                kernel_id,
-                answer.message,
-            )
 
     def change(
         self, kernel_id: str, requested: CapSpec, device: Optional[int] = None, source: str = "kernel request"
@@ -235,8 +216,12 @@ class RemoteLedger(HeldGrants):
         lists the kernel, releases it there (or the lease runs out)."""
         with self._lock:
             gone = self._grants.pop(kernel_id, None)
-        if gone is None:
-            return None
+        if gone is not None:
+            self._give_back(kernel_id)
+        return gone
+
+    def _give_back(self, kernel_id: str) -> None:
+        """DELETE the service's grant of a kernel this server no longer holds (released, or never usable)."""
         try:
             answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
         except _Unreachable as error:
@@ -247,15 +232,14 @@ class RemoteLedger(HeldGrants):
                 self.url,
                 error,
             )
-        else:
-            if answer.code not in (204, 404):
-                log.warning(
-                    "gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
-                    answer.code,
-                    kernel_id,
-                    answer.message,
-                )
-        return gone
+            return
+        if answer.code not in (204, 404):
+            log.warning(
+                "gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
+                answer.code,
+                kernel_id,
+                answer.message,
+            )
 
     def usage(self) -> List[dict]:
         """Per device: the host's budget and what every user holds of it, as the service said at the last

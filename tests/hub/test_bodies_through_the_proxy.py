@@ -2,7 +2,8 @@
 proxy as itself, not as the proxy's 503.
 
 A real configurable-http-proxy in front of a real jupyter_server with gpu_quota_ext (a subprocess) and of
-the host service's web app (in this process; no hub answers it, so a request without a token is its 401).
+the host service's web app (in this process, tests/unit/test_host_service_app.py's: no hub answers it, so a
+request without a token is its 401).
 Each request is sent three times, each on a connection of its own to the proxy, which keeps its own
 connections to the servers alive between them. Install the proxy with `bash tests/hub/setup.sh`.
 """
@@ -20,10 +21,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from traitlets.config import Config
 
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH
 from tests.integration.servers import TOKEN, Server
+from tests.unit.test_host_service_app import service  # noqa: F401 (the service's web app, no hub answering)
 
 from .hubtools import CHP, free_port
 
@@ -75,24 +76,6 @@ def ask(port: int, method: str, path: str, body: bytes, headers: dict) -> tuple:
             return answer.status, text[:200].decode(errors="replace")
     finally:
         connection.close()
-
-
-@pytest.fixture
-def service(tmp_path, monkeypatch):
-    from gpu_quota_ext.hub.service.app import GpuQuotaService
-
-    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{free_port()}/hub/api")  # no hub there
-    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
-    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
-    app = GpuQuotaService(config=config)
-    app.build()
-    app.connect_hub()
-    yield app
-    app.store.close()
 
 
 @pytest.mark.timeout(240)
