@@ -68,8 +68,8 @@ class GpuQuotaHandler(APIHandler):
             length = declared_length(self.request.headers)
         except ValueError as error:
             # tornado answers 400 and closes when it reads such a body, before any method runs; were it to
-            # read it after all, the method would answer the same.
-            self._refusal = web.HTTPError(400, str(error))
+            # read it after all, the method would answer the same, knowing no user.
+            self._refusal, self.current_user = web.HTTPError(400, str(error)), None
             return
         try:
             await super().prepare()
@@ -158,6 +158,7 @@ class GpuQuotaHandler(APIHandler):
 
 
 class StatusHandler(GpuQuotaHandler):
+    @web.authenticated
     async def get(self):
         self.require_user("read")
         self.finish(json.dumps(self.manager.status_answer(await self.session_paths())))
