@@ -22,7 +22,8 @@ def _load_jupyter_server_extension(serverapp):
     async def fill():
         manager = serverapp.web_app.settings[SETTINGS_KEY]
         for i in range(count):
-            await manager.admit(f"bench-{i:04d}-{uuid.uuid4()}", "python3", ["python", "-m", "ipykernel_launcher"], {})
+            kernel_id = f"bench-{i:04d}-{uuid.uuid4()}"
+            await manager.admit(kernel_id, "python3", ["python", "-m", "ipykernel_launcher"], {}, language="python")
         serverapp.log.info("sidebar_bench_server: %d grants in the ledger", count)
 
     # After every extension has loaded (gpu_quota_ext's manager must exist).

@@ -11,7 +11,8 @@ import asyncio
 import copy
 import logging
 import os
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -39,7 +40,7 @@ from .hard_limit import (
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
 from .parking import ParkSettings, build_park_settings
-from .policy import Policy, PolicyError, build_policy
+from .policy import Policy, PolicyError, build_policy, parse_value
 from .settings import (
     CAP,
     CHOICE,
@@ -62,7 +63,7 @@ from .settings import (
     server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
-from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings
+from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings, processes_by_kernel
 
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
@@ -86,11 +87,9 @@ def kernel_api_url(ip: str, port: int, base_url: str, tls: bool) -> str:
 
 def _make_ledger(devices: Sequence[Device], policy: Policy) -> Ledger:
     """The ledger this server's grants go through: the host's quota service when the hub names one
-    ($GPU_QUOTA_SERVICE_URL, an environment the hub sets, never a c.GpuQuota setting), else this server's own."""
-    try:
-        remote = RemoteLedger.from_environment(devices)
-    except PolicyError as error:
-        raise SystemExit(invalid_configuration(str(error))) from None
+    ($GPU_QUOTA_SERVICE_URL, an environment the hub sets, never a c.GpuQuota setting), else this server's own.
+    PolicyError when the hub's variables cannot be used (no token, not a URL)."""
+    remote = RemoteLedger.from_environment(devices)
     if remote is None:
         return LocalLedger(devices, policy)
     logging.getLogger("gpu_quota_ext").info(
@@ -106,6 +105,24 @@ def invalid_configuration(message: str) -> str:
     return f"gpu-quota-ext: invalid configuration: {message}"
 
 
+@dataclass
+class StartParts:
+    """What the server builds from its configuration before it serves, each part validated (GpuQuota.start_parts)."""
+
+    policy: Policy
+    enforcement: WatchdogSettings
+    parking: ParkSettings
+    inventory: Any
+    devices: Sequence[Device]
+    ledger: Ledger
+    hard_layer: HardCapLayer
+
+    def close(self) -> None:
+        """Undo what building them started (`jupyter gpu-quota check`): the hard layer's daemon, the ledger."""
+        self.hard_layer.stop_sync()
+        self.ledger.close()
+
+
 class _SettingTrait(TraitType):
     """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
     value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
@@ -119,7 +136,7 @@ class _SettingTrait(TraitType):
         try:
             typed = self.coerce(value)
             return typed if typed is None and self.allow_none else super().validate(obj, typed)
-        except (TraitError, ValueError):
+        except (TraitError, ValueError, PolicyError):
             raise TraitError(str(SettingError(self.name, value, self.row.must))) from None
 
     def coerce(self, value):
@@ -136,16 +153,14 @@ class ChoiceEnum(_SettingTrait, CaselessStrEnum):
 
 
 class Number(_SettingTrait, Float):
-    """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number."""
+    """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number,
+    by policy.parse_value as the hub's mapping is: True is no number, NaN is in no range."""
 
     def from_string(self, s):
         return s  # validate reads the text, so that a refusal shows it as written
 
     def coerce(self, value):
-        if not isinstance(value, str):
-            return value
-        text = value.strip()
-        return None if self.allow_none and text.lower() in ("", "none") else float(text)
+        return parse_value(self.name, value)
 
 
 class SizeOrFraction(_SettingTrait, UnionTrait):
@@ -289,31 +304,46 @@ class GpuQuota(ExtensionApp):
         variable = self.environment_source(error.name)
         return error if variable is None else error.from_environment(variable, os.environ[variable])
 
-    def initialize_settings(self):
-        self._log_through_the_server()
+    def start_parts(self, runtime_dir: Optional[str] = None) -> StartParts:
+        """Everything the server's start builds from its configuration, in the server's order: the settings,
+        the GPUs, the ledger (the host service's when the hub names one), the hard-limit layer, started (a
+        managed MPS daemon runs from here on: StartParts.close stops it). The server's start and `jupyter
+        gpu-quota check` both come here: whatever would stop the server raises SystemExit with its one line."""
         try:
             policy, enforcement, hard_cap = self.validated_settings()
             parking = self.park_settings()
             inventory = self.inventory_class(parent=self)
             devices = inventory.list_devices()
+            ledger = _make_ledger(devices, policy)
         except (PolicyError, TraitError) as error:
             self._stop_server(str(error))
-        hard_layer = HardCapLayer(hard_cap, self.serverapp.runtime_dir if self.serverapp else None)
+        hard_layer = HardCapLayer(hard_cap, runtime_dir)
         try:
             hard_layer.start(policy, devices)
         except HardCapUnavailable as error:
+            ledger.close()
             self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
+        return StartParts(policy, enforcement, parking, inventory, devices, ledger, hard_layer)
+
+    def initialize_settings(self):
+        self._log_through_the_server()
+        parts = self.start_parts(self.serverapp.runtime_dir if self.serverapp else None)
+        policy, enforcement = parts.policy, parts.enforcement
+        kernels = KernelManagerView(self.serverapp.kernel_manager)
+        if isinstance(parts.ledger, RemoteLedger):
+            # Its lease names each kernel's processes, found as the monitor finds them (usage.attribution).
+            parts.ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots())
         manager = GpuQuotaManager(
             policy,
-            devices,
-            _make_ledger(devices, policy),
-            KernelManagerView(self.serverapp.kernel_manager),
+            parts.devices,
+            parts.ledger,
+            kernels,
             self.nvml_class(),
             watchdog_settings=enforcement,
-            hard_cap=hard_layer,
+            hard_cap=parts.hard_layer,
             api_url=self._api_url,
-            no_gpu_reason=inventory.problem,
-            park_settings=parking,
+            no_gpu_reason=parts.inventory.problem,
+            park_settings=parts.parking,
             checkpoint=self.checkpoint_class(),
         )
         self.settings[SETTINGS_KEY] = manager
@@ -333,7 +363,7 @@ class GpuQuota(ExtensionApp):
             policy.placement,
             policy.on_full,
             policy.overcommit,
-            len(devices),
+            len(parts.devices),
         )
         self.log.info(
             "gpu-quota-ext: watchdog enforce %s, slack %s, grace %ss, poll every %ss",

@@ -4,12 +4,15 @@
     jupyter gpu-quota --generate-config   a commented `c.GpuQuota` section for jupyter_server_config.py
     jupyter gpu-quota check [--config=FILE] [--GpuQuota.NAME=VALUE ...]
                                           load the configuration as the server would and validate it:
-                                          the effective policy, the watchdog, the GPUs seen (or why none)
+                                          the effective policy, the watchdog, parking, the hard limit,
+                                          the ledger and the GPUs seen (or why none)
 
 The settings are the rows of gpu_quota_ext.settings and the GpuQuota traits made from them: nothing here
 writes a setting, its help or its default a second time. `check` loads config files, the command line and the
-environment through jupyter_server's own loading and validates them with the extension's own code, so a
-bad configuration ends with the very line the server would print, and exit status 1.
+environment through jupyter_server's own loading and builds what the server's start builds with the
+extension's own code (GpuQuota.start_parts: the settings, the GPUs, the ledger, the hard-limit layer,
+started and stopped again), so whatever would stop the server ends `check` with the very line the server
+would print, and exit status 1.
 """
 
 from __future__ import annotations
@@ -17,25 +20,21 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from jupyter_core.application import JupyterApp
 from traitlets import TraitError
 from traitlets.utils.text import wrap_paragraphs
 
 from . import __version__
-from .app import GpuQuota, invalid_configuration
+from .app import GpuQuota, StartParts
 from .devices import StaticInventory
-from .settings import DEFAULTS, POLICY, SETTINGS, names_of, server_setting_names
-from .shared.sizes import PolicyError, format_bytes
+from .settings import DEFAULTS, POLICY, names_of, server_setting_names
+from .shared.sizes import format_bytes
 
 
 def setting_names() -> List[str]:
     return sorted(server_setting_names())  # the host service's limits are its own (jupyter gpu-quota service)
-
-
-def environment_variable(name: str) -> Optional[str]:
-    return SETTINGS[name].env
 
 
 def builtin_defaults() -> Dict[str, object]:
@@ -129,14 +128,22 @@ def check_report(argv: List[str]) -> str:
     if server.config_file and not os.path.isfile(server.config_file):
         # The server skips a missing --config file without a word; a check should not.
         raise SystemExit(f"gpu-quota-ext: --config={server.config_file}: no such file (a server would ignore it)")
+    package_log = logging.getLogger("gpu_quota_ext")
+    level = package_log.level
+    package_log.setLevel(logging.ERROR)  # what the parts would log, the report below says
     try:
-        policy, enforcement, hard_cap = extension.validated_settings()
-        parking = extension.park_settings()
-        inventory = extension.inventory_class(parent=extension)
-        devices = inventory.list_devices()
-        problem = inventory.problem
-    except (PolicyError, TraitError) as error:
-        raise SystemExit(invalid_configuration(str(error))) from None
+        parts = extension.start_parts(server.runtime_dir)
+    finally:
+        package_log.setLevel(level)
+    try:
+        return _report(server, extension, parts)
+    finally:
+        parts.close()
+
+
+def _report(server, extension: GpuQuota, parts: StartParts) -> str:
+    policy, enforcement, parking = parts.policy, parts.enforcement, parts.parking
+    inventory, devices, problem = parts.inventory, parts.devices, parts.inventory.problem
 
     files = list(dict.fromkeys(list(server.loaded_config_files) + list(extension.loaded_config_files)))
     lines = ["configuration files read (later ones win):"]
@@ -150,7 +157,7 @@ def check_report(argv: List[str]) -> str:
     )
 
     def row(name: str, shown: object) -> str:
-        return f"  {name:<14} {shown!s:<12} ({setting_source(extension, name)})"
+        return f"  {name:<21} {shown!s:<12} ({setting_source(extension, name)})"
 
     described = policy.describe()
     lines.append("policy:")
@@ -167,6 +174,29 @@ def check_report(argv: List[str]) -> str:
     idle = parking.idle_after
     lines.append(row("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"))
     lines.append(row("park_host_margin", format_bytes(parking.host_margin)))
+
+    layer = parts.hard_layer
+    settings = layer.settings
+    lines.append("hard limit:")
+    lines.append(row("hard_cap", settings.mode))
+    lines.append(row("mps_daemon", settings.daemon))
+    lines.append(row("hard_limit", settings.limit))
+    lines.append(row("mps_context_allowance", format_bytes(settings.context_allowance)))
+    lines.append(row("mps_control", layer.binary or settings.control))
+    lines.append(row("mps_timeout", f"{settings.timeout:g} s"))
+    if layer.state == "on":
+        lines.append(f"  on: NVIDIA MPS ({settings.daemon} daemon) answered; each kernel gets a hard limit")
+    elif layer.state == "unavailable":
+        lines.append(f"  soft caps only: {layer.problem}")
+    else:
+        lines.append("  off: soft caps only (in-process caps and the watchdog)")
+
+    ledger = parts.ledger.decided_by()
+    lines.append(
+        f"ledger: {ledger}: it decides every cap and admission; the policy above is not used"
+        if ledger
+        else "ledger: this server's own (the policy above)"
+    )
 
     lines.append(f"devices ({type(inventory).__name__}):")
     if devices:

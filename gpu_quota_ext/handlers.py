@@ -2,8 +2,10 @@
 jupyter_server's authentication and authorization, except that a kernel may change (and report on) itself with
 its own secret, sent in a header.
 
-Bodies are small JSON objects: one over MAX_BODY is refused (413) from its Content-Length, before it is
-read, or as soon as it grows past the limit when it comes chunked. A body that does not parse, however
+Bodies are small JSON objects: one over MAX_BODY is refused (413), from its Content-Length or as soon as it
+grows past the limit when it comes chunked, and never kept. A refusal decided before the body is read (413,
+403) is answered once the body has arrived and been dropped (shared/request_body.py says why); a malformed
+Content-Length is tornado's 400, as on jupyter_server's own routes. A body that does not parse, however
 (deep nesting included), is a 400. Error answers are JSON, `{"message": ..., "reason": ...}`, with the
 message as written (tornado keeps an HTTPError's text as a %-format; it is formatted here, once) and
 any value echoed from the request cut to a few dozen characters.
@@ -15,6 +17,7 @@ import json
 from typing import Any, Optional
 
 from jupyter_server.base.handlers import APIHandler
+from jupyter_server.services.sessions.handlers import SessionRootHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.httputil import responses
@@ -32,6 +35,7 @@ from .shared.contract import (
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
+from .shared.request_body import body_follows, declared_length
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -46,25 +50,44 @@ AUTH_RESOURCE = "gpu_quota"
 KERNEL_ID_PATTERN = r"(?P<kernel_id>[\w-]+)"
 
 
-@web.stream_request_body  # so that a body over the limit is refused before it is read
+@web.stream_request_body  # so that a body over the limit is dropped as it arrives, never kept
 class GpuQuotaHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
     def manager(self):
-        """The extension's GpuQuotaManager."""
+        """The extension's GpuQuotaManager (never reached by a request refused before its body)."""
+        self.answer_refusal()
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
         self._body = bytearray()
         self._body_too_large = False
-        await super().prepare()
-        length = self.request.headers.get("Content-Length")
-        if length is not None and int(length) > MAX_BODY:
-            raise web.HTTPError(413, f"the request body is {int(length)} bytes; the most this API reads is 64 KiB")
+        self._refusal: Optional[web.HTTPError] = None
+        try:
+            length = declared_length(self.request.headers)
+        except ValueError as error:
+            # tornado answers 400 and closes when it reads such a body, before any method runs; were it to
+            # read it after all, the method would answer the same, knowing no user.
+            self._refusal, self.current_user = web.HTTPError(400, str(error)), None
+            return
+        try:
+            await super().prepare()
+            if length is not None and length > MAX_BODY:
+                raise web.HTTPError(413, f"the request body is {length} bytes; the most this API reads is 64 KiB")
+        except web.HTTPError as refusal:
+            if not body_follows(self.request.headers):
+                raise
+            self._refusal, self._body_too_large = refusal, True  # answered by the method, once the body is in
+
+    def answer_refusal(self) -> None:
+        """Raise the refusal prepare() decided before the body arrived. Every route reaches it first: through
+        require_user, require_user_or_kernel or the manager."""
+        if self._refusal is not None:
+            raise self._refusal
 
     def data_received(self, chunk: bytes) -> None:
-        # A chunked body has no length to check up front: keep at most the limit, drop the rest.
+        # Past the limit (or refused already), what arrives is dropped.
         if self._body_too_large:
             return
         if len(self._body) + len(chunk) > MAX_BODY:
@@ -99,6 +122,7 @@ class GpuQuotaHandler(APIHandler):
 
     def require_user(self, action: str) -> None:
         """What @web.authenticated and @authorized do, for routes that also accept a kernel's secret."""
+        self.answer_refusal()
         if not self.current_user:
             raise web.HTTPError(403)
         if not self.authorizer.is_authorized(self, self.current_user, action, self.auth_resource):
@@ -106,6 +130,7 @@ class GpuQuotaHandler(APIHandler):
 
     def require_user_or_kernel(self, kernel_id: str, action: str) -> str:
         """The server's user, or kernel `kernel_id` itself with its own secret. Returns who asked."""
+        self.answer_refusal()
         token = self.kernel_token()
         if token is None:
             self.require_user(action)
@@ -287,8 +312,39 @@ class ResumeHandler(_ParkRoute):
         return await self.manager.request_resume(kernel_id, who)
 
 
-# Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's.
+class SessionsHandler(SessionRootHandler):
+    """jupyter_server's own POST /api/sessions (what JupyterLab opens a notebook with), in every respect but
+    one: a kernel start that failed with an HTTP status of its own (the quota's 503 "GPU budget full", 400,
+    409) is answered with that status and message, as POST /api/kernels answers it. jupyter_server turns any
+    exception of a session's kernel start into a 500 (keeping the exception as its cause); a full GPU is no
+    server error, and a client that retries on 503 should see one."""
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        refusal = _start_refusal((kwargs.get("exc_info") or (None, None, None))[1])
+        if refusal is not None:
+            kwargs["exc_info"] = (type(refusal), refusal, refusal.__traceback__)
+            status_code = refusal.status_code
+        super().send_error(status_code, **kwargs)
+
+    def log_exception(self, typ, value, tb) -> None:
+        refusal = _start_refusal(value)
+        if refusal is not None:
+            typ, value, tb = type(refusal), refusal, refusal.__traceback__
+        super().log_exception(typ, value, tb)
+
+
+def _start_refusal(error: Optional[BaseException]) -> Optional[web.HTTPError]:
+    """The HTTP error a session's kernel start failed with, when jupyter_server wrapped it in its 500."""
+    cause = getattr(error, "__cause__", None)
+    if isinstance(error, web.HTTPError) and error.status_code == 500 and isinstance(cause, web.HTTPError):
+        return cause
+    return None
+
+
+# Relative to the server's base_url (ExtensionApp prepends it); the paths are shared.contract's, but for
+# jupyter_server's own sessions route: an extension's handlers are matched before the server's.
 HANDLERS = [
+    ("/api/sessions", SessionsHandler),
     (STATUS_PATH, StatusHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN), KernelHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),

@@ -12,9 +12,13 @@ Values the kernelspec or the user already set are merged, never loosened: the sm
 inherited limit that is not a positive number (CuPy reads 0 as "no limit") is ignored, never passed on;
 no framework variable is ever written as 0 (the ledger grants no cap below 1 MiB).
 
-The kernel's secret (and the API's address) go only to Python kernels: their bootstrap moves the secret
-out of the environment. Any other kernel would keep it in its environment for every child process to
-read, and it could not use `%gpucap` anyway; it gets its caps and nothing else.
+The kernel's secret (and the API's address) go only to kernels whose bootstrap runs: ipykernel's, for the
+Python language (IPython runs PYTHONSTARTUP at start), and the bootstrap moves the secret out of the
+environment. Any other kernel (bash_kernel's argv[0] is a python too) would keep it in its environment for
+every child process to read, and it could not use `%gpucap` anyway; it gets its caps and nothing else.
+
+Our own kernel-side variables (shared/env_vars.KERNEL_SIDE) are set or removed here, every one, at every
+launch: none is inherited from the server's environment (`kernel_environment`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .shared.env_vars import (
     CPU_ONLY_REASON,
     DEVICES,
     KERNEL_ID,
+    KERNEL_SIDE,
     TOKEN,
     USER_STARTUP,
 )
@@ -100,9 +105,21 @@ def launch_env(
         user_startup = env.get("PYTHONSTARTUP")
         if user_startup and Path(user_startup) != STARTUP_FILE:
             out[USER_STARTUP] = user_startup
+        elif user_startup and env.get(USER_STARTUP):
+            # A server started inside one of our kernels: the user's own startup is what that kernel chained.
+            out[USER_STARTUP] = env[USER_STARTUP]
         out["PYTHONSTARTUP"] = str(STARTUP_FILE)
     out.update(hard_limit or {})
     return out
+
+
+def kernel_environment(env: Mapping[str, str], variables: Mapping[str, str]) -> Dict[str, str]:
+    """The kernel's whole environment: `env` (the kernelspec's merged into the server's) with `variables`
+    (launch_env's), and without any other kernel-side variable of ours: a GPU_QUOTA_LAYERS, a CPU-only
+    reason or a secret the server's own environment carries is no statement about this kernel."""
+    kept = {name: value for name, value in env.items() if name not in KERNEL_SIDE}
+    kept.update(variables)
+    return kept
 
 
 def _fraction_text(fraction: float) -> str:
@@ -136,9 +153,10 @@ def _tighter_fraction(existing: Optional[str], ours: str) -> str:
     return ours
 
 
-def is_python_kernel(argv: Sequence[str]) -> bool:
-    """ipykernel-style kernelspecs: argv[0] is a python and `-m ipykernel...` or a *python* launcher."""
-    if not argv:
+def is_python_kernel(argv: Sequence[str], language: Optional[str]) -> bool:
+    """Whether the bootstrap runs in the kernel: the kernelspec's language is Python (bash_kernel, whose argv[0]
+    is a python, says "bash") and it runs ipykernel (`-m ipykernel_launcher`, or a python launcher)."""
+    if (language or "").strip().lower() != "python" or not argv:
         return False
     program = Path(str(argv[0])).name.lower()
     joined = " ".join(str(a) for a in argv).lower()

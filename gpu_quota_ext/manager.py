@@ -247,11 +247,14 @@ class GpuQuotaManager:
         argv: Sequence[str],
         env: Mapping[str, str],
         holder: Optional[object] = None,
+        *,
+        language: str,
     ) -> Dict[str, str]:
         """Grant (or find, on restart) the kernel's caps; return the variables its environment gets.
 
         `holder` is the start asking (its provisioner): a restart by the same holder keeps its grant;
-        another start of the same kernel id raises KernelIdTaken. Raises AdmissionRefused
+        another start of the same kernel id raises KernelIdTaken. `language` (the kernelspec's) and `argv`
+        say whether the bootstrap runs there (launch_env.is_python_kernel). Raises AdmissionRefused
         (on_full="refuse") or PolicyError (a cap that cannot be granted on a device).
         """
         grant = self._held_grant(kernel_id, holder)
@@ -278,7 +281,7 @@ class GpuQuotaManager:
                 raise
             log.info("gpu-quota-ext: kernel %s (%s) %s", kernel_id, kernelspec, describe_grant(grant))
         # Only a Python kernel's bootstrap moves the secret out of its environment: no one else gets it.
-        python = is_python_kernel(argv)
+        python = is_python_kernel(argv, language)
         probe = await self.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
         return launch_env(
             grant,

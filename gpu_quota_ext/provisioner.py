@@ -4,7 +4,9 @@ Every kernelspec without a provisioner stanza of its own is launched through it,
 its grant (and the environment that carries it) before its process exists, with no kernelspec edited.
 
 Admission comes first, before jupyter_client takes anything for the kernel (five ports from its port
-cache, the connection file): a refused start takes nothing. A start that fails later (the launch itself,
+cache, the connection file): a refused start takes nothing. A kernel id a client chose that jupyter_server's
+own routes (GET, DELETE /api/kernels/<id>) cannot name is refused before that: its kernel could never be
+shut down, and its grant would hold budget until the server stops. A start that fails later (the launch itself,
 or anything unexpected) gives back everything it took. A refusal is a normal event for a quota: it is
 answered with a clear status and logged in one line, without a traceback.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from typing import Any, List, Optional, Union
 
 from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
@@ -21,16 +24,28 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from tornado import web
 
+from .launch_env import kernel_environment
 from .ledger import AdmissionRefused
 from .manager import SETTINGS_KEY, GpuQuotaManager, KernelIdTaken
-from .shared.sizes import PolicyError
+from .shared.sizes import PolicyError, shown
 from .usage import pending_kernels
 
 log = logging.getLogger("gpu_quota_ext")
 
+# The kernel id in jupyter_server's routes /api/kernels/<id>[/...] (services/kernels/handlers.py, 2.x):
+# a client may choose any id at POST /api/kernels, but only these can be looked up, restarted or shut down.
+ROUTABLE_KERNEL_ID = re.compile(r"\w+-\w+-\w+-\w+-\w+")
+MAX_KERNEL_ID = 128  # characters: a UUID has 36; the id also names the connection file
+
 
 class StartRefused(web.HTTPError):
-    """A kernel start the quota turned down, with the HTTP status and message the client gets."""
+    """A kernel start the quota turned down, with the HTTP status and message the client gets.
+
+    Its text is the message alone: whoever wraps it (jupyter_server's POST /api/sessions answers any failed
+    start as a 500 whose message is str() of the error) shows what the user must read, not "HTTP 503: ..."."""
+
+    def __str__(self) -> str:
+        return self.get_message() or super().__str__()
 
 
 class _NoRefusalTracebacks(logging.Filter):
@@ -77,14 +92,25 @@ class GpuQuotaProvisioner(LocalProvisioner):
             return await super().pre_launch(**kwargs)
         if self._start_task is None:
             self._start_task = asyncio.current_task()  # jupyter_client's pending entry for this start
+        if len(self.kernel_id) > MAX_KERNEL_ID or not ROUTABLE_KERNEL_ID.fullmatch(self.kernel_id):
+            raise self._refuse(
+                manager,
+                400,
+                f"GPU quota: kernel not started: the kernel id {shown(self.kernel_id)} is not one jupyter_server's "
+                "/api/kernels/<id> routes can reach (a UUID like 0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b11)",
+                "Kernel id not usable",
+            )
         # The environment the kernel will have before our additions (the kernelspec's env merged in), as
         # the base provisioner computes it: that step takes no ports and writes no file.
         spec_env = (await KernelProvisionerBase.pre_launch(self, env=kwargs.get("env", os.environ)))["env"]
         kernelspec = self._kernelspec_name()
         try:
-            updates = await manager.admit(self.kernel_id, kernelspec, self.kernel_spec.argv, spec_env, holder=self)
+            spec = self.kernel_spec
+            updates = await manager.admit(
+                self.kernel_id, kernelspec, spec.argv, spec_env, holder=self, language=spec.language
+            )
         except AdmissionRefused as refusal:
-            raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", "GPU budget full") from None
+            raise self._refuse(manager, 503, f"GPU quota: kernel not started: {refusal}", refusal.reason) from None
         except KernelIdTaken as taken:
             raise self._refuse(manager, 409, f"GPU quota: kernel not started: {taken}", "Kernel id in use") from None
         except PolicyError as error:
@@ -99,9 +125,7 @@ class GpuQuotaProvisioner(LocalProvisioner):
         except BaseException:
             self._give_back(manager)
             raise
-        env = dict(kwargs.get("env") or {})
-        env.update(updates)
-        kwargs["env"] = env
+        kwargs["env"] = kernel_environment(kwargs.get("env") or {}, updates)
         return kwargs
 
     async def launch_kernel(self, cmd: List[str], **kwargs: Any) -> KernelConnectionInfo:

@@ -302,8 +302,9 @@ SETTINGS: Dict[str, Setting] = _table(
         env="GPU_QUOTA_ON_FULL",
         choices=("refuse", "cpu-only"),
         per_user=True,
-        help="""When no device has budget left: "refuse" (the start fails with a clear message) or
-        "cpu-only" (the kernel starts with no GPU visible).""",
+        help="""When no device has budget left: "refuse" (the start fails with HTTP 503 and the reason, through
+        POST /api/kernels and JupyterLab's POST /api/sessions alike: JupyterLab's "Error Starting Kernel" dialog
+        shows it) or "cpu-only" (the kernel starts with no GPU visible).""",
     ),
     Setting(
         "on_over_max",

@@ -30,7 +30,12 @@ from ..policy import CapSpec, PolicyDecision
 
 
 class AdmissionRefused(Exception):
-    """No device has budget left for this kernel and policy says refuse (`on_full = "refuse"`)."""
+    """No device has budget left for this kernel and policy says refuse (`on_full = "refuse"`), or the ledger
+    cannot admit it for another `reason` (a host service that cannot be reached or used: remote.py)."""
+
+    def __init__(self, message: str, reason: str = "GPU budget full"):
+        super().__init__(message)
+        self.reason = reason  # a few words for the HTTP answer's "reason"
 
 
 class UnknownKernel(KeyError):

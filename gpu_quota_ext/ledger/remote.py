@@ -10,7 +10,8 @@ CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
   c.GpuQuota would give) is ignored, so a user's own config can neither raise a cap nor skip admission.
 - Devices are UUIDs on the wire and this server's indexes here.
 - A background thread renews this server's lease every LEASE_RENEW seconds (sooner when the service
-  grants shorter leases), listing every kernel it holds a grant for and their processes: a service that
+  grants shorter leases), listing every kernel it holds a grant for and their processes (`processes`, given
+  by the server: usage.attribution finds them, as for the monitor; none until it is given): a service that
   restarted re-learns them, and the grants of a server that stopped renewing (it crashed) are released
   by the service when the lease runs out. The thread never touches the event loop; `close()` stops it.
 - A kernel start while the service cannot be reached is retried START_RETRIES times, then refused with
@@ -27,15 +28,13 @@ import socket
 import ssl
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
-
-import psutil
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from ..devices import Device
 from ..policy import CapSpec, PolicyDecision, PolicyError, shown
-from ..shared.env_vars import KERNEL_ID
 from ..shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from ..shared.service_contract import (
     CALL_TIMEOUT,
@@ -58,6 +57,16 @@ MAX_ANSWER = 1024 * 1024  # bytes of one answer this server reads
 
 class _Unreachable(Exception):
     """No usable answer: connection refused or reset, timeout, a proxy's 502/503/504, not JSON."""
+
+
+class _Unusable(ValueError):
+    """An answer that says something this server cannot act on (a grant on a device it does not have)."""
+
+
+UNREACHABLE = "GPU quota service unreachable"
+UNUSABLE = "GPU quota service answer unusable"
+OTHER_DEVICES = "GPU quota service has other GPUs"
+REFUSED = "Refused by the GPU quota service"
 
 
 @dataclass(frozen=True)
@@ -119,16 +128,22 @@ class RemoteLedger(HeldGrants):
         self._interval = renew_every
         self._reachable = True  # the renewer logs the moments this changes, not every failed try
         self._host_devices: Dict[str, dict] = {}  # uuid -> the service's row: the host's budget, every user's grants
+        # kernel ids -> {kernel id: its processes' PIDs}; called from the renewer thread.
+        self.processes: Callable[[Set[str]], Dict[str, List[int]]] = lambda kernel_ids: {}
 
     @classmethod
     def from_environment(
         cls, devices: Sequence[Device], environ: Mapping[str, str] = os.environ
     ) -> Optional["RemoteLedger"]:
         """The remote ledger the hub asks for ($GPU_QUOTA_SERVICE_URL), or None when it asks for none.
-        PolicyError when the hub set the URL but gave this server no token to present."""
+        PolicyError when the hub set something that is not a service's URL, or gave this server no token
+        to present: the server refuses to start, rather than fail every kernel start."""
         url = (environ.get(SERVICE_URL_ENV) or "").strip()
         if not url:
             return None
+        problem = _url_problem(url)
+        if problem:
+            raise PolicyError(f"${SERVICE_URL_ENV} = {shown(url)} is not the URL of a GPU quota service: {problem}")
         token = environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JPY_API_TOKEN")
         if not token:
             raise PolicyError(
@@ -161,7 +176,13 @@ class RemoteLedger(HeldGrants):
         }
         answer = self._call_retrying("POST", GRANTS_PATH, body)
         if answer.code in (200, 201):
-            grant = self._grant_from_wire(answer.data, kernel_id)
+            try:
+                grant = self._grant_from_wire(answer.data, kernel_id)
+            except _Unusable as problem:
+                # The service holds it now: given back at once, not when this server's lease runs out.
+                self._give_back(kernel_id)
+                reason = OTHER_DEVICES if problem.args[1:] == ("devices",) else UNUSABLE
+                raise AdmissionRefused(f"{problem.args[0]}; the grant was given back", reason) from None
             with self._lock:
                 self._grants[kernel_id] = grant
             self._start_renewer()
@@ -171,7 +192,7 @@ class RemoteLedger(HeldGrants):
         if answer.code == 409:
             raise AdmissionRefused(answer.message)
         raise AdmissionRefused(
-            f"the GPU quota service at {self.url} refused this kernel ({answer.code}): {answer.message}"
+            f"the GPU quota service at {self.url} refused this kernel ({answer.code}): {answer.message}", REFUSED
         )
 
     def change(
@@ -195,8 +216,12 @@ class RemoteLedger(HeldGrants):
         lists the kernel, releases it there (or the lease runs out)."""
         with self._lock:
             gone = self._grants.pop(kernel_id, None)
-        if gone is None:
-            return None
+        if gone is not None:
+            self._give_back(kernel_id)
+        return gone
+
+    def _give_back(self, kernel_id: str) -> None:
+        """DELETE the service's grant of a kernel this server no longer holds (released, or never usable)."""
         try:
             answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
         except _Unreachable as error:
@@ -207,15 +232,14 @@ class RemoteLedger(HeldGrants):
                 self.url,
                 error,
             )
-        else:
-            if answer.code not in (204, 404):
-                log.warning(
-                    "gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
-                    answer.code,
-                    kernel_id,
-                    answer.message,
-                )
-        return gone
+            return
+        if answer.code not in (204, 404):
+            log.warning(
+                "gpu-quota-ext: the GPU quota service answered %s to the release of kernel %s: %s",
+                answer.code,
+                kernel_id,
+                answer.message,
+            )
 
     def device_grants(self) -> List[dict]:
         """Per device: the host's budget and what every user holds of it, as the service said at the last
@@ -252,7 +276,11 @@ class RemoteLedger(HeldGrants):
         service says it released are forgotten here. False when the service could not be reached."""
         with self._lock:
             held = list(self._grants)
-        pids = _kernel_processes(set(held))
+        try:
+            pids = self.processes(set(held))
+        except Exception as error:  # the lease goes on without PIDs: the grants matter more
+            log.warning("gpu-quota-ext: finding the kernels' processes for the lease failed: %r", error)
+            pids = {}
         body = {"server": self.server, "kernels": [{"kernel_id": k, "pids": pids.get(k, [])} for k in held]}
         try:
             answer = self._call("POST", LEASE_PATH, body)
@@ -353,7 +381,10 @@ class RemoteLedger(HeldGrants):
             raise PolicyError(answer.message)
         if answer.code != 200:
             return ChangeOutcome("refused", current, f"the GPU quota service answered {answer.code}: {answer.message}")
-        grant = self._grant_from_wire(answer.data, kernel_id)
+        try:
+            grant = self._grant_from_wire(answer.data, kernel_id)
+        except _Unusable as problem:
+            return ChangeOutcome("refused", current, f"{problem.args[0]}; the cap stays as it was")
         with self._lock:
             if kernel_id in self._grants:  # released meanwhile: stays released
                 self._grants[kernel_id] = grant
@@ -370,14 +401,22 @@ class RemoteLedger(HeldGrants):
         return grant
 
     def _grant_from_wire(self, data: dict, kernel_id: str) -> Grant:
+        """The grant of the service's answer, in this server's device indexes. _Unusable when it is none;
+        its second argument "devices" when the service granted a device this server does not have."""
         record = data.get("grant") if isinstance(data, dict) else None
         try:
             if not isinstance(record, dict) or record.get("kernel_id") != kernel_id:
                 raise ValueError("no grant for this kernel")
             entries = record["devices"]
-            unknown = [e["uuid"] for e in entries if e["uuid"] not in self._index_of]
+            unknown = [str(e["uuid"]) for e in entries if e["uuid"] not in self._index_of]
             if unknown:
-                raise ValueError(f"it grants devices {unknown} this server does not see")
+                have = shown(", ".join(self._index_of)) if self._index_of else "none"
+                raise _Unusable(
+                    f"the host's GPU quota service at {self.url} granted device {shown(', '.join(unknown))}, which "
+                    f"this server does not have: it has {have} (the service and the users' servers must list the "
+                    "host's GPUs by the same UUIDs)",
+                    "devices",
+                )
             index = {e["uuid"]: self._index_of[e["uuid"]] for e in entries}
             return Grant(
                 kernel_id=kernel_id,
@@ -391,8 +430,10 @@ class RemoteLedger(HeldGrants):
                 placed=bool(record["placed"]),
                 cpu_only_reason=record.get("cpu_only_reason"),
             )
+        except _Unusable:
+            raise
         except (KeyError, TypeError, ValueError) as error:
-            raise AdmissionRefused(
+            raise _Unusable(
                 f"the GPU quota service at {self.url} answered something this server cannot use: {error}"
             ) from None
 
@@ -407,7 +448,7 @@ class RemoteLedger(HeldGrants):
                 return self._call(method, path, body)
             except _Unreachable as failure:
                 error = failure
-        raise AdmissionRefused(f"the GPU quota service at {self.url} is unreachable: {error}")
+        raise AdmissionRefused(f"the GPU quota service at {self.url} is unreachable: {error}", UNREACHABLE)
 
     def _call(self, method: str, path: str, body: Optional[dict] = None) -> _Answer:
         request = urllib.request.Request(
@@ -434,6 +475,24 @@ class RemoteLedger(HeldGrants):
             raise _Unreachable(str(reason) or error.__class__.__name__) from None
 
 
+def _url_problem(url: str) -> Optional[str]:
+    """Why urllib could never call `url` (+ a path), or None: an http(s) URL with a host and a valid port."""
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return "it holds spaces or control characters"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number, or out of range)
+    except ValueError as error:
+        return str(error)
+    if parts.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not parts.hostname:
+        return "it names no host"
+    if parts.query or parts.fragment:
+        return "it must end with the service's prefix, without ? or #"
+    return None
+
+
 def _answer(code: int, raw: bytes, allow_text: bool = False) -> _Answer:
     if len(raw) > MAX_ANSWER:
         raise _Unreachable(f"an answer over {MAX_ANSWER} bytes")
@@ -446,23 +505,3 @@ def _answer(code: int, raw: bytes, allow_text: bool = False) -> _Answer:
             return _Answer(code, {"message": raw[:200].decode(errors="replace").strip()})
         raise _Unreachable(f"HTTP {code} with an answer that is not JSON") from None
     return _Answer(code, data if isinstance(data, dict) else {})
-
-
-def _kernel_processes(kernel_ids: set) -> Dict[str, List[int]]:
-    """PIDs of this server's processes that belong to each kernel: the launch hook puts the kernel's id in
-    its environment, which its children inherit. The service attributes GPU memory to kernels by them."""
-    found: Dict[str, List[int]] = {}
-    if not kernel_ids:
-        return found
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return found
-    for child in children:
-        try:
-            kernel_id = child.environ().get(KERNEL_ID)
-        except (psutil.Error, OSError):
-            continue  # gone, or not readable
-        if kernel_id in kernel_ids:
-            found.setdefault(kernel_id, []).append(child.pid)
-    return found

@@ -8,7 +8,7 @@ over their cap), watchdog_settings.py (its settings), periodic.py (a round
 every poll interval). The manager (manager.py) builds and owns them; nothing here imports it.
 """
 
-from .attribution import PidResolver, ProcTable, kernel_for_pid
+from .attribution import PidResolver, ProcTable, kernel_for_pid, processes_by_kernel
 from .kernels import KernelActions, KernelEnds, KernelIds, KernelManagerView, KernelRoots, pending_kernels
 from .lifecycle import KernelLifecycle
 from .reports import KernelReports
@@ -17,7 +17,7 @@ from .watchdog import Watchdog
 from .watchdog_settings import WatchdogSettings, build_watchdog_settings
 
 __all__ = [
-    "PidResolver", "ProcTable", "kernel_for_pid", "KernelManagerView", "KernelIds", "KernelRoots", "KernelEnds",
-    "KernelActions", "pending_kernels", "KernelLifecycle",
+    "PidResolver", "ProcTable", "kernel_for_pid", "processes_by_kernel", "KernelManagerView", "KernelIds",
+    "KernelRoots", "KernelEnds", "KernelActions", "pending_kernels", "KernelLifecycle",
     "KernelReports", "Monitor", "Sample", "Watchdog", "WatchdogSettings", "build_watchdog_settings",
 ]

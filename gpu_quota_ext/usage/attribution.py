@@ -145,6 +145,31 @@ def kernel_for_pid(
     return None
 
 
+def processes_by_kernel(
+    kernel_ids: Collection[str],
+    roots: Mapping[int, str],
+    table: Optional["ProcTable"] = None,
+    own_uid: Optional[int] = None,
+) -> Dict[str, List[int]]:
+    """This server's processes (every descendant of this one) that belong to each of `kernel_ids`, by
+    kernel_for_pid: what a user server's lease tells the host service about its kernels."""
+    found: Dict[str, List[int]] = {}
+    if not kernel_ids:
+        return found
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return found
+    table = table or ProcTable()
+    uid = own_uid if own_uid is not None else (os.getuid() if hasattr(os, "getuid") else None)
+    for child in children:
+        pid = child.pid
+        owner = kernel_for_pid(pid, roots, table.parent_of, table.kernel_in_environ, kernel_ids, table.uids_of, uid)
+        if owner is not None and owner.kernel_id in kernel_ids:
+            found.setdefault(owner.kernel_id, []).append(pid)
+    return found
+
+
 class ProcTable:
     """The live process table. Every read may fail (the process ended, or is another user's): None then."""
 

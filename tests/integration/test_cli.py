@@ -19,6 +19,7 @@ import pytest
 import gpu_quota_ext
 from gpu_quota_ext.app import GpuQuota
 
+from .fake_mps import FAKE_CONTROL, fake_processes
 from .test_bad_config import start_server
 
 pytestmark = pytest.mark.slow  # each test starts a whole server or a CLI process
@@ -142,6 +143,25 @@ def test_check_says_why_it_sees_no_gpu(tmp_path):
         ([STATIC, "--GpuQuota.on_full=wait"], {}, "c.GpuQuota.on_full = 'wait': must be one of 'refuse', 'cpu-only'"),
         ([STATIC], {"GPU_QUOTA_PARK_IDLE_AFTER": "soon"}, "(from the environment variable GPU_QUOTA_PARK_IDLE_AFTER)"),
         (["--GpuQuota.inventory_class=os.path"], {}, "inventory_class"),
+        # Issue 19, item 5: what stops the server beyond the settings' values fails check the same way.
+        (
+            [STATIC, "--GpuQuota.hard_cap=mps", "--GpuQuota.mps_control=/nonexistent/nvidia-cuda-mps-control"],
+            {},
+            "c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon",
+        ),
+        ([STATIC], {"GPU_QUOTA_SERVICE_URL": "abc"}, "$GPU_QUOTA_SERVICE_URL = 'abc' is not the URL"),
+        (
+            [STATIC],
+            {"GPU_QUOTA_SERVICE_URL": "http://[::1", "JUPYTERHUB_API_TOKEN": "t"},
+            "$GPU_QUOTA_SERVICE_URL = 'http://[::1' is not the URL of a GPU quota service: Invalid IPv6 URL",
+        ),
+        (
+            [STATIC],
+            {"GPU_QUOTA_SERVICE_URL": "http://127.0.0.1:9/services/gpu-quota/"},
+            "but this server has no JUPYTERHUB_API_TOKEN",
+        ),
+        ([STATIC, "--GpuQuota.overcommit=True"], {}, "c.GpuQuota.overcommit = 'True': must be a positive number"),
+        ([STATIC], {"GPU_QUOTA_OVERCOMMIT": "nan"}, "= 'nan' (from the environment variable GPU_QUOTA_OVERCOMMIT)"),
     ],
 )
 def test_a_bad_config_fails_check_with_the_servers_own_line(tmp_path, args, env, names):
@@ -169,3 +189,21 @@ def test_check_refuses_a_config_file_that_does_not_exist(tmp_path):
     result = gpu_quota(tmp_path, "check", f"--config={tmp_path / 'missing.py'}")
     assert result.returncode == 1
     assert "no such file" in result.stderr
+
+
+def test_check_shows_the_hard_limit_and_stops_what_it_started(tmp_path):
+    """hard_cap = "mps" with a usable (fake) control program: check starts the managed daemon as the server
+    would, says the layer is on, and leaves no daemon behind."""
+    before = set(fake_processes())
+    result = gpu_quota(
+        tmp_path, "check", STATIC, "--GpuQuota.hard_cap=mps", f"--GpuQuota.mps_control={FAKE_CONTROL}",
+        "--GpuQuota.mps_timeout=30", GPU_QUOTA_HARD_LIMIT="cap",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.split("hard limit:\n", 1)[1]
+    assert re.search(r"hard_cap\s+mps\s+\(from config\)", out), out
+    assert re.search(r"hard_limit\s+cap\s+\(from \$GPU_QUOTA_HARD_LIMIT\)", out), out
+    assert re.search(r"mps_context_allowance\s+640\.0 MiB\s+\(default\)", out), out
+    assert "on: NVIDIA MPS (managed daemon) answered" in out, out
+    assert set(fake_processes()) <= before
+    assert not list((tmp_path / "runtime").glob("gpu-quota-mps-*"))

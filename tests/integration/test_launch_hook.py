@@ -3,6 +3,8 @@
 import asyncio
 import json
 import logging
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from traitlets.config import Config
 
 from gpu_quota_ext.manager import SETTINGS_KEY
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared import env_vars
+from gpu_quota_ext.shared.env_vars import KERNEL_SIDE
 
 from .kernels import (
     execute,
@@ -173,6 +177,57 @@ async def test_a_non_python_kernel_never_holds_the_kernel_secret(jp_fetch, jp_se
     assert out.split() == ["GPU_QUOTA_KERNEL_TOKEN=None", "GPU_QUOTA_API_URL=None", f"CUPY_GPU_MEMORY_LIMIT={20 * GiB}"]
     # No secret was made for it either: nothing can act as this kernel through the API.
     assert kernel_id not in jp_serverapp.web_app.settings[SETTINGS_KEY]._tokens
+
+
+async def test_kernel_side_variables_of_the_servers_environment_never_reach_a_kernel(
+    jp_fetch, jp_serverapp, tiny_kernelspec, monkeypatch
+):
+    """Issue 19: GPU_QUOTA_LAYERS='{' or a CPU-only reason with escape sequences in the server's own
+    environment reached capped kernels (the hard layer was off, the kernel not CPU-only: nothing replaced them)."""
+    planted = {name: "\x1b]0;owned\x07{" for name in KERNEL_SIDE}
+    for name, value in planted.items():
+        monkeypatch.setenv(name, value)
+    python = await start_kernel(jp_fetch)
+    seen = await kernel_env(jp_serverapp, python, KERNEL_SIDE)
+    assert seen[env_vars.LAYERS] is None and seen[env_vars.CPU_ONLY_REASON] is None and seen[env_vars.TOKEN] is None
+    assert seen[env_vars.KERNEL_ID] == python and json.loads(seen[env_vars.DEVICES])[0]["cap"] == 20 * GiB
+    assert not [name for name, value in seen.items() if value == planted[name]], seen
+    other = await start_kernel(jp_fetch, tiny_kernelspec)
+    out = (await execute(jp_serverapp, other, " ".join(KERNEL_SIDE))).split()
+    assert not [entry for entry in out if "owned" in entry], out
+    assert f"{env_vars.API_URL}=None" in out and f"{env_vars.TOKEN}=None" in out
+    for kernel_id in (python, other):
+        await shutdown_kernel(jp_fetch, kernel_id)
+
+
+@pytest.fixture
+def bash_kernelspec(jp_kernel_dir, tmp_path):
+    """The real bash_kernel (PyPI), its kernelspec installed by its own installer into a temp prefix."""
+    subprocess.run([sys.executable, "-m", "bash_kernel.install", "--prefix", str(tmp_path)], check=True,
+                   capture_output=True)
+    installed = tmp_path / "share" / "jupyter" / "kernels" / "bash"
+    spec = json.loads((installed / "kernel.json").read_text())
+    assert Path(spec["argv"][0]).name.startswith("python") and spec["language"] == "bash"  # what the test is about
+    shutil.copytree(installed, Path(jp_kernel_dir) / "bash")
+    return "bash"
+
+
+async def test_bash_kernel_gets_its_caps_but_no_secret_and_no_bootstrap(jp_fetch, jp_serverapp, bash_kernelspec):
+    """Issue 19: bash_kernel's argv[0] is a python, so it got the secret and PYTHONSTARTUP, and kept the secret
+    in its environment, where every child process sees it. The kernelspec's language decides."""
+    kernel_id = await start_kernel(jp_fetch, bash_kernelspec)
+    out = await execute(
+        jp_serverapp,
+        kernel_id,
+        'echo "token=${GPU_QUOTA_KERNEL_TOKEN-unset} url=${GPU_QUOTA_API_URL-unset} startup=${PYTHONSTARTUP-unset}"\n'
+        "sh -c 'echo child=${GPU_QUOTA_KERNEL_TOKEN-unset}'\n"
+        'echo "cupy=$CUPY_GPU_MEMORY_LIMIT id=$GPU_QUOTA_KERNEL_ID"',
+    )
+    assert out.split() == [
+        "token=unset", "url=unset", "startup=unset", "child=unset", f"cupy={20 * GiB}", f"id={kernel_id}",
+    ], out
+    assert kernel_id not in jp_serverapp.web_app.settings[SETTINGS_KEY]._tokens
+    await shutdown_kernel(jp_fetch, kernel_id)
 
 
 @pytest.mark.slow

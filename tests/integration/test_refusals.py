@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -202,3 +203,86 @@ class TestSameKernelIdAtOnce:
         await shutdown_kernel(jp_fetch, kernel_id)
         assert kernel_processes(kernel_id) == []
         assert (await leftovers(jp_serverapp)) == before
+
+
+class TestClientChosenKernelIds:
+    """Issue 19, item 5: a client may choose a kernel's id at POST /api/kernels. Four starts at once with one
+    id, five rounds: one kernel that GET and DELETE reach, or none at all; never a process or a grant that
+    nothing can shut down (jupyter_server's /api/kernels/<id> routes match UUID-like ids only)."""
+
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(static_devices_config("16GiB", default_cap="0.25"))
+
+    async def test_four_starts_of_one_uuid_give_one_kernel_that_delete_reaches(self, jp_fetch, jp_serverapp):
+        kernel_id = "0b5e7c1a-5d1f-4c0e-9a57-3f1f0d6a2b12"
+        before = await leftovers(jp_serverapp)
+        for _ in range(5):
+            answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(4)))
+            codes = sorted(code for code, _ in answers)
+            # 201 for the start that won, and for any that came once it was running ("Using existing kernel").
+            assert codes[0] == 201 and set(codes) <= {201, 409}, answers
+            assert json.loads((await jp_fetch("api", "kernels", kernel_id)).body)["id"] == kernel_id
+            grants = service_of(jp_serverapp).ledger.grants()
+            assert [(g.kernel_id, sum(g.caps.values())) for g in grants] == [(kernel_id, 4 << 30)]
+            assert len(kernel_processes(kernel_id)) == 1
+            assert (await jp_fetch("api", "kernels", kernel_id, method="DELETE")).code == 204
+            assert kernel_processes(kernel_id) == []
+            assert (await leftovers(jp_serverapp)) == before
+
+    @pytest.mark.parametrize("kernel_id", ["dup", "a/b", "../../etc", "x" * 300, "a-b-c-d-" + "e" * 200])
+    async def test_an_id_the_kernel_routes_cannot_reach_is_refused_and_takes_nothing(
+        self, jp_fetch, jp_serverapp, server_log, kernel_id
+    ):
+        before = await leftovers(jp_serverapp)
+        for _ in range(5):
+            answers = await asyncio.gather(*(post_start(jp_fetch, kernel_id=kernel_id) for _ in range(4)))
+            assert [code for code, _ in answers] == [400] * 4, answers
+            assert all("routes can reach" in answer["message"] for _, answer in answers)
+        assert (await leftovers(jp_serverapp)) == before
+        assert kernel_processes() == []
+        assert server_log.tracebacks() == []
+        # The server still starts kernels with ids it chose, and one a client chose that its routes reach.
+        chosen = "a-b-c-d-e"
+        assert (await post_start(jp_fetch, kernel_id=chosen))[0] == 201
+        await shutdown_kernel(jp_fetch, chosen)
+        assert (await leftovers(jp_serverapp)) == before
+
+
+class TestRefusedSessionStart:
+    """Issue 19, item 5: JupyterLab opens a notebook with POST /api/sessions; jupyter_server answered a refused
+    kernel start there with a 500 whose message began "HTTP 503: GPU budget full (". It gets what POST
+    /api/kernels gets: the 503 and the quota's own words."""
+
+    @pytest.fixture
+    def jp_server_config(self):
+        return Config(
+            static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse")
+        )
+
+    async def post_session(self, jp_fetch, path):
+        body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
+        try:
+            response = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+        except HTTPClientError as error:
+            return error.code, json.loads(error.response.body)
+        return response.code, json.loads(response.body)
+
+    async def test_a_full_gpu_answers_a_session_as_it_answers_a_kernel_start(self, jp_fetch, jp_serverapp, server_log):
+        code, first = await self.post_session(jp_fetch, "holds.ipynb")
+        assert code == 201
+        before = await leftovers(jp_serverapp)
+        server_log.records.clear()
+        session = await self.post_session(jp_fetch, "refused.ipynb")
+        kernel = await post_start(jp_fetch)
+        assert session == kernel and session[0] == 503, (session, kernel)
+        message = session[1]["message"]
+        assert message.startswith("GPU quota: kernel not started: no GPU has 0.5 of budget left"), message
+        assert "HTTP 503" not in message and session[1]["reason"] == "GPU budget full"
+        assert server_log.tracebacks() == []
+        assert (await leftovers(jp_serverapp)) == before
+        # jupyter_server's sessions route is otherwise its own: listed, and shut down with its kernel.
+        listed = json.loads((await jp_fetch("api", "sessions")).body)
+        assert [s["path"] for s in listed] == ["holds.ipynb"]
+        await jp_fetch("api", "sessions", first["id"], method="DELETE")
+        assert await self.post_session(jp_fetch, "now-it-fits.ipynb") == (201, mock.ANY)

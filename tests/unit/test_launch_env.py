@@ -3,9 +3,11 @@
 import json
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.launch_env import STARTUP_FILE, is_python_kernel, launch_env
+from gpu_quota_ext.launch_env import STARTUP_FILE, is_python_kernel, kernel_environment, launch_env
 from gpu_quota_ext.ledger import Grant
 from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared import env_vars
+from gpu_quota_ext.shared.env_vars import KERNEL_SIDE
 
 DEVICES = {0: Device(0, "H200", "GPU-aaaa", 140 * GiB, 0), 1: Device(1, "H200", "GPU-bbbb", 140 * GiB, 1)}
 
@@ -117,8 +119,33 @@ def test_fraction_is_rounded_down_but_reads_as_written():
 
 
 def test_is_python_kernel():
-    assert is_python_kernel(["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"])
-    assert is_python_kernel(["python", "-m", "ipykernel"])
-    assert not is_python_kernel(["R", "--slave", "-e", "IRkernel::main()"])
-    assert not is_python_kernel(["julia", "-i", "kernel.jl"])
-    assert not is_python_kernel([])
+    assert is_python_kernel(["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"], "python")
+    assert is_python_kernel(["python", "-m", "ipykernel"], "Python")
+    assert is_python_kernel(["/opt/env/bin/kernel-wrapper", "-m", "ipykernel_launcher"], "python")
+    assert not is_python_kernel(["R", "--slave", "-e", "IRkernel::main()"], "R")
+    assert not is_python_kernel(["julia", "-i", "kernel.jl"], "julia")
+    assert not is_python_kernel([], "python")
+    # bash_kernel: a python runs it, but no bootstrap does (issue 19): the language decides.
+    assert not is_python_kernel(["/usr/bin/python3", "-m", "bash_kernel", "-f", "{connection_file}"], "bash")
+    assert not is_python_kernel(["/usr/bin/python3", "-m", "ipykernel_launcher"], None)
+
+
+def test_every_kernel_side_variable_of_the_servers_environment_is_set_or_removed():
+    """Issue 19: GPU_QUOTA_LAYERS='{' or a CPU-only reason with escape sequences in the server's own environment
+    reached capped kernels."""
+    server = {name: "\x1b[31m{" for name in KERNEL_SIDE}
+    server.update(PATH="/usr/bin", CUPY_GPU_MEMORY_LIMIT="999")
+    for python, secret in ((True, "s3cret"), (False, None)):
+        variables = launch_env(grant(), DEVICES, server, token=secret, api_url="http://x/", python_kernel=python)
+        kernel = kernel_environment(server, variables)
+        assert {name: kernel.get(name) for name in KERNEL_SIDE} == {name: variables.get(name) for name in KERNEL_SIDE}
+        assert kernel["PATH"] == "/usr/bin" and kernel["CUPY_GPU_MEMORY_LIMIT"] == "999"
+        assert all("\x1b" not in value for name, value in kernel.items() if name in KERNEL_SIDE)
+        assert env_vars.LAYERS not in kernel and env_vars.CPU_ONLY_REASON not in kernel
+    cpu_only = kernel_environment(server, launch_env(grant(devices=(), reason="full"), DEVICES, server))
+    assert cpu_only[env_vars.CPU_ONLY_REASON] == "full" and env_vars.DEVICES not in cpu_only
+
+
+def test_a_server_inside_one_of_our_kernels_keeps_the_users_own_startup():
+    inside = {"PYTHONSTARTUP": str(STARTUP_FILE), env_vars.USER_STARTUP: "/home/u/.startup.py"}
+    assert launch_env(grant(), DEVICES, inside)[env_vars.USER_STARTUP] == "/home/u/.startup.py"

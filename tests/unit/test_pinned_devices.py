@@ -33,7 +33,7 @@ def manager(on_full="cpu-only"):
 
 
 def admit(service, kernel_id, env):
-    return asyncio.run(service.admit(kernel_id, "pinned", ARGV, env))
+    return asyncio.run(service.admit(kernel_id, "pinned", ARGV, env, language="python"))
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from gpu_quota_ext.shared.service_contract import (
     START_RETRIES,
     STATUS_PATH,
 )
+from gpu_quota_ext.usage import processes_by_kernel
 
 TOTAL = 80 * GiB
 # The service numbers the host's GPUs one way, this server the other: only uuids cross the wire.
@@ -428,11 +429,16 @@ def test_an_answer_that_is_no_grant_is_a_refusal(standin, make_ledger, raw, word
         make_ledger(start_retries=0).grant("k1", "alice", "python3", wide_open())
 
 
-def test_a_grant_on_a_device_this_server_does_not_see_is_refused(standin):
+def test_a_grant_on_a_device_this_server_does_not_see_is_refused_and_given_back_at_once(standin):
+    # Issue 19: the refusal said "GPU budget full", and the service kept the grant until the lease ran out.
     ledger = RemoteLedger(SERVER_DEVICES[:1], standin.url, "alice-token", retry_delay=0.01)
-    with pytest.raises(AdmissionRefused, match="GPU-aaaa.*does not see"):
+    with pytest.raises(AdmissionRefused) as refused:
         ledger.grant("k1", "alice", "python3", wide_open())
+    assert refused.value.reason == "GPU quota service has other GPUs"
+    assert "granted device 'GPU-aaaa', which this server does not have: it has 'GPU-bbbb'" in str(refused.value)
+    assert "given back" in str(refused.value)
     assert ledger.grants() == []
+    assert standin.last("DELETE")[1].endswith("/k1") and standin.ledger.grants() == []
 
 
 # --- the lease ----------------------------------------------------------------------------------------
@@ -499,21 +505,30 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
     from gpu_quota_ext.shared.env_vars import KERNEL_ID
 
     ledger = make_ledger(renew_every=3600)
+    roots = {}
+    # What the server gives it (app.py): usage.attribution's finding over the kernels' own processes.
+    ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, roots)
     ledger.grant("k1", "alice", "python3", wide_open())
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env={KERNEL_ID: "k1"}
-    )
+    ledger.grant("k2", "alice", "python3", wide_open())
+    command = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    by_environment = subprocess.Popen(command, stdin=subprocess.PIPE, env={KERNEL_ID: "k1"})
+    by_tree = subprocess.Popen(command, stdin=subprocess.PIPE, env={})  # a kernel's own process: no variable needed
+    roots[by_tree.pid] = "k2"
     try:
         assert ledger.renew()
         # (the lease thread's own first renewal may land after this one: look at every renewal)
-        assert {"kernel_id": "k1", "pids": [child.pid]} in [k for lease in standin.leases for k in lease["kernels"]]
+        listed = [k for lease in standin.leases for k in lease["kernels"]]
+        assert {"kernel_id": "k1", "pids": [by_environment.pid]} in listed
+        assert {"kernel_id": "k2", "pids": [by_tree.pid]} in listed
     finally:
-        child.stdin.close()
-        child.wait(10)
+        for child in (by_environment, by_tree):
+            child.stdin.close()
+            child.wait(10)
 
 
 def test_usage_shows_the_hosts_budget_and_every_users_grants_after_a_renewal(standin, make_ledger):
     alice, bob = make_ledger(renew_every=3600), make_ledger("bob-token", renew_every=3600)
+    alice._start_renewer = lambda: None  # its renewals are this test's own: "before" is before any
     alice.grant("k1", "alice", "python3", wide_open())
     bob.grant("k2", "bob", "python3", wide_open())  # packed on the same device, GPU-aaaa
     # its own, before
@@ -554,7 +569,29 @@ def test_a_service_url_without_a_token_stops_the_server(monkeypatch):
     monkeypatch.setenv(SERVICE_URL_ENV, "http://127.0.0.1:1/services/gpu-quota/")
     monkeypatch.delenv("JUPYTERHUB_API_TOKEN", raising=False)
     monkeypatch.delenv("JPY_API_TOKEN", raising=False)
-    with pytest.raises(
-        SystemExit, match="invalid configuration: .*GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"
-    ):
+    with pytest.raises(PolicyError, match=r"GPU_QUOTA_SERVICE_URL is set .* no JUPYTERHUB_API_TOKEN"):
         _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0"))
+
+
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("abc", "it must start with http:// or https://"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://quota:99999/", "Port out of range"),
+        ("http:///services/gpu-quota/", "it names no host"),
+        ("http://quota/services/gpu quota/", "spaces or control characters"),
+        ("http://quota/services/gpu-quota/?x=1", "without ? or #"),
+    ],
+)
+def test_a_service_url_that_is_no_url_stops_the_server_even_with_a_token(monkeypatch, url, why):
+    """Issue 19: such a URL made every kernel start a 500 with three tracebacks."""
+    monkeypatch.setenv(SERVICE_URL_ENV, url)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "a-token")
+    with pytest.raises(PolicyError) as refused:
+        _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0"))
+    assert str(refused.value).startswith(f"$GPU_QUOTA_SERVICE_URL = {url!r} is not the URL") and why in str(
+        refused.value
+    )
+    monkeypatch.setenv(SERVICE_URL_ENV, "https://[::1]:8443/services/gpu-quota/")
+    assert _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0")).url == "https://[::1]:8443/services/gpu-quota/"

@@ -132,6 +132,30 @@ def test_a_number_or_its_text_is_accepted_for_each_number_setting(name):
     assert str(refused.value) == f"c.GpuQuota.{name} = '-1': {row.must}"
 
 
+NUMERIC = [name for name, row in SERVER.items() if row.kind in (SECONDS, FACTOR, CAP, SIZE, SLACK)]
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_boolean_is_no_number_for_any_numeric_setting(name, flag):
+    """Issue 19: True was taken as 1 (overcommit 1.0, grace 1 s); False was refused as "0.0"."""
+    with pytest.raises((TraitError, PolicyError)) as refused:
+        app = extension(**{name: flag})
+        app.validated_settings(), app.park_settings()
+    assert str(refused.value).startswith(f"c.GpuQuota.{name} = {flag!r}: "), str(refused.value)
+
+
+@pytest.mark.parametrize("name", [name for name in NUMERIC if SETTINGS[name].env])
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_a_non_finite_number_from_the_environment_is_refused_as_written_naming_its_variable(name, text, monkeypatch):
+    row = SETTINGS[name]
+    monkeypatch.setenv(row.env, text)
+    with pytest.raises((TraitError, PolicyError)) as refused:
+        app = extension()
+        app.validated_settings(), app.park_settings()
+    assert str(refused.value).startswith(f"c.GpuQuota.{name} = '{text}' (from the environment variable {row.env}): ")
+
+
 @pytest.mark.parametrize("name", CHOICES)
 def test_each_choice_refuses_a_bad_value_in_one_line_naming_the_setting(name, monkeypatch):
     row = SETTINGS[name]

@@ -30,6 +30,7 @@ from tornado.httputil import responses
 from ...ledger import AdmissionRefused, UnknownKernel
 from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
+from ...shared.request_body import body_follows, declared_length
 from ...shared.service_contract import ADMIN_SCOPE
 from .book import Forbidden
 from .page import render_page
@@ -83,11 +84,29 @@ class ApiHandler(web.RequestHandler):
 
     async def prepare(self):
         self._body = bytearray()
-        # Too large: the body is read and dropped, then refused (413) by body(). Refusing before it is
-        # read would reset the connection under the proxy's feet, and the client would see a 503.
-        length = self.request.headers.get("Content-Length")
-        self._too_large = length is not None and (not length.isdigit() or int(length) > MAX_BODY)
-        self.who = await self.service.identify(self)
+        self._refusal: Optional[web.HTTPError] = None
+        # Too large: the body is read and dropped, then refused (413) by body(). A refusal of the token,
+        # likewise, is answered once the body is in (shared/request_body.py says why).
+        try:
+            length = declared_length(self.request.headers)
+        except ValueError as error:
+            # tornado answers 400 and closes when it reads such a body, before any method runs.
+            self._refusal, self._too_large = web.HTTPError(400, str(error)), True
+            return
+        self._too_large = length is not None and length > MAX_BODY
+        try:
+            self._who = await self.service.identify(self)
+        except web.HTTPError as refusal:
+            if not body_follows(self.request.headers):
+                raise
+            self._refusal, self._too_large = refusal, True
+
+    @property
+    def who(self) -> Who:
+        """Who asks (every route asks this first); a refusal prepare() decided before the body is raised here."""
+        if self._refusal is not None:
+            raise self._refusal
+        return self._who
 
     def data_received(self, chunk: bytes) -> None:
         if self._too_large:
@@ -98,6 +117,8 @@ class ApiHandler(web.RequestHandler):
             self._body += chunk
 
     def body(self) -> Any:
+        if self._refusal is not None:
+            raise self._refusal
         if self._too_large:
             raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
         try:

@@ -1,0 +1,42 @@
+"""What the two HTTP APIs (the server's routes, the host service's) read of a request's headers before its body.
+
+Both stream their bodies (tornado's stream_request_body) so that one over the limit is never kept; so both
+see a request's headers before tornado has checked them. A malformed Content-Length is tornado's to refuse
+(400, as on jupyter_server's own routes) when it reads the body; it must not reach `int()` first. And a
+refusal decided before the body is read (no credentials, over the limit) is answered only once the body has
+arrived, dropped: a server that answers and closes while the client, or the hub's proxy, is still sending
+makes the kernel reset the connection, and the proxy then reports a 503 of its own, not the answer.
+
+Standard library only: pure reading of header values.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() takes "٣" and "³" would fail; neither is HTTP
+_SAME_VALUES = re.compile(r",[ \t]*")
+
+
+def declared_length(headers: Mapping[str, str]) -> Optional[int]:
+    """The body's length as the Content-Length header declares it, read as tornado reads it (a list of equal
+    values, as proxies sometimes repeat it, is that value); None without the header. ValueError when it is
+    not a number of bytes ("abc", "-5", "1, 2"): tornado refuses such a request when it reads its body."""
+    value = headers.get("Content-Length")
+    if value is None:
+        return None
+    pieces = _SAME_VALUES.split(value.strip())
+    if any(piece != pieces[0] for piece in pieces) or not _DIGITS.fullmatch(pieces[0]):
+        raise ValueError(f"Content-Length {value[:40]!r} is not a number of bytes")
+    return int(pieces[0])
+
+
+def body_follows(headers: Mapping[str, str]) -> bool:
+    """Whether the client is sending (or may still send) a body after these headers."""
+    if "chunked" in headers.get("Transfer-Encoding", "").lower():
+        return True
+    try:
+        return bool(declared_length(headers))
+    except ValueError:
+        return True  # unknown: as if it did
