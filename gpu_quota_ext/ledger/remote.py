@@ -27,6 +27,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,6 +42,7 @@ from ..shared.service_contract import (
     GRANTS_PATH,
     LEASE_PATH,
     LEASE_RENEW,
+    LEASE_SECONDS,
     START_RETRIES,
     STATUS_PATH,
 )
@@ -122,6 +124,9 @@ class RemoteLedger(HeldGrants):
             handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
         self._opener = urllib.request.build_opener(*handlers)
         self._grants: Dict[str, Grant] = {}
+        # Starts given up while the service did not answer: it may still take their queued requests (a hung
+        # service resumed), so each is given back at the next contact rather than held until its lease says.
+        self._abandoned: Dict[str, float] = {}  # kernel id -> time.monotonic() when given up
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._renewer: Optional[threading.Thread] = None
@@ -174,7 +179,15 @@ class RemoteLedger(HeldGrants):
             "kernelspec": kernelspec,
             "allowed": None if allowed is None else [self._uuid_of[i] for i in allowed if i in self._uuid_of],
         }
-        answer = self._call_retrying("POST", GRANTS_PATH, body)
+        try:
+            answer = self._call_retrying("POST", GRANTS_PATH, body)
+        except AdmissionRefused:
+            with self._lock:
+                self._abandoned[kernel_id] = time.monotonic()
+            self._start_renewer()  # the renewals give it back once the service answers
+            raise
+        with self._lock:
+            self._abandoned.pop(kernel_id, None)
         if answer.code in (200, 201):
             try:
                 grant = self._grant_from_wire(answer.data, kernel_id)
@@ -313,8 +326,25 @@ class RemoteLedger(HeldGrants):
             dropped = [k for k in released if isinstance(k, str) and self._grants.pop(k, None) is not None]
         for kernel_id in dropped:
             log.warning("gpu-quota-ext: the GPU quota service released kernel %s's grant", kernel_id)
+        self._give_back_abandoned()
         self._learn_host_devices()
         return True
+
+    def _give_back_abandoned(self) -> None:
+        """DELETE what the service may have granted for starts given up while it did not answer."""
+        with self._lock:
+            abandoned = [(k, since) for k, since in self._abandoned.items() if k not in self._grants]
+        for kernel_id, since in abandoned:
+            try:
+                answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
+            except _Unreachable:
+                return  # the next renewal tries again
+            # Given back, or not ours: done. Not granted (404): perhaps not yet, a queued request may still
+            # arrive; after a lease period the service's own renewal check has released anything it granted.
+            lease_over = time.monotonic() - since > float(LEASE_SECONDS)
+            if answer.code in (204, 403) or (answer.code == 404 and lease_over):
+                with self._lock:
+                    self._abandoned.pop(kernel_id, None)
 
     def _learn_host_devices(self) -> None:
         """The host's budget and grants per device (the service's status), for device_grants()."""

@@ -392,6 +392,26 @@ def test_a_start_tries_start_retries_more_times_and_gets_through_on_the_last(sta
         ledger.grant("k2", "alice", "python3", wide_open())
 
 
+def test_a_start_given_up_while_the_service_hung_is_given_back_when_it_answers(standin, make_ledger):
+    # A hung service (SIGSTOP) resumed takes the queued requests of starts this server gave up on: what it
+    # granted for them must not stay held (it counted in the user's limits) until a lease period passes.
+    ledger = make_ledger(renew_every=3600)
+    ledger.grant("k1", "alice", "python3", wide_open())
+    standin.answer_503 = START_RETRIES + 1
+    with pytest.raises(AdmissionRefused, match="is unreachable"):
+        ledger.grant("k2", "alice", "python3", wide_open())
+    # ... and then the service takes k2's request after all.
+    standin.ledger.grant("k2", "alice", "python3", resolve(standin.policy, "alice", "python3"), None)
+    standin.owner["k2"] = ("alice", "")
+    standin.granted_at["k2"] = time.monotonic()  # young: the service's own lease check would keep it a while
+    assert ledger.renew() is True
+    assert [g.kernel_id for g in standin.ledger.grants()] == ["k1"]
+    deletes = [r for r in standin.requests if r[0] == "DELETE"]
+    assert [r[1].rsplit("/", 1)[-1] for r in deletes] == ["k2"]
+    assert ledger.renew() is True  # given back once: nothing more to do
+    assert len([r for r in standin.requests if r[0] == "DELETE"]) == 1
+
+
 def test_a_change_while_the_service_is_down_is_refused_and_the_cap_stays(standin, make_ledger):
     ledger = make_ledger()
     ledger.grant("k1", "alice", "python3", wide_open())
