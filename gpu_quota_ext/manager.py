@@ -3,7 +3,8 @@
 It is built whole and owns its parts: the validated policy, the device inventory, the ledger (any
 `Ledger`: the server depends on that interface only), the kernels' secrets, the hard-limit layer, and
 the usage side (the monitor that samples, the kernels' allocator reports, the kernels' lifecycle, the
-watchdog, the status view) and parking (the parker, parker.py). It turns "kernel K of kernelspec S is starting" into a grant and the
+watchdog, the status view, each kernel's usage history) and parking (the parker, parker.py).
+It turns "kernel K of kernelspec S is starting" into a grant and the
 environment that carries it, and knows which start holds each kernel id, so two starts that chose the
 same id cannot share one grant.
 
@@ -24,6 +25,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .devices import Device, parse_cuda_visible_devices
@@ -38,6 +40,7 @@ from .parker import Parker
 from .parking import ParkSettings
 from .policy import CapSpec, Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
 from .usage.attribution import PidResolver
+from .usage.history import UsageHistory, history_answer, kernel_history_answer, point_for
 from .usage.lifecycle import KernelLifecycle
 from .usage.reports import KernelReports
 from .usage.sampling import Monitor, Sample
@@ -175,6 +178,9 @@ class GpuQuotaManager:
         )
         self.monitor.on_sample(self.parker.on_sample)
         self.status.add_kernel_field("park", self.parker.kernel_json)
+        # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
+        self.history = UsageHistory()
+        self.monitor.on_sample(self._record_history)
         self.monitor.on_sample(self._review)
 
     # --- start and stop (event loop) ----------------------------------------------------------
@@ -202,6 +208,39 @@ class GpuQuotaManager:
         self.reports.forget_all_but(known)
         self.watchdog.forget_all_but(known)
         self.watchdog.act_on(sample, grants)
+
+    def _record_history(self, sample: Sample) -> None:
+        """One history point per kernel holding a GPU: this sample's NVML figures, the kernel's last allocator
+        report, its caps and hard limit now, its park state. Kernels without a grant are forgotten."""
+        now = time.time()  # not sample.time: without NVML the monitor hands the same old sample each round
+        grants = [g for g in self.ledger.grants() if g.devices]
+        self.history.forget_all_but({g.kernel_id for g in grants})
+        for grant in grants:
+            kernel_id = grant.kernel_id
+            layers = self.hard_cap.layers(kernel_id)
+            point = point_for(
+                now,
+                grant.devices,
+                {index: sample.used(kernel_id, index) for index in grant.devices},
+                self.reports.get(kernel_id) or {},
+                grant.caps,
+                {d.index: d.limit for d in layers.limits} if layers is not None else {},
+                self.parker.kernel_json(kernel_id)["state"],
+            )
+            self.history.add(kernel_id, point)
+
+    def usage_history(self, since: Optional[float] = None) -> dict:
+        """GET history: every kernel's points newer than `since` (wall-clock seconds)."""
+        return history_answer(self.history, self.monitor.poll_interval, since)
+
+    def kernel_usage_history(self, kernel_id: str, since: Optional[float] = None) -> Optional[dict]:
+        """GET kernels/<id>/history; None for a kernel this server holds no grant for."""
+        points = self.history.kernel(kernel_id, since)
+        if points is None:
+            if self.ledger.get(kernel_id) is None:
+                return None
+            points = []  # a CPU-only kernel, or one no sample has seen yet
+        return kernel_history_answer(points, self.history, self.monitor.poll_interval)
 
     def gpu_pids(self, kernel_id: str) -> Tuple[int, ...]:
         """The kernel's processes on the GPUs in the last sample (parking checkpoints these)."""

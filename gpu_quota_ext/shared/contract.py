@@ -81,3 +81,24 @@ PARK_FIELDS = (
     "parkable",  # false: parking cannot work for it (no checkpoint driver, MPS client, another user, no GPU)
     "reason",  # why not parkable, why it did not park, or what a waiting resume waits for; null if none
 )
+
+# --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----
+# GET history?since=T: {"interval": seconds between points, "points_max": N, "kernels": {kernel id: [POINT]}},
+#   every kernel the server keeps a history for (a list, maybe empty); only points with t > T, all kept
+#   points without `since`. The server's user only.
+# GET kernels/<id>/history?since=T: {"interval", "points_max", "points": [POINT]}; the server's user, or
+#   the kernel itself with its own secret.
+HISTORY_PATH = API_PREFIX + "/history"
+HISTORY_SUFFIX = "history"
+HISTORY_SINCE = "since"  # the query argument: wall-clock seconds
+HISTORY_FIELDS = ("interval", "points_max", "kernels")
+KERNEL_HISTORY_FIELDS = ("interval", "points_max", "points")
+HISTORY_POINT_FIELDS = (
+    "t",  # wall clock (seconds) when the monitor's sample came in
+    "used",  # NVML, the kernel's processes summed over its devices; null: unknown
+    "allocated",  # the kernel's last allocator report, summed over its devices; null: none
+    "reserved",  # the same, reserved
+    "cap",  # the sum of its caps (the ledger's)
+    "hard_limit",  # the sum of its hard limits (MPS, with the CUDA context); null: none
+    "park",  # one of PARK_STATES
+)
