@@ -39,7 +39,9 @@ _RULES: Tuple[Tuple[Pattern[str], str], ...] = tuple(
         (r"MPS client", MPS_CLIENT),
         (r"belongs to another Unix user|refuses another Unix user", OTHER_USER),
         (r"(GPU \d+) unreadable: .*(GpuIsLost|GPU is lost)", r"\1 is lost (off the bus or being reset)"),
+        (r"GpuIsLost|GPU is lost", "a GPU is lost (off the bus or being reset)"),
         (r"an NVML call has not returned", MONITOR_STALLED),
+        (r"^this kernel holds no GPU memory$", "it holds no GPU memory"),
     )
 )
 

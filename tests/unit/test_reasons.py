@@ -56,6 +56,9 @@ def test_known_driver_problems():
     assert short_reason(
         "GPU 1 unreadable: nvmlDeviceGetHandleByUUID failed on static-1 (NVMLError_GpuIsLost: GPU is lost)"
     ) == "GPU 1 is lost (off the bus or being reset)"
+    assert short_reason(
+        "no GPU could be read: nvmlDeviceGetHandleByUUID failed on static-0 (NVMLError_GpuIsLost: GPU is lost)"
+    ) == "a GPU is lost (off the bus or being reset)"
 
 
 def test_other_details_keep_their_first_clause_without_the_technical_parts():
@@ -64,7 +67,7 @@ def test_other_details_keep_their_first_clause_without_the_technical_parts():
     assert short_reason(
         "waiting for device memory others hold now: it needs 17.8 GiB on GPU 0; retry 3 in 20 s (nothing is lost)"
     ) == "waiting for device memory others hold now: it needs 17.8 GiB on GPU 0"
-    assert short_reason("this kernel holds no GPU memory") == "this kernel holds no GPU memory"
+    assert short_reason("this kernel holds no GPU memory") == "it holds no GPU memory"  # after "Not parkable:"
     long = "did not park: " + "the host is short of memory " * 10
     assert len(short_reason(long)) == MAX_WORDS_CHARS and short_reason(long).endswith("…")
 
