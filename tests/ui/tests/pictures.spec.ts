@@ -134,8 +134,12 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
 
   // The training notebook in front, showing code rather than the cell that asked for its PID.
   await page.activity.activateTab('train.ipynb');
-  await page.notebook.setCell(0, 'code', TRAINING_CELL);
-  await page.evaluate(() => (window as any).jupyterapp.commands.execute('notebook:clear-all-cell-outputs'));
+  await page.evaluate(async source => {
+    const app = (window as any).jupyterapp;
+    // Into the cell's model, as a file would have it (typing it in would indent each line twice).
+    app.shell.currentWidget.content.widgets[0].model.sharedModel.setSource(source);
+    await app.commands.execute('notebook:clear-all-cell-outputs');
+  }, TRAINING_CELL);
   await expect(page.locator(STATUS)).toHaveText('GPU 11.2 / 20 GiB');
   const panel = page.locator(PANEL);
   for (const theme of ['light', 'dark']) {
