@@ -193,7 +193,8 @@ class HistoryHandler(GpuQuotaHandler):
     def get(self):
         """Every kernel's usage history, the points newer than ?since= (all kept points without it)."""
         self.require_user("read")
-        self.finish(json.dumps(self.manager.usage_history(parse_since(self)), separators=(",", ":")))
+        self.set_header("Content-Type", "application/json")
+        self.finish(self.manager.usage_history(parse_since(self)))
 
 
 class KernelHistoryHandler(GpuQuotaHandler):
@@ -204,7 +205,8 @@ class KernelHistoryHandler(GpuQuotaHandler):
         answer = self.manager.kernel_usage_history(kernel_id, parse_since(self))
         if answer is None:
             raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
-        self.finish(json.dumps(answer, separators=(",", ":")))
+        self.set_header("Content-Type", "application/json")
+        self.finish(answer)
 
 
 def parse_since(handler: GpuQuotaHandler) -> Optional[float]:

@@ -40,7 +40,7 @@ from .parker import Parker
 from .parking import ParkSettings
 from .policy import CapSpec, Policy, PolicyDecision, default_decision, format_bytes, resolve, resolve_answer, shown
 from .usage.attribution import PidResolver
-from .usage.history import UsageHistory, history_answer, kernel_history_answer, point_for
+from .usage.history import UsageHistory, history_text, kernel_history_text, point_for
 from .usage.lifecycle import KernelLifecycle
 from .usage.reports import KernelReports
 from .usage.sampling import Monitor, Sample
@@ -229,18 +229,18 @@ class GpuQuotaManager:
             )
             self.history.add(kernel_id, point)
 
-    def usage_history(self, since: Optional[float] = None) -> dict:
-        """GET history: every kernel's points newer than `since` (wall-clock seconds)."""
-        return history_answer(self.history, self.monitor.poll_interval, since)
+    def usage_history(self, since: Optional[float] = None) -> str:
+        """GET history (JSON text): every kernel's points newer than `since` (wall-clock seconds)."""
+        return history_text(self.history, self.monitor.poll_interval, since)
 
-    def kernel_usage_history(self, kernel_id: str, since: Optional[float] = None) -> Optional[dict]:
-        """GET kernels/<id>/history; None for a kernel this server holds no grant for."""
+    def kernel_usage_history(self, kernel_id: str, since: Optional[float] = None) -> Optional[str]:
+        """GET kernels/<id>/history (JSON text); None for a kernel this server holds no grant for."""
         points = self.history.kernel(kernel_id, since)
         if points is None:
             if self.ledger.get(kernel_id) is None:
                 return None
             points = []  # a CPU-only kernel, or one no sample has seen yet
-        return kernel_history_answer(points, self.history, self.monitor.poll_interval)
+        return kernel_history_text(points, self.history, self.monitor.poll_interval)
 
     def gpu_pids(self, kernel_id: str) -> Tuple[int, ...]:
         """The kernel's processes on the GPUs in the last sample (parking checkpoints these)."""

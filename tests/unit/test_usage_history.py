@@ -2,18 +2,20 @@
 incremental reads by `since`, and a point's sums over a kernel's devices."""
 
 import gc
+import json
 import tracemalloc
 from types import SimpleNamespace
 
 import pytest
 
 from gpu_quota_ext.shared.contract import HISTORY_FIELDS, HISTORY_POINT_FIELDS, KERNEL_HISTORY_FIELDS
+
 from gpu_quota_ext.usage.history import (
     POINTS_MAX,
     HistoryPoint,
     UsageHistory,
-    history_answer,
-    kernel_history_answer,
+    history_text,
+    kernel_history_text,
     point_for,
 )
 
@@ -118,13 +120,18 @@ def test_a_point_sums_the_kernels_devices_and_says_unknown_as_none():
     assert (partial.used, partial.allocated, partial.reserved, partial.park) == (0, None, GiB, "parked")
 
 
-def test_the_answers_have_the_contracts_fields():
+def test_the_answers_are_json_with_the_contracts_fields():
     history = UsageHistory(points_max=3)
     history.add("a", point(1.0))
-    answer = history_answer(history, 1.0, None)
+    history.add('b "quoted"', point(2.0, used=None))
+    answer = json.loads(history_text(history, 1.0, None))
     assert tuple(answer) == HISTORY_FIELDS
     assert answer["points_max"] == 3 and answer["interval"] == 1.0
     assert tuple(answer["kernels"]["a"][0]) == HISTORY_POINT_FIELDS
-    one = kernel_history_answer(history.kernel("a"), history, 1.0)
+    assert answer["kernels"]["a"] == [point(1.0).to_json()]
+    assert answer["kernels"]['b "quoted"'][0]["used"] is None
+    newer = json.loads(history_text(history, 1.0, 5.0))
+    assert newer == {"interval": 1.0, "points_max": 3, "kernels": {"a": [], 'b "quoted"': []}}
+    one = json.loads(kernel_history_text(history.kernel("a"), history, 1.0))
     assert tuple(one) == KERNEL_HISTORY_FIELDS
     assert one["points"] == answer["kernels"]["a"]
