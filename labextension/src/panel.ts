@@ -369,7 +369,13 @@ class KernelRow {
     }
     kernel.devices.forEach((device, i) => this._deviceRows[i].update(device, view.threshold, view.unknownWhy));
 
-    this._updateChart(kernel, view.history);
+    // A chart costs a path of 300 points: drawn for rows in or near view (200 kernels, 20 on screen).
+    if (this.inView) {
+      this._updateChart(kernel, view.history);
+      this.chartStale = false;
+    } else {
+      this.chartStale = true;
+    }
 
     // Hard limit (MPS) or why there is none; nothing while the server's hard limits are off.
     const layers = layersLine(kernel.layers, trans, kernel.reasons?.hard_limit);
@@ -408,6 +414,10 @@ class KernelRow {
 
   /** Which marks the row's chart draws now (the legend shows those some chart has). */
   marks: IChartMarks = NO_MARKS;
+  /** Whether the row is in or near the panel's view (the panel's IntersectionObserver says). */
+  inView = true;
+  /** Whether its chart has not been drawn for the last state (it was out of view). */
+  chartStale = false;
 
   /**
    * The chart of the kernel's usage, when the server keeps a history for it: over the server's whole
@@ -615,6 +625,12 @@ export class QuotaPanel extends Widget {
       this._legend.node,
       this._kernelList
     );
+    if (typeof IntersectionObserver !== 'undefined') {
+      this._observer = new IntersectionObserver(entries => this._onRowsSeen(entries), {
+        root: this.node,
+        rootMargin: '300px 0px'
+      });
+    }
     _model.changed.connect(this._onChanged, this);
     this._render(_model.state);
   }
@@ -623,8 +639,24 @@ export class QuotaPanel extends Widget {
     if (this.isDisposed) {
       return;
     }
+    this._observer?.disconnect();
     this._model.changed.disconnect(this._onChanged, this);
     super.dispose();
+  }
+
+  /** Rows that come into view draw the chart they skipped while out of it. */
+  private _onRowsSeen(entries: IntersectionObserverEntry[]): void {
+    let stale = false;
+    for (const entry of entries) {
+      const row = this._rowsByNode.get(entry.target);
+      if (row) {
+        row.inView = entry.isIntersecting;
+        stale = stale || (row.inView && row.chartStale);
+      }
+    }
+    if (stale) {
+      this.update();
+    }
   }
 
   /** Render now (the benchmark calls this to time one update). */
@@ -703,6 +735,8 @@ export class QuotaPanel extends Widget {
       let row = this._kernelRows.get(kernel.id);
       if (!row) {
         row = new KernelRow(kernel, trans, this._actions);
+        this._rowsByNode.set(row.node, row);
+        this._observer?.observe(row.node);
         this._kernelRows.set(kernel.id, row);
       }
       row.update(kernel, kernel.id === state.currentKernelId, view);
@@ -712,6 +746,8 @@ export class QuotaPanel extends Widget {
     for (const [id, row] of this._kernelRows) {
       if (!seen.has(id)) {
         row.node.remove();
+        this._observer?.unobserve(row.node);
+        this._rowsByNode.delete(row.node);
         this._kernelRows.delete(id);
       }
     }
@@ -771,4 +807,6 @@ export class QuotaPanel extends Widget {
   private _legend: ChartLegend;
   private _kernelList = h('ul', 'jp-GpuQuota-kernels');
   private _kernelRows = new Map<string, KernelRow>();
+  private _rowsByNode = new Map<Element, KernelRow>();
+  private _observer: IntersectionObserver | null = null;
 }
