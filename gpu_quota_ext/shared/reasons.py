@@ -8,6 +8,7 @@ only, no I/O: `short_reason` only reads the text it is given.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Dict, Optional, Pattern, Tuple
 
@@ -53,24 +54,31 @@ def short_reason(detail: Optional[str]) -> Optional[str]:
     without its parenthesized technical parts, at most MAX_WORDS_CHARS characters. None for no detail."""
     if detail is None:
         return None
-    text = " ".join(str(detail).split())
-    if not text:
-        return None
-    for pattern, words in _RULES:
-        match = pattern.search(text)
-        if match:
-            return match.expand(words)
-    words = _PARENTHESES.sub("", _PARENTHESES.sub("", text))  # twice: one level of nesting
-    words = words.split("; ")[0].strip().rstrip(".,:;") or text
-    if len(words) > MAX_WORDS_CHARS:
-        words = words[: MAX_WORDS_CHARS - 1].rstrip() + "…"
-    return words
+    return _said(str(detail))[0]
 
 
 def reason_pair(detail: Optional[str]) -> Optional[Dict[str, str]]:
     """A status answer's `{"reason": short words, "detail": the raw text}` (contract.REASON_FIELDS), or
     None when there is nothing to explain."""
-    words = short_reason(detail)
-    if words is None:
+    if detail is None:
         return None
-    return {"reason": words, "detail": " ".join(str(detail).split())}
+    words, text = _said(str(detail))
+    return None if words is None else {"reason": words, "detail": text}
+
+
+# The status answer asks for every kernel's reasons at every poll, and they are mostly the same few texts.
+@functools.lru_cache(maxsize=512)
+def _said(detail: str) -> Tuple[Optional[str], str]:
+    """(the few words, the detail on one line)."""
+    text = " ".join(detail.split())
+    if not text:
+        return None, text
+    for pattern, words in _RULES:
+        match = pattern.search(text)
+        if match:
+            return match.expand(words), text
+    words = _PARENTHESES.sub("", _PARENTHESES.sub("", text))  # twice: one level of nesting
+    words = words.split("; ")[0].strip().rstrip(".,:;") or text
+    if len(words) > MAX_WORDS_CHARS:
+        words = words[: MAX_WORDS_CHARS - 1].rstrip() + "…"
+    return words, text

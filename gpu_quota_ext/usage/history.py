@@ -19,6 +19,18 @@ from ..shared.contract import HISTORY_POINT_FIELDS, PARK_STATES
 
 POINTS_MAX = 300  # per kernel: 5 minutes at the default 1 s poll interval
 
+# A point as JSON: '{"t":...,"used":...,...}', its names the contract's, in its order.
+_POINT_TEMPLATE = "{{" + ",".join(f'"{name}":{{}}' for name in HISTORY_POINT_FIELDS) + "}}"
+
+
+def _json_value(value: Any) -> str:
+    """A point's value as JSON: None, a size (int), the time (a finite float), a park state (a word)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)  # an int, or time.time(): finite, and Python's repr of it is JSON
+
 
 @dataclass(frozen=True)
 class HistoryPoint:
@@ -36,11 +48,13 @@ class HistoryPoint:
     text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "text", json.dumps(self.to_json(), separators=(",", ":")))
+        object.__setattr__(self, "text", _POINT_TEMPLATE.format(*map(_json_value, self._values())))
+
+    def _values(self) -> tuple:
+        return (self.t, self.used, self.allocated, self.reserved, self.cap, self.hard_limit, self.park)
 
     def to_json(self) -> Dict[str, Any]:
-        values = (self.t, self.used, self.allocated, self.reserved, self.cap, self.hard_limit, self.park)
-        return dict(zip(HISTORY_POINT_FIELDS, values))
+        return dict(zip(HISTORY_POINT_FIELDS, self._values()))
 
 
 def total(values: Iterable[Optional[int]], every: bool) -> Optional[int]:
