@@ -14,6 +14,7 @@ any value echoed from the request cut to a few dozen characters.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Optional
 
 from jupyter_server.base.handlers import APIHandler
@@ -26,6 +27,9 @@ from .ledger import UnknownKernel
 from .manager import SETTINGS_KEY
 from .shared.cap_request import read_cap_request
 from .shared.contract import (
+    HISTORY_PATH,
+    HISTORY_SINCE,
+    HISTORY_SUFFIX,
     KERNEL_TOKEN_HEADER,
     KERNELS_PATH,
     MAX_BODY,
@@ -216,6 +220,44 @@ class UsageHandler(GpuQuotaHandler):
         self.finish(json.dumps({"accepted": len(entries), "last_action": manager.last_action(kernel_id)}))
 
 
+class HistoryHandler(GpuQuotaHandler):
+    @web.authenticated
+    def get(self):
+        """Every kernel's usage history, the points newer than ?since= (all kept points without it)."""
+        self.require_user("read")
+        self.set_header("Content-Type", "application/json")
+        self.finish(self.manager.usage_history(parse_since(self)))
+
+
+class KernelHistoryHandler(GpuQuotaHandler):
+    @allow_unauthenticated
+    def get(self, kernel_id: str):
+        """One kernel's usage history: the server's user, or the kernel itself with its secret (%gpucap panel)."""
+        self.require_user_or_kernel(kernel_id, "read")
+        answer = self.manager.kernel_usage_history(kernel_id, parse_since(self))
+        if answer is None:
+            raise web.HTTPError(404, f"no GPU grant for kernel {shown(kernel_id)}")
+        self.set_header("Content-Type", "application/json")
+        self.finish(answer)
+
+
+def parse_since(handler: GpuQuotaHandler) -> Optional[float]:
+    """The ?since= argument as wall-clock seconds, None when absent; HTTP 400 for anything but a number."""
+    raw = handler.get_query_argument(HISTORY_SINCE, None)
+    if raw is None:
+        return None
+    try:
+        since = float(raw)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        raise web.HTTPError(
+            400,
+            f"{HISTORY_SINCE}={shown(raw)} is not a time: give wall-clock seconds, e.g. {HISTORY_SINCE}=1700000000.5",
+        )
+    return since
+
+
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 
 
@@ -350,4 +392,6 @@ HANDLERS = [
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, PARK_SUFFIX), ParkHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, RESUME_SUFFIX), ResumeHandler),
+    (HISTORY_PATH, HistoryHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, HISTORY_SUFFIX), KernelHistoryHandler),
 ]

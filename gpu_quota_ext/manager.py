@@ -3,9 +3,9 @@
 It is built whole and owns its parts: the validated policy, the device inventory, the ledger (any `Ledger`:
 the server depends on that interface only), the kernels' secrets, the hard-limit layer, and the usage side
 (the monitor that samples, the kernels' allocator reports, the kernels' lifecycle, the watchdog, the status
-view) and parking (the parker). It turns "kernel K of kernelspec S is starting" into a grant and the
-environment that carries it, and knows which start holds each kernel id, so two starts that chose the same id
-cannot share one grant.
+view, each kernel's usage history) and parking (the parker). It turns "kernel K of kernelspec S is starting"
+into a grant and the environment that carries it, and knows which start holds each kernel id, so two starts
+that chose the same id cannot share one grant.
 
 Every ledger write (grant, change, reset, release) runs in a thread, never on the event loop: a remote ledger
 may block up to its timeout (a daemon thread per call, at most LEDGER_THREADS at once). The writes of one
@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_devices
@@ -51,8 +52,12 @@ from .usage import (
     Monitor,
     PidResolver,
     Sample,
+    UsageHistory,
     Watchdog,
     WatchdogSettings,
+    history_text,
+    kernel_history_text,
+    point_for,
 )
 
 log = logging.getLogger("gpu_quota_ext")
@@ -162,6 +167,9 @@ class GpuQuotaManager:
         )
         self.monitor.on_sample(self.parker.on_sample)
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
+        # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
+        self.history = UsageHistory()
+        self.monitor.on_sample(self._record_history)
         self.monitor.on_sample(self._review)
 
     # --- start and stop (event loop) ----------------------------------------------------------
@@ -233,6 +241,39 @@ class GpuQuotaManager:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:
             log.warning("gpu-quota-ext: closing the ledger failed: %r", error)
+
+    def _record_history(self, sample: Sample) -> None:
+        """One history point per kernel holding a GPU: this sample's NVML figures, the kernel's last allocator
+        report, its caps and hard limit now, its park state. Kernels without a grant are forgotten."""
+        now = time.time()  # not sample.time: without NVML the monitor hands the same old sample each round
+        grants = [g for g in self.ledger.grants() if g.devices]
+        self.history.forget_all_but({g.kernel_id for g in grants})
+        for grant in grants:
+            kernel_id = grant.kernel_id
+            layers = self.hard_cap.layers(kernel_id)
+            point = point_for(
+                now,
+                grant.devices,
+                {index: sample.used(kernel_id, index) for index in grant.devices},
+                self.reports.get(kernel_id) or {},
+                grant.caps,
+                {d.index: d.limit for d in layers.limits} if layers is not None else {},
+                self.parker.kernel_json(kernel_id)["state"],
+            )
+            self.history.add(kernel_id, point)
+
+    def usage_history(self, since: Optional[float] = None) -> str:
+        """GET history (JSON text): every kernel's points newer than `since` (wall-clock seconds)."""
+        return history_text(self.history, self.monitor.poll_interval, since)
+
+    def kernel_usage_history(self, kernel_id: str, since: Optional[float] = None) -> Optional[str]:
+        """GET kernels/<id>/history (JSON text); None for a kernel this server holds no grant for."""
+        points = self.history.kernel(kernel_id, since)
+        if points is None:
+            if self.ledger.get(kernel_id) is None:
+                return None
+            points = []  # a CPU-only kernel, or one no sample has seen yet
+        return kernel_history_text(points, self.history, self.monitor.poll_interval)
 
     def gpu_pids(self, kernel_id: str) -> Tuple[int, ...]:
         """The kernel's processes on the GPUs in the last sample (parking checkpoints these)."""

@@ -8,6 +8,9 @@ Three different facts, each with its own reason:
 - the kernel holds a grant but shows no usage: its torch is built without CUDA, finds no device, or has
   not started CUDA yet (the cap applies then);
 - no server started the kernel (`%load_ext gpu_quota_ext` in a plain kernel): then nobody grants caps.
+
+The words for a fact the server also states (no driver) come from shared/reasons.py, so that `%gpucap` and
+the sidebar say it the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Optional
+
+from ..shared.reasons import NO_DRIVER
 
 # Present while the NVIDIA kernel module is loaded; kernels run on the server's machine, so what this
 # kernel sees here is what the server saw.
@@ -29,7 +34,7 @@ def no_gpu_reason(state) -> Optional[str]:
     if state.cpu_only_reason:
         return f"this kernel started without a GPU (CPU-only): {state.cpu_only_reason}"
     if not os.path.exists(NVIDIA_DRIVER_FILE):
-        return f"no GPU on this server: no NVIDIA driver is loaded on this machine ({NVIDIA_DRIVER_FILE} is absent)"
+        return f"no GPU on this server: {NO_DRIVER} ({NVIDIA_DRIVER_FILE} is absent)"
     return (
         "no GPU on this server that it may use: NVML failed or the server's CUDA_VISIBLE_DEVICES hides "
         "every device (the server's log says which)"

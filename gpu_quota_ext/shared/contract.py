@@ -25,14 +25,31 @@ USAGE_REPORT_FIELDS = ("devices",)
 USAGE_FIELDS = ("allocated", "reserved", "peak")  # per device of a usage report, next to "index"
 
 # GET status: the answer's fields, at the top, per device, per kernel and per device of a kernel.
-STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap")
+STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap", "reasons")
 STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used")
 KERNEL_FIELDS = (
     "id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers",
     "park",  # PARK_FIELDS below (the parker's, through the status view's add_kernel_field)
+    "reasons",  # KERNEL_REASONS below
 )
 KERNEL_DEVICE_FIELDS = (
     "index", "cap", "max_cap", "policy_cap", "used", "allocated", "reserved", "peak", "reported_at",
+)
+
+
+# --- reasons in plain words ------------------------------------------------------------------------
+# Where the answer carries a raw reason (a driver's error text), a "reasons" object carries it again as a
+# pair: {"reason": a few plain words (shared/reasons.py), "detail": the raw text}, or null when there is
+# nothing to explain. The raw fields stay as they are.
+REASON_FIELDS = ("reason", "detail")
+STATUS_REASONS = (  # the answer's "reasons"
+    "no_gpu",  # the top-level "message": why the server has no GPU
+    "monitor",  # "monitor"."message": what keeps the monitor from measuring
+)
+KERNEL_REASONS = (  # each kernel's "reasons"
+    "cpu_only",  # "cpu_only_reason": why the kernel holds no GPU
+    "park",  # "park"."reason": why not parkable, why it did not park, what a waiting resume waits for
+    "hard_limit",  # "layers"."hard_reason": why the driver enforces no hard limit for it
 )
 
 
@@ -63,4 +80,25 @@ PARK_FIELDS = (
     "host_bytes",  # bytes the driver holds on the host for it while parked, or null
     "parkable",  # false: parking cannot work for it (no checkpoint driver, MPS client, another user, no GPU)
     "reason",  # why not parkable, why it did not park, or what a waiting resume waits for; null if none
+)
+
+# --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----
+# GET history?since=T: {"interval": seconds between points, "points_max": N, "kernels": {kernel id: [POINT]}},
+#   every kernel the server keeps a history for (a list, maybe empty); only points with t > T, all kept
+#   points without `since`. The server's user only.
+# GET kernels/<id>/history?since=T: {"interval", "points_max", "points": [POINT]}; the server's user, or
+#   the kernel itself with its own secret.
+HISTORY_PATH = API_PREFIX + "/history"
+HISTORY_SUFFIX = "history"
+HISTORY_SINCE = "since"  # the query argument: wall-clock seconds
+HISTORY_FIELDS = ("interval", "points_max", "kernels")
+KERNEL_HISTORY_FIELDS = ("interval", "points_max", "points")
+HISTORY_POINT_FIELDS = (
+    "t",  # wall clock (seconds) when the monitor's sample came in
+    "used",  # NVML, the kernel's processes summed over its devices; null: unknown
+    "allocated",  # the kernel's last allocator report, summed over its devices; null: none
+    "reserved",  # the same, reserved
+    "cap",  # the sum of its caps (the ledger's)
+    "hard_limit",  # the sum of its hard limits (MPS, with the CUDA context); null: none
+    "park",  # one of PARK_STATES
 )

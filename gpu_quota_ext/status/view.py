@@ -6,6 +6,7 @@ hard-limit layer. The handlers only parse, authorize and call this; the Promethe
 `metric_families` at scrape time (the only families of the server: the hard limits and park states
 included). Other parts add fields to each kernel's entry through
 `add_kernel_field` (parking adds "park"), so the view stays the one place that builds the answer.
+Where the answer carries a raw reason, its "reasons" say it again in plain words (shared/reasons.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from ..ledger import Grant, Ledger
 from ..policy import Policy
+from ..shared.reasons import reason_pair
 from ..usage import KernelIds, KernelReports, Monitor, Watchdog, WatchdogSettings
 from .collector import hard_limit_family, monitor_families
 
@@ -32,6 +34,7 @@ VIEW_FIELDS = (
     "path",
     "last_action",
     "layers",
+    "reasons",
 )
 
 
@@ -91,6 +94,7 @@ class StatusView:
         decided_by = self.ledger.decided_by()
         policy = self.policy.describe() if decided_by is None else {"decided_by": decided_by}
         policy.update(self.settings.describe())
+        monitor = self.monitor.describe()
         return {
             "gpu": bool(self.monitor.devices),
             "message": self.no_gpu_reason,
@@ -98,9 +102,10 @@ class StatusView:
             "devices": devices,
             "kernels": [self.kernel(grant, paths) for grant in self.ledger.grants()],
             "policy": policy,
-            "monitor": self.monitor.describe(),
+            "monitor": monitor,
             "actions": [action.to_json() for action in self.watchdog.history],
             "hard_cap": self.hard_cap.describe(),
+            "reasons": {"no_gpu": reason_pair(self.no_gpu_reason), "monitor": reason_pair(monitor["message"])},
         }
 
     def kernel(self, grant: Grant, paths: Mapping[str, Optional[str]]) -> dict:
@@ -114,6 +119,11 @@ class StatusView:
         data["layers"] = self.hard_cap.kernel_json(grant)
         for name, (value, _) in self._fields.items():
             data[name] = value(grant.kernel_id)
+        data["reasons"] = {
+            "cpu_only": reason_pair(data.get("cpu_only_reason")),
+            "park": reason_pair((data.get("park") or {}).get("reason")),
+            "hard_limit": reason_pair((data["layers"] or {}).get("hard_reason")),
+        }
         return data
 
     def kernel_device_usage(self, kernel_id: str, index: int) -> dict:

@@ -6,15 +6,18 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 import {
+  HISTORY_SINCE,
+  HISTORY_SUFFIX,
+  IHistoryAnswer,
   IKernelPark,
   IKernelStatus,
   IQuotaStatus,
+  normalizeHistory,
   normalizeStatus,
   PARK_SUFFIX,
-  RESUME_SUFFIX,
-  serverMessage,
-  shorten
-} from './state';
+  RESUME_SUFFIX
+} from './contract';
+import { serverMessage, shorten } from './format';
 
 /** The status route answered 404: the server extension is not installed or not enabled. */
 export class MissingExtensionError extends Error {
@@ -43,10 +46,8 @@ async function readMessage(response: Response): Promise<string> {
   }
 }
 
-export async function fetchStatus(
-  settings: ServerConnection.ISettings
-): Promise<IQuotaStatus> {
-  const url = URLExt.join(settings.baseUrl, 'api/gpu-quota/status');
+/** GET a route of the extension's: its JSON, MissingExtensionError on a 404, ApiError on any other failure. */
+async function getJson(settings: ServerConnection.ISettings, url: string): Promise<unknown> {
   const response = await ServerConnection.makeRequest(url, {}, settings);
   if (response.status === 404) {
     throw new MissingExtensionError();
@@ -54,7 +55,28 @@ export async function fetchStatus(
   if (!response.ok) {
     throw new ApiError(await readMessage(response), response.status);
   }
-  return normalizeStatus(await response.json());
+  return response.json();
+}
+
+export async function fetchStatus(
+  settings: ServerConnection.ISettings
+): Promise<IQuotaStatus> {
+  return normalizeStatus(await getJson(settings, URLExt.join(settings.baseUrl, 'api/gpu-quota/status')));
+}
+
+/**
+ * GET history: every kernel's usage points after `since` (the server's clock; all kept points when null).
+ * A server without the route (an older one) answers 404: MissingExtensionError, and the sidebar stops asking.
+ */
+export async function fetchHistory(
+  settings: ServerConnection.ISettings,
+  since: number | null
+): Promise<IHistoryAnswer> {
+  let url = URLExt.join(settings.baseUrl, 'api/gpu-quota', HISTORY_SUFFIX);
+  if (since !== null) {
+    url += URLExt.objectToQueryString({ [HISTORY_SINCE]: String(since) });
+  }
+  return normalizeHistory(await getJson(settings, url));
 }
 
 export interface ICapResult {

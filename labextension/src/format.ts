@@ -1,7 +1,11 @@
 /**
- * Pure formatting helpers: bytes and ages as a person reads them. No JupyterLab imports, so the
- * unit tests run in plain Node.
+ * What the sidebar says in words, as pure functions: bytes, ages, durations and clock times as a person
+ * reads them; the server's messages shown as written (never as a format), said once and cut when long;
+ * a kernel's park state and refusals in the same words as %gpucap (gpu_quota_ext/kernel/park.py).
+ * No JupyterLab imports, so the unit tests run in plain Node.
  */
+
+import { IKernelPark, IReason, isNumber } from './contract';
 
 const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
 
@@ -85,4 +89,173 @@ export function formatAge(time: number | string | null | undefined, now: number)
     return `${Math.floor(seconds / 3600)} h ago`;
   }
   return `${Math.floor(seconds / 86400)} d ago`;
+}
+
+/** "40 s", "12 min", "2 h 5 min". */
+export function formatDuration(seconds: number): string {
+  const s = Math.max(0, Math.floor(seconds));
+  if (s < 60) {
+    return `${s} s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)} min`;
+  }
+  const hours = Math.floor(s / 3600);
+  const minutes = Math.floor((s % 3600) / 60);
+  return minutes ? `${hours} h ${minutes} min` : `${hours} h`;
+}
+
+/** "14:02" in the browser's time zone; "" when the time cannot be read. */
+export function formatClock(time: number | null | undefined): string {
+  const millis = toMillis(time);
+  if (millis === null) {
+    return '';
+  }
+  const date = new Date(millis);
+  const pad = (n: number) => String(n).padStart(2, '0');
+  return `${pad(date.getHours())}:${pad(date.getMinutes())}`;
+}
+
+// --- what the server says in words ------------------------------------------------------------
+
+/** The most of a server's message the sidebar shows; the rest is cut with an ellipsis. */
+export const MAX_MESSAGE_CHARS = 300;
+
+/** `text` cut to `max` characters, the last one an ellipsis when anything was cut. */
+export function shorten(text: string, max = MAX_MESSAGE_CHARS): string {
+  return text.length > max ? `${text.slice(0, max - 1)}…` : text;
+}
+
+/** The first letter a capital. */
+export function capitalised(text: string): string {
+  return text.charAt(0).toUpperCase() + text.slice(1);
+}
+
+/**
+ * The message of an error answer (`{"message": ..., "reason": ...}`), as written: shown as text,
+ * never used as a format (a "25%" stays "25%"), and cut when it is long; `fallback` (the HTTP status
+ * text) when the answer has none.
+ */
+export function serverMessage(body: unknown, fallback: string): string {
+  const data = body && typeof body === 'object' ? (body as Record<string, unknown>) : {};
+  for (const key of ['message', 'reason']) {
+    const value = data[key];
+    if (typeof value === 'string' && value.trim()) {
+      return shorten(value.trim());
+    }
+  }
+  return fallback;
+}
+
+/**
+ * A (translated) label followed by words from the server: joined, never passed through the
+ * translator as a format argument, whose "%%" handling would change a message that contains one.
+ */
+export function labelled(label: string, message: string | null | undefined): string {
+  if (!message) {
+    return label;
+  }
+  const wanted = label.toLowerCase();
+  let said = message;
+  // The server's message may open with a shorter form of the label ("no GPU: ..." under "No GPU on
+  // this server"): say it once.
+  const colon = said.indexOf(':');
+  if (colon > 0 && wanted.startsWith(said.slice(0, colon).trim().toLowerCase())) {
+    said = said.slice(colon + 1).trim();
+  }
+  // ... or already say what the label says ("clamped to ..." under "Clamped"): then it stands alone.
+  if (said.toLowerCase().includes(wanted)) {
+    return capitalised(said);
+  }
+  return said ? `${label}: ${said}` : label;
+}
+
+/** A reason to show: its few words, and the raw detail for the tooltip. */
+export interface IReasonText {
+  words: string;
+  detail: string;
+}
+
+const oneLine = (text: string | null | undefined): string => (text || '').trim().replace(/\s+/g, ' ');
+
+/**
+ * The words to show for a raw reason: the server's short pair when it sent one for this very text
+ * (shared/reasons.py), else the raw text itself (an older server, or a reason newer than the pair: a
+ * park answer's), cut when long. Null when there is nothing to say.
+ */
+export function reasonText(pair: IReason | null | undefined, raw: string | null | undefined): IReasonText | null {
+  const said = oneLine(raw);
+  const fits = pair && pair.reason && (!said || oneLine(pair.detail) === said);
+  const detail = fits ? oneLine(pair!.detail) : said;
+  const words = fits ? pair!.reason.trim() : said;
+  if (!words) {
+    return null;
+  }
+  return { words: shorten(words), detail: detail || words };
+}
+
+// --- parking in words -------------------------------------------------------------------------
+
+/**
+ * A kernel's park state as the sidebar says it ("running", "idle for 12 min", "parked since 14:02,
+ * 17.8 GiB on host", "resuming", "waiting for device memory: <reason>"); the same words as %gpucap
+ * (gpu_quota_ext/kernel/park.py). `reason`: the words for the server's reason (its short pair).
+ */
+export function parkWords(park: IKernelPark, reason?: string | null): string {
+  const said = reason || (typeof park.reason === 'string' && park.reason ? shorten(park.reason) : '');
+  switch (park.state) {
+    case 'busy':
+      return 'running';
+    case 'idle':
+      return isNumber(park.idle_seconds) ? `idle for ${formatDuration(park.idle_seconds)}` : 'idle';
+    case 'pending':
+      return 'parks when its current cell ends';
+    case 'parking':
+      return 'parking: its GPU memory is moving to host memory';
+    case 'parked': {
+      let words = 'parked';
+      const since = formatClock(park.since);
+      if (since) {
+        words += ` since ${since}`;
+      }
+      if (isNumber(park.host_bytes)) {
+        words += `, ${formatBytes(park.host_bytes)} on host`;
+      }
+      return words;
+    }
+    case 'resuming':
+      return 'resuming';
+    case 'waiting':
+      if (said.toLowerCase().startsWith('waiting for device memory')) {
+        return said; // the server's reason already says it
+      }
+      return said ? `waiting for device memory: ${said}` : 'waiting for device memory';
+    default:
+      return String(park.state || 'unknown');
+  }
+}
+
+// Openings that already say the server refused: said once ("not parkable: MPS client", never
+// "Cannot park: not parkable: MPS client"). The same list as gpu_quota_ext/kernel/park.py.
+const REFUSAL_OPENINGS = ['cannot park', 'cannot resume', 'not parkable', 'not parked', 'did not park', 'not resumed'];
+
+/** The server's refusal of a park or resume, as written and said once, capitalised. */
+export function refusalText(message: string | null | undefined, action: 'park' | 'resume'): string {
+  const said = oneLine(message);
+  if (REFUSAL_OPENINGS.some(opening => said.toLowerCase().startsWith(opening))) {
+    return capitalised(shorten(said));
+  }
+  return said ? `Cannot ${action}: ${shorten(said)}` : `Cannot ${action}`;
+}
+
+/** Why a kernel cannot be parked, "Not parkable" said once whether or not the server's reason says it. */
+export function notParkableText(reason: string | null | undefined): string {
+  const said = oneLine(reason);
+  if (!said) {
+    return 'Not parkable';
+  }
+  if (REFUSAL_OPENINGS.some(opening => said.toLowerCase().startsWith(opening))) {
+    return shorten(capitalised(said));
+  }
+  return `Not parkable: ${shorten(said)}`;
 }

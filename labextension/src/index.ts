@@ -18,7 +18,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { requestCap, requestPark } from './api';
 import { DEFAULT_INTERVAL_MS, DEFAULT_WARNING_THRESHOLD, QuotaModel } from './model';
 import { PANEL_ID, QuotaPanel } from './panel';
-import { IKernelStatus } from './state';
+import { IKernelStatus } from './contract';
 import { QuotaStatusItem } from './status';
 
 const PLUGIN_ID = 'gpu-quota-ext:plugin';
@@ -63,7 +63,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       interval: DEFAULT_INTERVAL_MS,
       // Poll while the panel shows, or while the status bar has a current kernel to report on.
       isWatched: (): boolean =>
-        !!(panel && panel.isVisible) || (statusItem !== null && model.state.currentKernelId !== null)
+        !!(panel && panel.isVisible) || (statusItem !== null && model.state.currentKernelId !== null),
+      // The usage charts are in the panel only: the history is asked for while it shows.
+      wantsHistory: (): boolean => !!(panel && panel.isVisible)
     });
 
     const shutdown = async (kernel: IKernelStatus): Promise<boolean> => {

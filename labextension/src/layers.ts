@@ -5,20 +5,8 @@
  * Pure: no JupyterLab imports, so the unit tests run in plain Node.
  */
 
-import { formatBytes } from './format';
-
-/** The `layers` of a kernel in GET /api/gpu-quota/status (sizes in bytes, keyed by server device). */
-export interface IKernelLayers {
-  soft?: boolean;
-  /** The server's c.GpuQuota.hard_cap: "off", "auto" or "mps". */
-  hard_cap?: string;
-  hard_limit?: { mps?: Record<string, number> } | null;
-  hard_usable?: Record<string, number> | null;
-  hard_reason?: string | null;
-  restart_needed?: boolean;
-  parkable?: boolean;
-  park_reason?: string | null;
-}
+import { IKernelLayers, IReason } from './contract';
+import { formatBytes, reasonText } from './format';
 
 export interface ILayersLine {
   text: string;
@@ -33,9 +21,11 @@ export interface ITranslate {
 
 const byIndex = (a: string, b: string): number => Number(a) - Number(b);
 
+/** `reason`: the server's short words for `hard_reason` (the kernel's reasons.hard_limit), when it sent them. */
 export function layersLine(
   layers: IKernelLayers | null | undefined,
-  trans: ITranslate
+  trans: ITranslate,
+  reason?: IReason | null
 ): ILayersLine | null {
   if (!layers || !layers.hard_cap || layers.hard_cap === 'off' || layers.soft === false) {
     return null;
@@ -61,11 +51,18 @@ export function layersLine(
     }
     return { text, title: lines.join('\n'), hard: true };
   }
-  return {
-    text: trans.__('soft cap only: %1', layers.hard_reason || trans.__('no reason given')),
-    title: trans.__(
+  const why = reasonText(reason, layers.hard_reason);
+  const title = [
+    trans.__(
       'Caps inside the kernel (torch, CuPy, JAX) and the watchdog apply; the driver enforces no hard limit for this kernel.'
-    ),
+    )
+  ];
+  if (why && why.detail !== why.words) {
+    title.push(why.detail);
+  }
+  return {
+    text: trans.__('soft cap only: %1', why?.words || trans.__('no reason given')),
+    title: title.join('\n'),
     hard: false
   };
 }

@@ -1,6 +1,7 @@
 /**
- * The one poller the sidebar and the status bar share: a Lumino Poll on the status route, its
- * answers reduced into an IState (see state.ts), a signal when that state changes.
+ * The one poller the sidebar and the status bar share: a Lumino Poll on the status route (and, while the
+ * sidebar shows, on the history route, incrementally with `since`), its answers reduced into an IState
+ * (see state.ts), a signal when that state changes.
  */
 
 import { ServerConnection } from '@jupyterlab/services';
@@ -8,16 +9,9 @@ import { IDisposable } from '@lumino/disposable';
 import { IPoll, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { fetchStatus, MissingExtensionError } from './api';
-import {
-  Action,
-  canReuseShared,
-  INITIAL_STATE,
-  ISharedStatus,
-  IState,
-  normalizeStatus,
-  reduce
-} from './state';
+import { fetchHistory, fetchStatus, MissingExtensionError } from './api';
+import { normalizeStatus } from './contract';
+import { Action, canReuseShared, INITIAL_STATE, ISharedStatus, IState, reduce } from './state';
 
 export const DEFAULT_INTERVAL_MS = 2000;
 export const DEFAULT_WARNING_THRESHOLD = 0.9;
@@ -27,12 +21,15 @@ export interface IQuotaModelOptions {
   interval?: number;
   /** True while someone looks at the data (the panel or the status bar item is visible). */
   isWatched?: () => boolean;
+  /** True while the usage charts show (the panel is visible): each tick then asks for the history too. */
+  wantsHistory?: () => boolean;
 }
 
 export class QuotaModel implements IDisposable {
   constructor(options: IQuotaModelOptions) {
     this._settings = options.serverSettings;
     this._isWatched = options.isWatched || (() => true);
+    this._wantsHistory = options.wantsHistory || (() => false);
     this._interval = options.interval || DEFAULT_INTERVAL_MS;
     // Tabs of one browser on one server share what they fetch (BroadcastChannel, same origin only).
     if (typeof BroadcastChannel !== 'undefined') {
@@ -126,8 +123,11 @@ export class QuotaModel implements IDisposable {
     const kernelId = this._state.currentKernelId;
     const fresh = this._fresh;
     this._fresh = false;
+    // Asked beside the status, not after it: a tick takes one round trip.
+    const history = this._askHistory();
     if (canReuseShared(this._shared, Date.now(), this._interval, fresh)) {
       this.dispatch({ type: 'status', seq, kernelId, status: this._shared!.status });
+      await history;
       return;
     }
     try {
@@ -143,11 +143,37 @@ export class QuotaModel implements IDisposable {
         this.dispatch({ type: 'error', seq, kernelId, message: String((error as Error)?.message || error) });
       }
       throw error; // the Poll backs off
+    } finally {
+      await history;
+    }
+  }
+
+  /**
+   * The history points newer than the last one held (all of them the first time, or after a while
+   * unwatched), when the charts show and the server has the route. Never throws: a chart that cannot be
+   * fed is no reason for the poll to back off.
+   */
+  private async _askHistory(): Promise<void> {
+    if (!this._historyRoute || !this._wantsHistory()) {
+      return;
+    }
+    const seq = ++this._historySeq;
+    const since = this._state.history.last;
+    try {
+      const answer = await fetchHistory(this._settings, since);
+      this.dispatch({ type: 'history', seq, full: since === null, answer });
+    } catch (error) {
+      if (error instanceof MissingExtensionError) {
+        this._historyRoute = false; // an older server: the rows show no chart
+      }
     }
   }
 
   private _settings: ServerConnection.ISettings;
   private _isWatched: () => boolean;
+  private _wantsHistory: () => boolean;
+  private _historyRoute = true;
+  private _historySeq = 0;
   private _interval: number;
   private _poll: Poll;
   private _requestSeq = 0;

@@ -1,8 +1,10 @@
 /**
  * The "GPU quota" sidebar: the server's GPUs, then its kernels (the current notebook's first and
- * highlighted), each with a bar of usage against cap, the last watchdog action, a cap field and a
- * shut-down button. Plain DOM with one persistent element per kernel, updated in place: a poll with
- * 200 kernels touches only the figures that changed.
+ * highlighted), each with a bar of usage against cap (or "unknown", never a 0 bar), a chart of its usage
+ * over the last minutes, one line about itself (its park state, or the one reason it cannot park or has
+ * no GPU, the raw detail on hover), the last watchdog action, a cap field and its buttons, which wrap
+ * rather than overflow a narrow sidebar. Plain DOM with one persistent element per kernel, updated in
+ * place: a poll with 200 kernels touches only the figures that changed.
  */
 
 import { TranslationBundle } from '@jupyterlab/translation';
@@ -10,30 +12,34 @@ import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import { ICapResult, IParkResult } from './api';
-import { formatAge, formatBytes, formatPair } from './format';
-import { layersLine } from './layers';
-import { QuotaModel } from './model';
+import { chartOf } from './chart';
+import { UsageChart } from './chartView';
+import { IDeviceStatus, IKernelDevice, IKernelStatus } from './contract';
 import {
   barFraction,
-  IDeviceStatus,
-  IKernelDevice,
-  IKernelStatus,
+  IKernelLine,
   IMonitorNotice,
-  IState,
-  kernelDeviceUsage,
   IParkButton,
-  labelled,
+  IUsage,
+  kernelDeviceUsage,
+  kernelLine,
   monitorNotice,
-  notParkableText,
   parkButtons,
   parkFeedback,
-  parkWords,
   sortKernels,
   UsageSource,
-  usageLevel
-} from './state';
+  usageLevel,
+  usagePair
+} from './derive';
+import { formatAge, formatBytes, formatPair, labelled, notParkableText, reasonText } from './format';
+import { layersLine } from './layers';
+import { QuotaModel } from './model';
+import { IHistory, IState } from './state';
 
 export const PANEL_ID = 'gpu-quota-ext-panel';
+
+/** The shortest window a chart shows (seconds). */
+const MIN_CHART_SECONDS = 60;
 
 export interface IPanelActions {
   setCap(
@@ -116,6 +122,25 @@ class Bar {
       setAttr(this.node, 'aria-valuenow', String(Math.round(fraction * 100)));
     }
     setLevel(this._fill, level);
+    this._setUnknown(false);
+  }
+
+  /** No figure: a hatched track with no fill, not an empty (0) bar. */
+  setUnknown(words: string): void {
+    this._width = '';
+    this._fill.style.transform = 'scaleX(0)';
+    this.node.removeAttribute('aria-valuenow');
+    setAttr(this.node, 'aria-valuetext', words);
+    this._setUnknown(true);
+  }
+
+  private _setUnknown(unknown: boolean): void {
+    if (this.node.classList.contains('jp-mod-unknown') !== unknown) {
+      this.node.classList.toggle('jp-mod-unknown', unknown);
+      if (!unknown) {
+        this.node.removeAttribute('aria-valuetext');
+      }
+    }
   }
 }
 
@@ -157,12 +182,18 @@ class KernelDeviceRow {
   constructor(private _trans: TranslationBundle) {
     this.node.append(this._label, this._bar.node, this._figure);
   }
-  update(device: IKernelDevice, threshold: number): void {
+  update(device: IKernelDevice, threshold: number, unknownWhy: string): void {
+    const trans = this._trans;
     const usage = kernelDeviceUsage(device);
-    setText(this._label, this._trans.__('GPU %1', device.index));
-    this._bar.set(barFraction(usage.bytes, device.cap), usageLevel(usage.bytes, device.cap, threshold));
-    setText(this._figure, formatPair(usage.bytes, device.cap));
-    setAttr(this.node, 'title', usageTooltip(this._trans, device, usage.source));
+    setText(this._label, trans.__('GPU %1', device.index));
+    if (usage.bytes === null) {
+      this._bar.setUnknown(trans.__('usage unknown'));
+    } else {
+      this._bar.set(barFraction(usage.bytes, device.cap), usageLevel(usage.bytes, device.cap, threshold));
+    }
+    setText(this._figure, usagePair(usage, device.cap));
+    this.node.classList.toggle('jp-mod-unknown', usage.bytes === null);
+    setAttr(this.node, 'title', usageTooltip(trans, device, usage, unknownWhy));
   }
 }
 
@@ -173,6 +204,8 @@ export function monitorNoticeText(trans: TranslationBundle, notice: IMonitorNoti
       return labelled(trans.__('GPU monitor stalled, usage unknown'), notice.message);
     case 'error':
       return labelled(trans.__('GPU usage cannot be read'), notice.message);
+    case 'unmeasured':
+      return labelled(trans.__('GPU usage is not measured'), notice.message);
     default:
       return labelled(trans.__('Some GPUs cannot be read'), notice.message);
   }
@@ -185,20 +218,25 @@ export function sourceText(trans: TranslationBundle, source: UsageSource): strin
     case 'allocator':
       return trans.__('reserved by the PyTorch allocator, reported by the kernel');
     default:
-      return trans.__('no usage measured yet');
+      return trans.__('unknown: NVML cannot read this GPU and the kernel has reported no allocator figures');
   }
 }
 
 export function usageTooltip(
   trans: TranslationBundle,
   device: IKernelDevice,
-  source: UsageSource
+  usage: IUsage,
+  unknownWhy = ''
 ): string {
-  const usage = kernelDeviceUsage(device);
   const lines = [
-    trans.__('GPU %1: %2 of a %3 cap', device.index, formatBytes(usage.bytes), formatBytes(device.cap)),
-    trans.__('Usage: %1', sourceText(trans, source))
+    usage.bytes === null
+      ? trans.__('GPU %1: usage unknown, cap %2', device.index, formatBytes(device.cap))
+      : trans.__('GPU %1: %2 of a %3 cap', device.index, formatBytes(usage.bytes), formatBytes(device.cap)),
+    trans.__('Usage: %1', sourceText(trans, usage.source))
   ];
+  if (usage.bytes === null && unknownWhy) {
+    lines.push(unknownWhy);
+  }
   if (typeof device.peak === 'number') {
     lines.push(trans.__('Peak (allocator): %1', formatBytes(device.peak)));
   }
@@ -216,13 +254,16 @@ class KernelRow {
   private _devices = h('div', 'jp-GpuQuota-kernelDevices');
   private _deviceRows: KernelDeviceRow[] = [];
   private _deviceKey = '';
-  private _cpuOnly = h('div', 'jp-GpuQuota-cpuOnly');
+  private _chart: UsageChart;
   private _layers = h('div', 'jp-GpuQuota-layers');
+  private _line = h('div', 'jp-GpuQuota-line');
   private _action = h('div', 'jp-GpuQuota-action');
-  private _park = h('div', 'jp-GpuQuota-park');
   private _parkButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-parkButton');
   private _resumeButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-resumeButton');
   private _parkBusy = false;
+  /** The park state a Park / Resume answer spoke of: its feedback goes once the state has moved on. */
+  private _feedbackPark: string | null = null;
+  private _capGroup = h('div', 'jp-GpuQuota-capGroup');
   private _capInput = h('input', 'jp-GpuQuota-capInput');
   private _setButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-setCap jp-mod-accept');
   private _resetButton = h('button', 'jp-GpuQuota-button jp-GpuQuota-reset');
@@ -238,9 +279,12 @@ class KernelRow {
     const trans = _trans;
     this.id = kernel.id;
     this.node.dataset.kernelId = kernel.id;
+    this._chart = new UsageChart(trans.__('usage unknown'));
     const head = h('div', 'jp-GpuQuota-kernelHead');
     head.append(this._path, this._spec);
+    // Two groups that wrap as wholes: the cap's field and buttons, then what acts on the kernel itself.
     const form = h('form', 'jp-GpuQuota-controls');
+    const kernelGroup = h('div', 'jp-GpuQuota-kernelGroup');
     this._capInput.type = 'text';
     this._capInput.placeholder = trans.__('30%');
     this._capInput.title = trans.__(
@@ -259,14 +303,9 @@ class KernelRow {
     this._parkButton.textContent = trans.__('Park');
     this._resumeButton.type = 'button';
     this._resumeButton.textContent = trans.__('Resume');
-    form.append(
-      this._capInput,
-      this._setButton,
-      this._resetButton,
-      this._parkButton,
-      this._resumeButton,
-      this._shutdownButton
-    );
+    this._capGroup.append(this._capInput, this._setButton, this._resetButton);
+    kernelGroup.append(this._parkButton, this._resumeButton, this._shutdownButton);
+    form.append(this._capGroup, kernelGroup);
     form.addEventListener('submit', event => {
       event.preventDefault();
       const cap = this._capInput.value.trim();
@@ -286,22 +325,23 @@ class KernelRow {
     });
     setHidden(this._feedback, true);
     setHidden(this._layers, true);
-    setHidden(this._park, true);
+    setHidden(this._line, true);
+    setHidden(this._chart.node, true);
     setHidden(this._parkButton, true);
     setHidden(this._resumeButton, true);
     this.node.append(
       head,
       this._devices,
+      this._chart.node,
       this._layers,
-      this._cpuOnly,
-      this._park,
+      this._line,
       this._action,
       form,
       this._feedback
     );
   }
 
-  update(kernel: IKernelStatus, current: boolean, threshold: number, now: number): void {
+  update(kernel: IKernelStatus, current: boolean, view: IRowView): void {
     const trans = this._trans;
     this._kernel = kernel;
     if (this.node.classList.contains('jp-mod-current') !== current) {
@@ -327,10 +367,18 @@ class KernelRow {
       this._deviceRows = kernel.devices.map(() => new KernelDeviceRow(trans));
       this._devices.replaceChildren(...this._deviceRows.map(r => r.node));
     }
-    kernel.devices.forEach((device, i) => this._deviceRows[i].update(device, threshold));
+    kernel.devices.forEach((device, i) => this._deviceRows[i].update(device, view.threshold, view.unknownWhy));
+
+    // A chart costs a path of 300 points: drawn for rows in or near view (200 kernels, 20 on screen).
+    if (this.inView) {
+      this._updateChart(kernel, view.history);
+      this.chartStale = false;
+    } else {
+      this.chartStale = true;
+    }
 
     // Hard limit (MPS) or why there is none; nothing while the server's hard limits are off.
-    const layers = layersLine(kernel.layers, trans);
+    const layers = layersLine(kernel.layers, trans, kernel.reasons?.hard_limit);
     setHidden(this._layers, !layers);
     if (layers) {
       setText(this._layers, layers.text);
@@ -339,19 +387,7 @@ class KernelRow {
     }
 
     const cpuOnly = kernel.devices.length === 0;
-    setHidden(this._cpuOnly, !cpuOnly);
-    if (cpuOnly) {
-      setText(
-        this._cpuOnly,
-        kernel.cpu_only_reason
-          ? labelled(trans.__('CPU only'), kernel.cpu_only_reason)
-          : trans.__('CPU only: no GPU granted')
-      );
-    }
-    setHidden(this._capInput, cpuOnly);
-    setHidden(this._setButton, cpuOnly);
-    setHidden(this._resetButton, cpuOnly);
-
+    setHidden(this._capGroup, cpuOnly);
     this._updatePark(kernel);
 
     const action = kernel.last_action;
@@ -368,12 +404,73 @@ class KernelRow {
         parts.push(trans.__('(by processes outside the kernel that name it; warnings only)'));
       }
       let text = parts.join(' ');
-      const age = formatAge(action.time, now);
+      const age = formatAge(action.time, view.now);
       if (age) {
         text += `, ${age}`;
       }
       setText(this._action, text);
     }
+  }
+
+  /** Which marks the row's chart draws now (the legend shows those some chart has). */
+  marks: IChartMarks = NO_MARKS;
+  /** Whether the row is in or near the panel's view (the panel's IntersectionObserver says). */
+  inView = true;
+  /** Whether its chart has not been drawn for the last state (it was out of view). */
+  chartStale = false;
+
+  /**
+   * The chart of the kernel's usage, when the server keeps a history for it: over the server's whole
+   * window (points_max samples), or over the kernel's life while that is shorter (a minute at least), so
+   * that a new kernel's first points are not a sliver at the edge.
+   */
+  private _updateChart(kernel: IKernelStatus, history: IHistory): void {
+    const points = history.kernels[kernel.id];
+    const shown = !!points && points.length > 0 && history.last !== null && kernel.devices.length > 0;
+    setHidden(this._chart.node, !shown);
+    if (!shown) {
+      this.marks = NO_MARKS;
+      return;
+    }
+    const most = history.pointsMax * history.interval;
+    const lived = history.last! - points[0].t + history.interval;
+    const seconds = Math.min(most, Math.max(MIN_CHART_SECONDS, lived));
+    const chart = chartOf(points, history.last!, seconds, history.interval);
+    this._chart.update(chart);
+    this.marks = {
+      hardLimit: chart.hardLimit !== '',
+      park: chart.parks.some(band => band.state === 'parked'),
+      waiting: chart.parks.some(band => band.state === 'waiting')
+    };
+  }
+
+  /** The row's one line (kernelLine), and the Park / Resume buttons as parkButtons() decides. */
+  private _updatePark(kernel: IKernelStatus): void {
+    const trans = this._trans;
+    const line: IKernelLine | null = kernelLine(kernel);
+    setHidden(this._line, !line);
+    if (line) {
+      let text: string;
+      if (line.kind === 'cpu-only') {
+        text = line.words ? labelled(trans.__('CPU only'), line.words) : trans.__('CPU only: no GPU granted');
+      } else if (line.kind === 'not-parkable') {
+        text = notParkableText(line.words);
+      } else {
+        text = line.words;
+      }
+      setText(this._line, text);
+      setAttr(this._line, 'title', line.detail || (text.length > 60 ? text : ''));
+      setAttr(this._line, 'data-park-state', line.state);
+      setAttr(this._line, 'data-kind', line.kind);
+      setLevel(this._line, line.level);
+    }
+    if (this._feedbackPark !== null && kernel.park && kernel.park.state !== this._feedbackPark) {
+      this._feedbackPark = null;
+      setHidden(this._feedback, true); // the line says what happened since
+    }
+    const buttons = parkButtons(kernel.park || null);
+    setButton(this._parkButton, buttons.park, this._parkBusy);
+    setButton(this._resumeButton, buttons.resume, this._parkBusy);
   }
 
   private async _request(request: { cap: string } | { reset: true }): Promise<void> {
@@ -401,21 +498,6 @@ class KernelRow {
     }
   }
 
-  /** The park state in words, and the Park / Resume buttons as parkButtons() decides. */
-  private _updatePark(kernel: IKernelStatus): void {
-    const park = kernel.park || null;
-    setHidden(this._park, !park);
-    if (park) {
-      const words = park.parkable === false ? notParkableText(park.reason) : parkWords(park);
-      setText(this._park, words);
-      setAttr(this._park, 'data-park-state', park.state);
-      setLevel(this._park, park.state === 'waiting' ? 'warning' : 'ok');
-    }
-    const buttons = parkButtons(park);
-    setButton(this._parkButton, buttons.park, this._parkBusy);
-    setButton(this._resumeButton, buttons.resume, this._parkBusy);
-  }
-
   private async _parkOrResume(action: 'park' | 'resume'): Promise<void> {
     this._parkBusy = true;
     this._parkButton.disabled = this._resumeButton.disabled = true;
@@ -426,6 +508,8 @@ class KernelRow {
       if (result.park && this._kernel) {
         this._kernel = { ...this._kernel, park: result.park };
       }
+      // An accepted request's words ("Parks when its current cell ends") last until the state moves on.
+      this._feedbackPark = result.outcome === 'accepted' && result.park ? result.park.state : null;
     } catch (error) {
       const failed = action === 'park' ? this._trans.__('Park failed') : this._trans.__('Resume failed');
       this._showFeedback(labelled(failed, String((error as Error)?.message || error)), 'over');
@@ -455,9 +539,59 @@ class KernelRow {
   }
 
   private _showFeedback(text: string, level: string): void {
+    this._feedbackPark = null;
     setText(this._feedback, text);
     setLevel(this._feedback, level);
     setHidden(this._feedback, false);
+  }
+}
+
+/** What every row of one render shares. */
+interface IRowView {
+  threshold: number;
+  /** Epoch ms: the ages of watchdog actions. */
+  now: number;
+  /** Why usage is unknown now, in the monitor's words: the tooltip of an unknown figure. */
+  unknownWhy: string;
+  history: IHistory;
+}
+
+/** Which of the marks that not every chart has a row's chart draws now. */
+interface IChartMarks {
+  hardLimit: boolean;
+  park: boolean;
+  waiting: boolean;
+}
+
+const NO_MARKS: IChartMarks = { hardLimit: false, park: false, waiting: false };
+
+/** The key to the charts, once above the kernels: what each mark is (the hard limit and the park marks
+ * only while some chart has them). */
+class ChartLegend {
+  readonly node = h('div', 'jp-GpuQuota-legend');
+  private _entries = new Map<string, HTMLElement>();
+  constructor(trans: TranslationBundle) {
+    const entries: [string, string][] = [
+      ['allocated', trans.__('allocated')],
+      ['reserved', trans.__('reserved')],
+      ['used', trans.__('used (NVML)')],
+      ['cap', trans.__('cap')],
+      ['hardLimit', trans.__('hard limit')],
+      ['park', trans.__('parked')],
+      ['waiting', trans.__('waiting to resume')]
+    ];
+    for (const [mark, words] of entries) {
+      const entry = h('span', `jp-GpuQuota-legendEntry jp-GpuQuota-legend-${mark}`);
+      entry.append(h('span', 'jp-GpuQuota-legendMark'), document.createTextNode(words));
+      this._entries.set(mark, entry);
+      this.node.append(entry);
+    }
+    this.node.setAttribute('aria-hidden', 'true'); // each chart says its own in words
+  }
+  update(marks: IChartMarks): void {
+    setHidden(this._entries.get('hardLimit')!, !marks.hardLimit);
+    setHidden(this._entries.get('park')!, !marks.park);
+    setHidden(this._entries.get('waiting')!, !marks.waiting);
   }
 }
 
@@ -479,6 +613,7 @@ export class QuotaPanel extends Widget {
     const header = h('header', 'jp-GpuQuota-header', trans.__('GPU quota'));
     this._devicesTitle = h('h3', 'jp-GpuQuota-sectionTitle', trans.__('GPUs'));
     this._kernelsTitle = h('h3', 'jp-GpuQuota-sectionTitle');
+    this._legend = new ChartLegend(trans);
     this._kernelList.setAttribute('aria-label', trans.__('Kernels'));
     this._message.setAttribute('role', 'status');
     this.node.append(
@@ -487,8 +622,15 @@ export class QuotaPanel extends Widget {
       this._devicesTitle,
       this._deviceList,
       this._kernelsTitle,
+      this._legend.node,
       this._kernelList
     );
+    if (typeof IntersectionObserver !== 'undefined') {
+      this._observer = new IntersectionObserver(entries => this._onRowsSeen(entries), {
+        root: this.node,
+        rootMargin: '300px 0px'
+      });
+    }
     _model.changed.connect(this._onChanged, this);
     this._render(_model.state);
   }
@@ -497,8 +639,24 @@ export class QuotaPanel extends Widget {
     if (this.isDisposed) {
       return;
     }
+    this._observer?.disconnect();
     this._model.changed.disconnect(this._onChanged, this);
     super.dispose();
+  }
+
+  /** Rows that come into view draw the chart they skipped while out of it. */
+  private _onRowsSeen(entries: IntersectionObserverEntry[]): void {
+    let stale = false;
+    for (const entry of entries) {
+      const row = this._rowsByNode.get(entry.target);
+      if (row) {
+        row.inView = entry.isIntersecting;
+        stale = stale || (row.inView && row.chartStale);
+      }
+    }
+    if (stale) {
+      this.update();
+    }
   }
 
   /** Render now (the benchmark calls this to time one update). */
@@ -529,12 +687,14 @@ export class QuotaPanel extends Widget {
     const trans = this._trans;
     const status = state.phase === 'missing' || state.phase === 'no-gpu' ? null : state.status;
     // One line: what is wrong with the poll first, else what the server says of its GPU monitor
-    // (a stalled monitor means every usage figure below is unknown).
+    // (a stalled monitor means every usage figure below is unknown). The raw words on hover.
     const notice = monitorNotice(status);
     const problem = this._messageFor(state);
-    const message = problem || (notice ? monitorNoticeText(trans, notice) : '');
+    const message = problem ? problem.text : notice ? monitorNoticeText(trans, notice) : '';
     setHidden(this._message, !message);
     setText(this._message, message);
+    const detail = problem ? problem.detail : notice ? notice.detail : '';
+    setAttr(this._message, 'title', detail && !message.includes(detail) ? detail : '');
     setLevel(
       this._message,
       state.phase === 'error' || state.phase === 'missing' ? 'over' : notice && !problem ? notice.level : 'ok'
@@ -546,6 +706,8 @@ export class QuotaPanel extends Widget {
     setHidden(this._deviceList, !status);
     setHidden(this._kernelsTitle, !status);
     setHidden(this._kernelList, !status);
+    const charted = kernels.some(k => (state.history.kernels[k.id] || []).length > 0);
+    setHidden(this._legend.node, !status || !charted);
 
     // GPUs: few, rebuilt only when their number changes.
     if (this._deviceRows.length !== devices.length) {
@@ -561,25 +723,39 @@ export class QuotaPanel extends Widget {
         ? trans.__('Kernels (%1)', kernels.length)
         : trans.__('Kernels: none running')
     );
-    const now = Date.now();
+    const view: IRowView = {
+      threshold: this.threshold,
+      now: Date.now(),
+      unknownWhy: notice ? monitorNoticeText(trans, notice) : '',
+      history: state.history
+    };
     const seen = new Set<string>();
     const ordered: KernelRow[] = [];
     for (const kernel of kernels) {
       let row = this._kernelRows.get(kernel.id);
       if (!row) {
         row = new KernelRow(kernel, trans, this._actions);
+        this._rowsByNode.set(row.node, row);
+        this._observer?.observe(row.node);
         this._kernelRows.set(kernel.id, row);
       }
-      row.update(kernel, kernel.id === state.currentKernelId, this.threshold, now);
+      row.update(kernel, kernel.id === state.currentKernelId, view);
       seen.add(kernel.id);
       ordered.push(row);
     }
     for (const [id, row] of this._kernelRows) {
       if (!seen.has(id)) {
         row.node.remove();
+        this._observer?.unobserve(row.node);
+        this._rowsByNode.delete(row.node);
         this._kernelRows.delete(id);
       }
     }
+    this._legend.update({
+      hardLimit: ordered.some(row => row.marks.hardLimit),
+      park: ordered.some(row => row.marks.park),
+      waiting: ordered.some(row => row.marks.waiting)
+    });
     let cursor = this._kernelList.firstElementChild;
     for (const row of ordered) {
       if (cursor === row.node) {
@@ -596,21 +772,24 @@ export class QuotaPanel extends Widget {
     return elapsed;
   }
 
-  private _messageFor(state: IState): string {
+  /** What is wrong with the poll or the server, in words, and its raw detail; null when nothing is. */
+  private _messageFor(state: IState): { text: string; detail: string } | null {
     const trans = this._trans;
     switch (state.phase) {
       case 'loading':
-        return trans.__('Loading GPU quotas…');
+        return { text: trans.__('Loading GPU quotas…'), detail: '' };
       case 'missing':
-        return trans.__('The gpu-quota-ext server extension is not enabled on this server.');
-      case 'no-gpu':
-        return state.status?.message
-          ? labelled(trans.__('No GPU on this server'), state.status.message)
-          : trans.__('No GPU on this server.');
+        return { text: trans.__('The gpu-quota-ext server extension is not enabled on this server.'), detail: '' };
+      case 'no-gpu': {
+        const said = reasonText(state.status?.reasons?.no_gpu, state.status?.message);
+        return said
+          ? { text: labelled(trans.__('No GPU on this server'), said.words), detail: said.detail }
+          : { text: trans.__('No GPU on this server.'), detail: '' };
+      }
       case 'error':
-        return labelled(trans.__('Cannot read GPU quotas, retrying'), state.error);
+        return { text: labelled(trans.__('Cannot read GPU quotas, retrying'), state.error), detail: '' };
       default:
-        return '';
+        return null;
     }
   }
 
@@ -625,6 +804,9 @@ export class QuotaPanel extends Widget {
   private _deviceList = h('div', 'jp-GpuQuota-devices');
   private _deviceRows: DeviceRow[] = [];
   private _kernelsTitle: HTMLElement;
+  private _legend: ChartLegend;
   private _kernelList = h('ul', 'jp-GpuQuota-kernels');
   private _kernelRows = new Map<string, KernelRow>();
+  private _rowsByNode = new Map<Element, KernelRow>();
+  private _observer: IntersectionObserver | null = null;
 }

@@ -1,6 +1,7 @@
 /**
- * The status bar item: the current kernel's GPU usage against its cap ("GPU 3.2 / 10 GiB"), in the
- * warning colour from the threshold on. Hidden when the current kernel has no grant.
+ * The status bar item: the current kernel's GPU usage against its cap ("GPU 3.2 / 10 GiB", "GPU unknown /
+ * 10 GiB" when nothing measures it), in the warning colour from the threshold on. Hidden when the current
+ * kernel has no grant.
  */
 
 import { TranslationBundle } from '@jupyterlab/translation';
@@ -8,10 +9,11 @@ import { Message } from '@lumino/messaging';
 import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
-import { formatBytes, formatPair } from './format';
+import { monitorNotice, statusBarInfo, usagePair } from './derive';
+import { formatBytes, labelled } from './format';
 import { QuotaModel } from './model';
 import { monitorNoticeText, usageTooltip } from './panel';
-import { IState, labelled, monitorNotice, statusBarInfo } from './state';
+import { IState } from './state';
 
 export class QuotaStatusItem extends Widget {
   constructor(
@@ -57,14 +59,14 @@ export class QuotaStatusItem extends Widget {
     if (info) {
       let text: string;
       let title: string;
+      const notice = monitorNotice(state.status);
       if (info.device && info.usage) {
-        text = trans.__('GPU %1', formatPair(info.usage.bytes, info.device.cap));
-        title = usageTooltip(trans, info.device, info.usage.source);
+        text = trans.__('GPU %1', usagePair(info.usage, info.device.cap));
+        title = usageTooltip(trans, info.device, info.usage);
       } else {
         text = trans.__('GPU: CPU only');
         title = info.kernel.cpu_only_reason || trans.__('This kernel was given no GPU');
       }
-      const notice = monitorNotice(state.status);
       if (notice) {
         title += '\n' + monitorNoticeText(trans, notice);
       }
@@ -79,6 +81,7 @@ export class QuotaStatusItem extends Widget {
       this.node.classList.toggle('jp-mod-warning', info.level === 'warning');
       this.node.classList.toggle('jp-mod-over', info.level === 'over');
       this.node.classList.toggle('jp-mod-stalled', notice?.problem === 'stalled');
+      this.node.classList.toggle('jp-mod-unknown', info.usage !== null && info.usage.bytes === null);
       this.node.dataset.used = info.usage ? formatBytes(info.usage.bytes) : '';
     }
     if (active !== this._active) {

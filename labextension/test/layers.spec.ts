@@ -1,4 +1,5 @@
-import { IKernelLayers, layersLine } from '../src/layers';
+import { IKernelLayers } from '../src/contract';
+import { layersLine } from '../src/layers';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;

@@ -6,18 +6,9 @@
 import { ServerConnection } from '@jupyterlab/services';
 
 import { requestPark } from '../src/api';
-import {
-  IKernelPark,
-  normalizeStatus,
-  notParkableText,
-  PARK_STATES,
-  PARK_TITLE,
-  parkButtons,
-  parkFeedback,
-  parkWords,
-  refusalText,
-  RESUME_TITLE
-} from '../src/state';
+import { IKernelPark, normalizeStatus, PARK_STATES } from '../src/contract';
+import { PARK_TITLE, parkButtons, parkFeedback, RESUME_TITLE } from '../src/derive';
+import { notParkableText, parkWords, refusalText } from '../src/format';
 
 const GiB = 1024 ** 3;
 

@@ -1,20 +1,7 @@
-import {
-  barFraction,
-  canReuseShared,
-  IKernelStatus,
-  INITIAL_STATE,
-  IState,
-  kernelDeviceUsage,
-  labelled,
-  MAX_MESSAGE_CHARS,
-  monitorNotice,
-  normalizeStatus,
-  reduce,
-  serverMessage,
-  sortKernels,
-  statusBarInfo,
-  usageLevel
-} from '../src/state';
+import { IKernelStatus, normalizeStatus } from '../src/contract';
+import { barFraction, kernelDeviceUsage, monitorNotice, sortKernels, statusBarInfo, usageLevel } from '../src/derive';
+import { labelled, MAX_MESSAGE_CHARS, serverMessage } from '../src/format';
+import { canReuseShared, INITIAL_STATE, IState, reduce } from '../src/state';
 
 const GiB = 1024 ** 3;
 
@@ -73,10 +60,11 @@ describe('normalizeStatus', () => {
 });
 
 describe('kernelDeviceUsage', () => {
-  it('prefers NVML, then the allocator, then zero', () => {
+  it('prefers NVML, then the allocator, then says it does not know', () => {
     expect(kernelDeviceUsage({ index: 0, cap: 1, used: 7, reserved: 5 })).toEqual({ bytes: 7, source: 'nvml' });
     expect(kernelDeviceUsage({ index: 0, cap: 1, used: null, reserved: 5 })).toEqual({ bytes: 5, source: 'allocator' });
-    expect(kernelDeviceUsage({ index: 0, cap: 1 })).toEqual({ bytes: 0, source: 'none' });
+    expect(kernelDeviceUsage({ index: 0, cap: 1 })).toEqual({ bytes: null, source: 'unknown' });
+    expect(kernelDeviceUsage({ index: 0, cap: 1, used: 0 })).toEqual({ bytes: 0, source: 'nvml' }); // 0 is known
   });
 });
 
@@ -290,7 +278,7 @@ describe('monitorNotice', () => {
   it('says when the monitor is stalled, in the server\'s words', () => {
     const message = 'no GPU sample since 2026-11-29 10:00:00 UTC: an NVML call has not returned for 9 s';
     const notice = monitorNotice(withMonitor({ state: 'stalled', message, sampled_at: 1, stalled_after: 3 }));
-    expect(notice).toEqual({ problem: 'stalled', message, level: 'over' });
+    expect(notice).toEqual({ problem: 'stalled', message, detail: message, level: 'over' });
   });
 
   it('flags unreadable GPUs and is quiet when the figures can be trusted', () => {

@@ -1,5 +1,6 @@
 /**
- * Galata against the `jupyter lab` that run.sh starts (TARGET_URL), in Debian's Chromium.
+ * Galata against the `jupyter lab` that run.sh starts (TARGET_URL), in Debian's Chromium: the tests, or
+ * with GQ_UI_PICTURES set (`run.sh --pictures`) only the pictures for the docs.
  */
 const baseConfig = require('@jupyterlab/galata/lib/playwright-config');
 const chromium = require('./chromium');
@@ -7,7 +8,9 @@ const chromium = require('./chromium');
 module.exports = {
   ...baseConfig,
   testDir: './tests',
-  timeout: 90000,
+  ...(process.env.GQ_UI_PICTURES
+    ? { testMatch: 'pictures.spec.ts', timeout: 600000 }
+    : { testIgnore: 'pictures.spec.ts', timeout: 90000 }),
   retries: 0,
   workers: 1,
   reporter: [['list']],

@@ -4,8 +4,12 @@
 #   1. Debian's Chromium, when /usr/bin/chromium is missing (never `npx playwright install`);
 #   2. the JupyterLab extension, built when missing or older than its sources, and known to jupyter;
 #   3. Galata and Playwright in tests/ui/node_modules;
-#   4. `jupyter lab` on a free loopback port with the extension and two static GPUs;
+#   4. `jupyter lab` on a free loopback port with the extension and two static GPUs (their usage and
+#      parking faked through a scenario file: ui_scenario.py);
 #   5. the Galata tests; the server stopped; non-zero on a failure or when no test ran.
+# The tests write screenshots only under build/ui/ (ignored by git): a test run leaves the tree as it was.
+# `tests/ui/run.sh --pictures` (what `./run pictures` runs) instead starts the demo's server
+# (jupyter_server_pictures_config.py), runs tests/pictures.spec.ts and copies its pictures to docs/images/.
 # Extra arguments go to `playwright test` (e.g. `tests/ui/run.sh -g "shutting"`).
 set -euo pipefail
 
@@ -14,6 +18,18 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 cd "$ROOT"
 
 log() { echo "[ui] $*"; }
+
+PICTURES=""
+if [ "${1:-}" = "--pictures" ]; then
+  PICTURES=1
+  shift
+fi
+CONFIG="$HERE/jupyter_server_test_config.py"
+OUT="$ROOT/build/ui"
+if [ -n "$PICTURES" ]; then
+  CONFIG="$HERE/jupyter_server_pictures_config.py"
+  OUT="$ROOT/build/ui-pictures"
+fi
 
 if [ -z "${VIRTUAL_ENV:-}" ] && ! command -v jupyter >/dev/null; then
   echo "[ui] activate the project's Python venv first (jupyter not found)" >&2
@@ -37,8 +53,17 @@ if [ ! -f "$BUILT" ] || [ -n "$(find labextension/src labextension/style labexte
   log "building the JupyterLab extension"
   (cd labextension && jlpm install && jlpm build:prod)
 fi
-if ! jupyter labextension list 2>&1 | grep -E "gpu-quota-ext .*enabled" | grep -q "OK"; then
-  log "linking the extension into jupyter's labextensions folder"
+# The build jupyter serves must be this checkout's (another checkout or an installed copy may be there).
+SERVED="$(python - <<'EOF'
+import os
+from jupyter_core.paths import jupyter_path
+found = [os.path.join(d, "gpu-quota-ext") for d in jupyter_path("labextensions")]
+print(next((os.path.realpath(f) for f in found if os.path.exists(f)), ""))
+EOF
+)"
+if [ "$SERVED" != "$(cd gpu_quota_ext/labextension && pwd -P)" ] \
+  || ! jupyter labextension list 2>&1 | grep -E "gpu-quota-ext .*enabled" | grep -q "OK"; then
+  log "linking this checkout's extension into jupyter's labextensions folder (it served ${SERVED:-none})"
   jupyter labextension develop --overwrite . >/dev/null
 fi
 
@@ -54,9 +79,11 @@ PORT="$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 WORK="$(mktemp -d -t gq-ui-XXXXXX)"
 export GQ_UI_PORT="$PORT"
 export JUPYTERLAB_GALATA_ROOT_DIR="$WORK/root"
+# The scenario file the specs write through the contents API (its name under the root: SCENARIO in the specs).
+export GQ_UI_SCENARIO="$JUPYTERLAB_GALATA_ROOT_DIR/gpu-scenario.json"
 mkdir -p "$JUPYTERLAB_GALATA_ROOT_DIR"
-log "starting jupyter lab on 127.0.0.1:$PORT (log: $WORK/server.log)"
-jupyter lab --config "$HERE/jupyter_server_test_config.py" --allow-root --no-browser >"$WORK/server.log" 2>&1 &
+log "starting jupyter lab on 127.0.0.1:$PORT with $(basename "$CONFIG") (log: $WORK/server.log)"
+jupyter lab --config "$CONFIG" --allow-root --no-browser >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 
 stop_server() {
@@ -83,10 +110,12 @@ curl -fsS "http://127.0.0.1:$PORT/api/gpu-quota/status" >/dev/null || {
   exit 1
 }
 
-# 5. The tests
-mkdir -p "$ROOT/docs/images"
+# 5. The tests (or the pictures), their screenshots under $OUT
+rm -rf "$OUT"
+mkdir -p "$OUT"
 set +e
-TARGET_URL="http://127.0.0.1:$PORT" PLAYWRIGHT_JSON_OUTPUT_NAME="$WORK/results.json" \
+GQ_UI_OUT="$OUT" GQ_UI_PICTURES="$PICTURES" TARGET_URL="http://127.0.0.1:$PORT" \
+  PLAYWRIGHT_JSON_OUTPUT_NAME="$WORK/results.json" \
   node_modules/.bin/playwright test --reporter=list,json "$@"
 STATUS=$?
 set -e
@@ -112,4 +141,10 @@ if [ "$RAN" -eq 0 ]; then
   echo "[ui] no test ran" >&2
   exit 1
 fi
-log "$RAN tests passed"
+if [ -n "$PICTURES" ]; then
+  mkdir -p "$ROOT/docs/images"
+  cp "$OUT"/*.png "$ROOT/docs/images/"
+  log "pictures refreshed in docs/images: $(cd "$OUT" && ls *.png | tr '\n' ' ')"
+  exit 0
+fi
+log "$RAN tests passed (screenshots in ${OUT#"$ROOT"/})"

@@ -1,5 +1,6 @@
-"""The sidebar's TypeScript types (labextension/src/state.ts) declare every field of the status answer
-that shared.contract lists: a field added to the contract without the types fails here."""
+"""The sidebar's TypeScript types (labextension/src/contract.ts) declare every field of the status answer
+and of the usage history that shared.contract lists: a field added to the contract without the types fails
+here."""
 
 import re
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from gpu_quota_ext.shared import contract
 
-STATE_TS = Path(__file__).resolve().parents[2] / "labextension" / "src" / "state.ts"
+CONTRACT_TS = Path(__file__).resolve().parents[2] / "labextension" / "src" / "contract.ts"
 
 # TypeScript interface -> the contract's fields it must declare.
 MIRRORS = {
@@ -17,43 +18,52 @@ MIRRORS = {
     "IKernelStatus": contract.KERNEL_FIELDS,
     "IKernelDevice": contract.KERNEL_DEVICE_FIELDS,
     "IKernelPark": contract.PARK_FIELDS,
+    "IReason": contract.REASON_FIELDS,
+    "IStatusReasons": contract.STATUS_REASONS,
+    "IKernelReasons": contract.KERNEL_REASONS,
+    "IHistoryAnswer": contract.HISTORY_FIELDS,
+    "IKernelHistoryAnswer": contract.KERNEL_HISTORY_FIELDS,
+    "IHistoryPoint": contract.HISTORY_POINT_FIELDS,
 }
 
 
 def declared_fields(source: str, interface: str) -> set:
-    """The property names declared in `export interface NAME { ... }` (flat interfaces, as state.ts has)."""
+    """The property names declared in `export interface NAME { ... }` (flat interfaces, as contract.ts has)."""
     match = re.search(r"export interface %s \{(.*?)\n\}" % re.escape(interface), source, re.S)
-    assert match, f"{interface} is not declared in {STATE_TS.name}"
+    assert match, f"{interface} is not declared in {CONTRACT_TS.name}"
     body = re.sub(r"/\*.*?\*/|//[^\n]*", "", match.group(1), flags=re.S)  # comments may name fields too
     return set(re.findall(r"^\s*(\w+)\??\s*:", body, re.M))
 
 
 @pytest.mark.parametrize("interface", sorted(MIRRORS))
 def test_the_typescript_status_types_declare_every_contract_field(interface):
-    fields = declared_fields(STATE_TS.read_text(), interface)
+    fields = declared_fields(CONTRACT_TS.read_text(), interface)
     missing = [name for name in MIRRORS[interface] if name not in fields]
-    assert not missing, f"{interface} in {STATE_TS.name} lacks {missing} (shared/contract.py lists them)"
+    assert not missing, f"{interface} in {CONTRACT_TS.name} lacks {missing} (shared/contract.py lists them)"
 
 
 def test_every_kernel_declares_its_park_object():
     # The contract names the kernel's "park" object in words (PARK_FIELDS, "each kernel's park").
-    fields = declared_fields(STATE_TS.read_text(), "IKernelStatus")
+    fields = declared_fields(CONTRACT_TS.read_text(), "IKernelStatus")
     assert "park" in fields
-    assert re.search(r"^\s*park\??\s*:\s*IKernelPark\b", STATE_TS.read_text(), re.M)
+    assert re.search(r"^\s*park\??\s*:\s*IKernelPark\b", CONTRACT_TS.read_text(), re.M)
 
 
 def string_constant(source: str, name: str) -> str:
     match = re.search(r"export const %s = '([^']*)';" % re.escape(name), source)
-    assert match, f"{name} is not declared in {STATE_TS.name}"
+    assert match, f"{name} is not declared in {CONTRACT_TS.name}"
     return match.group(1)
 
 
-def test_the_park_routes_and_states_are_the_contracts():
-    source = STATE_TS.read_text()
+def test_the_park_and_history_routes_and_the_park_states_are_the_contracts():
+    source = CONTRACT_TS.read_text()
     assert string_constant(source, "PARK_SUFFIX") == contract.PARK_SUFFIX
     assert string_constant(source, "RESUME_SUFFIX") == contract.RESUME_SUFFIX
+    assert string_constant(source, "HISTORY_SUFFIX") == contract.HISTORY_SUFFIX
+    assert contract.HISTORY_PATH == contract.API_PREFIX + "/" + contract.HISTORY_SUFFIX  # the sidebar joins them
+    assert string_constant(source, "HISTORY_SINCE") == contract.HISTORY_SINCE
     match = re.search(r"export const PARK_STATES = \[(.*?)\] as const;", source, re.S)
-    assert match, f"PARK_STATES is not declared in {STATE_TS.name}"
+    assert match, f"PARK_STATES is not declared in {CONTRACT_TS.name}"
     assert tuple(re.findall(r"'(\w+)'", match.group(1))) == contract.PARK_STATES
 
 

@@ -2,22 +2,9 @@
  * What the sidebar says in the server's words: a refused cap's reason (a "%" shown once) and a
  * stalled GPU monitor. Against the real `jupyter lab` of run.sh (two static 80 GiB GPUs).
  */
-import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
+import { expect, test } from '@jupyterlab/galata';
 
-const PANEL_ID = 'gpu-quota-ext-panel';
-const PANEL = `#${PANEL_ID}`;
-
-async function openPanel(page: IJupyterLabPageFixture): Promise<void> {
-  await page.sidebar.openTab(PANEL_ID);
-  await expect(page.locator(PANEL)).toBeVisible();
-}
-
-/** A kernel started through the REST API, as a notebook would; its id. */
-async function startKernel(page: IJupyterLabPageFixture): Promise<string> {
-  const response = await page.request.post('/api/kernels', { data: { name: 'python3' } });
-  expect(response.ok()).toBe(true);
-  return (await response.json()).id;
-}
+import { openPanel, PANEL, startKernel } from './helpers';
 
 test.describe('GPU quota sidebar: the server in its own words', () => {
   test('a refused cap shows the server\'s reason, a percent sign once', async ({ page }) => {

@@ -7,29 +7,13 @@
  * without a GPU or the server side of parking. The second group needs the server's park routes
  * (the server side of parking): it skips, saying so, where the server sends no park state.
  */
-import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
-import type { Page, Request, Route } from '@playwright/test';
+import { expect, test } from '@jupyterlab/galata';
+import type { Request, Route } from '@playwright/test';
 
-const PANEL_ID = 'gpu-quota-ext-panel';
-const PANEL = `#${PANEL_ID}`;
-const GiB = 1024 ** 3;
+import { GiB, openPanel, row, startKernel } from './helpers';
+
 // shared/contract.py: PARK_SUFFIX, RESUME_SUFFIX
 const PARK_ROUTE = /\/api\/gpu-quota\/kernels\/[^/?]+\/(park|resume)(\?|$)/;
-
-async function openPanel(page: IJupyterLabPageFixture): Promise<void> {
-  await page.sidebar.openTab(PANEL_ID);
-  await expect(page.locator(PANEL)).toBeVisible();
-}
-
-async function startKernel(page: Page): Promise<string> {
-  const response = await page.request.post('/api/kernels', { data: { name: 'python3' } });
-  expect(response.ok()).toBe(true);
-  return (await response.json()).id;
-}
-
-function row(page: Page, kernelId: string) {
-  return page.locator(`${PANEL} li.jp-GpuQuota-kernel[data-kernel-id="${kernelId}"]`);
-}
 
 interface IPark {
   state: string;
@@ -72,7 +56,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       });
       await openPanel(page);
       const r = row(page, kernelId);
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText('idle for 12 min');
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText('idle for 12 min');
       const parkButton = r.getByRole('button', { name: 'Park' });
       await expect(parkButton).toBeEnabled();
       await expect(r.getByRole('button', { name: 'Resume' })).toBeHidden();
@@ -83,7 +67,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       expect(new URL(sent[0].url()).pathname).toBe(`/api/gpu-quota/kernels/${kernelId}/park`);
       // The server's XSRF protection: the sidebar sends the header from the cookie, like its cap requests.
       expect(sent[0].headers()['x-xsrftoken']).toBeTruthy();
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText('parks when its current cell ends');
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText('parks when its current cell ends');
       await expect(parkButton).toBeDisabled();
     } finally {
       await page.request.delete(`/api/kernels/${kernelId}`);
@@ -106,11 +90,11 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       });
       await openPanel(page);
       const r = row(page, kernelId);
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText(/^parked since \d\d:\d\d, 17\.8 GiB on host$/);
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText(/^parked since \d\d:\d\d, 17\.8 GiB on host$/);
       await expect(r.getByRole('button', { name: 'Park' })).toBeHidden();
       await r.getByRole('button', { name: 'Resume' }).click();
       expect(sent).toEqual([`/api/gpu-quota/kernels/${kernelId}/resume`]);
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText(
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText(
         'waiting for device memory: GPU 0 has 2 GiB free, 17.8 GiB needed'
       );
       await expect(r.getByRole('button', { name: 'Resume' })).toBeEnabled();
@@ -129,7 +113,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       const parkButton = r.getByRole('button', { name: 'Park' });
       await expect(parkButton).toBeDisabled();
       await expect(parkButton).toHaveAttribute('title', reason);
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText(
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText(
         'Not parkable: this kernel is an MPS client (the driver answers 801, not supported)'
       );
     } finally {
@@ -148,7 +132,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       await expect(r.locator('.jp-GpuQuota-feedback')).toHaveText(
         'Park failed: this server cannot park kernels: it has no park route (HTTP 404)'
       );
-      await expect(r.locator('.jp-GpuQuota-park')).toHaveText('idle for 1 min');
+      await expect(r.locator('.jp-GpuQuota-line')).toHaveText('idle for 1 min');
     } finally {
       await page.request.delete(`/api/kernels/${kernelId}`);
     }
@@ -164,10 +148,10 @@ test.describe('Park and Resume against the server side of parking', () => {
       test.skip(!kernel?.park, 'this server sends no park state (the server side of parking is not merged)');
       await openPanel(page);
       const r = row(page, kernelId);
-      await expect(r.locator('.jp-GpuQuota-park')).toBeVisible();
+      await expect(r.locator('.jp-GpuQuota-line')).toBeVisible();
       const parkButton = r.getByRole('button', { name: 'Park' });
       if (kernel.park.parkable === false) {
-        // This CPU machine has no checkpoint driver: the server says so, and the button says why.
+        // The kernel holds no GPU memory (the fake NVML sees none of it): the server says so, and the button why.
         await expect(parkButton).toBeDisabled();
         await expect(parkButton).toHaveAttribute('title', /\S/);
         const answer = await page.request.post(`/api/gpu-quota/kernels/${kernelId}/park`, {
@@ -180,7 +164,7 @@ test.describe('Park and Resume against the server side of parking', () => {
         await parkButton.click();
         const response = await (await posted).response();
         expect(response?.status()).toBe(202);
-        await expect(r.locator('.jp-GpuQuota-park')).toHaveText(/parks when its current cell ends|parking|parked since/);
+        await expect(r.locator('.jp-GpuQuota-line')).toHaveText(/parks when its current cell ends|parking|parked since/);
       }
     } finally {
       await page.request.delete(`/api/kernels/${kernelId}`);

@@ -1,0 +1,160 @@
+/**
+ * The pictures of docs/images, made on purpose by `./run pictures` (run.sh --pictures), never by the tests.
+ *
+ * The server is the demo's (binder/jupyter_server_config.py: two simulated GPUs of 80 and 40 GiB, a quarter
+ * of a GPU per kernel) with the scenario's fake NVML and checkpoint driver (../ui_scenario.py), sampling
+ * every 0.25 s so that a minute and a quarter fills a chart's 300 samples. Five notebooks, as a user opens
+ * them: a training run whose usage climbs, a fine-tune over its cap (the watchdog warns), one parked, one
+ * whose resume waits for device memory, and one on a GPU that NVML stops reading (usage unknown). Every
+ * figure comes from the real server; only what NVML and the checkpoint driver report is the scenario's.
+ * Time passes by the server's own samples (waited for in its history), never by sleeping.
+ */
+import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
+
+import {
+  GiB,
+  grantOf,
+  kernelPid,
+  newNotebook,
+  openPanel,
+  PANEL,
+  reportAllocator,
+  row,
+  setScenario,
+  setSidebarWidth,
+  shot,
+  SIDEBAR_WIDTHS,
+  STATUS,
+  transitionsDone
+} from './helpers';
+
+test.use({ viewport: { width: 1280, height: 1200 } });
+
+/** Until the server has taken `samples` more samples of kernel `id`: its history's newest point that much later. */
+async function samplesPass(page: IJupyterLabPageFixture, id: string, samples: number): Promise<void> {
+  const newest = async () => {
+    const history = await (await page.request.get(`/api/gpu-quota/kernels/${id}/history`)).json();
+    const points = history.points as { t: number }[];
+    return { t: points.length ? points[points.length - 1].t : 0, interval: history.interval as number };
+  };
+  const start = await newest();
+  const wanted = start.t + (samples - 0.5) * start.interval;
+  await expect.poll(async () => (await newest()).t, { timeout: 120000, intervals: [250] }).toBeGreaterThanOrEqual(
+    wanted
+  );
+}
+
+const TRAINING_CELL = [
+  'for epoch in range(epochs):',
+  '    for batch in loader:',
+  '        loss = model(batch.to("cuda")).loss',
+  '        loss.backward()',
+  '        optimizer.step()',
+  '        optimizer.zero_grad()'
+].join('\n');
+
+interface IKernel {
+  name: string;
+  id: string;
+  pid: number;
+  index: number;
+  uuid: string;
+}
+
+test('the pictures of docs/images', async ({ page, tmpPath }) => {
+  await openPanel(page);
+  // Started one after the other, "spread" placement puts them on GPU 0, 1, 0, 1, 0 (the least granted).
+  const names = ['train.ipynb', 'finetune.ipynb', 'explore.ipynb', 'notes.ipynb', 'eval.ipynb'];
+  const kernels: Record<string, IKernel> = {};
+  for (const name of names) {
+    const id = await newNotebook(page, tmpPath, name);
+    const grant = await grantOf(page, id);
+    kernels[name] = { name, id, pid: await kernelPid(page, name), index: grant.index, uuid: grant.uuid };
+  }
+  expect(names.map(n => kernels[n].index)).toEqual([0, 1, 0, 1, 0]);
+  expect(new Set(names.map(n => kernels[n].pid)).size).toBe(names.length);
+  const [train, finetune, explore, notes, evaluation] = names.map(n => kernels[n]);
+  const gpu1 = finetune.uuid;
+
+  const usage = (trainBytes: number, finetuneBytes: number) => ({
+    [train.pid]: { [train.uuid]: trainBytes },
+    [finetune.pid]: { [finetune.uuid]: finetuneBytes },
+    [explore.pid]: { [explore.uuid]: 6 * GiB },
+    [notes.pid]: { [notes.uuid]: 1.2 * GiB },
+    [evaluation.pid]: { [evaluation.uuid]: 4 * GiB }
+  });
+  const allocator = async (kernel: IKernel, allocated: number, reserved: number) =>
+    reportAllocator(page, kernel.id, kernel.index, allocated, reserved);
+
+  // What NVML and the kernels' allocators say as the minute goes by.
+  await setScenario(page, { usage: usage(3 * GiB, 8.1 * GiB), other_used: { [gpu1]: 0.5 * GiB } });
+  await allocator(train, 2.2 * GiB, 2.5 * GiB);
+  await allocator(finetune, 7.2 * GiB, 7.5 * GiB);
+  await allocator(explore, 5.1 * GiB, 5.4 * GiB);
+  await allocator(evaluation, 3.1 * GiB, 3.4 * GiB);
+  await samplesPass(page, train.id, 24);
+
+  // The eval notebook is parked from the sidebar, and later asked back while the device memory is short.
+  await row(page, evaluation.id).getByRole('button', { name: 'Park' }).click();
+  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(/^parked since/, {
+    timeout: 30000
+  });
+
+  for (const [step, gib] of [4.5, 6, 7.5, 9, 10.5, 11.2].entries()) {
+    await setScenario(page, {
+      usage: usage(gib * GiB, (step >= 2 ? 11.2 : 8.1 + step) * GiB),
+      other_used: { [gpu1]: 0.5 * GiB },
+      fail_restores: step >= 3 ? 1000 : 0
+    });
+    await samplesPass(page, train.id, 2); // the fakes have read the new scenario
+    await allocator(train, (gib - 0.8) * GiB, (gib - 0.5) * GiB);
+    if (step === 2) {
+      await allocator(finetune, 8.8 * GiB, 9.3 * GiB); // NVML counts 11.2 GiB: its context, and CuPy
+    }
+    if (step === 1) {
+      await row(page, explore.id).getByRole('button', { name: 'Park' }).click();
+    }
+    if (step === 3) {
+      await row(page, evaluation.id).getByRole('button', { name: 'Resume' }).click();
+    }
+    await samplesPass(page, train.id, 26);
+  }
+  await expect(row(page, explore.id).locator('.jp-GpuQuota-line')).toHaveText(/^parked since/);
+  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(/^waiting for device memory/);
+  await expect(row(page, finetune.id).locator('.jp-GpuQuota-action')).toContainText('Watchdog: warn');
+
+  // GPU 1 stops answering NVML: the notes notebook, which reported no allocator figures, is unknown.
+  await setScenario(page, {
+    usage: usage(11.2 * GiB, 11.2 * GiB),
+    lost: [gpu1],
+    fail_restores: 1000
+  });
+  await expect(row(page, notes.id).locator('.jp-GpuQuota-figure')).toHaveText('unknown / 10 GiB');
+  await samplesPass(page, train.id, 30);
+
+  // The training notebook in front, showing code rather than the cell that asked for its PID.
+  await page.activity.activateTab('train.ipynb');
+  await page.evaluate(async source => {
+    const app = (window as any).jupyterapp;
+    // Into the cell's model, as a file would have it (typing it in would indent each line twice).
+    app.shell.currentWidget.content.widgets[0].model.sharedModel.setSource(source);
+    await app.commands.execute('notebook:clear-all-cell-outputs');
+  }, TRAINING_CELL);
+  await expect(page.locator(STATUS)).toHaveText('GPU 11.2 / 20 GiB');
+  const panel = page.locator(PANEL);
+  for (const theme of ['light', 'dark']) {
+    if (theme === 'dark') {
+      await page.theme.setDarkTheme();
+    }
+    for (const [label, width] of Object.entries(SIDEBAR_WIDTHS)) {
+      expect(await setSidebarWidth(page, width)).toBe(width);
+      await panel.evaluate(node => node.scrollTo(0, 0));
+      await transitionsDone(page);
+      const name = label === 'default' ? `sidebar-${theme}.png` : `sidebar-${label}-${theme}.png`;
+      await panel.screenshot({ path: shot(name) });
+    }
+    expect(await setSidebarWidth(page, SIDEBAR_WIDTHS.default)).toBe(SIDEBAR_WIDTHS.default);
+    await transitionsDone(page);
+    await page.screenshot({ path: shot(`lab-${theme}.png`) });
+  }
+});
