@@ -1,7 +1,7 @@
 """A kernel's park state in words: what `%gpucap`, `%gpucap park|resume` and the usage panel say.
 Pure and stdlib only; the state itself is the server's (shared.contract.PARK_FIELDS), never kept here.
 
-The sidebar says the same things in the same words (labextension/src/state.ts, parkWords).
+The sidebar says the same things in the same words (labextension/src/format.ts, parkWords).
 """
 
 from __future__ import annotations

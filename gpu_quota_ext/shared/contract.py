@@ -1,7 +1,7 @@
 """The REST API's contract: its routes, the kernel-secret header, the body fields and the status answer's fields.
 
 One place for what the server (handlers.py), the kernel (kernel/client.py), the benchmarks and the
-sidebar (labextension/src/state.ts mirrors it; a test checks the names) must agree on. Standard library only.
+sidebar (labextension/src/contract.ts mirrors it; a test checks the names) must agree on. Standard library only.
 Paths are relative to the server's base_url.
 """
 
