@@ -24,6 +24,7 @@ class FakeNvml(NvmlBackend):
     _lock = threading.Lock()
     usage: Dict[int, Dict[str, int]] = {}  # pid -> device uuid -> bytes
     other_used: Dict[str, int] = {}  # device uuid -> bytes used by no process we list (e.g. another container)
+    totals: Dict[str, int] = {}  # device uuid -> its memory, where a test needs the device to be able to fill up
     unavailable: Optional[str] = None  # open() fails with this message (no library / no driver)
     failing: Optional[str] = None  # every call fails with this message (a driver failing mid-run)
     crashing: bool = False  # every call raises a plain RuntimeError (a bug we did not foresee)
@@ -37,7 +38,7 @@ class FakeNvml(NvmlBackend):
             if cls.stuck is not None:
                 cls.stuck.set()  # a call still hanging from the last test returns now
             cls.stuck = None
-            cls.usage, cls.other_used, cls.lost = {}, {}, set()
+            cls.usage, cls.other_used, cls.lost, cls.totals = {}, {}, set(), {}
             cls.unavailable = cls.failing = None
             cls.crashing = False
             cls.calls = 0
@@ -54,6 +55,15 @@ class FakeNvml(NvmlBackend):
     def set_usage(cls, pid: int, uuid: str, nbytes: int) -> None:
         with cls._lock:
             cls.usage = {**cls.usage, pid: {**cls.usage.get(pid, {}), uuid: nbytes}}
+
+    @classmethod
+    def free(cls, uuid: str) -> Optional[int]:
+        """Bytes free on the device (its total less what every process and `other_used` hold); None: no total."""
+        with cls._lock:
+            total = cls.totals.get(uuid)
+            if total is None:
+                return None
+            return total - cls.other_used.get(uuid, 0) - sum(per.get(uuid, 0) for per in cls.usage.values())
 
     @classmethod
     def clear_usage(cls, pid: int) -> None:

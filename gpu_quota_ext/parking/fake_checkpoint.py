@@ -6,8 +6,11 @@ process moves its FakeNvml usage into `FakeCheckpoint.host`; restoring it puts i
 
 - `FakeCheckpoint.refuse(801)`: every lock fails with that code (801: an MPS client);
 - `FakeCheckpoint.foreign.add(pid)`: that process belongs to another Unix user (800 NOT_PERMITTED);
-- `FakeCheckpoint.fail_restores(n)`: the next n restores fail with out-of-memory (2), as when others
-  took the device memory meanwhile;
+- a restore into a full device (FakeNvml.totals names the device's memory, and the process's bytes do not fit
+  in what is free) fails with out-of-memory (2), and from then on the process is broken as the real driver
+  leaves it (NVIDIA's driver 580, measured on an H200; cuda-checkpoint issue #44): every later restore fails
+  with CUDA_ERROR_OPERATING_SYSTEM (304), unlock with CUDA_ERROR_ILLEGAL_STATE (401), whatever is free then;
+- `FakeCheckpoint.fail_restores(n)`: the next n restores fail the same way, whatever is free;
 - `release = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")`: that call blocks until `release.set()`
   (or `reset()`, so no test leaves a thread stuck);
 - `FakeCheckpoint.unavailable = "..."`: open() fails (no driver).
@@ -28,6 +31,7 @@ from .checkpoint import (
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_NOT_PERMITTED,
+    CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
     LOCKED,
     RUNNING,
@@ -44,6 +48,7 @@ class FakeCheckpoint(CheckpointDriver):
     refusal: Optional[int] = None  # every lock fails with this CUresult
     foreign: Set[int] = set()
     restore_failures: int = 0
+    broken: Set[int] = set()  # processes whose restore failed: checkpointed for good
     unavailable: Optional[str] = None
     gates: Dict[str, threading.Event] = {}  # call name -> event it waits on
     calls: List[Tuple[str, int]] = []  # (call, pid), in order
@@ -54,7 +59,7 @@ class FakeCheckpoint(CheckpointDriver):
             for gate in cls.gates.values():
                 gate.set()  # a call still hanging from the last test returns now
             cls.gates = {}
-            cls.states, cls.host, cls.foreign, cls.calls = {}, {}, set(), []
+            cls.states, cls.host, cls.foreign, cls.calls, cls.broken = {}, {}, set(), [], set()
             cls.refusal, cls.unavailable, cls.restore_failures = None, None, 0
 
     @classmethod
@@ -121,8 +126,15 @@ class FakeCheckpoint(CheckpointDriver):
         call = "cuCheckpointProcessRestore"
         self._expect(call, pid, self._enter(call, pid), CHECKPOINTED)
         with self._lock:
-            if self.restore_failures > 0:
-                type(self).restore_failures -= 1
+            if pid in self.broken:
+                raise CheckpointError(call, pid, CUDA_ERROR_OPERATING_SYSTEM)
+            held = self.host.get(pid, {})
+            free = {uuid: FakeNvml.free(uuid) for uuid in held}
+            full = any(free[uuid] is not None and nbytes > (free[uuid] or 0) for uuid, nbytes in held.items())
+            if self.restore_failures > 0 or full:
+                if self.restore_failures > 0:
+                    type(self).restore_failures -= 1
+                self.broken.add(pid)
                 raise CheckpointError(call, pid, CUDA_ERROR_OUT_OF_MEMORY)
             for uuid, nbytes in self.host.pop(pid, {}).items():
                 FakeNvml.set_usage(pid, uuid, nbytes)
@@ -130,7 +142,10 @@ class FakeCheckpoint(CheckpointDriver):
 
     def unlock(self, pid: int) -> None:
         call = "cuCheckpointProcessUnlock"
-        self._expect(call, pid, self._enter(call, pid), LOCKED)
+        state = self._enter(call, pid)
+        if pid in self.broken:
+            raise CheckpointError(call, pid, CUDA_ERROR_ILLEGAL_STATE)
+        self._expect(call, pid, state, LOCKED)
         with self._lock:
             self.states.pop(pid, None)
 
