@@ -1,0 +1,350 @@
+"""The broker's decisions, per device: which resume may run now, which idle kernels park to make room for it,
+and what a kernel that waits is told. Pure: no I/O, no clock (callers pass `now`), no driver.
+
+One decision-maker per device: a server's parker asks it on every sample for its own kernels; on a hub host the
+host service asks it for every user's kernels at once (hub/service/room.py), so park, resume and admission
+decisions never race each other.
+
+A restore into a full device loses the process for good (NVIDIA's driver: a failed restore leaves it
+checkpointed, every later call answers 304; measured on the H200 too). So a restore runs only into *room*:
+
+    room(device) = total - NVML used - headroom of the running kernels - reservations - margin
+
+where a running kernel's headroom is what its cap still lets it take (cap - used, at least 0): bytes it may
+claim at any moment, so no restore may count on them. A resume granted room reserves its parked bytes until a
+sample taken after its restore has ended shows them as used. Nothing the broker grants is held by anyone else:
+that is the invariant its property tests check ("never two holders of the same bytes").
+
+Demands are served in the order they began to wait. One that does not fit now gets room made for it: idle
+kernels park, least recently active first, only parkable ones idle at least `min_idle`, only while the host's
+memory can take them (the host guard). A parking kernel frees its bytes once its park is done; a demand that
+those bytes will cover waits for them instead of parking more. A demand that waited `wait_limit` seconds is
+told why (once), and from then on comes after every demand still within its limit: it is still served when
+room appears, but it no longer holds up the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from ..shared.sizes import format_bytes
+
+RUNNING_STATES = ("busy", "idle", "pending")  # on the device, free to allocate up to their caps
+PARKED_STATES = ("parked", "waiting")  # their bytes are on the host
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    key: Hashable  # a server's device index, or the host service's device uuid
+    name: str  # for the words: "GPU 0"
+    total: int
+    used: Optional[int]  # NVML, the whole device; None: unreadable this round (nothing is decided on it)
+
+
+@dataclass(frozen=True)
+class KernelView:
+    """One kernel as the broker sees it."""
+
+    kernel_id: str
+    state: str  # a park state (shared.contract.PARK_STATES) or "lost"
+    used: Mapping[Hashable, int] = field(default_factory=dict)  # NVML, by device
+    caps: Mapping[Hashable, int] = field(default_factory=dict)  # its grant, by device
+    idle_for: Optional[float] = None  # seconds since its last activity (idle kernels)
+    parkable: bool = False  # parking can work for it now (driver, not an MPS client, its own user, holds memory)
+    label: str = ""  # how the words name it ("kernel 1a2b…", "alice's kernel 1a2b…")
+
+    def headroom(self, key: Hashable) -> int:
+        """What its cap still lets it take on `key` while it runs."""
+        if self.state not in RUNNING_STATES:
+            return 0
+        return max(0, self.caps.get(key, 0) - self.used.get(key, 0))
+
+    def frees(self, key: Hashable) -> int:
+        """What parking it would give back on `key`: its bytes and its headroom."""
+        return self.used.get(key, 0) + self.headroom(key)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.used.values())
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A kernel that needs room: a parked kernel's resume (`need` = its parked bytes), or a running kernel that
+    found the device full (`running`; `need` within its own headroom)."""
+
+    kernel_id: str
+    need: Mapping[Hashable, int]
+    since: float  # when it began to wait
+    running: bool = False
+
+
+@dataclass(frozen=True)
+class Reservation:
+    kernel_id: str
+    held: Mapping[Hashable, int]
+
+
+@dataclass(frozen=True)
+class HostView:
+    """Host memory a park can use: the host's available memory and the memory cgroup's room (None: no limit or
+    unknown). A parked kernel's GPU state goes to its own process's host memory."""
+
+    available: Optional[int] = None
+    cgroup_room: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    device_margin: int = 1 << 30  # room kept free beyond a restore's bytes
+    host_margin: int = 2 << 30  # host memory kept free beyond a park's bytes
+    min_idle: float = 60.0  # seconds idle before the broker may park a kernel to make room
+    wait_limit: Optional[float] = 300.0  # seconds a demand waits before its kernel is told; None: no limit
+
+
+@dataclass(frozen=True)
+class Round:
+    """Everything one decision looks at."""
+
+    devices: Tuple[DeviceView, ...]
+    kernels: Tuple[KernelView, ...]
+    demands: Tuple[Demand, ...]
+    reservations: Tuple[Reservation, ...]
+    host: HostView
+    settings: BrokerSettings
+    now: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    go: Tuple[str, ...] = ()  # demands that fit now: a resume reserves its bytes and restores; a running one runs
+    park: Tuple[Tuple[str, str], ...] = ()  # (idle kernel, the demand it parks for)
+    waiting: Mapping[str, str] = field(default_factory=dict)  # kernel -> what it waits for
+    told: Mapping[str, str] = field(default_factory=dict)  # kernel -> why its wait passed the limit
+
+
+def room(
+    device: DeviceView, kernels: Sequence[KernelView], reservations: Sequence[Reservation], margin: int
+) -> Optional[int]:
+    """What a restore may use on `device` now (may be negative); None when its usage is unknown."""
+    if device.used is None:
+        return None
+    claimed = sum(k.headroom(device.key) for k in kernels)
+    reserved = sum(r.held.get(device.key, 0) for r in reservations)
+    return device.total - device.used - claimed - reserved - margin
+
+
+def host_left(host: HostView, kernels: Sequence[KernelView]) -> Optional[int]:
+    """Host memory left for new parks: the least of available and cgroup room, less what parks under way will
+    still take (they may not have reached the host yet: counted whole)."""
+    limits = [x for x in (host.available, host.cgroup_room) if x is not None]
+    if not limits:
+        return None
+    return min(limits) - sum(k.host_bytes for k in kernels if k.state == "parking")
+
+
+def candidates(kernels: Sequence[KernelView], min_idle: float) -> List[KernelView]:
+    """Idle kernels the broker may park, least recently active first."""
+    idle = [
+        k
+        for k in kernels
+        if k.state == "idle" and k.parkable and k.host_bytes > 0 and k.idle_for is not None and k.idle_for >= min_idle
+    ]
+    return sorted(idle, key=lambda k: (-(k.idle_for or 0.0), k.kernel_id))
+
+
+def decide(round_: Round) -> Plan:
+    """plan() of one Round."""
+    return plan(
+        round_.devices,
+        round_.kernels,
+        round_.demands,
+        round_.reservations,
+        round_.host,
+        round_.settings,
+        round_.now,
+    )
+
+
+def plan(
+    devices: Sequence[DeviceView],
+    kernels: Sequence[KernelView],
+    demands: Sequence[Demand],
+    reservations: Sequence[Reservation],
+    host: HostView,
+    settings: BrokerSettings,
+    now: float,
+) -> Plan:
+    """Every decision of one round. `reservations`: rooms granted earlier and still held."""
+    by_key = {d.key: d for d in devices}
+    by_id = {k.kernel_id: k for k in kernels}
+    margin = settings.device_margin
+    # Two views of each device's room: what exists now (a restore may use only this), and what will exist once
+    # the parks under way and those chosen this round are done (whether more kernels must park).
+    now_room: Dict[Hashable, Optional[int]] = {d.key: room(d, kernels, reservations, margin) for d in devices}
+    coming: Dict[Hashable, int] = {
+        d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == "parking") for d in devices
+    }
+    later_room: Dict[Hashable, Optional[int]] = {
+        key: None if value is None else value + coming[key] for key, value in now_room.items()
+    }
+    pool = candidates(kernels, settings.min_idle)
+    chosen: List[str] = []
+    host_room = host_left(host, kernels)
+    go: List[str] = []
+    park: List[Tuple[str, str]] = []
+    waiting: Dict[str, str] = {}
+    told: Dict[str, str] = {}
+
+    def overdue(demand: Demand) -> bool:
+        return settings.wait_limit is not None and now - demand.since >= settings.wait_limit
+
+    for demand in sorted(demands, key=lambda d: (overdue(d), d.since, d.kernel_id)):
+        me = by_id.get(demand.kernel_id)
+        need = {key: n for key, n in demand.need.items() if n > 0}
+        own = {key: (me.headroom(key) if (me is not None and demand.running) else 0) for key in need}
+        unknown = [key for key in need if key not in by_key or now_room.get(key) is None]
+        if unknown:
+            reason = "its GPU's usage is unknown this round; nothing moves until it is read again"
+            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
+            continue
+        short_now = {key: need[key] - own[key] - (now_room[key] or 0) for key in need}
+        if all(s <= 0 for s in short_now.values()):
+            go.append(demand.kernel_id)
+            for key in need:
+                now_room[key] = (now_room[key] or 0) - need[key] + own[key]
+                later_room[key] = (later_room[key] or 0) - need[key] + own[key]
+            continue
+        short_later = {key: need[key] - own[key] - (later_room[key] or 0) for key in need}
+        if all(s <= 0 for s in short_later.values()):
+            parking = [k.label or k.kernel_id for k in kernels if k.state == "parking" and _on(k, need)]
+            reason = _making_room(need, by_key, parking, "parking")
+            _earmark(need, own, now_room, later_room)
+            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
+            continue
+        picks, host_refused = _pick(pool, chosen, short_later, host_room, settings.host_margin)
+        if picks is not None:
+            for victim in picks:
+                chosen.append(victim.kernel_id)
+                park.append((victim.kernel_id, demand.kernel_id))
+                if host_room is not None:
+                    host_room -= victim.host_bytes
+                for key in later_room:
+                    if later_room[key] is not None:
+                        later_room[key] = (later_room[key] or 0) + victim.frees(key)
+            _earmark(need, own, now_room, later_room)
+            reason = _making_room(need, by_key, [v.label or v.kernel_id for v in picks], "parks now")
+            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
+            continue
+        # Room cannot be made now. This demand holds nothing back for itself: the others go on, and it is
+        # looked at again next round (kernels turn idle, parks finish, others end).
+        reason = _why_not(need, own, now_room, later_room, by_key, pool, chosen, host_refused, settings)
+        _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
+    return Plan(go=tuple(go), park=tuple(park), waiting=waiting, told=told)
+
+
+def _on(kernel: KernelView, need: Mapping[Hashable, int]) -> bool:
+    return any(kernel.used.get(key, 0) > 0 for key in need)
+
+
+def _earmark(
+    need: Mapping[Hashable, int],
+    own: Mapping[Hashable, int],
+    now_room: Dict[Hashable, Optional[int]],
+    later_room: Dict[Hashable, Optional[int]],
+) -> None:
+    """A demand that will be served once room is made keeps later demands from taking that room meanwhile."""
+    for key in need:
+        now_room[key] = (now_room[key] or 0) - need[key] + own[key]
+        later_room[key] = (later_room[key] or 0) - need[key] + own[key]
+
+
+def _pick(
+    pool: Sequence[KernelView],
+    chosen: Sequence[str],
+    short: Mapping[Hashable, int],
+    host_room: Optional[int],
+    host_margin: int,
+) -> Tuple[Optional[List[KernelView]], List[KernelView]]:
+    """Idle kernels whose parks together cover `short` on every device, least recently active first; None when
+    they cannot. Second: the kernels the host guard kept from parking."""
+    left = dict(short)
+    picks: List[KernelView] = []
+    refused: List[KernelView] = []
+    host = host_room
+    for kernel in pool:
+        if all(v <= 0 for v in left.values()):
+            break
+        if kernel.kernel_id in chosen or not any(left[key] > 0 and kernel.frees(key) > 0 for key in left):
+            continue
+        if host is not None and host < kernel.host_bytes + host_margin:
+            refused.append(kernel)
+            continue
+        picks.append(kernel)
+        if host is not None:
+            host -= kernel.host_bytes
+        for key in left:
+            left[key] -= kernel.frees(key)
+    return (picks if all(v <= 0 for v in left.values()) else None), refused
+
+
+def _wait_or_tell(
+    demand: Demand,
+    reason: str,
+    overdue: bool,
+    settings: BrokerSettings,
+    waiting: Dict[str, str],
+    told: Dict[str, str],
+) -> None:
+    waiting[demand.kernel_id] = reason
+    if overdue and settings.wait_limit is not None:
+        told[demand.kernel_id] = f"waited {settings.wait_limit:g} s (the park_wait_limit) for device memory: {reason}"
+
+
+def _where(need: Mapping[Hashable, int], devices: Mapping[Hashable, DeviceView]) -> str:
+    return ", ".join(f"{format_bytes(n)} on {devices[key].name}" for key, n in need.items())
+
+
+def _making_room(
+    need: Mapping[Hashable, int], devices: Mapping[Hashable, DeviceView], kernels: Sequence[str], verb: str
+) -> str:
+    names = ", ".join(kernels[:3]) + (f" and {len(kernels) - 3} more" if len(kernels) > 3 else "")
+    subject = "idle kernel" if len(kernels) == 1 else "idle kernels"
+    return f"needs {_where(need, devices)}; making room: {subject} {names} {verb}" if names else (
+        f"needs {_where(need, devices)}; making room"
+    )
+
+
+def _why_not(
+    need: Mapping[Hashable, int],
+    own: Mapping[Hashable, int],
+    now_room: Mapping[Hashable, Optional[int]],
+    later_room: Mapping[Hashable, Optional[int]],
+    devices: Mapping[Hashable, DeviceView],
+    pool: Sequence[KernelView],
+    chosen: Sequence[str],
+    host_refused: Sequence[KernelView],
+    settings: BrokerSettings,
+) -> str:
+    """Why a demand cannot be served, even by parking every idle kernel the rules allow."""
+    parts = []
+    for key, n in need.items():
+        free = max(0, (now_room[key] or 0) + own[key])
+        could = sum(k.frees(key) for k in pool if k.kernel_id not in chosen) + max(
+            0, (later_room[key] or 0) - (now_room[key] or 0)
+        )
+        if n - own[key] - (later_room[key] or 0) - could <= 0 and not host_refused:
+            continue
+        parts.append(
+            f"{devices[key].name} has {format_bytes(free)} free for it, and parking the kernels idle for "
+            f"{settings.min_idle:g} s or more would give {format_bytes(could)} more"
+        )
+    text = f"needs {_where(need, devices)}; " + ("; ".join(parts) if parts else "not enough room")
+    text += "; the rest is held by kernels that are running or not parkable"
+    if host_refused:
+        text += (
+            f"; the host's memory cannot take {len(host_refused)} idle "
+            f"kernel{'s' if len(host_refused) > 1 else ''} that could park"
+        )
+    return text
