@@ -63,7 +63,13 @@ from .settings import (
     server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
-from .usage import KernelManagerView, WatchdogSettings, build_watchdog_settings, processes_by_kernel
+from .usage import (
+    KernelManagerView,
+    WatchdogSettings,
+    build_watchdog_settings,
+    processes_by_kernel,
+    untrack_kernel_requests,
+)
 
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
@@ -237,6 +243,10 @@ class GpuQuota(ExtensionApp):
     nvml_class = setting_trait("nvml_class")
     park_idle_after = setting_trait("park_idle_after")
     park_host_margin = setting_trait("park_host_margin")
+    park_min_idle = setting_trait("park_min_idle")
+    park_wait_limit = setting_trait("park_wait_limit")
+    park_device_margin = setting_trait("park_device_margin")
+    park_call_timeout = setting_trait("park_call_timeout")
     checkpoint_class = setting_trait("checkpoint_class")
 
     def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
@@ -330,6 +340,8 @@ class GpuQuota(ExtensionApp):
         parts = self.start_parts(self.serverapp.runtime_dir if self.serverapp else None)
         policy, enforcement = parts.policy, parts.enforcement
         kernels = KernelManagerView(self.serverapp.kernel_manager)
+        # The parker's requests on a kernel's control channel are not the user's activity.
+        untrack_kernel_requests(self.serverapp.kernel_manager)
         if isinstance(parts.ledger, RemoteLedger):
             # Its lease names each kernel's processes, found as the monitor finds them (usage.attribution).
             parts.ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots())

@@ -174,6 +174,11 @@ def _report(server, extension: GpuQuota, parts: StartParts) -> str:
     idle = parking.idle_after
     lines.append(row("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"))
     lines.append(row("park_host_margin", format_bytes(parking.host_margin)))
+    lines.append(row("park_min_idle", f"{parking.min_idle:g} s"))
+    limit = parking.wait_limit
+    lines.append(row("park_wait_limit", "off (waits without a limit)" if limit is None else f"{limit:g} s"))
+    lines.append(row("park_device_margin", format_bytes(parking.device_margin)))
+    lines.append(row("park_call_timeout", f"{parking.call_timeout:g} s"))
 
     layer = parts.hard_layer
     settings = layer.settings

@@ -32,7 +32,7 @@ from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_device
 from .hard_limit import HardCapLayer, HardCapSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
-from .parking import CheckpointDriver, CudaCheckpointDriver, Parker, ParkSettings
+from .parking import CheckpointDriver, CudaCheckpointDriver, KernelChannel, Parker, ParkSettings, RoomBroker
 from .policy import (
     CapSpec,
     Policy,
@@ -110,6 +110,7 @@ class GpuQuotaManager:
         resolver: Optional[PidResolver] = None,
         park_settings: ParkSettings = ParkSettings(),
         checkpoint: Optional[CheckpointDriver] = None,
+        room_broker: Optional[RoomBroker] = None,
     ):
         self.policy = policy
         self.devices: Dict[int, Device] = {d.index: d for d in devices}
@@ -157,13 +158,18 @@ class GpuQuotaManager:
             kernels=kernels,
         )
         # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
+        self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self.parker = Parker(
             park_settings,
             checkpoint or CudaCheckpointDriver(),
             kernels,
             self.ledger,
+            self.devices,
+            self.monitor,
             self.hard_cap,
-            sample_soon=self.monitor.sample_soon,
+            broker=room_broker,
+            channel=KernelChannel(kernels),
+            bootstrapped=self._bootstrapped.__contains__,
         )
         self.monitor.on_sample(self.parker.on_sample)
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
@@ -323,6 +329,10 @@ class GpuQuotaManager:
             log.info("gpu-quota-ext: kernel %s (%s) %s", kernel_id, kernelspec, describe_grant(grant))
         # Only a Python kernel's bootstrap moves the secret out of its environment: no one else gets it.
         python = is_python_kernel(argv, language)
+        if python:
+            self._bootstrapped.add(kernel_id)
+        else:
+            self._bootstrapped.discard(kernel_id)
         probe = await self.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
         return launch_env(
             grant,
@@ -368,6 +378,7 @@ class GpuQuotaManager:
             self._holders.pop(kernel_id, None)
         with self._tokens_lock:
             self._tokens.pop(kernel_id, None)
+        self._bootstrapped.discard(kernel_id)
         self.hard_cap.forget(kernel_id)
         return True
 

@@ -454,6 +454,53 @@ SETTINGS: Dict[str, Setting] = _table(
         help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
         goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
     ),
+    Setting(
+        "park_min_idle",
+        TEXT,
+        PARK,
+        "60s",
+        attribute="min_idle",
+        parser=lambda value: parse_duration(value) or 0.0,
+        env="GPU_QUOTA_PARK_MIN_IDLE",
+        help="""How long a kernel must have been idle before the broker may park it to make room for another
+        kernel's resume: seconds or a duration; 0 or "off": any idle kernel. Least recently active first.""",
+    ),
+    Setting(
+        "park_wait_limit",
+        TEXT,
+        PARK,
+        "5min",
+        attribute="wait_limit",
+        parser=parse_duration,
+        env="GPU_QUOTA_PARK_WAIT_LIMIT",
+        help="""How long a parked kernel's cell waits for device memory to come back to before it is told
+        why and its cell ends (nothing is lost: it stays parked, and the next cell asks again): seconds or
+        a duration; "off" waits without a limit.""",
+    ),
+    Setting(
+        "park_device_margin",
+        SIZE,
+        PARK,
+        "1GiB",
+        attribute="device_margin",
+        env="GPU_QUOTA_PARK_DEVICE_MARGIN",
+        help="""Device memory kept free beyond what a restore brings back: a restore runs only when the GPU
+        has the kernel's parked bytes plus this margin free and claimed by nobody (a restore that finds the
+        device full loses the kernel's GPU state for good).""",
+    ),
+    Setting(
+        "park_call_timeout",
+        SECONDS,
+        PARK,
+        600,
+        attribute="call_timeout",
+        env="GPU_QUOTA_PARK_CALL_TIMEOUT",
+        low=1,
+        high=86400,
+        help="""Seconds a park or resume (the driver's checkpoint calls) may take before the kernel's state says
+        the driver has not returned (a 56 GiB kernel parked in 33 to 55 s on an H200). The server keeps waiting
+        for the call: an abandoned driver call could leave the kernel half parked.""",
+    ),
     # --- the host service's limits on each user ---------------------------------------------------
     Setting(
         "max_kernels",

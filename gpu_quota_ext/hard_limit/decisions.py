@@ -35,12 +35,6 @@ LIMIT_VARIABLE = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 PIPE_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VARIABLE = "CUDA_MPS_LOG_DIRECTORY"
 
-PARK_REASON = (
-    "a kernel under MPS cannot be parked: the driver's checkpoint call refuses MPS clients "
-    "(cuCheckpointProcessLock returns CUDA_ERROR_NOT_SUPPORTED)"
-)
-
-
 # --- settings ------------------------------------------------------------------------------------
 
 
@@ -235,8 +229,6 @@ class KernelLayers:
             "hard_limit_number": self.number if self.limits else None,
             "hard_reason": self.reason,
             "restart_needed": restart,
-            "parkable": not self.hard,
-            "park_reason": PARK_REASON if self.hard else None,
         }
 
     def kernel_variable(self) -> str:

@@ -26,6 +26,7 @@ def run(user_namespace: dict) -> None:
     except Exception as error:
         state.problems.append(f"torch cap not applied: {error!r}")
     load_magic(state)
+    watch_parking(state)
     chain_user_startup(user_namespace, state)
 
 
@@ -48,6 +49,27 @@ def load_magic(state: state_module.KernelCapState) -> None:
             shell.events.register("post_run_cell", lambda result=None: state_module.tell_once(state))
         except Exception:
             pass
+
+
+def watch_parking(state: state_module.KernelCapState) -> None:
+    """A kernel with a GPU that can reach its server: the server's request before a park is answered, and a
+    cell after a park waits for the resume where it can say why (park_wait.py)."""
+    if not state.devices:
+        return
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
+            return
+        from .client import QuotaClient
+        from .park_wait import ParkWatch, install
+
+        client = QuotaClient.from_environment()
+        if client is not None:
+            install(shell, ParkWatch(client.park_state))
+    except Exception as error:
+        state.problems.append(f"parking's cell wait not installed: {error!r}")
 
 
 def chain_user_startup(user_namespace: dict, state: state_module.KernelCapState) -> None:

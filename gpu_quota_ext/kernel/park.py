@@ -43,7 +43,7 @@ def clock(since: Optional[float]) -> str:
 
 def state_words(park: dict) -> str:
     """One kernel's park state as a person reads it: "running", "idle for 12 min", "parked since 14:02,
-    17.8 GiB on host", "resuming", "waiting for device memory: <reason>"."""
+    17.8 GiB on host", "resuming", "waiting for device memory for 12 s: <reason>", "lost: <what to do>"."""
     state = park.get("state")
     reason = park.get("reason")
     if state == "busy":
@@ -66,7 +66,11 @@ def state_words(park: dict) -> str:
     if state == "resuming":
         return "resuming"
     if state == "waiting":
-        return f"waiting for device memory: {reason}" if reason else "waiting for device memory"
+        waited = duration_words(park.get("waited"))
+        words = f"waiting for device memory for {waited}" if waited else "waiting for device memory"
+        return f"{words}: {reason}" if reason else words
+    if state == "lost":
+        return f"lost: {reason}" if reason else "lost: its GPU memory could not be brought back; restart the kernel"
     return str(state or "unknown")
 
 

@@ -1,9 +1,12 @@
-"""Parking: an idle kernel's GPU memory moved to host memory and back through the CUDA driver's
-checkpoint API.
+"""Parking: an idle kernel's GPU memory moved to host memory and back through the CUDA driver's checkpoint API,
+and the broker that makes overcommit safe: which resume may run now (only into room reserved for it), which
+idle kernels park to make room.
 
-decisions.py holds the pure rules (settings, states, the host guard); parker.py carries them out for a
-server's kernels; host_room.py reads how much host memory there is; checkpoint.py is the driver, with its
-fake for tests beside it (fake_checkpoint.py).
+states.py is a kernel's parking as a pure state machine; broker.py the broker's pure decisions; decisions.py
+the rules applied before the driver is asked (settings, parkable, host guard, idle timer); wording.py the words;
+parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
+this server's own; kernel_channel.py asks a kernel to empty its caches before it parks; host_room.py reads how
+much host memory there is; checkpoint.py is the driver, with its fake for tests beside it (fake_checkpoint.py).
 
     c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
 """
@@ -15,9 +18,10 @@ from .checkpoint import (
     CudaCheckpointDriver,
 )
 from .decisions import ParkSettings, build_park_settings
-from .parker import Parker
+from .kernel_channel import KernelChannel
+from .parker import OwnBroker, Parker, RoomBroker
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
-    "ParkSettings", "build_park_settings", "Parker",
+    "ParkSettings", "build_park_settings", "Parker", "KernelChannel", "OwnBroker", "RoomBroker",
 ]

@@ -1,38 +1,45 @@
-"""The parker: parks idle kernels and resumes them, through a CheckpointDriver, for this server's kernels.
+"""The parker: carries out the parking state machine (states.py) and the broker's decisions (broker.py) for this
+server's kernels, through a CheckpointDriver. Orchestration only: every rule is in those pure modules.
 
-It runs the decisions of decisions.py against the world: jupyter_server's view of each kernel (execution
-state, last activity), the monitor's last sample (which processes of each kernel are on a GPU, and how
-many bytes they hold), the hard-limit layer (MPS clients cannot be parked), host memory. Every driver
-call runs in a daemon thread of its own, never on the event loop: a call that does not return leaves
-the kernel's state saying so (after `call_timeout`), and the server, its API and its exit go on.
+What it reads of the world: jupyter_server's view of each kernel (busy or idle, its last activity; the kernel's
+iopub status messages while the parker holds it), the monitor's last sample (which processes of each kernel are
+on a GPU, what they hold, which belong to another Unix user: the monitor alone stores usage), the ledger's
+grants (caps), the hard-limit layer (MPS clients cannot be parked), host memory. What it does: asks the kernel
+to empty its caches (kernel_channel.py), then parks it (lock and checkpoint every CUDA process of the kernel
+together); restores a kernel only when the broker has reserved room for it; parks idle kernels the broker
+chose to make room.
 
-Every CUDA process of a kernel (the kernel and its children on a GPU) is parked and resumed together:
-all are locked before any is checkpointed, and none is unlocked before all are restored, so no process
-of the kernel runs against a half-parked set. A parked kernel resumes by itself as soon as it turns busy
-(an execute request, a widget message: the kernel's iopub status, the way jupyter_server's activity
-monitor reads it), so the user's next cell just runs. A resume that finds no device memory waits and
-retries with backoff; nothing is killed and the grant is kept.
+Every driver call runs in a daemon thread (threads.off_loop), never on the event loop: a call that does not
+return leaves the kernel's state saying so (after `call_timeout`), and the server, its API and its exit go on.
+Processes are locked before any is checkpointed, and none is unlocked before all are restored, so no process
+of a kernel runs against a half-parked set. A restore happens once per park: if the driver fails it, the
+kernel is lost and told so, never retried (a failed restore leaves the process checkpointed for good).
 
-The manager (manager.py) builds and owns it. Seams to the rest of the server (one each): `on_sample(sample)`
-subscribed to the monitor (before the watchdog's review), `kernel_json(kernel_id)` as the status view's
-"park" field, `forget(kernel_id)` from the provisioner's cleanup, `holds_gpu_state(kernel_id)` from the
-provisioner's shutdown, and usage.kernel_manager.KernelManagerView for jupyter_server's view of each kernel
-(`kernel_ids`, `activity`). A park waits for a sample taken after it was asked (at most `fresh_sample_wait` seconds),
-so its PIDs and `host_bytes` are what the kernel's processes hold right before the checkpoint.
+The broker is this server's own (broker.decide) unless the server is a user server of a hub host: then the
+host service decides for every user at once (host_broker.py), and may ask this server to park its idle
+kernels for others (`park_for_host`).
+
+The manager (manager.py) builds and owns it. Seams: `on_sample(sample)` subscribed to the monitor (before the
+watchdog's review), `kernel_json(kernel_id)` as the status view's "park" field, `forget(kernel_id)` from the
+provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import psutil
 
+from ..devices import Device
 from ..ledger import UnknownKernel
+from ..shared.sizes import format_bytes
 from ..threads import off_loop
+from .broker import Demand as BrokerDemand
+from .broker import DeviceView, HostView, KernelView, Plan, Reservation, Round, decide
 from .checkpoint import (
     CHECKPOINTED,
     CUDA_ERROR_NOT_FOUND,
@@ -42,46 +49,70 @@ from .checkpoint import (
     CheckpointUnavailable,
 )
 from .decisions import (
-    HELD,
-    ParkRecord,
     ParkSettings,
     activity_state,
-    describe_transition,
     due_for_park,
-    failure_reason,
     host_guard,
     idle_seconds,
-    is_out_of_memory,
-    moved,
     not_parkable,
-    park_json,
-    retry_delay,
-    stuck_reason,
-    waiting_reason,
 )
 from .host_room import host_room
+from .kernel_channel import KernelChannel
+from .states import (
+    HELD,
+    LOST,
+    RUNNING,
+    AskPark,
+    AskResume,
+    Busy,
+    Checkpoint,
+    Decide,
+    Effect,
+    Event,
+    Idle,
+    ParkChecked,
+    ParkDone,
+    ParkRecord,
+    Restore,
+    RestoreDeferred,
+    ResumeDone,
+    RoomGranted,
+    RoomTold,
+    RoomWait,
+    Sampled,
+    StartPark,
+    Stuck,
+    transition,
+)
+from .wording import describe_transition, failure_reason, lost_reason, park_json, stuck_reason
+
+if TYPE_CHECKING:  # the monitor's sample, for the signatures only (usage/ is beside parking/, not below it)
+    from ..usage import Sample
 
 log = logging.getLogger("gpu_quota_ext")
 
-def kernel_activity(kernels: Any, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
-    """(execution state, wall clock of its last activity) from KernelManagerView.activity."""
-    state, last = kernels.activity(kernel_id)
-    return state, (last.timestamp() if last is not None else None)
+
+class RoomBroker(Protocol):
+    """Who decides which resumes run and who parks: this server alone, or the host service for every user."""
+
+    async def decide(self, round_: Round) -> Plan: ...
 
 
-def foreign_processes(pids: Tuple[int, ...], own_uid: int) -> Tuple[int, ...]:
-    """The processes among `pids` that belong to another Unix user than `own_uid` (none for root, which
-    may checkpoint anyone's process)."""
-    if own_uid == 0:
-        return ()
-    foreign = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).uids().real != own_uid:
-                foreign.append(pid)
-        except psutil.Error:
-            continue  # gone, or unreadable: the driver answers for it
-    return tuple(foreign)
+class OwnBroker:
+    """This server's kernels are all the broker looks at (a server without a host service)."""
+
+    async def decide(self, round_: Round) -> Plan:
+        return decide(round_)
+
+
+class Sampling(Protocol):
+    """What the parker needs of the monitor."""
+
+    latest: "Sample"
+
+    def sample_soon(self) -> None: ...
+
+    def device_used_now(self, index: int) -> Optional[int]: ...
 
 
 # --- the driver calls, a whole kernel at a time (run in a thread) ---------------------------------------
@@ -89,7 +120,9 @@ def foreign_processes(pids: Tuple[int, ...], own_uid: int) -> Tuple[int, ...]:
 
 def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout_ms: int) -> None:
     """Lock every process, then checkpoint every process. On a failure, what was done is undone (restored,
-    unlocked) and the error raised: the kernel is left running as before."""
+    unlocked) and the error raised: the kernel is left running as before. (Restoring what this call has just
+    checkpointed is safe: its memory was on the device a moment ago and nothing took it meanwhile but the
+    other processes of this park, which are undone in the same way.)"""
     locked, parked = [], []
     try:
         for pid in pids:
@@ -106,10 +139,9 @@ def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout
         raise
 
 
-def resume_processes(driver: CheckpointDriver, pids: Tuple[int, ...]) -> None:
-    """Restore every process still checkpointed, then unlock them all. A restore that fails (out of device
-    memory) raises with the restored ones still locked: the next attempt restores the rest. A process that
-    has exited is skipped."""
+def resume_processes(driver: CheckpointDriver, pids: Tuple[int, ...]) -> bool:
+    """Restore every process still checkpointed, then unlock them all. False when none of them is left (they
+    exited while parked). A failure raises: the caller must not call again (see states.py)."""
     alive = []
     for pid in pids:
         try:
@@ -125,6 +157,31 @@ def resume_processes(driver: CheckpointDriver, pids: Tuple[int, ...]) -> None:
     for pid, state in alive:
         if state == LOCKED:
             driver.unlock(pid)
+    return bool(alive)
+
+
+def room_right_now(
+    need: Mapping[int, int],
+    totals: Mapping[int, int],
+    used_now: Callable[[int], Optional[int]],
+    others: Mapping[int, int],
+    margin: int,
+) -> Optional[str]:
+    """Why the devices do not have `need` free right now (NVML read afresh), beyond the restores granted to
+    others that have not run yet and the margin; None when they do. The broker decided on a sample up to a poll
+    interval old: this is the check right before the driver is asked, which it cannot take back."""
+    for index, nbytes in sorted(need.items()):
+        used = used_now(index)
+        if used is None:
+            return f"GPU {index}'s memory cannot be read right now; the kernel waits for room again"
+        free = totals[index] - used - others.get(index, 0)
+        if free < nbytes + margin:
+            return (
+                f"GPU {index} has {format_bytes(max(0, free))} free right now, short of the {format_bytes(nbytes)} "
+                f"it needs plus a margin of {format_bytes(margin)}: memory was taken since the broker's decision "
+                "(a process outside the quota?); the kernel waits for room again"
+            )
+    return None
 
 
 def _quietly(call: Callable[[int], None], pid: int) -> None:
@@ -132,6 +189,12 @@ def _quietly(call: Callable[[int], None], pid: int) -> None:
         call(pid)
     except CheckpointError as error:
         log.warning("gpu-quota-ext: undoing a park: %s", error)
+
+
+def kernel_activity(kernels: Any, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
+    """(execution state, wall clock of its last activity) from KernelManagerView.activity."""
+    state, last = kernels.activity(kernel_id)
+    return state, (last.timestamp() if last is not None else None)
 
 
 # --- the parker -------------------------------------------------------------------------------------
@@ -144,32 +207,37 @@ class Parker:
         driver: CheckpointDriver,
         kernels: Any,
         ledger: Any,
+        devices: Mapping[int, Device],
+        monitor: Sampling,
         hard_cap: Any = None,
         host: Callable[[], Tuple[Optional[int], Optional[int]]] = host_room,
-        own_uid: Optional[int] = None,
-        sample_soon: Callable[[], None] = lambda: None,
+        broker: Optional[RoomBroker] = None,
+        channel: Optional[KernelChannel] = None,
+        bootstrapped: Callable[[str], bool] = lambda kernel_id: False,
     ):
         self.settings = settings
-        self.sample_soon = sample_soon  # the monitor's: a park asks for a fresh sample rather than wait a poll
         self.driver = driver
-        self.kernels = kernels  # usage.kernel_manager.KernelManagerView
+        self.kernels = kernels  # usage.KernelManagerView: ids, activity, the kernel manager (iopub, control)
         self.ledger = ledger
+        self.devices = dict(devices)
+        self.monitor = monitor
         self.hard_cap = hard_cap
         self.host = host
-        self.own_uid = os.geteuid() if own_uid is None else own_uid
+        self.broker: RoomBroker = broker or OwnBroker()
+        self.channel = channel
+        self.bootstrapped = bootstrapped  # the kernel runs gpu_quota_ext's bootstrap: it answers on control
         self.driver_problem: Optional[str] = "the checkpoint driver has not been opened yet"
         self.records: Dict[str, ParkRecord] = {}
-        self.usage: Dict[str, Dict[int, int]] = {}  # the last sample's: kernel -> device -> bytes
-        self.pids: Dict[str, Tuple[int, ...]] = {}  # the last sample's: kernel -> its processes on a GPU
         self.transitions = 0  # state changes logged (tests wait on it)
+        self.decisions = 0  # broker rounds applied (tests wait on it)
         self._sampled: Optional[asyncio.Event] = None  # set by each sample: a park waits for a fresh one
-        self._ops: Dict[str, object] = {}  # kernel -> the token of its park or resume in progress
-        self._stuck: Dict[str, str] = {}  # kernel -> a driver call that has not returned
-        self._refused: Dict[str, str] = {}  # kernel -> why its last park failed (no automatic retry until busy)
-        self._retries: Dict[str, asyncio.TimerHandle] = {}
         self._streams: Dict[str, Any] = {}
         self._tasks: set = set()
         self._opening: Optional[asyncio.Future] = None
+        self._deciding: Optional[asyncio.Task] = None
+        self._restoring = threading.Lock()  # held across each restore's last check and its driver calls
+        self._checks: Dict[Tuple[str, int], asyncio.Future] = {}  # (kernel, op) -> its park's check has run
+        self._decide_again = False
         self._stopped = False
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -200,9 +268,6 @@ class Parker:
 
     async def stop(self) -> None:
         self._stopped = True
-        for handle in self._retries.values():
-            handle.cancel()
-        self._retries.clear()
         for kernel_id in list(self._streams):
             self._unwatch(kernel_id)
         for task in list(self._tasks):
@@ -215,36 +280,39 @@ class Parker:
         execution_state, last = kernel_activity(self.kernels, kernel_id)
         idle_for = idle_seconds(execution_state, last, now)
         record = self.records.get(kernel_id)
-        if record is not None and (record.state in HELD or record.state == "pending"):
-            stuck = self._stuck.get(kernel_id)
-            reason = stuck or record.reason
-            return park_json(record.state, record.since, idle_for, record.host_bytes, stuck is None, reason)
-        problem = self._not_parkable(kernel_id)
-        state = activity_state(execution_state)
-        reason = problem or self._refused.get(kernel_id) or (record.reason if record else None)
-        return park_json(state, last, idle_for, None, problem is None, reason)
+        limit = self.settings.wait_limit
+        if record is not None and record.shows_park:
+            waited = now - record.waiting_since if record.state == "waiting" and record.waiting_since else None
+            host_bytes = sum(record.parked.values()) if record.parked and record.state != LOST else None
+            reason = record.stuck or record.reason
+            parkable = record.stuck is None and record.state != LOST
+            return park_json(
+                record.state, record.since, idle_for, host_bytes, parkable, reason, waited, limit, record.told
+            )
+        problem = self.problem(kernel_id)
+        reason = problem or (record.reason if record is not None else None)
+        return park_json(activity_state(execution_state), last, idle_for, None, problem is None, reason, None, limit)
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) this kernel's GPU state: its processes cannot run CUDA now."""
         record = self.records.get(kernel_id)
         return record is not None and record.state in HELD
 
-    def _not_parkable(self, kernel_id: str) -> Optional[str]:
+    def problem(self, kernel_id: str) -> Optional[str]:
+        """Why parking cannot work for this kernel now (from the last sample), or None."""
         layers = self.hard_cap.layers(kernel_id) if self.hard_cap is not None else None
         grant = self.ledger.get(kernel_id)
-        pids = self.pids.get(kernel_id, ())
+        sample = self.monitor.latest
+        record = self.records.get(kernel_id)
         return not_parkable(
             self.driver_problem,
             bool(layers is not None and layers.hard),
             bool(grant is not None and grant.devices),
-            sum(self.usage.get(kernel_id, {}).values()),
-            pids,
-            foreign=self._foreign(pids),
-            stuck=self._stuck.get(kernel_id),
+            sum(sample.kernels.get(kernel_id, {}).values()),
+            tuple(sample.pids.get(kernel_id, ())),
+            foreign=tuple(sample.foreign.get(kernel_id, ())),
+            stuck=record.stuck if record is not None else None,
         )
-
-    def _foreign(self, pids: Tuple[int, ...]) -> Tuple[int, ...]:
-        return foreign_processes(pids, self.own_uid)
 
     def _kernel_ids(self) -> set:
         try:
@@ -252,110 +320,121 @@ class Parker:
         except Exception:
             return set(self.records)
 
-    # --- transitions -----------------------------------------------------------------------------
+    def _activity(self, kernel_id: str) -> str:
+        return activity_state(kernel_activity(self.kernels, kernel_id)[0])
 
-    def _set(self, kernel_id: str, record: Optional[ParkRecord], shown_state: Optional[str] = None) -> None:
-        """Store a kernel's record (None: back to jupyter_server's busy/idle) and log the transition once."""
-        old = self.records.get(kernel_id)
-        old_state = old.state if old is not None else self._activity(kernel_id)
-        if record is None:
+    # --- events: every change of a record goes through transition() ------------------------------
+
+    def _handle(self, kernel_id: str, event: Event) -> ParkRecord:
+        """Apply one event to the kernel's record, log a change of state, carry out the effects."""
+        now = time.time()
+        old = self.records.get(kernel_id) or ParkRecord(state=RUNNING, since=now)
+        new, effects = transition(old, event, now)
+        if new is not old:
+            self._store(kernel_id, old, new)
+        for effect in effects:
+            self._carry_out(kernel_id, effect)
+        return new
+
+    def _store(self, kernel_id: str, old: ParkRecord, new: ParkRecord) -> None:
+        plain = new.state == RUNNING and not new.reason and not new.refused and not new.room
+        if plain:
             self.records.pop(kernel_id, None)
-            new_state = shown_state or self._activity(kernel_id)
-            logged = ParkRecord(state=new_state, since=time.time())
         else:
-            self.records[kernel_id] = record
-            new_state, logged = record.state, record
-        if old_state != new_state:
+            self.records[kernel_id] = new
+        old_shown = old.state if old.shows_park else self._activity(kernel_id)
+        new_shown = new.state if new.shows_park else self._activity(kernel_id)
+        if old_shown != new_shown:
             self.transitions += 1
-            log.info("%s", describe_transition(kernel_id, old_state, new_state, logged))
-        watched = record is not None and (record.state in HELD or record.state == "pending")
+            log.info("%s", describe_transition(kernel_id, old_shown, new_shown, new))
+        elif new.state == RUNNING and new.refused and new.reason and new.reason != old.reason:
+            log.info("gpu-quota-ext: kernel %s: %s", kernel_id, new.reason)
+        watched = new.state in HELD or new.state == "pending"
         if watched and kernel_id not in self._streams:
             self._watch(kernel_id)
         elif not watched and kernel_id in self._streams:
             self._unwatch(kernel_id)
 
-    def _activity(self, kernel_id: str) -> str:
-        return activity_state(kernel_activity(self.kernels, kernel_id)[0])
+    def _carry_out(self, kernel_id: str, effect: Effect) -> None:
+        if isinstance(effect, StartPark):
+            self._spawn(self._park(kernel_id, effect.op))
+        elif isinstance(effect, Checkpoint):
+            self._spawn(self._checkpoint(kernel_id, effect.op, effect.pids))
+        elif isinstance(effect, Restore):
+            self._spawn(self._restore(kernel_id, effect.op, effect.pids))
+        elif isinstance(effect, Decide):
+            self.decide_soon()
 
-    def _note(self, kernel_id: str, reason: Optional[str]) -> None:
-        """Why the last park did not happen (shown until the kernel is busy again); logged once per reason."""
-        if reason is None:
-            self._refused.pop(kernel_id, None)
-        elif self._refused.get(kernel_id) != reason:
-            self._refused[kernel_id] = reason
-            log.info("gpu-quota-ext: kernel %s: %s", kernel_id, reason)
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    # --- requests (REST) -------------------------------------------------------------------------
+    # --- requests (REST, %gpucap, the sidebar, the host service) ------------------------------------
 
     def _known(self, kernel_id: str) -> None:
         if kernel_id not in self._kernel_ids():
             raise UnknownKernel(kernel_id)
 
     async def request_park(self, kernel_id: str, who: str = "user") -> Tuple[bool, dict]:
-        """Park now (idle) or once the current cell has finished (busy). (accepted, the kernel's park object)."""
+        """Park now (idle) or once the current cell has finished (busy). (accepted, the kernel's park object).
+        Decided on a sample taken after the request (a tensor the last cell made is what the kernel holds), and
+        answered once the park's own check has run, so a refusal comes with its reason."""
         self._known(kernel_id)
         await self.ready()
         record = self.records.get(kernel_id)
-        if record is not None and (record.state in HELD or record.state == "pending"):
-            if record.state == "parking":
-                self.records[kernel_id] = moved(record, "parking", time.time(), resume_wanted=False)
-            return True, self.kernel_json(kernel_id)
-        self._refused.pop(kernel_id, None)
-        problem = self._not_parkable(kernel_id)
-        if problem is not None:
-            return False, self.kernel_json(kernel_id)
-        if self._activity(kernel_id) == "busy":
-            self._set(
-                kernel_id,
-                ParkRecord(
-                    state="pending",
-                    since=time.time(),
-                    reason=f"parks when its current cell has finished ({who} request)",
-                ),
-            )
-            return True, self.kernel_json(kernel_id)
-        accepted = self._begin_park(kernel_id)
-        return accepted, self.kernel_json(kernel_id)
+        if (record is None or not record.shows_park) and self.problem(kernel_id) is not None:
+            await self._fresh_sample()  # the last sample may predate what the kernel holds now
+        record = self._ask_park(kernel_id, f"{who} request", automatic=False)
+        if record.state == "parking" and not record.pids:
+            check = self._checks.setdefault((kernel_id, record.op), asyncio.get_running_loop().create_future())
+            await asyncio.wait({check}, timeout=self.settings.trim_timeout + self.settings.fresh_sample_wait + 5)
+        return self._accepted(kernel_id), self.kernel_json(kernel_id)
+
+    def _ask_park(self, kernel_id: str, why: str, automatic: bool) -> ParkRecord:
+        busy = self._activity(kernel_id) == "busy"
+        return self._handle(kernel_id, AskPark(why, self.problem(kernel_id), busy, automatic))
+
+    def _accepted(self, kernel_id: str) -> bool:
+        record = self.records.get(kernel_id)
+        return record is not None and (record.state in HELD or record.state == "pending") and record.state != LOST
 
     async def request_resume(self, kernel_id: str, who: str = "user") -> Tuple[bool, dict]:
-        """Resume now (parked, waiting), right after parking (parking); a pending park is called off."""
+        """Resume now (parked: once the broker has room), right after parking (parking); a pending park is called
+        off. Where parking cannot work at all, the answer says why (409), as park's does."""
         self._known(kernel_id)
         record = self.records.get(kernel_id)
-        if record is None:
-            # Nothing to resume; where parking cannot work at all, the answer says why (409), as park's does.
-            return self._not_parkable(kernel_id) is None, self.kernel_json(kernel_id)
-        if record.state == "pending":
-            self._set(kernel_id, None)
-        elif record.state == "parking":
-            self.records[kernel_id] = moved(record, "parking", time.time(), resume_wanted=True)
-        elif record.state in ("parked", "waiting"):
-            self._begin_resume(kernel_id)
-        return True, self.kernel_json(kernel_id)
+        if record is None or record.state == RUNNING:
+            return self.problem(kernel_id) is None, self.kernel_json(kernel_id)
+        self._handle(kernel_id, AskResume(f"{who} request"))
+        return record.state != LOST, self.kernel_json(kernel_id)
+
+    def park_for_host(self, kernel_ids: List[str]) -> None:
+        """The host service chose these kernels of ours to park, to make room for another kernel of the host.
+        Each is parked only if it is still idle and parkable here (the service's view may be a moment old)."""
+        for kernel_id in kernel_ids:
+            if kernel_id not in self._kernel_ids() or kernel_id in self.records and self.records[kernel_id].shows_park:
+                continue
+            if self._activity(kernel_id) != "idle":
+                continue
+            self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True)
 
     # --- the kernel's activity -------------------------------------------------------------------
 
     def turned_busy(self, kernel_id: str) -> None:
-        """The kernel started handling a request: a parked kernel resumes now."""
-        self._refused.pop(kernel_id, None)
-        record = self.records.get(kernel_id)
-        if record is None:
-            return
-        if record.state in ("parked", "waiting"):
-            self._begin_resume(kernel_id)
-        elif record.state == "parking" and not record.resume_wanted:
-            self.records[kernel_id] = moved(record, "parking", time.time(), resume_wanted=True)
+        """The kernel started handling a request: a parked kernel asks for room to come back to."""
+        if kernel_id in self.records:
+            self._handle(kernel_id, Busy())
 
     def turned_idle(self, kernel_id: str) -> None:
-        """The kernel finished handling a request: a pending park goes ahead."""
-        record = self.records.get(kernel_id)
-        if record is not None and record.state == "pending":
-            if not self._begin_park(kernel_id):
-                self._set(kernel_id, None)
+        """The kernel finished handling a request: a pending park goes ahead; a cell that waited has ended."""
+        if kernel_id in self.records:
+            self._handle(kernel_id, Idle())
 
     def on_sample(self, sample: Any) -> None:
-        """After each monitor sample (event loop): its usage and PIDs, then the idle timer, pending parks,
-        and parked kernels that turned busy without our stream seeing it. Never raises: the monitor's
-        watchdog runs after it on the same sample."""
+        """After each monitor sample (event loop): reservations whose restore the sample has seen, activity the
+        iopub stream did not report, the idle timer, and the broker when someone waits. Never raises: the
+        monitor's watchdog runs after it on the same sample."""
         if self._stopped:
             return
         try:
@@ -364,119 +443,190 @@ class Parker:
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
 
     def _review(self, sample: Any) -> None:
-        if getattr(sample, "state", None) in ("ok", "degraded"):
-            self.usage = {k: dict(v) for k, v in sample.kernels.items()}
-            self.pids = dict(sample.pids)
-            if self._sampled is not None:
-                self._sampled.set()  # the parks waiting for a fresh reading have it
+        if getattr(sample, "state", None) in ("ok", "degraded") and self._sampled is not None:
+            self._sampled.set()  # the parks waiting for a fresh reading have it
         live = self._kernel_ids()
-        for kernel_id in [k for k in list(self.records) + list(self._refused) if k not in live]:
+        for kernel_id in [k for k in self.records if k not in live]:
             self.forget(kernel_id)
         if self.driver_problem is not None:
             return
         now = time.time()
+        taken = getattr(sample, "time", None)
         for kernel_id in live:
             record = self.records.get(kernel_id)
+            if record is not None and taken is not None and (record.room_until or record.deferred_at) is not None:
+                record = self._handle(kernel_id, Sampled(taken))
             execution_state, last = kernel_activity(self.kernels, kernel_id)
-            if record is not None:
-                if (
-                    record.state in ("parked", "waiting")
-                    and execution_state == "busy"
-                    and kernel_id not in self._retries
-                ):
-                    self._begin_resume(kernel_id)
-                elif record.state == "pending" and execution_state != "busy":
-                    self.turned_idle(kernel_id)
+            state = activity_state(execution_state)
+            if record is not None and record.shows_park:
+                # A busy the iopub stream missed; an idle only where no stream reports it (jupyter_server's own
+                # execution state may lag the stream's by a message: an idle read here could call off a cell's
+                # wait that the stream has just seen begin).
+                if state == "busy":
+                    self._handle(kernel_id, Busy())
+                elif kernel_id not in self._streams:
+                    self._handle(kernel_id, Idle())
                 continue
-            if execution_state == "busy":
-                self._refused.pop(kernel_id, None)
+            if state == "busy":
+                if record is not None and record.refused:
+                    self._handle(kernel_id, Busy())
                 continue
-            if kernel_id in self._refused:
+            if record is not None and record.refused:
                 continue  # it did not park last time: not again until it has been busy
-            if due_for_park(self.settings, activity_state(execution_state), idle_seconds(execution_state, last, now)):
-                if self._not_parkable(kernel_id) is None:
-                    self._begin_park(kernel_id, automatic=True)
+            if due_for_park(self.settings, state, idle_seconds(execution_state, last, now)):
+                if self.problem(kernel_id) is None:
+                    self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
+        if any(r.state in ("waiting", "parking") or r.room for r in self.records.values()):
+            self.decide_soon()
 
     def forget(self, kernel_id: str) -> None:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
-        record = self.records.get(kernel_id)
+        record = self.records.pop(kernel_id, None)
         if record is not None and record.state in HELD:
             log.info(
                 "gpu-quota-ext: kernel %s was %s; its processes ended, and its GPU state on the host with them",
                 kernel_id,
                 record.state,
             )
-        self.records.pop(kernel_id, None)
-        self._ops.pop(kernel_id, None)
-        self._stuck.pop(kernel_id, None)
-        self._refused.pop(kernel_id, None)
-        self.usage.pop(kernel_id, None)
-        self.pids.pop(kernel_id, None)
-        handle = self._retries.pop(kernel_id, None)
-        if handle is not None:
-            handle.cancel()
         self._unwatch(kernel_id)
+        if record is not None and (record.state in ("waiting", "parking") or record.room):
+            self.decide_soon()
+
+    # --- the broker -------------------------------------------------------------------------------
+
+    def decide_soon(self) -> None:
+        """Ask the broker, once, soon; a request while it decides asks again after."""
+        if self._stopped:
+            return
+        if self._deciding is not None and not self._deciding.done():
+            self._decide_again = True
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the event loop (a script's cleanup): the next sample asks the broker
+        self._deciding = loop.create_task(self._decide())
+        self._tasks.add(self._deciding)
+        self._deciding.add_done_callback(self._tasks.discard)
+
+    async def _decide(self) -> None:
+        while True:
+            self._decide_again = False
+            try:
+                round_ = self.round()
+                plan = await self.broker.decide(round_)
+                self.apply(plan)
+            except Exception as error:
+                log.warning("gpu-quota-ext: the parking broker skipped a round: %r", error)
+            if not self._decide_again or self._stopped:
+                return
+
+    def round(self) -> Round:
+        """This server's view for the broker: its GPUs, its kernels, who waits, what is reserved."""
+        sample = self.monitor.latest
+        now = time.time()
+        readable = getattr(sample, "state", None) in ("ok", "degraded")
+        devices = tuple(
+            DeviceView(
+                key=index,
+                name=f"GPU {index}",
+                total=device.total,
+                used=sample.devices[index].used if readable and index in sample.devices else None,
+            )
+            for index, device in sorted(self.devices.items())
+        )
+        kernels: List[KernelView] = []
+        demands: List[BrokerDemand] = []
+        reservations: List[Reservation] = []
+        for grant in self.ledger.grants():
+            if not grant.devices:
+                continue
+            kernel_id = grant.kernel_id
+            record = self.records.get(kernel_id)
+            execution_state, last = kernel_activity(self.kernels, kernel_id)
+            shown = record.state if record is not None and record.shows_park else activity_state(execution_state)
+            used = dict(sample.kernels.get(kernel_id, {})) if readable else {}
+            if shown == "parked" and record is not None and (sample.time is None or record.since >= sample.time):
+                # Parked after this sample was taken: its bytes are in the reading, and leaving. The broker counts
+                # them as a park under way, not as memory someone holds (or it would park another kernel).
+                shown = "parking"
+            kernels.append(
+                KernelView(
+                    kernel_id=kernel_id,
+                    state=shown,
+                    used=used,
+                    caps=dict(grant.caps),
+                    idle_for=idle_seconds(execution_state, last, now),
+                    parkable=shown == "idle" and self.problem(kernel_id) is None and not (record and record.refused),
+                    label=f"kernel {kernel_id[:8]}",
+                )
+            )
+            if record is None:
+                continue
+            if record.state == "waiting" and record.deferred_at is None:
+                demands.append(BrokerDemand(kernel_id, dict(record.parked), record.waiting_since or now))
+            if record.room:
+                reservations.append(Reservation(kernel_id, dict(record.room)))
+        available, cgroup = self.host()
+        return Round(
+            devices=devices,
+            kernels=tuple(kernels),
+            demands=tuple(demands),
+            reservations=tuple(reservations),
+            host=HostView(available, cgroup),
+            settings=self.settings.broker,
+            now=now,
+        )
+
+    def apply(self, plan: Plan) -> None:
+        """Carry out one round's decisions (event loop)."""
+        self.decisions += 1
+        for victim, for_kernel in plan.park:
+            record = self.records.get(victim)
+            if (record is not None and record.shows_park) or self._activity(victim) != "idle":
+                continue
+            self._ask_park(victim, f"to make room for kernel {for_kernel[:8]}", automatic=True)
+        for kernel_id in plan.go:
+            record = self.records.get(kernel_id)
+            if record is not None and record.state == "waiting":
+                self._handle(kernel_id, RoomGranted())
+        for kernel_id, message in plan.told.items():
+            record = self.records.get(kernel_id)
+            if record is not None and record.state == "waiting" and not record.told:
+                log.warning("gpu-quota-ext: kernel %s %s", kernel_id, message)
+                self._handle(kernel_id, RoomTold(message))
+        for kernel_id, reason in plan.waiting.items():
+            record = self.records.get(kernel_id)
+            if record is not None and record.state == "waiting" and not record.told:
+                self._handle(kernel_id, RoomWait(reason))
 
     # --- park and resume -------------------------------------------------------------------------
 
-    def _begin_park(self, kernel_id: str, automatic: bool = False) -> bool:
-        problem = self._not_parkable(kernel_id)
-        if problem is not None:
-            self._set(kernel_id, None)
-            self._note(kernel_id, f"did not park: {problem}")
-            return False
-        pids = self.pids.get(kernel_id, ())
-        gpu_bytes = dict(self.usage.get(kernel_id, {}))
-        total = sum(gpu_bytes.values())
-        available, room = self.host()
-        refused = host_guard(total, available, room, self.settings.host_margin)
-        if refused is not None:
-            self._set(kernel_id, None)
-            self._note(kernel_id, refused)
-            return False
-        self._note(kernel_id, None)
-        why = f"idle for {self.settings.idle_after:.0f} s" if automatic else None
-        self._set(
-            kernel_id,
-            ParkRecord(
-                state="parking", since=time.time(), pids=pids, gpu_bytes=gpu_bytes, host_bytes=total, reason=why
-            ),
-        )
-        self._spawn(self._park(kernel_id, pids))
-        return True
-
-    def _begin_resume(self, kernel_id: str) -> None:
-        record = self.records[kernel_id]
-        handle = self._retries.pop(kernel_id, None)
-        if handle is not None:
-            handle.cancel()
-        if kernel_id in self._ops:
-            return  # a call is out for it already
-        self._set(kernel_id, moved(record, "resuming", time.time(), reason=None))
-        self._spawn(self._resume(kernel_id, record.pids))
-
-    def _spawn(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _drive(
-        self, kernel_id: str, token: object, call: str, fn: Callable, *args: Any
-    ) -> Optional[CheckpointError]:
-        """Run a driver sequence in its thread; None when it succeeded, else its CheckpointError. A call out
-        longer than call_timeout marks the kernel stuck (shown in its state) and keeps waiting for it."""
+    async def _drive(self, kernel_id: str, op: int, call: str, fn: Callable, *args: Any) -> Any:
+        """Run a driver sequence in its thread; its result, or its CheckpointError returned (not raised). A
+        call out longer than call_timeout marks the kernel stuck (shown in its state) and keeps waiting."""
         future = off_loop(fn, *args, name=f"gpu-quota-{call}")
         done, _ = await asyncio.wait({future}, timeout=self.settings.call_timeout)
         if not done:
-            if self._ops.get(kernel_id) is token:
-                self._stuck[kernel_id] = stuck_reason(call, self.settings.call_timeout)
-                log.warning("gpu-quota-ext: kernel %s: %s", kernel_id, self._stuck[kernel_id])
+            reason = stuck_reason(call, self.settings.call_timeout)
+            log.warning("gpu-quota-ext: kernel %s: %s", kernel_id, reason)
+            self._handle_if_current(kernel_id, op, Stuck(op, reason))
             await asyncio.wait({future})
-            self._stuck.pop(kernel_id, None)
+            self._handle_if_current(kernel_id, op, Stuck(op, None))
         error = future.exception()
-        if error is None or isinstance(error, CheckpointError):
+        if error is None:
+            return future.result()
+        if isinstance(error, CheckpointError):
             return error
         return CheckpointError(call, -1, -1, repr(error))
+
+    def _current(self, kernel_id: str, op: int) -> bool:
+        record = self.records.get(kernel_id)
+        return record is not None and record.op == op
+
+    def _handle_if_current(self, kernel_id: str, op: int, event: Event) -> None:
+        if self._current(kernel_id, op):
+            self._handle(kernel_id, event)
 
     async def _fresh_sample(self) -> None:
         """Wait for the next sample (one taken after now), at most `fresh_sample_wait` seconds."""
@@ -485,85 +635,85 @@ class Parker:
             return
         if self._sampled is None or self._sampled.is_set():
             self._sampled = asyncio.Event()
-        self.sample_soon()
+        self.monitor.sample_soon()
         try:
             await asyncio.wait_for(asyncio.shield(self._sampled.wait()), wait)
         except asyncio.TimeoutError:
             log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
 
-    async def _park(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
-        token = self._ops[kernel_id] = object()
-        # The sample that made it parkable may predate what the kernel holds now (a tensor made just before
-        # the request): its processes and bytes are read again, right before the checkpoint.
+    async def _park(self, kernel_id: str, op: int) -> None:
+        """Before the driver: the kernel empties its caches, then a fresh sample says what it holds now."""
+        try:
+            await self._check_park(kernel_id, op)
+        finally:
+            check = self._checks.pop((kernel_id, op), None)
+            if check is not None and not check.done():
+                check.set_result(None)
+
+    async def _check_park(self, kernel_id: str, op: int) -> None:
+        if self.channel is not None and self.bootstrapped(kernel_id):
+            answer = await self.channel.ask(kernel_id, {"action": "trim"}, self.settings.trim_timeout)
+            if answer and isinstance(answer.get("freed"), int) and answer["freed"] > 0:
+                log.info("gpu-quota-ext: kernel %s emptied %d bytes of cached GPU memory before parking",
+                         kernel_id, answer["freed"])
         await self._fresh_sample()
-        if self._ops.get(kernel_id) is not token:
-            return  # forgotten meanwhile
-        pids, gpu_bytes = self.pids.get(kernel_id, pids), dict(self.usage.get(kernel_id, {}))
-        refused = host_guard(sum(gpu_bytes.values()), *self.host(), self.settings.host_margin)
-        if refused is not None or not pids:
-            del self._ops[kernel_id]
-            self._set(kernel_id, None)
-            self._note(kernel_id, refused or "did not park: its processes no longer hold GPU memory")
-            return
-        self.records[kernel_id] = moved(
-            self.records[kernel_id],
-            "parking",
-            time.time(),
-            pids=pids,
-            gpu_bytes=gpu_bytes,
-            host_bytes=sum(gpu_bytes.values()),
-        )
-        error = await self._drive(
-            kernel_id, token, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms
-        )
-        if self._ops.get(kernel_id) is not token:
-            return  # forgotten meanwhile (restarted, shut down): its processes are gone
-        del self._ops[kernel_id]
-        record = self.records[kernel_id]
-        if error is not None:
-            self._set(kernel_id, None)
-            self._note(kernel_id, failure_reason("park", error.call, error.code, str(error)))
-            return
-        self._set(kernel_id, moved(record, "parked", time.time(), reason=None))
-        if record.resume_wanted:
-            self._begin_resume(kernel_id)
-
-    async def _resume(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
-        token = self._ops[kernel_id] = object()
-        error = await self._drive(kernel_id, token, "restore", resume_processes, self.driver, pids)
-        if self._ops.get(kernel_id) is not token:
-            return
-        del self._ops[kernel_id]
-        record = self.records[kernel_id]
-        if error is None:
-            self._set(kernel_id, None)
-            return
-        # Its processes stay parked: try again later. Out of device memory is the expected case (others
-        # took the memory meanwhile); any other failure is retried the same way and says what it was.
-        attempt = record.attempt + 1
-        delay = retry_delay(attempt)
-        if is_out_of_memory(error.code):
-            reason = waiting_reason(record.gpu_bytes, attempt, delay)
+        if not self._current(kernel_id, op):
+            return  # forgotten or changed meanwhile
+        sample = self.monitor.latest
+        pids = tuple(sample.pids.get(kernel_id, ()))
+        parked = {i: n for i, n in sample.kernels.get(kernel_id, {}).items() if n > 0}
+        refused = self.problem(kernel_id)
+        if refused is not None:
+            refused = f"did not park: {refused}"
         else:
-            reason = f"{failure_reason('resume', error.call, error.code, str(error))}; retry {attempt} in {delay:.0f} s"
-        self._set(kernel_id, moved(record, "waiting", time.time(), reason=reason, attempt=attempt))
-        self._retries[kernel_id] = asyncio.get_running_loop().call_later(delay, self._retry, kernel_id)
+            refused = host_guard(sum(parked.values()), *self.host(), self.settings.host_margin)
+        self._handle(kernel_id, ParkChecked(op, pids, parked, refused))
 
-    def _retry(self, kernel_id: str) -> None:
-        self._retries.pop(kernel_id, None)
-        record = self.records.get(kernel_id)
-        if record is not None and record.state == "waiting" and not self._stopped:
-            self._begin_resume(kernel_id)
+    async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
+        outcome = await self._drive(
+            kernel_id, op, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms
+        )
+        error = failure_reason("park", outcome.code, str(outcome)) if isinstance(outcome, CheckpointError) else None
+        self._handle_if_current(kernel_id, op, ParkDone(op, error))
+
+    async def _restore(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
+        record = self.records[kernel_id]
+        need = dict(record.parked)
+        # Restores granted to other kernels and not yet seen: the memory they are about to take.
+        others: Dict[int, int] = {}
+        for other_id, other in self.records.items():
+            if other_id != kernel_id and other.state == "resuming":
+                for index, nbytes in other.room.items():
+                    others[index] = others.get(index, 0) + nbytes
+        totals = {index: device.total for index, device in self.devices.items()}
+
+        def checked_restore() -> Any:
+            with self._restoring:  # one restore at a time: each one's check sees the ones before it done
+                short = room_right_now(need, totals, self.monitor.device_used_now, others, self.settings.device_margin)
+                if short is not None:
+                    return short
+                return resume_processes(self.driver, pids)
+
+        outcome = await self._drive(kernel_id, op, "restore", checked_restore)
+        if isinstance(outcome, str):
+            log.warning("gpu-quota-ext: kernel %s: restore not asked: %s", kernel_id, outcome)
+            self._handle_if_current(kernel_id, op, RestoreDeferred(op, outcome))
+            self.monitor.sample_soon()  # the broker decides again on a reading taken after this one
+        elif isinstance(outcome, CheckpointError):
+            log.error("gpu-quota-ext: kernel %s: the restore failed (%s); its GPU state is lost", kernel_id, outcome)
+            self._handle_if_current(kernel_id, op, ResumeDone(op, lost_reason(str(outcome), sum(need.values()))))
+        else:
+            self._handle_if_current(kernel_id, op, ResumeDone(op, None, gone=not outcome))
 
     # --- the kernel's iopub: busy and idle as they happen -------------------------------------------
 
     def _watch(self, kernel_id: str) -> None:
         """Listen to the kernel's iopub status messages while it is pending or parked, as jupyter_server's
-        activity monitor does (the same tracked message types), so a cell resumes it at once."""
+        activity monitor does (the same tracked message types), so a cell asks for room at once."""
         try:
             kernel = self.kernels.manager.get_kernel(kernel_id)
             stream = kernel.connect_iopub()
-        except Exception as error:  # no channel (a kernel going away): the per-sample check still resumes it
+        except Exception as error:  # no channel (a kernel going away): the per-sample check still sees it
             log.debug("gpu-quota-ext: kernel %s: no iopub stream for parking: %r", kernel_id, error)
             return
         from jupyter_client.session import Session
@@ -598,3 +748,4 @@ class Parker:
                 stream.close()
             except Exception:
                 pass
+

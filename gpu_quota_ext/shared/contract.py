@@ -63,6 +63,12 @@ def kernel_path(kernel_id: str, *parts: str) -> str:
 # kernel routes: the server's user, or the kernel itself with its own secret.
 PARK_SUFFIX = "park"
 RESUME_SUFFIX = "resume"
+# The server's requests to a kernel, on its control channel (kernel/park_wait.py answers them): content
+# {"action": "trim"} before a park (empty the allocators' caches; the kernel may be parked from now on) ->
+# {"freed": bytes, "reserved_before": bytes, "reserved_after": bytes, "frameworks": [...]}. The types are
+# untracked by jupyter_server's activity monitor: they are not the user's activity.
+KERNEL_REQUEST = "gpu_quota_request"
+KERNEL_REPLY = "gpu_quota_reply"
 # A kernel's park state, in the status answer (each kernel's "park") and in the park/resume answers.
 PARK_STATES = (
     "busy",  # running a cell (or a widget message): holds its GPU memory, as it should
@@ -71,7 +77,8 @@ PARK_STATES = (
     "parking",  # the driver is moving its GPU memory to host memory
     "parked",  # its GPU memory is on the host (`host_bytes`), its grant kept
     "resuming",  # the driver is moving it back
-    "waiting",  # a resume waits for device memory others hold (`reason` says what for); it retries
+    "waiting",  # waits for the broker to make room to come back to (`reason` says what for, `waited` how long)
+    "lost",  # its restore failed: what was on the GPU cannot come back (`reason` says what the user can do)
 )
 PARK_FIELDS = (
     "state",  # one of PARK_STATES
@@ -80,6 +87,9 @@ PARK_FIELDS = (
     "host_bytes",  # bytes the driver holds on the host for it while parked, or null
     "parkable",  # false: parking cannot work for it (no checkpoint driver, MPS client, another user, no GPU)
     "reason",  # why not parkable, why it did not park, or what a waiting resume waits for; null if none
+    "waited",  # seconds it has waited for room (waiting), or null
+    "wait_limit",  # seconds a cell waits for room before it is told (park_wait_limit), or null: no limit
+    "told",  # true once its wait passed the limit: the cell that waits ends with `reason`, the kernel stays parked
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----

@@ -183,3 +183,17 @@ class KernelManagerView:
             await maybe_await(manager.shutdown_kernel(kernel_id, now=True))
         else:  # pragma: no cover - the watchdog's settings allow no other value
             raise ValueError(action)
+
+
+def untrack_kernel_requests(manager: Any) -> None:
+    """Add the server's own control-channel requests to a kernel (shared.contract KERNEL_REQUEST, KERNEL_REPLY)
+    to jupyter_server's untracked message types: they are not the user's activity, and the kernel's status
+    around them must not make it look busy (jupyter_server's own trait, meant for this)."""
+    from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
+
+    untracked = getattr(manager, "untracked_message_types", None)
+    if untracked is None:
+        return
+    missing = [kind for kind in (KERNEL_REQUEST, KERNEL_REPLY) if kind not in untracked]
+    if missing:
+        manager.untracked_message_types = list(untracked) + missing

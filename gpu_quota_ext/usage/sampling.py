@@ -75,6 +75,8 @@ class Sample:
     # The part of `kernels` used by the kernel's own process tree (the rest was found by environment).
     in_tree: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
     pids: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)  # kernel -> its PIDs on any GPU
+    # kernel -> those of its PIDs whose real uid is not the server's (a server that is not root cannot park them)
+    foreign: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)
 
     def used(self, kernel_id: str, index: int) -> Optional[int]:
         reading = self.devices.get(index)
@@ -310,6 +312,7 @@ class Monitor:
                     _add(in_tree, kernel_id, index, used)
                 pids.setdefault(kernel_id, set()).add(local_pid)
 
+        foreign = self._foreign(pids)
         failed = [r for r in readings.values() if r.error]
         if not failed:
             state, message = "ok", None
@@ -326,7 +329,21 @@ class Monitor:
             kernels=usage,
             in_tree=in_tree,
             pids={k: tuple(sorted(v)) for k, v in pids.items()},
+            foreign=foreign,
         )
+
+    def _foreign(self, pids: Mapping[str, Set[int]]) -> Dict[str, Tuple[int, ...]]:
+        """Per kernel, its GPU processes of another Unix user than the server's (none when the server is root,
+        which may checkpoint anyone's process). Read here, in the monitor's thread, once per sample."""
+        own = self.resolver.own_uid
+        if own is None or own == 0:
+            return {}
+        found: Dict[str, Tuple[int, ...]] = {}
+        for kernel_id, listed in pids.items():
+            others = tuple(sorted(p for p in listed if (self.resolver.table.uids_of(p) or (own,))[0] != own))
+            if others:
+                found[kernel_id] = others
+        return found
 
     # --- problems, logged once ------------------------------------------------------------------
 
@@ -338,6 +355,17 @@ class Monitor:
     def _solved(self, key: str) -> None:
         if self._problems.pop(key, None) is not None:
             log.info("gpu-quota-ext: %s is readable again", "NVML" if key == "open" else key)
+
+    def device_used_now(self, index: int) -> Optional[int]:
+        """The device's used bytes read from NVML right now, not the last sample's; None when it cannot be read.
+        Blocking: for a thread that must check the device just before it acts (a restore)."""
+        device = self.devices.get(index)
+        if device is None or not self._opened:
+            return None
+        try:
+            return int(self.backend.device_used(device.uuid))
+        except Exception:
+            return None
 
     # --- what the last sample says, unless it is too old (event loop) -----------------------------
 

@@ -53,8 +53,6 @@ export interface IKernelLayers {
   hard_usable?: Record<string, number> | null;
   hard_reason?: string | null;
   restart_needed?: boolean;
-  parkable?: boolean;
-  park_reason?: string | null;
 }
 
 /** A raw reason said again in a few plain words (shared/reasons.py): the words first, the raw text on hover. */
@@ -111,7 +109,8 @@ export const PARK_STATES = [
   'parking',
   'parked',
   'resuming',
-  'waiting'
+  'waiting',
+  'lost'
 ] as const;
 export type ParkState = (typeof PARK_STATES)[number];
 
@@ -127,6 +126,12 @@ export interface IKernelPark {
   parkable: boolean;
   /** Why not parkable, why it did not park, or what a waiting resume waits for (raw). */
   reason?: string | null;
+  /** Seconds it has waited for room (waiting). */
+  waited?: number | null;
+  /** Seconds a cell waits for room before it is told (park_wait_limit); null: no limit. */
+  wait_limit?: number | null;
+  /** True once its wait passed the limit. */
+  told?: boolean;
 }
 
 /** The server's GPU monitor: how fresh its usage figures are. */

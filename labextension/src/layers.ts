@@ -46,9 +46,6 @@ export function layersLine(
         indexes.map(i => trans.__('GPU %1 %2', i, formatBytes(limits[i]))).join(', ')
       )
     ];
-    if (layers.park_reason) {
-      lines.push(layers.park_reason);
-    }
     return { text, title: lines.join('\n'), hard: true };
   }
   const why = reasonText(reason, layers.hard_reason);

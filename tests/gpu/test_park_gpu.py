@@ -90,16 +90,14 @@ async def wait_park(jp_fetch, kernel_id, states, timeout=PARK_WAIT) -> dict:
 
 async def seen_on_gpu(serverapp, kernel_id, pids, nbytes, timeout=60.0):
     """Wait until the monitor's sample has every pid of the kernel on a GPU, holding nbytes or more."""
-    parker = service_of(serverapp).parker
+    monitor = service_of(serverapp).monitor
     deadline = time.monotonic() + timeout
     while True:
-        if set(pids) <= set(parker.pids.get(kernel_id, ())) and sum(parker.usage.get(kernel_id, {}).values()) >= nbytes:
+        held = monitor.latest.kernels.get(kernel_id, {})
+        if set(pids) <= set(monitor.gpu_pids(kernel_id)) and sum(held.values()) >= nbytes:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(
-                f"the monitor did not see {pids} with {nbytes} B: {parker.pids.get(kernel_id)} "
-                f"{parker.usage.get(kernel_id)}"
-            )
+            raise AssertionError(f"the monitor did not see {pids} with {nbytes} B: {monitor.gpu_pids(kernel_id)} {held}")
         await asyncio.sleep(0.05)
 
 

@@ -43,6 +43,30 @@ async def execute(serverapp, kernel_id: str, code: str, timeout: float = 60) -> 
         client.stop_channels()
 
 
+async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) -> dict:
+    """Run `code` in the kernel as a notebook would; {"status", "stdout", "error"} whatever happens (the error's
+    traceback lines joined, "" when none)."""
+    km = serverapp.kernel_manager.get_kernel(kernel_id)
+    client = km.client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=timeout)
+        chunks: list = []
+        errors: list = []
+
+        def on_output(msg) -> None:
+            kind = msg["msg_type"]
+            if kind == "stream" and msg["content"]["name"] == "stdout":
+                chunks.append(msg["content"]["text"])
+            elif kind == "error":
+                errors.append("\n".join(msg["content"]["traceback"]))
+
+        reply = await client.execute_interactive(code, output_hook=on_output, timeout=timeout)
+        return {"status": reply["content"]["status"], "stdout": "".join(chunks), "error": "\n".join(errors)}
+    finally:
+        client.stop_channels()
+
+
 async def start_child_process(serverapp, kernel_id: str) -> int:
     """Start a long-lived subprocess from inside the kernel (a DataLoader worker, say); return its PID."""
     out = await execute(

@@ -44,6 +44,8 @@ def jp_server_config():
     return mps_config(
         "80GiB", "80GiB", default_cap="0.25", max_cap="0.5",
         caps=[{"kernelspec": "two", "cap": "0.25", "devices": 2}],
+        # A checkpoint driver, so that what keeps an MPS client from parking is MPS (the fake stands in).
+        checkpoint_class="gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint",
     )
 
 
@@ -112,7 +114,9 @@ async def test_each_kernel_gets_its_hard_limit_in_the_ordinals_it_sees(jp_fetch,
     assert layers["soft"] is True and layers["hard_reason"] is None
     assert layers["hard_limit"] == {"mps": {"0": limit, "1": limit}}
     assert layers["hard_usable"] == {"0": 40 * GiB, "1": 40 * GiB}
-    assert layers["parkable"] is False and "cannot be parked" in layers["park_reason"]
+    assert "parkable" not in layers  # one answer to "can it park": the kernel's park object
+    park = entry(state, two)["park"]
+    assert park["parkable"] is False and "MPS client cannot be parked" in park["reason"]
 
     metrics = await scrape(jp_fetch)
     assert metrics[f'gpu_quota_kernel_hard_limit_bytes{{device="{device}",kernel_id="{one}"}}'] == limit
@@ -196,7 +200,7 @@ class TestAnotherUsersServer:
         none = env["CUDA_MPS_PIPE_DIRECTORY"]
         assert none != pipe and os.path.isdir(none) and os.listdir(none) == []
         layers = entry(await status(jp_fetch), kernel_id)["layers"]
-        assert layers["hard_limit"] is None and layers["parkable"] is True
+        assert layers["hard_limit"] is None and "parkable" not in layers
         assert f"another Unix user (uid {uid}, PID {server_pid})" in layers["hard_reason"]
         shown = await gpucap(jp_serverapp, kernel_id)
         assert (

@@ -102,7 +102,7 @@ async def test_park_periods_are_in_the_points(jp_fetch, jp_serverapp, fake_drive
     device = service.ledger.get(kernel_id).devices[0]
     pid = await kernel_pid(jp_serverapp, kernel_id)
     FakeNvml.set_usage(pid, f"static-{device}", 2 * GiB)
-    await wait_for(lambda: pid in service.parker.pids.get(kernel_id, ()), timeout=WAIT)
+    await wait_for(lambda: pid in service.monitor.gpu_pids(kernel_id), timeout=WAIT)
     response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "park", method="POST", body="{}")
     assert response.code == 202
 

@@ -1,6 +1,8 @@
 """Parking on a real server with real kernels, the driver faked (gpu_quota_ext.parking.fake_checkpoint, tied to the
-fake NVML: a parked process shows 0 B). What a user and an admin see: the idle timer parks, a cell
-resumes, the routes answer, a resume that finds no device memory waits, refusals say why, restart /
+fake NVML: a parked process shows 0 B, and a restore into a full device breaks the process for good, as the
+real driver does). What a user and an admin see: the idle timer parks, a cell resumes, the routes answer, the
+broker parks idle kernels to make room for a resume and never restores into a full device, a cell that waits
+says why in the notebook and ends at the limit, a failed restore is said plainly, refusals say why, restart /
 shutdown / interrupt of a parked kernel work and leave nothing behind, a hung driver call hangs nothing."""
 
 import asyncio
@@ -31,6 +33,7 @@ from .fake_gpu import (  # noqa: F401
 from .kernels import (
     execute,
     restart_kernel,
+    run_cell,
     shutdown_kernel,
     start_child_process,
     start_kernel,
@@ -79,8 +82,8 @@ async def holding_gpu(serverapp, kernel_id, nbytes=2 * GiB, pid=None) -> int:
     pid = pid or await kernel_pid(serverapp, kernel_id)
     device = service_of(serverapp).ledger.get(kernel_id).devices[0]
     FakeNvml.set_usage(pid, f"static-{device}", nbytes)
-    parker = parker_of(serverapp)
-    await wait_for(lambda: pid in parker.pids.get(kernel_id, ()) and parker.driver_problem is None, timeout=WAIT)
+    parker, monitor = parker_of(serverapp), service_of(serverapp).monitor
+    await wait_for(lambda: pid in monitor.gpu_pids(kernel_id) and parker.driver_problem is None, timeout=WAIT)
     return pid
 
 
@@ -232,8 +235,8 @@ async def test_host_bytes_are_what_the_kernel_holds_when_it_parks_not_the_sample
     # the tensor existed) while NVML showed 19.97 GB returned. The park reads the kernel's usage again.
     kernel_id = await start_kernel(jp_fetch)
     pid = await holding_gpu(jp_serverapp, kernel_id, nbytes=14 * 1024 * 1024)
-    parker = parker_of(jp_serverapp)
-    await wait_for(lambda: sum(parker.usage.get(kernel_id, {}).values()) == 14 * 1024 * 1024, timeout=WAIT)
+    monitor = service_of(jp_serverapp).monitor
+    await wait_for(lambda: sum(monitor.latest.kernels.get(kernel_id, {}).values()) == 14 * 1024 * 1024, timeout=WAIT)
     device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     FakeNvml.set_usage(pid, f"static-{device}", 6 * GiB)  # the tensor, made right before the request
     code, _ = await post(jp_fetch, kernel_id, "park")
@@ -317,27 +320,149 @@ async def test_no_checkpoint_driver_is_said_and_nothing_raises(jp_fetch, jp_serv
     assert code == 409 and answer["message"].startswith("no checkpoint driver: ")
 
 
-# --- resume waits for device memory --------------------------------------------------------------------
+# --- the broker: room made for a resume, never a restore into a full device ------------------------------
+
+BROKER = {
+    "checkpoint_class": FAKE_DRIVER,
+    "default_cap": "7GiB",
+    "max_cap": "7GiB",
+    "overcommit": 2.0,
+    "placement": "pack",  # all on GPU 0: three 7 GiB caps on a 16 GiB device
+    "park_min_idle": "0",
+}
 
 
-async def test_a_resume_without_device_memory_waits_and_retries_with_the_grant_kept(
-    jp_fetch, jp_serverapp, fake_driver
+@pytest.fixture
+def full_devices(fake_driver):
+    """The fake GPUs can fill up: 16 GiB each, as the test servers' static inventory says."""
+    FakeNvml.totals = {"static-0": 16 * GiB, "static-1": 16 * GiB}
+    yield FakeNvml.totals
+
+
+async def three_kernels(jp_fetch, jp_serverapp):
+    """A parked with 6 GiB; B, then C, holding 6 GiB each and idle (B idle longer): the issue's scenario."""
+    kernels = {}
+    for name in "ABC":
+        kernel_id = await start_kernel(jp_fetch)
+        await execute(jp_serverapp, kernel_id, f"x = {ord(name)}")
+        kernels[name] = (kernel_id, await holding_gpu(jp_serverapp, kernel_id, 6 * GiB))
+        assert service_of(jp_serverapp).ledger.get(kernel_id).devices == (0,)
+        if name == "A":
+            await post(jp_fetch, kernel_id, "park")
+            await wait_state(jp_fetch, kernel_id, "parked")
+    return kernels
+
+
+@pytest.mark.parametrize("park", [BROKER])
+async def test_a_parked_kernels_cell_parks_the_least_recently_active_idle_kernel_and_then_runs(
+    jp_fetch, jp_serverapp, full_devices
+):
+    kernels = await three_kernels(jp_fetch, jp_serverapp)
+    (a, a_pid), (b, b_pid), (c, _) = kernels["A"], kernels["B"], kernels["C"]
+    # A's cell: 16 GiB - 12 held - 2 that B's and C's caps may still take - 1 margin = 1 GiB free for 6 GiB.
+    # B's checkpoint is held until the server says A has waited a while, so the cell has something to say.
+    release = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")
+    cell = asyncio.ensure_future(run_cell(jp_serverapp, a, "print(x + 1)"))
+
+    async def a_waited():
+        park = await park_state(jp_fetch, a)
+        return park if park["state"] == "waiting" and (park["waited"] or 0) >= 1.6 else None
+
+    waiting = await wait_for(a_waited, timeout=WAIT)
+    assert f"needs 6.0 GiB on GPU 0; making room: idle kernel kernel {b[:8]} parking" == waiting["reason"], waiting
+    assert (await park_state(jp_fetch, b))["state"] == "parking"
+    release.set()
+    ran = await cell
+    assert ran["status"] == "ok" and ran["stdout"].splitlines()[-1] == str(ord("A") + 1), ran
+    said = ran["stdout"].splitlines()
+    assert said[0].startswith("gpu-quota: waiting for device memory (waited 1 s of at most 5 min): needs 6.0 GiB"), said
+    assert said[-2].startswith("gpu-quota: back on the GPU after") and said[-2].endswith("; the cell runs now"), said
+    assert (await park_state(jp_fetch, b))["state"] == "parked"  # B had been idle longest
+    assert (await park_state(jp_fetch, c))["state"] == "idle"
+    order = [(call, pid) for call, pid in FakeCheckpoint.calls if call != "cuCheckpointProcessGetState"]
+    assert order.index(("cuCheckpointProcessCheckpoint", b_pid)) < order.index(("cuCheckpointProcessRestore", a_pid))
+    # Then B's cell: C (idle longer than A, which just ran) parks for it.
+    ran = await run_cell(jp_serverapp, b, "print(x + 1)")
+    assert ran["status"] == "ok" and ran["stdout"].splitlines()[-1] == str(ord("B") + 1), ran
+    assert (await park_state(jp_fetch, c))["state"] == "parked"
+    assert (await park_state(jp_fetch, a))["state"] in ("idle", "busy")
+    assert FakeCheckpoint.broken == set()  # no restore ever found the device full
+    assert calls("cuCheckpointProcessRestore") == [a_pid, b_pid]  # one restore each, never retried
+
+
+@pytest.mark.parametrize("park", [{**BROKER, "park_wait_limit": "2s"}])
+async def test_a_cell_that_cannot_get_room_waits_the_limit_and_ends_with_why_the_kernel_still_parked(
+    jp_fetch, jp_serverapp, full_devices
 ):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await holding_gpu(jp_serverapp, kernel_id)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id, 6 * GiB)
+    await post(jp_fetch, kernel_id, "park")
+    await wait_state(jp_fetch, kernel_id, "parked")
+    FakeNvml.other_used = {"static-0": 12 * GiB}  # a process outside the quota: nothing can park it
+    ran = await run_cell(jp_serverapp, kernel_id, "print(x + 1)")
+    assert ran["status"] == "error" and "42" not in ran["stdout"], ran
+    assert "gpu-quota: waiting for device memory" in ran["stdout"]
+    assert "the cell did not run: waited 2 s (the park_wait_limit)" in ran["error"]
+    assert "Nothing is lost: the kernel stays parked" in ran["error"]
+    assert "Traceback" not in ran["error"]  # one message, not a traceback of the extension's insides
+    park = await wait_state(jp_fetch, kernel_id, "parked")
+    assert park["host_bytes"] == 6 * GiB and calls("cuCheckpointProcessRestore") == []
+    FakeNvml.other_used = {}  # the memory is free again: the next cell brings it back
+    assert (await execute(jp_serverapp, kernel_id, "print(x + 1)")).strip().splitlines()[-1] == "42"
+    assert calls("cuCheckpointProcessRestore") == [pid] and FakeCheckpoint.broken == set()
+
+
+@pytest.mark.parametrize("park", [BROKER])
+async def test_a_restore_the_driver_fails_is_lost_said_plainly_never_retried_and_a_restart_recovers(
+    jp_fetch, jp_serverapp, full_devices
+):
+    kernel_id = await start_kernel(jp_fetch)
+    await execute(jp_serverapp, kernel_id, "x = 41")
+    pid = await holding_gpu(jp_serverapp, kernel_id, 2 * GiB)
     caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
     await post(jp_fetch, kernel_id, "park")
     await wait_state(jp_fetch, kernel_id, "parked")
-    FakeCheckpoint.fail_restores(2)
-    await post(jp_fetch, kernel_id, "resume")
-    waiting = await wait_state(jp_fetch, kernel_id, "waiting")
-    assert "waiting for device memory" in waiting["reason"] and "2.0 GiB on GPU" in waiting["reason"]
-    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps
-    assert pid in FakeCheckpoint.parked_pids()  # nothing lost
-    await wait_state(jp_fetch, kernel_id, "idle")  # the retries found the memory
-    assert calls("cuCheckpointProcessRestore") == [pid, pid, pid]
-    assert pid in FakeNvml.usage
-    assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
+    FakeCheckpoint.fail_restores(1)  # what the driver does however careful we are: the broker cannot stop it
+    ran = await run_cell(jp_serverapp, kernel_id, "print(x + 1)")
+    assert ran["status"] == "error" and "could not be brought back" in ran["error"], ran
+    assert "save what you need" in ran["error"] and "restart the kernel" in ran["error"]
+    park = await wait_state(jp_fetch, kernel_id, "lost")
+    assert park["parkable"] is False and "CUDA_ERROR_OUT_OF_MEMORY" in park["reason"]
+    # The kernel's Python still runs; a cell says the same at once and asks the driver nothing.
+    again = await run_cell(jp_serverapp, kernel_id, "print('still here')")
+    assert again["status"] == "error" and "could not be brought back" in again["error"]
+    assert (await execute(jp_serverapp, kernel_id, "%gpucap")) and calls("cuCheckpointProcessRestore") == [pid]
+    code, answer = await post_error(jp_fetch, kernel_id, "resume")
+    assert code == 409 and answer["park"]["state"] == "lost"
+    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps  # the grant is kept for the restart
+    await restart_kernel(jp_fetch, kernel_id)
+    assert (await execute(jp_serverapp, kernel_id, "print('fresh')")).strip() == "fresh"
+    assert (await park_state(jp_fetch, kernel_id))["state"] in ("idle", "busy")
+
+
+async def test_a_park_first_asks_the_kernel_to_empty_its_caches(jp_fetch, jp_serverapp, fake_driver, caplog):
+    caplog.set_level(logging.INFO, "gpu_quota_ext")
+    kernel_id = await start_kernel(jp_fetch)
+    # A stand-in for CuPy's memory pool, holding 3 GiB of free blocks (no CUDA here).
+    await execute(
+        jp_serverapp,
+        kernel_id,
+        "import sys, types\n"
+        "class Pool:\n"
+        "    held = 3 << 30\n"
+        "    def total_bytes(self): return self.held\n"
+        "    def free_all_blocks(self): self.held = 0\n"
+        "pool = Pool()\n"
+        "sys.modules['cupy'] = types.SimpleNamespace(get_default_memory_pool=lambda: pool)",
+    )
+    await holding_gpu(jp_serverapp, kernel_id)
+    await post(jp_fetch, kernel_id, "park")
+    await wait_state(jp_fetch, kernel_id, "parked")
+    assert f"kernel {kernel_id} emptied {3 << 30} bytes of cached GPU memory before parking" in caplog.text
+    # The request was the server's, not the user's: the kernel's activity did not change.
+    assert (await park_state(jp_fetch, kernel_id))["idle_seconds"] >= 0
+    assert (await execute(jp_serverapp, kernel_id, "print(pool.held)")).strip().splitlines()[-1] == "0"
 
 
 # --- the idle timer ---------------------------------------------------------------------------------------
@@ -360,8 +485,9 @@ async def test_the_idle_timer_parks_an_idle_kernel_and_its_next_cell_brings_it_b
         f"gpu-quota-ext: kernel {kernel_id} park state idle -> parking: idle for 1 s",
         f"gpu-quota-ext: kernel {kernel_id} park state parking -> parked: 2.0 GiB of GPU memory moved to host memory "
         f"(processes {pid})",
-        f"gpu-quota-ext: kernel {kernel_id} park state parked -> resuming",
+        f"gpu-quota-ext: kernel {kernel_id} park state parked -> waiting: asking for device memory to come back to",
     ]
+    assert f"gpu-quota-ext: kernel {kernel_id} park state waiting -> resuming" in lines
 
 
 # --- interrupt, restart, shutdown of a parked kernel ------------------------------------------------------

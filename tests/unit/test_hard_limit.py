@@ -8,7 +8,6 @@ from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
 from gpu_quota_ext.hard_limit.decisions import (
     DEFAULT_CONTEXT_ALLOWANCE,
-    PARK_REASON,
     Probe,
     Route,
     ceiling_commands,
@@ -141,7 +140,7 @@ def test_off_adds_nothing():
     layers, variables = decide(grant(), DEVICES, {}, HardCapSettings(), None, None, UID, ROUTE)
     assert variables == {}
     assert not layers.hard and layers.soft and "off" in layers.reason
-    assert layers.to_json()["parkable"] is True
+    assert "parkable" not in layers.to_json()  # the kernel's park object answers that, once
 
 
 def test_a_usable_daemon_gives_limit_pipe_and_log_directories():
@@ -154,7 +153,7 @@ def test_a_usable_daemon_gives_limit_pipe_and_log_directories():
     assert [(d["ordinal"], d["index"], d["usable"]) for d in seen["devices"]] == [(0, 0, 70 * GiB), (1, 2, 70 * GiB)]
     view = layers.to_json(grant(devices=(0, 2)))
     assert view["hard_limit"] == {"mps": {"0": 72320 * MiB, "2": 72320 * MiB}}
-    assert view["hard_reason"] is None and view["parkable"] is False and view["park_reason"] == PARK_REASON
+    assert view["hard_reason"] is None and layers.hard  # the parker reads .hard: an MPS client is not parkable
     # An external daemon has no log directory of ours.
     _, external = decide(grant(), DEVICES, {}, ON, None, ANSWERED, UID, Route("/tmp/nvidia-mps"))
     assert external["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps" and "CUDA_MPS_LOG_DIRECTORY" not in external
@@ -174,7 +173,7 @@ def test_without_a_usable_daemon_the_kernel_is_kept_out_of_mps_and_told_why(unav
     # Routed to an empty directory: CUDA finds no daemon there and runs without MPS, never waits.
     assert variables["CUDA_MPS_PIPE_DIRECTORY"] == "/run/mps/none"
     assert words in layers.reason and words in json.loads(variables["GPU_QUOTA_LAYERS"])["reason"]
-    assert layers.to_json()["hard_limit"] is None and layers.to_json()["parkable"] is True
+    assert layers.to_json()["hard_limit"] is None and not layers.hard
 
 
 def test_a_cpu_only_kernel_has_no_layer_and_no_mps_variable():

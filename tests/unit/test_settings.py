@@ -49,6 +49,7 @@ NUMBERS = {
     "slack": (2**30, lambda policy, watchdog, hard, park: watchdog.slack.nbytes == GiB),
     "mps_context_allowance": (512 * MiB, lambda policy, watchdog, hard, park: hard.context_allowance == 512 * MiB),
     "park_host_margin": (2**30, lambda policy, watchdog, hard, park: park.host_margin == GiB),
+    "park_device_margin": (3 * 2**30, lambda policy, watchdog, hard, park: park.device_margin == 3 * GiB),
 }
 
 

@@ -1,0 +1,209 @@
+"""A parked kernel's next cell, seen from the kernel: it waits for its GPU memory to come back in Python, where it
+can say why in the cell's output, be interrupted, and end cleanly at the admin's limit, instead of inside a CUDA
+call the driver holds (where nothing can be said or interrupted). Stdlib only; IPython and ipykernel are used
+when they are there.
+
+How the kernel knows it may be parked: right before it parks the kernel, the server asks it on its control
+channel to empty its allocators' caches (shared.contract.KERNEL_REQUEST, answered here, in ipykernel's control
+thread, while the kernel is idle): only what the kernel really holds then moves to the host. From then on,
+until a cell finds it running again, the kernel may be parked. At the next cell an AST transformer (IPython's
+hook that runs before any of the cell's code) asks the server for the kernel's park state and, while it is
+parked or waiting for room, prints what it waits for (once per new reason) and asks again every half second.
+When the kernel runs again the cell runs. At the wait limit (the server says `told`), on an interrupt, or when
+the restore failed (`lost`), the cell ends with one clear error instead (IPython's InputRejected: none of its
+code runs) and the kernel keeps its grant. A cell that is only `%gpucap ...` lines never waits: the user can
+always look, and ask for a park or resume.
+
+A kernel that the server cannot ask (no bootstrap, an old server) waits in the driver as before.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
+from ..shared.sizes import format_bytes
+from .park import clock, duration_words
+
+POLL_S = 0.5  # seconds between two questions to the server while the cell waits
+NOTICE_AFTER_S = 1.0  # a wait shorter than this says nothing (a 2 GiB kernel comes back in ~0.7 s)
+PREFIX = "gpu-quota:"
+WAITING_STATES = ("parking", "parked", "waiting", "resuming")  # "pending" runs: it parks after the cell
+
+
+# --- the trim: the server's request before it parks this kernel (control thread) ---------------------------
+
+
+def trim() -> dict:
+    """Empty torch's and CuPy's caches of free device memory; what was freed. Never raises, never imports a
+    framework the user has not imported (nor creates a CUDA context)."""
+    before = after = 0
+    frameworks = []
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            count = torch.cuda.device_count()
+            before += sum(torch.cuda.memory_reserved(d) for d in range(count))
+            torch.cuda.empty_cache()
+            after += sum(torch.cuda.memory_reserved(d) for d in range(count))
+            frameworks.append("torch")
+    except Exception:
+        pass
+    cupy = sys.modules.get("cupy")
+    try:
+        if cupy is not None:
+            pool = cupy.get_default_memory_pool()
+            held = pool.total_bytes()
+            pool.free_all_blocks()
+            before += held
+            after += pool.total_bytes()
+            frameworks.append("cupy")
+    except Exception:
+        pass
+    freed = max(0, before - after)
+    return {"freed": freed, "reserved_before": before, "reserved_after": after, "frameworks": frameworks}
+
+
+class ParkWatch:
+    """Whether this kernel may be parked, and the wait of a cell that finds it so."""
+
+    def __init__(self, park_state: Callable[[], Optional[dict]], out: Callable[[str], None] = print):
+        self.park_state = park_state  # the server's answer for this kernel (QuotaClient.park_state)
+        self.out = out
+        self.maybe_parked = threading.Event()  # set by the trim request (control thread), cleared by a cell
+
+    def on_request(self, content: Any) -> dict:
+        """The server's control request; the reply's content."""
+        action = content.get("action") if isinstance(content, dict) else None
+        if action == "trim":
+            self.maybe_parked.set()
+            return trim()
+        return {"error": f"unknown action {action!r}"}
+
+    def before_cell(self) -> None:
+        """Return when the cell may run; raise CellNotRun when it must not."""
+        if not self.maybe_parked.is_set():
+            return
+        began = time.monotonic()
+        said: Optional[str] = None
+        while True:
+            park = self.park_state()
+            if park is None:  # no answer: the cell runs (if the kernel is parked, the driver holds its CUDA calls)
+                return
+            state = park.get("state")
+            if state == "lost":
+                raise CellNotRun(f"{PREFIX} the cell did not run: {park.get('reason') or 'the restore failed'}")
+            if state not in WAITING_STATES:
+                self.maybe_parked.clear()
+                if said is not None:
+                    self.out(f"{PREFIX} back on the GPU after {time.monotonic() - began:.1f} s; the cell runs now")
+                return
+            if park.get("told"):
+                raise CellNotRun(
+                    f"{PREFIX} the cell did not run: {park.get('reason')}. Nothing is lost: the kernel stays "
+                    "parked with its grant; run the cell again to ask again"
+                )
+            line = waiting_line(park)
+            if line != said and (said is not None or time.monotonic() - began >= NOTICE_AFTER_S):
+                self.out(line)
+                said = line
+            try:
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                raise CellNotRun(
+                    f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
+                ) from None
+
+
+def waiting_line(park: dict) -> str:
+    """One line of the cell's output while it waits: what for, and how long so far."""
+    state, reason = park.get("state"), park.get("reason")
+    if state in ("parked", "parking"):
+        held = park.get("host_bytes")
+        since = clock(park.get("since"))
+        where = f" ({format_bytes(held)} on the host" + (f" since {since})" if since else ")") if held else ""
+        return f"{PREFIX} this kernel is parked{where}; bringing its GPU memory back before the cell runs"
+    if state == "resuming":
+        return f"{PREFIX} its GPU memory is coming back from the host"
+    waited = duration_words(park.get("waited"))
+    limit = duration_words(park.get("wait_limit"))
+    timing = f" (waited {waited}" + (f" of at most {limit})" if limit else ")") if waited else ""
+    return f"{PREFIX} waiting for device memory{timing}: {reason or 'asking for room'}"
+
+
+# --- IPython's side ------------------------------------------------------------------------------------------
+
+
+class CellNotRun(Exception):
+    """The cell must not run now; IPython shows only this message (`_render_traceback_`)."""
+
+    def _render_traceback_(self):
+        return [str(self)]
+
+
+def _rejected(message: str) -> Exception:
+    """CellNotRun as IPython's InputRejected, so that the cell ends before any of its code runs."""
+    try:
+        from IPython.core.error import InputRejected
+    except ImportError:
+        return CellNotRun(message)
+
+    class NotRun(CellNotRun, InputRejected):
+        pass
+
+    return NotRun(message)
+
+
+def only_gpucap(tree: ast.AST) -> bool:
+    """The cell is nothing but `%gpucap ...` lines (IPython makes each a run_line_magic('gpucap', ...) call)."""
+    body = getattr(tree, "body", None)
+    if not body:
+        return False
+    for node in body:
+        call = node.value if isinstance(node, ast.Expr) else None
+        func = getattr(call, "func", None)
+        if not (isinstance(call, ast.Call) and isinstance(func, ast.Attribute) and func.attr == "run_line_magic"):
+            return False
+        first = call.args[0] if call.args else None
+        if not (isinstance(first, ast.Constant) and first.value == "gpucap"):
+            return False
+    return True
+
+
+class WaitWhileParked(ast.NodeTransformer):
+    """Runs before every cell's code (IPython's ast_transformers); changes nothing in the code."""
+
+    def __init__(self, watch: ParkWatch):
+        self.watch = watch
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if self.watch.maybe_parked.is_set() and not only_gpucap(node):
+            try:
+                self.watch.before_cell()
+            except CellNotRun as error:
+                raise _rejected(str(error)) from None
+        return node
+
+
+def install(shell: Any, watch: ParkWatch) -> bool:
+    """Answer the server's control requests and wait before cells; False where this kernel cannot (not
+    ipykernel: no control channel)."""
+    kernel = getattr(shell, "kernel", None)
+    handlers = getattr(kernel, "control_handlers", None)
+    if kernel is None or not isinstance(handlers, dict):
+        return False
+
+    def on_request(stream, ident, parent) -> None:
+        try:
+            content = watch.on_request(parent.get("content"))
+        except Exception as error:  # never break the control thread
+            content = {"error": repr(error)}
+        kernel.session.send(stream, KERNEL_REPLY, content, parent, ident)
+
+    handlers[KERNEL_REQUEST] = on_request
+    shell.ast_transformers.append(WaitWhileParked(watch))
+    return True

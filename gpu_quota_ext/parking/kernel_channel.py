@@ -1,0 +1,58 @@
+"""The parker's word to a kernel, on the kernel's control channel: "empty your allocators' caches, you are about
+to park". The kernel side (kernel/park_wait.py) answers with what it freed and remembers that it may be parked,
+so that its next cell waits for the resume in Python (where it can say why and be interrupted) rather than in
+the driver.
+
+The control channel, not the shell: an idle kernel's control thread answers at once, and the request does not
+count as the user's activity (the extension adds its type to jupyter_server's untracked message types). A
+kernel without the bootstrap never gets it. A kernel that does not answer within the timeout parks as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
+
+log = logging.getLogger("gpu_quota_ext")
+
+
+class KernelChannel:
+    """Asks a kernel of the server's kernel manager, through a client of its own for each request."""
+
+    def __init__(self, kernels: Any):
+        self.kernels = kernels  # usage.KernelManagerView: `.manager` is jupyter_server's MappingKernelManager
+
+    async def ask(self, kernel_id: str, content: dict, timeout: float) -> Optional[dict]:
+        """The kernel's reply content, or None (no such kernel, no answer in time, a channel that fails)."""
+        try:
+            client = self.kernels.manager.get_kernel(kernel_id).client()
+            client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        except Exception as error:
+            log.debug("gpu-quota-ext: kernel %s: no control channel: %r", kernel_id, error)
+            return None
+        try:
+            request = client.session.msg(KERNEL_REQUEST, content)
+            client.control_channel.send(request)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                reply = await asyncio.wait_for(client.control_channel.get_msg(), left)
+                parent = reply.get("parent_header") or {}
+                if parent.get("msg_id") == request["header"]["msg_id"] and reply["msg_type"] == KERNEL_REPLY:
+                    content = reply.get("content")
+                    return content if isinstance(content, dict) else None
+        except (asyncio.TimeoutError, Exception) as error:
+            if not isinstance(error, asyncio.TimeoutError):
+                log.debug("gpu-quota-ext: kernel %s: control request failed: %r", kernel_id, error)
+            return None
+        finally:
+            try:
+                client.stop_channels()
+            except Exception:
+                pass
