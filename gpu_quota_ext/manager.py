@@ -32,7 +32,16 @@ from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_device
 from .hard_limit import HardCapLayer, HardCapSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
-from .parking import CheckpointDriver, CudaCheckpointDriver, KernelChannel, Parker, ParkSettings, RoomBroker
+from .parking import (
+    CheckpointDriver,
+    CudaCheckpointDriver,
+    HostBroker,
+    HostRooms,
+    KernelChannel,
+    Parker,
+    ParkSettings,
+    RoomBroker,
+)
 from .policy import (
     CapSpec,
     Policy,
@@ -159,6 +168,10 @@ class GpuQuotaManager:
         )
         # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
+        if room_broker is None and isinstance(ledger, HostRooms):
+            # On a hub host the host service brokers every user's device memory: one view, one decision-maker.
+            room_broker = HostBroker(ledger, {d.index: d.uuid for d in devices})
         self.parker = Parker(
             park_settings,
             checkpoint or CudaCheckpointDriver(),
@@ -172,6 +185,9 @@ class GpuQuotaManager:
             bootstrapped=self._bootstrapped.__contains__,
         )
         self.monitor.on_sample(self.parker.on_sample)
+        if isinstance(ledger, HostRooms):
+            ledger.park_report = self.parker.host_report  # type: ignore[attr-defined]
+            ledger.on_park_requests = self.park_for_host  # type: ignore[attr-defined]
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
         # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
         self.history = UsageHistory()
@@ -182,6 +198,7 @@ class GpuQuotaManager:
 
     def start(self) -> None:
         """Start sampling and following the kernels on the running event loop; publish /metrics. Idempotent."""
+        self._loop = asyncio.get_running_loop()
         self.monitor.start()
         self.lifecycle.start()
         self.parker.start()
@@ -229,6 +246,13 @@ class GpuQuotaManager:
 
     async def request_resume(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         return await self.parker.request_resume(kernel_id, who)
+
+    def park_for_host(self, kernel_ids: List[str]) -> None:
+        """The host service chose these idle kernels of this server to park, for another kernel of the host (the
+        lease's answer, in the lease's thread): the parker decides on the event loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.parker.park_for_host, list(kernel_ids))
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) the kernel's GPU state: its processes cannot run CUDA now."""

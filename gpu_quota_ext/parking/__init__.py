@@ -18,10 +18,12 @@ from .checkpoint import (
     CudaCheckpointDriver,
 )
 from .decisions import ParkSettings, build_park_settings
+from .host_broker import HostBroker, HostRooms
 from .kernel_channel import KernelChannel
 from .parker import OwnBroker, Parker, RoomBroker
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
-    "ParkSettings", "build_park_settings", "Parker", "KernelChannel", "OwnBroker", "RoomBroker",
+    "ParkSettings", "build_park_settings", "Parker", "KernelChannel", "OwnBroker", "RoomBroker", "HostBroker",
+    "HostRooms",
 ]

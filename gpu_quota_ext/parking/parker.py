@@ -56,6 +56,7 @@ from .decisions import (
     idle_seconds,
     not_parkable,
 )
+from .host_broker import kernel_park
 from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .states import (
@@ -577,6 +578,14 @@ class Parker:
             settings=self.settings.broker,
             now=now,
         )
+
+    def host_report(self) -> List[dict]:
+        """Each kernel's park state for the host's broker (the lease's "park"). Called from the lease's thread:
+        it only reads."""
+        report = []
+        for kernel in self.round().kernels:
+            report.append(kernel_park(kernel.kernel_id, kernel.state, kernel.idle_for, kernel.parkable))
+        return report
 
     def apply(self, plan: Plan) -> None:
         """Carry out one round's decisions (event loop)."""

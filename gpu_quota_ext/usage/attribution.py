@@ -145,6 +145,16 @@ def kernel_for_pid(
     return None
 
 
+def foreign_pids(
+    pids: Iterable[int], own_uid: Optional[int], uids_of: Callable[[int], Tuple[int, ...]]
+) -> Tuple[int, ...]:
+    """The PIDs whose real uid is not `own_uid`: processes a server of that uid cannot checkpoint (none when it
+    is root, which may). A process that has gone, or cannot be read, is not counted: the driver answers for it."""
+    if own_uid is None or own_uid == 0:
+        return ()
+    return tuple(sorted(pid for pid in pids if (uids_of(pid) or (own_uid,))[0] != own_uid))
+
+
 def processes_by_kernel(
     kernel_ids: Collection[str],
     roots: Mapping[int, str],

@@ -37,7 +37,7 @@ from typing import (
 
 from ..devices import Device, NvmlBackend, NvmlFailure, NvmlUnavailable
 from ..threads import SerialThread
-from .attribution import TREE, PidResolver
+from .attribution import TREE, PidResolver, foreign_pids
 from .kernels import KernelRoots
 from .periodic import every
 
@@ -335,12 +335,9 @@ class Monitor:
     def _foreign(self, pids: Mapping[str, Set[int]]) -> Dict[str, Tuple[int, ...]]:
         """Per kernel, its GPU processes of another Unix user than the server's (none when the server is root,
         which may checkpoint anyone's process). Read here, in the monitor's thread, once per sample."""
-        own = self.resolver.own_uid
-        if own is None or own == 0:
-            return {}
         found: Dict[str, Tuple[int, ...]] = {}
         for kernel_id, listed in pids.items():
-            others = tuple(sorted(p for p in listed if (self.resolver.table.uids_of(p) or (own,))[0] != own))
+            others = foreign_pids(listed, self.resolver.own_uid, self.resolver.table.uids_of)
             if others:
                 found[kernel_id] = others
         return found

@@ -169,3 +169,12 @@ def test_resolver_maps_pids_of_another_namespace_through_nspid_and_scans_rarely(
     resolver.resolve([17, 55], {100: "k1"}, {"k1"}, now=1.0)
     resolver.resolve([56], {100: "k1"}, {"k1"}, now=2.0)
     assert table.scans == 1  # unknown PIDs do not make every tick scan all of /proc
+
+
+def test_foreign_pids_are_those_of_another_real_uid_and_none_for_root():
+    from gpu_quota_ext.usage.attribution import foreign_pids
+
+    uids = {10: (1000, 1000, 1000, 1000), 11: (1001, 1001, 1001, 1001), 12: ()}  # 12: gone
+    assert foreign_pids([10, 11, 12], 1000, lambda pid: uids[pid]) == (11,)
+    assert foreign_pids([10, 11], 0, lambda pid: uids[pid]) == ()  # root may checkpoint anyone's process
+    assert foreign_pids([10, 11], None, lambda pid: uids[pid]) == ()

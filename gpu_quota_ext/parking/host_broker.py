@@ -1,0 +1,88 @@
+"""The host's broker, asked by a user server of a hub host: on such a host the budget is one, so the view is one.
+The host service (hub/service/room.py) runs the same decisions (broker.py) over every user's kernels and its own
+NVML, and answers for this server's kernels that wait; it reaches this server's idle kernels it chose to park
+through the lease's answer (ledger/remote.py hands them to `Parker.park_for_host`).
+
+This module only translates: a Round of this server (device indexes) to the wire (device UUIDs,
+shared.service_contract ROOM_PATH), and the answer back to a Plan. The call itself blocks (HTTP to the service):
+it runs off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Protocol, runtime_checkable
+
+from ..threads import off_loop
+from .broker import Plan, Round
+
+
+@runtime_checkable
+class HostRooms(Protocol):
+    """What a ledger offers when its host service also brokers device memory (ledger/remote.py)."""
+
+    def room(self, body: dict) -> dict:
+        """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
+
+
+def kernel_park(kernel_id: str, state: str, idle_for: Any, parkable: bool) -> dict:
+    """KERNEL_PARK of the wire: one kernel's park state as the host's broker reads it."""
+    return {
+        "kernel_id": kernel_id,
+        "state": state,
+        "idle_for": None if idle_for is None else round(float(idle_for), 1),
+        "parkable": bool(parkable),
+    }
+
+
+def room_request(round_: Round, uuid_of: Mapping[int, str]) -> dict:
+    """This server's demands and kernels, devices named by UUID."""
+    return {
+        "park": [kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable) for k in round_.kernels],
+        "demands": [
+            {"kernel_id": d.kernel_id, "need": {uuid_of[i]: n for i, n in d.need.items() if i in uuid_of}}
+            for d in round_.demands
+        ],
+    }
+
+
+def plan_from(answer: Any, mine: List[str]) -> Plan:
+    """The service's answer as a Plan, keeping only this server's kernels (`mine`) and well-formed entries."""
+    if not isinstance(answer, dict):
+        return Plan()
+
+    def ids(key: str) -> List[str]:
+        value = answer.get(key)
+        return [k for k in value if isinstance(k, str) and k in mine] if isinstance(value, list) else []
+
+    def words(key: str) -> Dict[str, str]:
+        value = answer.get(key)
+        if not isinstance(value, dict):
+            return {}
+        return {k: v for k, v in value.items() if k in mine and isinstance(v, str)}
+
+    return Plan(
+        go=tuple(ids("go")),
+        park=tuple((k, "another kernel of this host") for k in ids("park")),
+        waiting=words("waiting"),
+        told=words("told"),
+    )
+
+
+class HostBroker:
+    """A RoomBroker that asks the host service. When the service cannot be reached nothing is granted: the
+    waiting kernels say so and wait (a resume without the host's word could take another user's room)."""
+
+    def __init__(self, rooms: HostRooms, uuid_of: Mapping[int, str]):
+        self.rooms = rooms
+        self.uuid_of = dict(uuid_of)
+
+    async def decide(self, round_: Round) -> Plan:
+        mine = [k.kernel_id for k in round_.kernels]
+        if not round_.demands:
+            return Plan()  # only the lease reports this server's kernels when none of them waits
+        try:
+            answer = await off_loop(self.rooms.room, room_request(round_, self.uuid_of), name="gpu-quota-room")
+        except Exception as error:
+            reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
+            return Plan(waiting={d.kernel_id: reason for d in round_.demands})
+        return plan_from(answer, mine)

@@ -1,0 +1,228 @@
+"""Issue 21 on a real GPU: the broker makes overcommit safe on an H200, with the real NVML and the real checkpoint
+driver, in the scenarios that lost a kernel before it existed.
+
+    python -m pytest tests/gpu/test_broker_gpu.py -m gpu -s
+
+- Three kernels of 0.4 of the device each, caps 0.45, overcommit 2.0: A parks; B and C fill the device; A's
+  next cell makes the broker park B (idle longest) and then restores A; B's next cell parks C and restores B.
+  Every cell finds its tensor (checksums), no restore ever fails, and the seconds each cell waited are saved.
+  Host memory is part of it: two of these kernels on the host at once is what the 128 GiB machine can hold.
+- Two kernels of 0.55: B cannot park (the host cannot take it besides A), so A's cell waits until the wait
+  limit and ends with the reason; A stays parked, its tensor intact, and resumes once B is gone.
+- Move only what must move: a kernel that freed most of its tensors (torch keeps them cached) parks its live
+  bytes only, against the raw driver calls on the same state without the cache emptied.
+Prints `FIGURE` lines (conftest.record).
+"""
+
+import asyncio
+import time
+
+import psutil
+import pytest
+from traitlets.config import Config
+
+from gpu_quota_ext.parking.checkpoint import CudaCheckpointDriver
+
+from ..integration.fake_gpu import status
+from ..integration.kernels import execute, run_cell, shutdown_kernel, start_kernel
+from .conftest import kernel_pid, nvml_used_by_pid, record
+from .test_park_gpu import CHECK, HOLD, last_line, park
+
+pytestmark = pytest.mark.gpu
+
+GiB = 1 << 30
+POLL = 0.5
+
+
+def device_total() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+
+
+def host_available() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def broker_config(cap: float, limit: str) -> Config:
+    return Config(
+        {
+            "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
+            "GpuQuota": {
+                "default_cap": str(cap),
+                "max_cap": str(cap),
+                "overcommit": 2.0,
+                "placement": "pack",
+                "poll_interval": POLL,
+                "park_min_idle": "2s",
+                "park_wait_limit": limit,
+            },
+        }
+    )
+
+
+async def hold(serverapp, kernel_id, nbytes) -> str:
+    """The kernel makes a tensor of nbytes random bytes; its checksum."""
+    return last_line(await execute(serverapp, kernel_id, HOLD.format(n=nbytes), timeout=300))
+
+
+async def park_state(jp_fetch, kernel_id) -> dict:
+    return next(k for k in (await status(jp_fetch))["kernels"] if k["id"] == kernel_id)["park"]
+
+
+async def timed_cell(serverapp, kernel_id, code, timeout=600) -> tuple:
+    began = time.perf_counter()
+    ran = await run_cell(serverapp, kernel_id, code, timeout=timeout)
+    return time.perf_counter() - began, ran
+
+
+class TestThreeKernelsOfFourTenths:
+    @pytest.fixture
+    def jp_server_config(self):
+        return broker_config(0.45, "4min")
+
+    async def test_each_parked_kernels_cell_gets_room_made_and_finds_its_tensor(self, jp_fetch, jp_serverapp):
+        total = device_total()
+        size = int(0.4 * total)
+        record("broker 3x0.4: device total, bytes", total)
+        record("broker 3x0.4: host available at start, GiB", round(host_available() / GiB, 1))
+        kernels = {name: await start_kernel(jp_fetch) for name in "ABC"}
+        pids = {name: kernel_pid(jp_serverapp, k) for name, k in kernels.items()}
+        sums = {}
+        try:
+            sums["A"] = await hold(jp_serverapp, kernels["A"], size)
+            seconds, parked = await park(jp_fetch, kernels["A"])
+            record("broker 3x0.4: park A (0.4 of the device), s", round(seconds, 1))
+            record("broker 3x0.4: A's bytes moved to the host, GiB", round(parked["host_bytes"] / GiB, 2))
+            for name in "BC":
+                sums[name] = await hold(jp_serverapp, kernels[name], size)
+            record("broker 3x0.4: device used with A parked, B and C holding, GiB",
+                   round(sum(nvml_used_by_pid().values()) / GiB, 1))
+            record("broker 3x0.4: host available with A parked, GiB", round(host_available() / GiB, 1))
+            # B has been idle since before C's tensor was made: the broker's first choice.
+
+            seconds, ran = await timed_cell(jp_serverapp, kernels["A"], CHECK)
+            record("broker 3x0.4: A's cell, seconds (B parked for it, then A restored)", round(seconds, 1))
+            record("broker 3x0.4: A's cell said", ran["stdout"].strip().splitlines()[:3])
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["A"], ran
+            b_park = await park_state(jp_fetch, kernels["B"])
+            assert b_park["state"] == "parked", b_park
+            record("broker 3x0.4: host available with B parked, A back, GiB", round(host_available() / GiB, 1))
+
+            seconds, ran = await timed_cell(jp_serverapp, kernels["B"], CHECK)
+            record("broker 3x0.4: B's cell, seconds (C parked for it, then B restored)", round(seconds, 1))
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["B"], ran
+            assert (await park_state(jp_fetch, kernels["C"]))["state"] == "parked"
+            seconds, ran = await timed_cell(jp_serverapp, kernels["A"], CHECK)
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["A"], ran  # A was never touched
+            record("broker 3x0.4: A's cell while running, seconds", round(seconds, 2))
+            for name in "ABC":
+                assert (await park_state(jp_fetch, kernels[name]))["state"] != "lost"
+        finally:
+            for kernel_id in kernels.values():
+                await shutdown_kernel(jp_fetch, kernel_id)
+        for pid in pids.values():
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+class TestTwoKernelsOfFiftyFiveHundredths:
+    @pytest.fixture
+    def jp_server_config(self):
+        return broker_config(0.6, "40s")
+
+    async def test_a_cell_that_cannot_get_room_ends_at_the_limit_with_why_and_nothing_is_lost(
+        self, jp_fetch, jp_serverapp
+    ):
+        total = device_total()
+        size = int(0.55 * total)
+        a, b = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+        try:
+            checksum = await hold(jp_serverapp, a, size)
+            seconds, _ = await park(jp_fetch, a)
+            record("broker 2x0.55: park A, s", round(seconds, 1))
+            await hold(jp_serverapp, b, size)
+            record("broker 2x0.55: host available with A parked, B holding, GiB", round(host_available() / GiB, 1))
+            seconds, ran = await timed_cell(jp_serverapp, a, CHECK)
+            record("broker 2x0.55: A's cell ended after, s", round(seconds, 1))
+            record("broker 2x0.55: what A's cell said", (ran["stdout"].strip().splitlines() + [ran["error"]])[-3:])
+            assert ran["status"] == "error" and "waited 40 s (the park_wait_limit)" in ran["error"], ran
+            assert "Nothing is lost" in ran["error"]
+            parked = await park_state(jp_fetch, a)
+            assert parked["state"] == "parked", parked
+            await shutdown_kernel(jp_fetch, b)  # the memory is free again
+            seconds, ran = await timed_cell(jp_serverapp, a, CHECK)
+            record("broker 2x0.55: A's cell once B was gone, s", round(seconds, 1))
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == checksum, ran
+        finally:
+            for kernel_id in (a, b):
+                try:
+                    await shutdown_kernel(jp_fetch, kernel_id)
+                except Exception:
+                    pass
+
+
+# --- move only what must move -------------------------------------------------------------------------------
+
+# 20 GiB made, 16 GiB of it freed again: torch keeps the 16 GiB cached (reserved), NVML counts them.
+FREED_MOST = """
+import torch
+keep = torch.empty({keep}, dtype=torch.uint8, device='cuda')
+keep.random_(0, 251)
+big = torch.empty({freed}, dtype=torch.uint8, device='cuda')
+big.fill_(1)
+del big
+torch.cuda.synchronize()
+print(torch.cuda.memory_reserved(), sum(int(p.sum(dtype=torch.int64)) for p in keep.split(1 << 24)))
+"""
+
+
+def raw_park_and_resume(pid: int) -> tuple:
+    """The driver's four calls on `pid`, from this process, timed: (park s, resume s)."""
+    driver = CudaCheckpointDriver()
+    driver.open()
+    began = time.perf_counter()
+    driver.lock(pid, 10_000)
+    driver.checkpoint(pid)
+    parked = time.perf_counter() - began
+    began = time.perf_counter()
+    driver.restore(pid)
+    driver.unlock(pid)
+    return parked, time.perf_counter() - began
+
+
+class TestMoveOnlyWhatMustMove:
+    @pytest.fixture
+    def jp_server_config(self):
+        return broker_config(0.45, "4min")
+
+    async def test_a_park_moves_the_live_bytes_not_the_allocators_cache(self, jp_fetch, jp_serverapp):
+        keep, freed = 4 * GiB, 16 * GiB
+        trimmed, raw = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+        try:
+            outputs = {}
+            for kernel_id in (trimmed, raw):
+                outputs[kernel_id] = last_line(
+                    await execute(jp_serverapp, kernel_id, FREED_MOST.format(keep=keep, freed=freed), timeout=300)
+                )
+            before = nvml_used_by_pid()
+            pid_trimmed, pid_raw = kernel_pid(jp_serverapp, trimmed), kernel_pid(jp_serverapp, raw)
+            record("trim: NVML bytes of the kernel before the park (cache included)", before.get(pid_trimmed))
+            seconds, parked = await park(jp_fetch, trimmed)
+            record("trim: bytes moved by the server's park (cache emptied first)", parked["host_bytes"])
+            record("trim: server's park, s", round(seconds, 2))
+            began = time.perf_counter()
+            again = last_line(await execute(jp_serverapp, trimmed, "print(torch.cuda.memory_reserved())"))
+            record("trim: resume by the next cell, s", round(time.perf_counter() - began, 2))
+            raw_park, raw_resume = await asyncio.get_running_loop().run_in_executor(None, raw_park_and_resume, pid_raw)
+            record("trim: raw driver on the same state, bytes moved", before.get(pid_raw))
+            record("trim: raw driver park / resume of the uncut cache, s", f"{raw_park:.2f} / {raw_resume:.2f}")
+            assert parked["host_bytes"] < before[pid_trimmed] - 12 * GiB, (parked, before[pid_trimmed])
+            assert int(again) <= keep + GiB  # what the kernel's allocator holds afterwards: its live bytes
+            for kernel_id in (trimmed, raw):  # the live tensor is intact either way
+                check = "print(sum(int(p.sum(dtype=torch.int64)) for p in keep.split(1 << 24)))"
+                assert last_line(await execute(jp_serverapp, kernel_id, check)) == outputs[kernel_id].split()[1]
+        finally:
+            for kernel_id in (trimmed, raw):
+                await shutdown_kernel(jp_fetch, kernel_id)
+
