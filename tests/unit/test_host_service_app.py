@@ -3,12 +3,20 @@ must check the token does not answer. (With a real hub: tests/hub/test_host_serv
 
 import asyncio
 import json
+import time
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
 from traitlets.config import Config
 
+from gpu_quota_ext.hub.service import app as service_app
 from gpu_quota_ext.hub.service.app import GpuQuotaService
+from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.user_policy import user_policy
+from gpu_quota_ext.ledger import AdmissionRefused
+from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 from tests.hub.hubtools import free_port
 
@@ -76,6 +84,55 @@ def test_a_token_not_given_access_to_the_service_is_403_before_anything_else(ser
         with pytest.raises(HTTPError) as asked:
             asyncio.run(who(scopes))
         assert asked.value.status_code == 503, scopes
+
+
+def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resumes(service, monkeypatch):
+    """A service that hung (SIGSTOP) still has the requests queued meanwhile in its socket's backlog when it
+    resumes. The start its server gave up on (refused: "unreachable") must not be granted then: nobody would hold
+    that grant, yet it would count in the user's limits. Here the service's socket listens but nothing accepts,
+    as in a stopped process, while a real RemoteLedger tries its start; then the service serves the backlog."""
+
+    async def identify(handler):  # the hub's answer for alice's token, without a hub
+        return Who("alice", False, {"kind": "user", "name": "alice"})
+
+    async def policy_for(name):
+        return user_policy(service.caps, service.host_policy, name, [], service.limits)
+
+    monkeypatch.setattr(service, "identify", identify)
+    monkeypatch.setattr(service, "policy_for", policy_for)
+    answered = []  # (status, method, path) of every request the service answered
+    monkeypatch.setattr(
+        service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
+    )
+
+    def grant_posts():
+        return [code for code, method, path in answered if method == "POST" and path.endswith(GRANTS_PATH)]
+
+    async def scenario():
+        port = free_port()
+        sockets = bind_sockets(port, "127.0.0.1")  # listening: the kernel queues connections; nothing accepts
+        server = HTTPServer(service.web_app("/services/gpu-quota/"))
+        url = f"http://127.0.0.1:{port}/services/gpu-quota/"
+        ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, start_retries=1, retry_delay=0.01)
+        try:
+            with pytest.raises(AdmissionRefused, match="is unreachable: timed out"):
+                await asyncio.to_thread(ledger.grant, "k1", "alice", "python3", None)
+            server.add_sockets(sockets)  # the service resumes
+            deadline = time.monotonic() + 30
+            while len(grant_posts()) < 2:  # the start's two tries, both queued
+                assert time.monotonic() < deadline, f"the queued grant requests were not answered: {answered}"
+                await asyncio.sleep(0.02)
+            assert grant_posts() == [499, 499]
+            assert service.book.owned() == []
+            # A caller that waits is served: the next start is granted, and nothing else is held.
+            granted = await asyncio.to_thread(ledger.grant, "k2", "alice", "python3", None)
+            assert granted.devices == (0,)
+            assert [o.grant.kernel_id for o in service.book.owned()] == ["k2"]
+        finally:
+            await asyncio.to_thread(ledger.close)
+            server.stop()
+
+    asyncio.run(scenario())
 
 
 def test_the_service_says_the_packages_version():
