@@ -4,6 +4,7 @@ must check the token does not answer. (With a real hub: tests/hub/test_host_serv
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient
@@ -133,6 +134,26 @@ def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resu
             server.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_lease_does_not_run_out_for_the_time_the_service_itself_did_not_run(service):
+    """A service stopped (SIGSTOP) or blocked longer than a lease: on resuming, its first expiry check must not
+    release every server's grants for renewals it could not take (they may wait in its backlog); each lease
+    gets a full period from then, as after a restart. A server silent while the service ran still loses its."""
+    policy = user_policy(service.caps, service.host_policy, "alice", [], service.limits)
+    lease_seconds = service.book.lease_seconds
+    service.book.grant("alice", "", "k1", "python3", policy, None, time.time() - lease_seconds - 5)
+    service._expiry_every = 5.0
+    service._expired_at = time.monotonic() - 30  # the last check: 30 s ago, six periods
+    service._expire()
+    assert [o.grant.kernel_id for o in service.book.owned()] == ["k1"]
+    (lease,) = service.book.leases()
+    assert lease.expires >= time.time() + lease_seconds - 5
+    # Checked on time, the same lease run out is the end of its grants.
+    service.book.restore((), [replace(lease, expires=time.time() - 1)], 0)
+    service._expired_at = time.monotonic()
+    service._expire()
+    assert service.book.owned() == [] and service.book.leases() == []
 
 
 def test_the_service_says_the_packages_version():
