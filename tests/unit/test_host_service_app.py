@@ -2,6 +2,7 @@
 must check the token does not answer. (With a real hub: tests/hub/test_host_service.py.)"""
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ from gpu_quota_ext.hub.service.handlers import Who
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.ledger import AdmissionRefused
 from gpu_quota_ext.ledger.remote import RemoteLedger
+from gpu_quota_ext.policy import parse_cap
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 from tests.hub.hubtools import free_port
 
@@ -129,6 +131,48 @@ def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resu
             granted = await asyncio.to_thread(ledger.grant, "k2", "alice", "python3", None)
             assert granted.devices == (0,)
             assert [o.grant.kernel_id for o in service.book.owned()] == ["k2"]
+        finally:
+            await asyncio.to_thread(ledger.close)
+            server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_cap_change_its_server_gave_up_on_is_not_made_when_the_blocked_service_resumes(service, monkeypatch):
+    """The service's loop blocked (a stalled disk) while a server asks for a cap change: the server gives up and
+    tells its user the cap stays; the service, running again, must not change it behind their back."""
+
+    async def identify(handler):
+        return Who("alice", False, {"kind": "user", "name": "alice"})
+
+    async def policy_for(name):
+        return user_policy(service.caps, service.host_policy, name, [], service.limits)
+
+    monkeypatch.setattr(service, "identify", identify)
+    monkeypatch.setattr(service, "policy_for", policy_for)
+    answered = []
+    monkeypatch.setattr(
+        service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
+    )
+
+    async def scenario():
+        port = free_port()
+        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        url = f"http://127.0.0.1:{port}/services/gpu-quota/"
+        ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, renew_every=3600)
+        try:
+            granted = await asyncio.to_thread(ledger.grant, "k1", "alice", "python3", None)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                change = pool.submit(ledger.change, "k1", parse_cap("0.1"))
+                outcome = change.result(timeout=30)  # the loop blocked here until the server gave up
+            assert outcome.status == "refused" and "unreachable" in outcome.message, outcome
+            deadline = time.monotonic() + 30
+            while not [code for code, method, _ in answered if method == "PUT"]:
+                assert time.monotonic() < deadline, f"the queued cap change was not answered: {answered}"
+                await asyncio.sleep(0.02)
+            assert [code for code, method, _ in answered if method == "PUT"] == [499]
+            (held,) = service.book.owned()
+            assert held.grant.caps == granted.caps == ledger.get("k1").caps
         finally:
             await asyncio.to_thread(ledger.close)
             server.stop()
