@@ -237,6 +237,7 @@ class GpuQuota(ExtensionApp):
     nvml_class = setting_trait("nvml_class")
     park_idle_after = setting_trait("park_idle_after")
     park_host_margin = setting_trait("park_host_margin")
+    park_call_timeout = setting_trait("park_call_timeout")
     checkpoint_class = setting_trait("checkpoint_class")
 
     def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:

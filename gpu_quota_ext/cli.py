@@ -174,6 +174,7 @@ def _report(server, extension: GpuQuota, parts: StartParts) -> str:
     idle = parking.idle_after
     lines.append(row("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"))
     lines.append(row("park_host_margin", format_bytes(parking.host_margin)))
+    lines.append(row("park_call_timeout", f"{parking.call_timeout:g} s"))
 
     layer = parts.hard_layer
     settings = layer.settings

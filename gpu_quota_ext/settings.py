@@ -454,6 +454,19 @@ SETTINGS: Dict[str, Setting] = _table(
         help="""Host memory that must stay available beyond a kernel's GPU bytes for it to park (its GPU state
         goes to its own host memory; the server's memory cgroup counts too): a size or 0.""",
     ),
+    Setting(
+        "park_call_timeout",
+        SECONDS,
+        PARK,
+        600,
+        attribute="call_timeout",
+        env="GPU_QUOTA_PARK_CALL_TIMEOUT",
+        low=0.1,
+        high=86400,
+        help="""Seconds one checkpoint driver call (a park or a resume) may take before the kernel's park state
+        says the driver has not returned (the server keeps waiting for it: a process the driver holds cannot be
+        taken back). The built-in 600 s is ample for a whole GPU's memory to move to host memory.""",
+    ),
     # --- the host service's limits on each user ---------------------------------------------------
     Setting(
         "max_kernels",
