@@ -145,7 +145,8 @@ class ApiHandler(web.RequestHandler):
         gone = stream.closed()
         if not gone:
             try:
-                # The raw socket (under TLS too): b"" once the peer closed and the request is all read.
+                # The raw socket (under TLS too): b"" once the peer closed and the request is all read (a client
+                # that half-closes after its request would read as gone: HTTP clients do not).
                 gone = socket.socket.recv(stream.socket, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
             except (BlockingIOError, InterruptedError):
                 gone = False  # open, nothing more sent: the caller waits
