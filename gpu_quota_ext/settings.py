@@ -495,11 +495,11 @@ SETTINGS: Dict[str, Setting] = _table(
         600,
         attribute="call_timeout",
         env="GPU_QUOTA_PARK_CALL_TIMEOUT",
-        low=1,
+        low=0.1,
         high=86400,
-        help="""Seconds a park or resume (the driver's checkpoint calls) may take before the kernel's state says
-        the driver has not returned (a 56 GiB kernel parked in 33 to 55 s on an H200). The server keeps waiting
-        for the call: an abandoned driver call could leave the kernel half parked.""",
+        help="""Seconds one checkpoint driver call (a park or a resume) may take before the kernel's park state
+        says the driver has not returned (the server keeps waiting for it: a process the driver holds cannot be
+        taken back). The built-in 600 s is ample for a whole GPU's memory to move to host memory.""",
     ),
     # --- the host service's limits on each user ---------------------------------------------------
     Setting(

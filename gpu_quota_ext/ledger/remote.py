@@ -16,6 +16,8 @@ CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
   by the service when the lease runs out. The thread never touches the event loop; `close()` stops it.
 - A kernel start while the service cannot be reached is retried START_RETRIES times, then refused with
   "the GPU quota service at <url> is unreachable: ...": never a kernel started without a cap silently.
+  Whatever the service granted of it all the same (it answered just as this server gave up) is given back
+  before the next start and at each renewal.
   A cap change then is refused (the cap stays); a release is left to the next lease renewal.
 """
 
@@ -127,6 +129,7 @@ class RemoteLedger(HeldGrants):
         # Starts given up while the service did not answer: it may still take their queued requests (a hung
         # service resumed), so each is given back at the next contact rather than held until its lease says.
         self._abandoned: Dict[str, float] = {}  # kernel id -> time.monotonic() when given up
+        self._giving_back = threading.Lock()  # held while abandoned starts are given back
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._renewer: Optional[threading.Thread] = None
@@ -173,6 +176,10 @@ class RemoteLedger(HeldGrants):
             held = self._grants.get(kernel_id)
         if held is not None:
             return held  # a restart keeps its grant
+        # Starts given up before go back first, so that they count no more in this user's limits; this kernel id's
+        # own (asked again) is not given back: the service answers this request with what it holds of it.
+        self._forget_abandoned(kernel_id)
+        self._give_back_abandoned()
         body = {
             "server": self.server,
             "kernel_id": kernel_id,
@@ -186,8 +193,6 @@ class RemoteLedger(HeldGrants):
                 self._abandoned[kernel_id] = time.monotonic()
             self._start_renewer()  # the renewals give it back once the service answers
             raise
-        with self._lock:
-            self._abandoned.pop(kernel_id, None)
         if answer.code in (200, 201):
             try:
                 grant = self._grant_from_wire(answer.data, kernel_id)
@@ -331,20 +336,29 @@ class RemoteLedger(HeldGrants):
         return True
 
     def _give_back_abandoned(self) -> None:
-        """DELETE what the service may have granted for starts given up while it did not answer."""
-        with self._lock:
-            abandoned = [(k, since) for k, since in self._abandoned.items() if k not in self._grants]
-        for kernel_id, since in abandoned:
-            try:
-                answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
-            except _Unreachable:
-                return  # the next renewal tries again
-            # Given back, or not ours: done. Not granted (404): perhaps not yet, a queued request may still
-            # arrive; after a lease period the service's own renewal check has released anything it granted.
-            lease_over = time.monotonic() - since > float(LEASE_SECONDS)
-            if answer.code in (204, 403) or (answer.code == 404 and lease_over):
-                with self._lock:
-                    self._abandoned.pop(kernel_id, None)
+        """DELETE what the service may have granted for starts given up while it did not answer (before the next
+        start, and at each renewal). The service does not grant a request whose caller has gone (handlers.py),
+        but it may have granted one just as this server gave up waiting for the answer."""
+        with self._giving_back:
+            with self._lock:
+                abandoned = [(k, since) for k, since in self._abandoned.items() if k not in self._grants]
+            for kernel_id, since in abandoned:
+                try:
+                    answer = self._call("DELETE", f"{GRANTS_PATH}/{kernel_id}")
+                except _Unreachable:
+                    return  # the next start or renewal tries again
+                # Given back, or not ours: done. Not granted (404): perhaps not yet (a service of an older version
+                # may still take a queued request); after a lease period its own renewal check released it.
+                lease_over = time.monotonic() - since > float(LEASE_SECONDS)
+                if answer.code in (204, 403) or (answer.code == 404 and lease_over):
+                    with self._lock:
+                        self._abandoned.pop(kernel_id, None)
+
+    def _forget_abandoned(self, kernel_id: str) -> None:
+        """Stop giving back `kernel_id` (it is asked for again). A give-back under way ends first: none of it
+        may reach the service after the new request."""
+        with self._giving_back, self._lock:
+            self._abandoned.pop(kernel_id, None)
 
     def _learn_host_devices(self) -> None:
         """The host's budget and grants per device (the service's status), for device_grants()."""

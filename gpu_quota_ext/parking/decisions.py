@@ -40,6 +40,7 @@ class ParkSettings:
             "park_min_idle": self.min_idle,
             "park_wait_limit": self.wait_limit,
             "park_device_margin": self.device_margin,
+            "park_call_timeout": self.call_timeout,
         }
 
     @property

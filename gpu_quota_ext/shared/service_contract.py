@@ -21,7 +21,8 @@ API = "api/"
 # POST: {"server": str, "kernel_id": str, "kernelspec": str, "allowed": [uuid, ...] | null}
 #   201 {"grant": GRANT}   403 not yours   409 {"message": str} refused (budget full, on_full="refuse"; the
 #   user's max_kernels or user_budget)
-#   A kernel id the same server holds already (a restart) gets its grant back, 200.
+#   A kernel id the same server holds already (a restart) gets its grant back, 200. A request whose caller has
+#   closed its connection before the service acts on it (a POST here, a PUT below) changes nothing: 499.
 GRANTS_PATH = API + "grants"
 # + "/<kernel id>": GET {"grant": GRANT}; PUT {"cap": ..., "device": uuid | null} or {"reset": true}
 #   -> {"status": "granted" | "clamped" | "refused", "message": str, "grant": GRANT}; DELETE -> 204.

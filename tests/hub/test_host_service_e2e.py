@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import signal
 import tempfile
@@ -32,7 +33,7 @@ import psutil
 import pytest
 
 from gpu_quota_ext.policy import GiB
-from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, START_RETRIES, STATUS_PATH
 
 from . import unix_users
 from .hubtools import Hub
@@ -43,6 +44,8 @@ BUDGET = TOTAL  # the service's overcommit 1.0
 UUID = "GPU-hubtest-0"
 LEASE_SECONDS = 12  # short, so a killed server's grants go within the test; longer than a service restart
 CAP = 0.4  # two users' kernels fit in the budget, a third does not
+# What the service logs of a grant request whose caller stopped waiting (hub/service/handlers.py).
+GIVEN_UP = re.compile(r"499 POST \S+ \([^)]*\): the caller stopped waiting before kernel ([\w-]+) was granted")
 SHOW_CAP = "import os, json; print(json.dumps(json.loads(os.environ['GPU_QUOTA_DEVICES'])))"
 
 
@@ -293,6 +296,7 @@ class Scenario:
         # The service down (hung): a start is refused, clearly, after the short retries; never uncapped.
         pid = self.service.pid()
         os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
         try:
             await hub.api("DELETE", f"/user/{third}/api/kernels/{kernels[third]}", token=self.tokens[third])
             code, refused = await self.start_kernel(third, ok=(503,))
@@ -302,18 +306,37 @@ class Scenario:
             assert running == [], running
         finally:
             os.kill(pid, signal.SIGCONT)
-        # The kernel shut down while the service was stopped is released there by its server's next renewal
-        # (until then it still counts in the budgets: the start below would not fit).
+        # Every try of the start waited CALL_TIMEOUT: the service was stopped longer than a lease.
+        assert time.monotonic() - stopped_at > LEASE_SECONDS
+        # Resumed, the service takes what queued in its socket's backlog meanwhile. The kernel shut down then is
+        # released (its server's DELETE, or its renewal without it); the given-up start's tries are answered 499,
+        # not granted: nobody would hold that grant, yet it would count in the third user's user_budget.
         stopped_kernel = kernels[third]
 
-        async def released_by_the_renewal():
+        async def released_after_the_stop():
             return stopped_kernel not in {g["kernel_id"] for g in await self.grants()}
 
-        await self.until(released_by_the_renewal, "the server's renewal releasing its shut-down kernel", LEASE_SECONDS)
-        # ... and recovery: the next start is granted.
+        await self.until(released_after_the_stop, "the shut-down kernel's grant released", LEASE_SECONDS)
+        given_up = await self.until(self.given_up_start_answered, "the given-up start's queued tries answered 499")
+        grants = await self.grants()
+        assert given_up not in {g["kernel_id"] for g in grants}
+        assert [g["kernel_id"] for g in grants if g["user"] == third] == [], grants
+        # The others' leases ran a full period from the resume: their renewals waited in the backlog too.
+        assert kernels[greedy] in {g["kernel_id"] for g in grants}, "a lease ran out for the service's own stop"
+        # ... and recovery: the next start, at once, is granted; it is all the third user holds.
         _, kernel = await self.start_kernel(third)
         assert (await self.kernel_cap(third, kernel["id"]))[0] == int(CAP * TOTAL)
+        assert [g["kernel_id"] for g in await self.grants() if g["user"] == third] == [kernel["id"]]
         await self.assert_within_budget()
+
+    async def given_up_start_answered(self):
+        """The kernel id of the start given up while the service was stopped, once the service has answered each
+        of its START_RETRIES + 1 queued tries (its log names the kernel of each 499)."""
+        said = GIVEN_UP.findall(self.hub.log_path.read_text(errors="replace"))
+        if len(said) < START_RETRIES + 1:
+            return None
+        assert len(said) == START_RETRIES + 1 and len(set(said)) == 1, said
+        return said[0]
 
     async def service_answers(self):
         try:

@@ -10,9 +10,11 @@ process and uid is real.
    kernel on the GPU alice's kernel is not on, and a lease naming alice's PID for it; `unmanaged_action =
    "kill"`. Alice's kernel stays alive, her usage stays hers, the attempt is logged once and shown on the
    admin's page; the watchdog still kills bob's own process on a GPU his grant does not hold.
-2. One user's burst of 1,000 concurrent grants under a made-up server leaves the others' next starts
-   admitted; grants, rows in the store, the service's fds and threads and the log are counted before and
-   after; renewing the lease with empty PID lists keeps nothing past a lease period.
+2. Real Unix users alice, bob and carol: carol's burst of 1,000 concurrent grants under a made-up server
+   leaves the others' next starts admitted (alice's a kernel started through her own server, spawned as her
+   Unix user); grants, rows in the store, the service's fds and threads and the log are counted before and
+   after; carol renewing her lease with empty PID lists, or naming alice's kernel's PID, keeps nothing past a
+   lease period, and neither does bob's grant that no process holds, while alice's kernel keeps hers.
 3. A token without access to the service is refused (403), whoever owns it; the admin routes still need
    the admin scope.
 
@@ -361,36 +363,49 @@ class Attack:
 
 @pytest.mark.timeout(420)
 def test_one_users_burst_of_grants_leaves_the_host_to_the_others_and_tokens_need_access(setup_ok, tmp_path):
-    me = psutil.Process().username()
-    # Every hub user's processes run as this one OS user here: their PIDs verify as theirs.
-    # The lease outlasts the burst (about 10 s here), so that no grant of it goes idle before it is counted.
-    settings = {"lease_seconds": BURST_LEASE, "start_grace": 1.0, "poll_interval": POLL, "unix_user_template": me}
-    hub, service, shared, _ = _hub(tmp_path, settings, "", on_full="cpu-only")
-    hub.start()
-    try:
-        asyncio.run(burst_and_scopes(hub, service))
-    except BaseException:
-        print("---- jupyterhub log (tail) ----\n" + hub.log_tail(20000))
-        raise
-    finally:
-        hub.stop()
-        _clean(shared)
+    python = _require_unix_users()
+    suffix = secrets.token_hex(3)
+    users = {name: f"gqt{name[0]}{suffix}" for name in ("alice", "bob", "carol")}
+    spawner = f"""
+c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
+c.LocalProcessSpawner.env_keep = ["LANG", "LC_ALL"]  # no PYTHONPATH: the users' servers run their own install
+c.Spawner.cmd = [{python!r}, "-m", "jupyterhub.singleuser"]
+"""
+    after = f'c.Spawner.environment["PATH"] = {os.path.dirname(python) + ":/usr/local/bin:/usr/bin:/bin"!r}'
+    # Each hub user is the Unix user of the same name (the default unix_user_template): a PID verifies as a
+    # user's only when the process is really theirs. The lease outlasts the burst (about 10 s here), so that no
+    # grant of it goes idle before it is counted.
+    settings = {"lease_seconds": BURST_LEASE, "start_grace": 1.0, "poll_interval": POLL}
+    with unix_users.UnixUsers(list(users.values())) as accounts:
+        hub, service, shared, _ = _hub(tmp_path, settings, spawner, after, on_full="cpu-only")
+        hub.start()
+        try:
+            asyncio.run(burst_and_scopes(hub, service, accounts, users))
+        except BaseException:
+            print("---- jupyterhub log (tail) ----\n" + hub.log_tail(20000))
+            raise
+        finally:
+            hub.stop()
+            _clean(shared)
 
 
-async def burst_and_scopes(hub: Hub, service) -> None:
+async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
     await hub.wait_until_up()
-    users = ("alice", "bob", "carol")
-    await hub.api("POST", "/hub/api/users", {"usernames": list(users)})
-    tokens = {u: await hub.user_token(u) for u in users}
+    alice, bob, carol = names["alice"], names["bob"], names["carol"]
+    await hub.api("POST", "/hub/api/users", {"usernames": [alice, bob, carol]})
+    tokens = {u: await hub.user_token(u) for u in (alice, bob, carol)}
     grants = service.path(GRANTS_PATH)
 
     async def answers():
         try:
-            return await hub.api("GET", service.path(STATUS_PATH), token=tokens["alice"])
+            return await hub.api("GET", service.path(STATUS_PATH), token=tokens[alice])
         except AssertionError:
             return None
 
     await until(answers, "the quota service answering")
+    # Alice runs a server of her own, as her Unix user; bob and carol have none.
+    await hub.start_server(alice)
+    await hub.wait_for_server(alice)
 
     # Carol, with no server at all, posts 1,000 grants at once under a made-up server name. What the service
     # holds is counted after the first 50 (its thread pools for DNS and the hub's answers are started by
@@ -400,7 +415,7 @@ async def burst_and_scopes(hub: Hub, service) -> None:
     async def carols(number):
         body = json.dumps({"server": "made-up", "kernel_id": f"c{number}", "kernelspec": "x", "allowed": None})
         request = HTTPRequest(
-            hub.url + grants, method="POST", body=body, headers={"Authorization": f"token {tokens['carol']}"}
+            hub.url + grants, method="POST", body=body, headers={"Authorization": f"token {tokens[carol]}"}
         )
         answer = await client.fetch(request, raise_error=False)
         return answer.code
@@ -414,7 +429,7 @@ async def burst_and_scopes(hub: Hub, service) -> None:
     seconds = time.monotonic() - started
     client.close()
     assert sorted(set(codes)) == [201, 409] and codes.count(201) == 16, {c: codes.count(c) for c in set(codes)}
-    _, mine = await hub.api("GET", grants, token=tokens["carol"])
+    _, mine = await hub.api("GET", grants, token=tokens[carol])
     assert len(mine["grants"]) == 16
     on_gpu = [g for g in mine["grants"] if g["devices"]]
     assert sorted(g["devices"][0]["uuid"] for g in on_gpu) == ["GPU-trust-0"] * 2 + ["GPU-trust-1"] * 2
@@ -422,12 +437,15 @@ async def burst_and_scopes(hub: Hub, service) -> None:
         rows = {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("grants", "leases")}  # noqa: S608
     assert rows == {"grants": 16, "leases": 1}, rows
 
-    # Alice's next start is admitted, on a GPU, at her cap; so is bob's.
-    for user in ("alice", "bob"):
-        code, granted = await hub.api(
-            "POST", grants, {"server": "", "kernel_id": f"{user}-1", "kernelspec": "python3"}, token=tokens[user]
-        )
-        assert code == 201 and granted["grant"]["devices"][0]["cap"] == 20 * GiB, granted
+    # Alice's next kernel start, through her server, is admitted on a GPU at her cap; so is bob's grant.
+    _, kernel = await hub.api("POST", f"/user/{alice}/api/kernels", {"name": "python3"}, token=tokens[alice])
+    alices_kernel = kernel["id"]
+    _, held = await hub.api("GET", f"{grants}/{alices_kernel}", token=tokens[alice])
+    assert held["grant"]["devices"][0]["cap"] == 20 * GiB, held
+    code, granted = await hub.api(
+        "POST", grants, {"server": "", "kernel_id": f"{bob}-1", "kernelspec": "python3"}, token=tokens[bob]
+    )
+    assert code == 201 and granted["grant"]["devices"][0]["cap"] == 20 * GiB, granted
 
     process = service_process(service)
     after_fds, after_threads = process.num_fds(), process.num_threads()
@@ -436,8 +454,13 @@ async def burst_and_scopes(hub: Hub, service) -> None:
     log_bytes = hub.log_path.stat().st_size - log_before
     assert log_bytes < 950 * 400, log_bytes  # an access-log line per request at most, no tracebacks
 
-    # Carol keeps renewing her lease with empty PID lists, alice with a live process of hers (this test's):
-    # within a lease period and a bit, carol holds nothing; alice keeps her grant.
+    # Carol keeps renewing her lease, naming no process or alice's kernel's (a live process, not hers); alice's
+    # server renews its own, naming her kernel. Within a lease period and a bit carol holds nothing, and bob
+    # (no process at all) neither; alice keeps her grant, her kernel's PID verified as hers.
+    victim = kernel_process(alices_kernel)
+    assert victim.uids().real == accounts.uid(alice)
+    named = {g["kernel_id"]: ([victim.pid] if n % 2 else []) for n, g in enumerate(mine["grants"])}
+
     async def renew(user, server, kernels):
         await hub.api(
             "POST",
@@ -446,18 +469,19 @@ async def burst_and_scopes(hub: Hub, service) -> None:
             token=tokens[user],
         )
 
-    async def carol_released():
-        await renew("carol", "made-up", {g["kernel_id"]: [] for g in mine["grants"]})
-        await renew("alice", "", {"alice-1": [os.getpid()]})
-        _, left = await hub.api("GET", grants, token=tokens["carol"])
-        return left["grants"] == []
+    async def idle_released():
+        await renew(carol, "made-up", named)
+        _, left = await hub.api("GET", grants)  # the admin's view: every user's
+        return {g["user"] for g in left["grants"]} == {alice} and left["grants"]
 
-    await until(carol_released, "carol's idle grants released", timeout=BURST_LEASE * 3)
-    _, alices = await hub.api("GET", grants, token=tokens["alice"])
-    assert [g["kernel_id"] for g in alices["grants"]] == ["alice-1"]
+    left = await until(idle_released, "carol's and bob's idle grants released", timeout=BURST_LEASE * 3)
+    assert [g["kernel_id"] for g in left] == [alices_kernel]
+    status = (await hub.api("GET", service.path(STATUS_PATH)))[1]
+    assert {k["kernel_id"]: k["pids"] for k in status["kernels"]} == {alices_kernel: [victim.pid]}
+    assert victim.is_running()
     with sqlite3.connect(service.state_dir / "host-ledger.sqlite") as db:
-        carol_rows = db.execute("SELECT COUNT(*) FROM grants WHERE user = 'carol'").fetchone()[0]
-        carol_leases = db.execute("SELECT COUNT(*) FROM leases WHERE user = 'carol'").fetchone()[0]
+        carol_rows = db.execute("SELECT COUNT(*) FROM grants WHERE user = ?", (carol,)).fetchone()[0]
+        carol_leases = db.execute("SELECT COUNT(*) FROM leases WHERE user = ?", (carol,)).fetchone()[0]
     assert (carol_rows, carol_leases) == (0, 0)
     print(
         f"burst: 1000 grants in {seconds:.1f} s, 16 granted, 984 refused; service fds {fds} -> {after_fds}, "
@@ -466,18 +490,18 @@ async def burst_and_scopes(hub: Hub, service) -> None:
 
     # 3. A token bob made without access to the service: 403 for every route, nothing granted.
     no_access = {"note": "no access", "scopes": ["read:users:name!user"], "expires_in": 600}
-    _, limited = await hub.api("POST", "/hub/api/users/bob/tokens", no_access)
-    body = {"server": "", "kernel_id": "bob-2", "kernelspec": "python3"}
+    _, limited = await hub.api("POST", f"/hub/api/users/{bob}/tokens", no_access)
+    body = {"server": "", "kernel_id": f"{bob}-2", "kernelspec": "python3"}
     for method, path, data in (("POST", grants, body), ("GET", service.path(STATUS_PATH), None)):
         _, refused = await hub.api(method, path, data, token=limited["token"], ok=(403,))
         assert "access:services!service=gpu-quota" in refused["message"], refused
     await hub.api("POST", service.path(LEASE_PATH), {"server": "", "kernels": []}, token=limited["token"], ok=(403,))
-    _, bobs = await hub.api("GET", grants, token=tokens["bob"])
-    assert "bob-2" not in [g["kernel_id"] for g in bobs["grants"]]
+    _, bobs = await hub.api("GET", grants, token=tokens[bob])
+    assert f"{bob}-2" not in [g["kernel_id"] for g in bobs["grants"]]
     # With access (and nothing more), bob may hold a grant; the admin's routes still need the admin scope.
     _, scoped = await hub.api(
         "POST",
-        "/hub/api/users/bob/tokens",
+        f"/hub/api/users/{bob}/tokens",
         {"note": "access only", "scopes": ["access:services!service=gpu-quota"], "expires_in": 600},
     )
     code, _ = await hub.api("POST", grants, body, token=scoped["token"], ok=(201,))

@@ -3,12 +3,13 @@
 The tests run as root (CI too, on a clean clone that may sit under /root, mode 0700): another user can run
 neither the test environment's Python nor read the checkout. So each user's server runs from an environment of
 its own, outside /root and world-readable: a venv of Debian's /usr/bin/python3 in
-/var/tmp/gq-hub-users-<hash>/ (the hash of pyproject.toml and of the JupyterHub, jupyter_server and ipykernel
-versions of the test environment, installed there at the same versions), with this checkout's package from a
-wheel built from it. It is reused while current: a second run with the same checkout installs nothing (the
-package's sources have their own stamp, so a change to them reinstalls the package alone, without its
-dependencies, in about two seconds). `UnixUsers` creates the users with `useradd` and removes them, and their
-processes (each by its PID), at the end.
+/var/tmp/gq-hub-users-<hash>/ (the hash of the checkout's path, of pyproject.toml and of the JupyterHub,
+jupyter_server and ipykernel versions of the test environment, installed there at the same versions), with this
+checkout's package from a wheel built from it. One environment per checkout: two checkouts on one machine (git
+worktrees) never reinstall their package under each other's running servers. It is reused while current: a second
+run with the same checkout installs nothing (the package's sources have their own stamp, so a change to them
+reinstalls the package alone, without its dependencies, in about two seconds). `UnixUsers` creates the users with
+`useradd` and removes them, and their processes (each by its PID), at the end.
 
 `users_python()` raises `NotProvided` with what is missing; a test fails with it in CI (a skip there would
 hide the test), and skips elsewhere.
@@ -59,7 +60,8 @@ def _pins() -> List[str]:
 
 
 def _folder() -> Path:
-    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + " ".join(_pins()).encode()).hexdigest()[:12]
+    key = str(REPO).encode() + b"\0" + (REPO / "pyproject.toml").read_bytes() + " ".join(_pins()).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return Path("/var/tmp") / f"gq-hub-users-{digest}"
 
 

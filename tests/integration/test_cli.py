@@ -117,6 +117,7 @@ def test_check_reads_the_servers_config_files_and_environment(tmp_path):
     assert re.search(r"on_full\s+cpu-only\s+\(default\)", out), out
     assert re.search(r"park_idle_after\s+1800 s\s+\(from \$GPU_QUOTA_PARK_IDLE_AFTER\)", out), out
     assert re.search(r"park_host_margin\s+2\.0 GiB\s+\(default\)", out), out
+    assert re.search(r"park_call_timeout\s+600 s\s+\(default\)", out), out
     assert "0: Check GPU, 40.0 GiB" in out and "a kernel's cap 8.0 GiB, up to 20.0 GiB" in out, out
 
 

@@ -2,13 +2,24 @@
 must check the token does not answer. (With a real hub: tests/hub/test_host_service.py.)"""
 
 import asyncio
+import concurrent.futures
 import json
+import time
+from dataclasses import replace
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
 from traitlets.config import Config
 
+from gpu_quota_ext.hub.service import app as service_app
 from gpu_quota_ext.hub.service.app import GpuQuotaService
+from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.user_policy import user_policy
+from gpu_quota_ext.ledger import AdmissionRefused
+from gpu_quota_ext.ledger.remote import RemoteLedger
+from gpu_quota_ext.policy import parse_cap
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 from tests.hub.hubtools import free_port
 
@@ -76,6 +87,117 @@ def test_a_token_not_given_access_to_the_service_is_403_before_anything_else(ser
         with pytest.raises(HTTPError) as asked:
             asyncio.run(who(scopes))
         assert asked.value.status_code == 503, scopes
+
+
+def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resumes(service, monkeypatch):
+    """A service that hung (SIGSTOP) still has the requests queued meanwhile in its socket's backlog when it
+    resumes. The start its server gave up on (refused: "unreachable") must not be granted then: nobody would hold
+    that grant, yet it would count in the user's limits. Here the service's socket listens but nothing accepts,
+    as in a stopped process, while a real RemoteLedger tries its start; then the service serves the backlog."""
+
+    async def identify(handler):  # the hub's answer for alice's token, without a hub
+        return Who("alice", False, {"kind": "user", "name": "alice"})
+
+    async def policy_for(name):
+        return user_policy(service.caps, service.host_policy, name, [], service.limits)
+
+    monkeypatch.setattr(service, "identify", identify)
+    monkeypatch.setattr(service, "policy_for", policy_for)
+    answered = []  # (status, method, path) of every request the service answered
+    monkeypatch.setattr(
+        service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
+    )
+
+    def grant_posts():
+        return [code for code, method, path in answered if method == "POST" and path.endswith(GRANTS_PATH)]
+
+    async def scenario():
+        port = free_port()
+        sockets = bind_sockets(port, "127.0.0.1")  # listening: the kernel queues connections; nothing accepts
+        server = HTTPServer(service.web_app("/services/gpu-quota/"))
+        url = f"http://127.0.0.1:{port}/services/gpu-quota/"
+        ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, start_retries=1, retry_delay=0.01)
+        try:
+            with pytest.raises(AdmissionRefused, match="is unreachable: timed out"):
+                await asyncio.to_thread(ledger.grant, "k1", "alice", "python3", None)
+            server.add_sockets(sockets)  # the service resumes
+            deadline = time.monotonic() + 30
+            while len(grant_posts()) < 2:  # the start's two tries, both queued
+                assert time.monotonic() < deadline, f"the queued grant requests were not answered: {answered}"
+                await asyncio.sleep(0.02)
+            assert grant_posts() == [499, 499]
+            assert service.book.owned() == []
+            # A caller that waits is served: the next start is granted, and nothing else is held.
+            granted = await asyncio.to_thread(ledger.grant, "k2", "alice", "python3", None)
+            assert granted.devices == (0,)
+            assert [o.grant.kernel_id for o in service.book.owned()] == ["k2"]
+        finally:
+            await asyncio.to_thread(ledger.close)
+            server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_cap_change_its_server_gave_up_on_is_not_made_when_the_blocked_service_resumes(service, monkeypatch):
+    """The service's loop blocked (a stalled disk) while a server asks for a cap change: the server gives up and
+    tells its user the cap stays; the service, running again, must not change it behind their back."""
+
+    async def identify(handler):
+        return Who("alice", False, {"kind": "user", "name": "alice"})
+
+    async def policy_for(name):
+        return user_policy(service.caps, service.host_policy, name, [], service.limits)
+
+    monkeypatch.setattr(service, "identify", identify)
+    monkeypatch.setattr(service, "policy_for", policy_for)
+    answered = []
+    monkeypatch.setattr(
+        service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
+    )
+
+    async def scenario():
+        port = free_port()
+        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        url = f"http://127.0.0.1:{port}/services/gpu-quota/"
+        ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, renew_every=3600)
+        try:
+            granted = await asyncio.to_thread(ledger.grant, "k1", "alice", "python3", None)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                change = pool.submit(ledger.change, "k1", parse_cap("0.1"))
+                outcome = change.result(timeout=30)  # the loop blocked here until the server gave up
+            assert outcome.status == "refused" and "unreachable" in outcome.message, outcome
+            deadline = time.monotonic() + 30
+            while not [code for code, method, _ in answered if method == "PUT"]:
+                assert time.monotonic() < deadline, f"the queued cap change was not answered: {answered}"
+                await asyncio.sleep(0.02)
+            assert [code for code, method, _ in answered if method == "PUT"] == [499]
+            (held,) = service.book.owned()
+            assert held.grant.caps == granted.caps == ledger.get("k1").caps
+        finally:
+            await asyncio.to_thread(ledger.close)
+            server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_does_not_run_out_for_the_time_the_service_itself_did_not_run(service):
+    """A service stopped (SIGSTOP) or blocked longer than a lease: on resuming, its first expiry check must not
+    release every server's grants for renewals it could not take (they may wait in its backlog); each lease
+    gets a full period from then, as after a restart. A server silent while the service ran still loses its."""
+    policy = user_policy(service.caps, service.host_policy, "alice", [], service.limits)
+    lease_seconds = service.book.lease_seconds
+    service.book.grant("alice", "", "k1", "python3", policy, None, time.time() - lease_seconds - 5)
+    service._expiry_every = 5.0
+    service._expired_at = time.monotonic() - 30  # the last check: 30 s ago, six periods
+    service._expire()
+    assert [o.grant.kernel_id for o in service.book.owned()] == ["k1"]
+    (lease,) = service.book.leases()
+    assert lease.expires >= time.time() + lease_seconds - 5
+    # Checked on time, the same lease run out is the end of its grants.
+    service.book.restore((), [replace(lease, expires=time.time() - 1)], 0)
+    service._expired_at = time.monotonic()
+    service._expire()
+    assert service.book.owned() == [] and service.book.leases() == []
 
 
 def test_the_service_says_the_packages_version():

@@ -412,6 +412,46 @@ def test_a_start_given_up_while_the_service_hung_is_given_back_when_it_answers(s
     assert len([r for r in standin.requests if r[0] == "DELETE"]) == 1
 
 
+def test_the_next_start_gives_back_a_start_given_up_before_it_asks_and_fits(standin, make_ledger):
+    # The renewal is a lease period away: the user's next start comes first, and must not find the orphan
+    # grant still counted (the three-user e2e test's last start was refused for it).
+    alice, bob = make_ledger(renew_every=3600), make_ledger("bob-token", renew_every=3600)
+    alice.grant("k1", "alice", "python3", wide_open())
+    bob.grant("b1", "bob", "python3", wide_open())
+    bob.grant("b2", "bob", "python3", wide_open())
+    standin.answer_503 = START_RETRIES + 1
+    with pytest.raises(AdmissionRefused, match="is unreachable"):
+        alice.grant("k2", "alice", "python3", wide_open())
+    # The service took k2's request after all, and the host is full (0.5 of each device each, four in all).
+    standin.ledger.grant("k2", "alice", "python3", resolve(standin.policy, "alice", "python3"), None)
+    standin.owner["k2"], standin.granted_at["k2"] = ("alice", ""), time.monotonic()
+    assert sum(u["granted"] for u in standin.ledger.device_grants()) == 2 * TOTAL
+    assert alice.grant("k3", "alice", "python3", wide_open()).caps == {0: TOTAL // 2}  # k2's room: GPU-bbbb
+    asked = [
+        (method, body["kernel_id"] if method == "POST" else path.rsplit("/", 1)[-1])
+        for method, path, _, body in standin.requests
+        if GRANTS_PATH in path
+    ]
+    assert asked[-2:] == [("DELETE", "k2"), ("POST", "k3")]
+    assert sorted(standin.owner) == ["b1", "b2", "k1", "k3"]
+    assert alice.renew() is True
+    assert len([r for r in standin.requests if r[0] == "DELETE"]) == 1  # given back once
+
+
+def test_a_start_given_up_and_asked_again_keeps_what_the_service_granted_it(standin, make_ledger):
+    ledger = make_ledger(renew_every=3600)
+    standin.answer_503 = START_RETRIES + 1
+    with pytest.raises(AdmissionRefused, match="is unreachable"):
+        ledger.grant("k1", "alice", "python3", wide_open())
+    standin.ledger.grant("k1", "alice", "python3", resolve(standin.policy, "alice", "python3"), None)
+    standin.owner["k1"], standin.granted_at["k1"] = ("alice", ""), time.monotonic()
+    # The same kernel id asked again (a client-chosen id): the service's answer is its grant, not given back.
+    assert ledger.grant("k1", "alice", "python3", wide_open()).caps == {1: TOTAL // 2}
+    assert ledger.renew() is True
+    assert [r for r in standin.requests if r[0] == "DELETE"] == []
+    assert [g.kernel_id for g in standin.ledger.grants()] == ["k1"]
+
+
 def test_a_change_while_the_service_is_down_is_refused_and_the_cap_stays(standin, make_ledger):
     ledger = make_ledger()
     ledger.grant("k1", "alice", "python3", wide_open())

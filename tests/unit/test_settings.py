@@ -243,3 +243,19 @@ def test_every_row_reads_its_default_and_its_builder_holds_it_under_its_attribut
         row.parse(row.default)  # a default its own row refuses would stop every server
         if row.part in parts:
             assert (row.attribute or name) in parts[row.part].__dataclass_fields__, name
+
+
+def test_the_checkpoint_calls_timeout_is_a_setting(monkeypatch):
+    """Issue 19: the 600 s a park or resume may take before its state says the driver has not returned was a
+    constant. It is c.GpuQuota.park_call_timeout, or $GPU_QUOTA_PARK_CALL_TIMEOUT, refused in one line."""
+    assert extension().park_settings().call_timeout == 600 == DEFAULTS["park_call_timeout"]
+    assert extension(park_call_timeout=30).park_settings().call_timeout == 30
+    monkeypatch.setenv("GPU_QUOTA_PARK_CALL_TIMEOUT", "45")
+    assert extension().park_settings().call_timeout == 45
+    monkeypatch.setenv("GPU_QUOTA_PARK_CALL_TIMEOUT", "0")
+    with pytest.raises((TraitError, PolicyError)) as refused:
+        extension().park_settings()
+    assert str(refused.value) == (
+        "c.GpuQuota.park_call_timeout = '0' (from the environment variable GPU_QUOTA_PARK_CALL_TIMEOUT): "
+        "must be a number of seconds from 0.1 to 86400"
+    )

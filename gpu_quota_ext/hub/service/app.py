@@ -362,8 +362,9 @@ class GpuQuotaService(Application):
         server = app.listen(url.port or 80, url.hostname or "127.0.0.1", xheaders=True)
         if self.sampler_enabled:
             self.sampler.start()
-        every = max(0.5, min(5.0, self.lease_seconds / 4))
-        expiry = PeriodicCallback(self._expire, every * 1000)
+        self._expiry_every = max(0.5, min(5.0, self.lease_seconds / 4))
+        self._expired_at = time.monotonic()
+        expiry = PeriodicCallback(self._expire, self._expiry_every * 1000)
         expiry.start()
         log.info(
             "gpu-quota service: %d GPU(s), %d grant(s), listening on %s:%s%s",
@@ -382,7 +383,18 @@ class GpuQuotaService(Application):
             self.store.close()
 
     def _expire(self) -> None:
-        now = time.time()
+        now, ran = time.time(), time.monotonic()
+        silent, self._expired_at = ran - self._expired_at, ran
+        if silent > 2 * self._expiry_every:
+            # The service did not run (stopped, its loop blocked): no server could renew meanwhile, and their
+            # renewals may still wait in its socket's backlog. As after a restart, each lease gets a full period
+            # from now: a lease ends for a server's silence, never for the service's own.
+            self.book.restore((), self.book.leases(), now)
+            log.warning(
+                "gpu-quota service: it did not run for %.0f s (stopped or blocked): every server's lease runs a "
+                "full period from now",
+                silent,
+            )
         gone = self.book.expire(now)
         if gone:
             log.info(

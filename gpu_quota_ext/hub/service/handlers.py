@@ -4,8 +4,9 @@ Every API call carries a hub token; the hub says whose it is (HubAuth, cached a 
 do: without access to this service it is a 403 (app.py, who_for_model). The user is that token's owner,
 never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
 chunked body grows past it); bodies that are not what the contract says: 400; another user's kernel: 403;
-a kernel the service does not know: 404. Errors are JSON `{"message": ...}`. The admin's page is behind
-hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the service's own HubOAuth.
+a kernel the service does not know: 404; a grant or cap change whose caller closed its connection before the
+service acted (it gave up waiting): nothing done, 499. Errors are JSON `{"message": ...}`. The admin's page is
+behind hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the service's own HubOAuth.
 Tokens are never logged: tornado's access log prints no headers.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from html import escape
 from typing import Any, Dict, Optional, Tuple
@@ -132,6 +134,29 @@ class ApiHandler(web.RequestHandler):
     def check_xsrf_cookie(self):
         return None  # token-authenticated API: no cookies are read
 
+    def give_up_if_caller_gone(self, what: str) -> None:
+        """Raise (499, nothing done) when the caller closed its connection before this write: it stopped waiting.
+        A service that hung (SIGSTOP, a stalled disk) and resumes still takes the requests queued meanwhile in
+        its socket's backlog; a grant made for a start its server gave up and refused would be held by nobody,
+        yet count in the user's limits until a lease period passed."""
+        stream = getattr(self.request.connection, "stream", None)
+        if stream is None:
+            return
+        gone = stream.closed()
+        if not gone:
+            try:
+                # The raw socket (under TLS too): b"" once the peer closed and the request is all read (a client
+                # that half-closes after its request would read as gone: HTTP clients do not).
+                gone = socket.socket.recv(stream.socket, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                gone = False  # open, nothing more sent: the caller waits
+            except OSError:
+                gone = True  # reset by the peer
+        if gone:
+            raise web.HTTPError(
+                499, "the caller stopped waiting before %s: not done", what, reason="Client Closed Request"
+            )
+
     def answer(self, code: int, data: Optional[dict]) -> None:
         self.set_status(code)
         if data is None:
@@ -211,6 +236,7 @@ class GrantsHandler(ApiHandler):
         service = self.service
         policy = await service.policy_for(self.who.name)
         indexes = None if allowed is None else [d.index for d in service.book.ledger.devices if d.uuid in allowed]
+        self.give_up_if_caller_gone(f"kernel {kernel_id} was granted")
         try:
             grant, created = service.book.grant(
                 self.who.name, server, kernel_id, kernelspec, policy, indexes, time.time()
@@ -244,6 +270,7 @@ class GrantHandler(ApiHandler):
     async def put(self, kernel_id: str):
         request = parse_change_request(self.body())
         book = self.service.book
+        self.give_up_if_caller_gone(f"kernel {kernel_id}'s cap was changed")
         if request == "reset":
             outcome = self._call(book.reset, kernel_id)
         else:
