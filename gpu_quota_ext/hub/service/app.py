@@ -222,6 +222,7 @@ class GpuQuotaService(Application):
             on_round=self._on_round,
         )
         self.history = UserHistory()
+        self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.registry = registry_for(lambda: self.status_now("metrics", True))
 
@@ -230,9 +231,15 @@ class GpuQuotaService(Application):
         then each user's usage and grants of this sample go into the admin page's history."""
         self.book.note_round(verified, now)
         sample = self.sampler.last
-        if sample is not None:
-            sampled = any(used is not None for used in sample.device_used.values())
+        if sample is None:
+            return
+        sampled = any(used is not None for used in sample.device_used.values())
+        try:
             self.history.record(user_points(self.status_now("history", True), sampled))
+        except Exception:  # the charts are a view: a failure here must not cost the watchdog a sample
+            if not self._history_failed:
+                log.exception("gpu-quota service: the admin page's usage history could not be recorded")
+            self._history_failed = True
 
     def user_history(self, status: dict) -> Dict[str, list]:
         """The history points of the users `status` (what one viewer may see) lists."""
