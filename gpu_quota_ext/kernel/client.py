@@ -14,8 +14,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ..shared.contract import HISTORY_SINCE, HISTORY_SUFFIX, PARK_SUFFIX, RESUME_SUFFIX, USAGE_SUFFIX, kernel_path
 from ..shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
-from ..shared.contract import PARK_SUFFIX, RESUME_SUFFIX, USAGE_SUFFIX, kernel_path
 from ..shared.env_vars import API_URL, KERNEL_ID, TOKEN
 
 REQUEST_TIMEOUT_S = 10.0  # the user is waiting on %gpucap; the server answers in milliseconds
@@ -154,6 +154,22 @@ class QuotaClient:
         elif status == 403:
             message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
         return ParkAnswer("error", str(message or f"the server answered HTTP {status}"), status=status)
+
+    # --- usage history -------------------------------------------------------------------------
+
+    def history(self, since: Optional[float] = None) -> Optional[dict]:
+        """This kernel's usage history as the server keeps it (contract.KERNEL_HISTORY_FIELDS), the points
+        newer than `since` only when given; None: no answer, or a server that keeps none."""
+        url = self.kernel_url(HISTORY_SUFFIX)
+        if since is not None:
+            url += f"?{HISTORY_SINCE}={since!r}"
+        try:
+            status, reply = self._send("GET", url, None, USAGE_TIMEOUT_S)
+        except OSError:
+            return None
+        if status != 200 or not isinstance(reply, dict) or not isinstance(reply.get("points"), list):
+            return None
+        return reply
 
     # --- usage reports --------------------------------------------------------------------------
 

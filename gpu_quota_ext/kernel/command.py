@@ -11,29 +11,15 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..shared.sizes import CapSpec, PolicyError, parse_cap
-
-USAGE = "%gpucap [CAP | reset | panel | park | resume] [--device N] [--cells on|off] [--help]"
-DESCRIPTION = """Show or change this kernel's GPU memory cap.
-
-  %gpucap                  table: device, cap, allocated, reserved, peak, device total, who set the cap
-  %gpucap 0.3              ask for a new cap on every device of this kernel (also 30%, 12GiB, 12GB)
-  %gpucap --device 1 8GiB  ask for a new cap on cuda:1 only
-  %gpucap reset            back to the cap the server's policy gives this kernel
-  %gpucap panel            a live usage panel (ipywidgets)
-  %gpucap park             when this cell ends, move this kernel's GPU memory to host memory; the next
-                           cell brings it back (a few seconds), tensors unchanged
-  %gpucap resume           bring a parked kernel back now (rarely needed: the next cell resumes it)
-  %gpucap --cells on|off   one line after each cell: its peak and its change in allocated memory
-
-The server decides: a request is granted, clamped to what the admin allows, or refused."""
-
+from .help import DESCRIPTION, USAGE  # in help.py: the stand-in magic shows them without this module
 
 # The words %gpucap takes in place of a cap; none takes --device (each acts on the whole kernel).
-WORDS = ("reset", "panel", "park", "resume")
+WORDS = ("reset", "panel", "park", "resume", "help")
 
 
 class CommandError(ValueError):
-    """A `%gpucap` line that cannot be used; the message is the one line the user sees."""
+    """A `%gpucap` line that cannot be used; the message is the one line the user sees (the magic raises it
+    as IPython's UsageError)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +39,9 @@ def _gpucap_parser():
         from IPython.core.magic_arguments import argument, magic_arguments
 
         @magic_arguments()
-        @argument("value", nargs="?", help="a cap (0.3, 30%%, 12GiB, 12GB), 'reset', 'panel', 'park' or 'resume'")
+        @argument(
+            "value", nargs="?", help="a cap (0.3, 30%%, 12GiB, 12GB), 'reset', 'panel', 'park', 'resume' or 'help'"
+        )
         @argument("-d", "--device", type=int, metavar="N", help="only this device: the kernel's cuda:N")
         @argument("--cells", choices=["on", "off"], help="report each cell's GPU memory after it runs")
         @argument("-h", "--help", action="store_true", help="show this help")

@@ -6,7 +6,9 @@ Loaded in every kernel the server starts (the bootstrap loads the extension) and
 Also hooks the cell cycle: OOM explanations, the opt-in per-cell report, usage reports to the server.
 
 Stdlib only at import time (IPython is the caller; torch and ipywidgets are touched only when used).
-Nothing here may raise into the user's cell: every problem is one line of output.
+An argument the magic cannot read is IPython's UsageError, as for IPython's own magics: one line
+("UsageError: ..."), no traceback, and the cell ends with status "error", so a notebook run stops there.
+Nothing else here raises into the user's cell: a refusal or a failure is one line of output.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from . import state as state_module
 from .cells import CellReporter
 from .client import CapAnswer, QuotaClient
 from .command import Command, CommandError, help_text, parse_command
+from .help import DOCSTRING
 from .layers import layer_line, restart_note
 from .oom import explain_after_cell
 from .park import PARK_ANNOUNCEMENT, RESUME_NOTE, refusal_text, state_words, table_line
@@ -150,13 +153,16 @@ class GpuCap:
         try:
             command = parse_command(line, ordinals)
         except CommandError as error:
-            self.error(str(error))
-            return None
+            from IPython.core.error import UsageError
+
+            raise UsageError(str(error)) from None
         try:
             return self.run(command)
         except Exception as error:  # a bug of ours must not become the user's traceback
             self.error(f"%gpucap failed: {error!r}")
             return None
+
+    magic.__doc__ = DOCSTRING  # what `%gpucap?` shows
 
     def run(self, command: Command):
         if command.action == "help":

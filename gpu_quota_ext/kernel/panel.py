@@ -10,9 +10,11 @@ closes the panel it opened before, so a kernel has at most one panel thread howe
 Readings come from torch.cuda.memory_stats() only while the kernel's own torch has CUDA running: the
 panel never imports torch and never starts CUDA (that would cost the kernel a context, docs/measurements.md).
 A kernel that holds a grant always shows it, with its usage marked "not available" and why when its
-torch cannot read any (a CPU-only torch, as in the simulated demo). Under the rows, the kernel's park
-state as the server has it ("running", "parked since 14:02, ...", "not parkable: ..."), read every
-`PARK_READ_S` seconds, when the server sends one.
+torch cannot read any (a CPU-only torch, as in the simulated demo). Under the rows, a chart of the kernel's
+usage over the last minutes, as the sidebar draws it (shared/chart.py), from the history the server keeps
+(GET kernels/<id>/history, read incrementally every `HISTORY_READ_S` seconds with the kernel's own secret),
+and the kernel's park state as the server has it ("running", "parked since 14:02, ...", "not parkable:
+..."), read every `PARK_READ_S` seconds, when the server sends one.
 
 Module import is stdlib-only; ipywidgets is imported when a panel is made.
 """
@@ -23,10 +25,12 @@ import atexit
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from html import escape
-from typing import List, Optional
+from typing import Any, Deque, List, Mapping, Optional, Sequence
 
+from ..shared.chart import chart_of, chart_svg, legend_html, window
 from ..shared.sizes import format_bytes
 from . import state as state_module
 from .park import not_parkable_words, state_words
@@ -34,6 +38,8 @@ from .reasons import no_gpu_reason, usage_unavailable_reason
 from .usage import DeviceUsage, read_usage, report_to_server
 
 PARK_READ_S = 5.0  # the park state changes over minutes; one small GET every few seconds is plenty
+HISTORY_READ_S = 1.0  # the server adds a point per sample (1 s by default); a read asks for the new ones only
+POINTS_MAX = 300  # until the server says how many it keeps
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,20 @@ def park_text(park: Optional[dict]) -> str:
     if park.get("parkable") is False:
         return f"park: {not_parkable_words(park.get('reason'))}"
     return f"park: {state_words(park)}"
+
+
+def chart_html(points: Sequence[Mapping[str, Any]], interval: float, points_max: int) -> str:
+    """The panel's chart of the kernel's usage history (the server's points, oldest first) with its key, or ""
+    while there is no point to draw."""
+    if not points:
+        return ""
+    end, seconds = window(points, interval, points_max)
+    chart = chart_of(points, end, seconds, interval)
+    marks = ["allocated", "reserved", "used", "cap"]
+    if chart.paths.get("hard_limit"):
+        marks.append("hard_limit")
+    marks += sorted({band.state for band in chart.parks})
+    return f"<div class='gpu-quota-history'>{chart_svg(chart)}{legend_html(marks)}</div>"
 
 
 def panel_view(state, readings: dict, unavailable: Optional[str], park: Optional[dict] = None) -> PanelView:
@@ -154,10 +174,14 @@ class GpuUsagePanel:
         self.status = widgets.HTML(value="")
         self.rows = widgets.VBox([])
         self.park = widgets.HTML(value="")
+        self.chart = widgets.HTML(value="", layout=widgets.Layout(width="100%", max_width="640px"))
         self._park: Optional[dict] = None
         self._park_read_at: Optional[float] = None
+        self._points: Deque[dict] = deque(maxlen=POINTS_MAX)
+        self._interval = 1.0
+        self._history_read_at: Optional[float] = None
         self._row_widgets: list = []
-        self.widget = widgets.VBox([self.title, self.status, self.rows, self.park])
+        self.widget = widgets.VBox([self.title, self.status, self.rows, self.chart, self.park])
         # However the widget is closed (the browser, close(), widget.close()), its comm goes: stop then.
         self.widget.observe(self._on_comm, names="comm")
         self.refresh()
@@ -186,6 +210,36 @@ class GpuUsagePanel:
                 self._park = None
         return self._park
 
+    def read_history(self) -> bool:
+        """The points the server added since the last read, at most every HISTORY_READ_S seconds; whether
+        any came. Nothing for a kernel without a GPU grant or a server that keeps no history."""
+        reader = getattr(self.client, "history", None)
+        if reader is None or not self.state.devices:
+            return False
+        now = time.monotonic()
+        if self._history_read_at is not None and now - self._history_read_at < HISTORY_READ_S:
+            return False
+        self._history_read_at = now
+        newest = self._points[-1]["t"] if self._points else None
+        try:
+            answer = reader(newest)
+        except Exception:
+            return False
+        if not answer:
+            return False
+        points_max = answer.get("points_max")
+        if isinstance(points_max, int) and points_max >= 1 and points_max != self._points.maxlen:
+            self._points = deque(self._points, maxlen=points_max)
+        interval = answer.get("interval")
+        if isinstance(interval, (int, float)) and interval > 0:
+            self._interval = float(interval)
+        new = [
+            p for p in answer["points"]
+            if isinstance(p, dict) and isinstance(p.get("t"), (int, float)) and (newest is None or p["t"] > newest)
+        ]
+        self._points.extend(new)
+        return bool(new)
+
     def refresh(self) -> PanelView:
         """Read once and set the widgets' traits (only changed values travel to the browser)."""
         view = self.view()
@@ -206,6 +260,8 @@ class GpuUsagePanel:
         park = f"<span class='gpu-quota-park'>{escape(view.park)}</span>" if view.park else ""
         if self.park.value != park:
             self.park.value = park
+        if self.read_history():
+            self.chart.value = chart_html(list(self._points), self._interval, self._points.maxlen or POINTS_MAX)
         return view
 
     def _make_row(self) -> dict:
@@ -256,7 +312,7 @@ class GpuUsagePanel:
         for row in self._row_widgets:
             for widget in row.values():
                 widget.close()
-        for widget in (self.title, self.status, self.rows, self.park, self.widget):
+        for widget in (self.title, self.status, self.rows, self.chart, self.park, self.widget):
             widget.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(2.0, 2 * self.interval))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from .help import DOCSTRING
+
 
 def _cuda_started() -> bool:
     torch = sys.modules.get("torch")
@@ -54,6 +56,8 @@ class GpuCapStub:
             controller.magic(line)
         else:
             self.shell.run_line_magic("gpucap", line)
+
+    magic.__doc__ = DOCSTRING  # what `%gpucap?` shows before the full magic is loaded
 
     def post_run_cell(self, result=None) -> None:
         from . import state

@@ -9,7 +9,7 @@ round every poll interval). The manager (manager.py) builds and owns them; nothi
 """
 
 from .attribution import PidResolver, ProcTable, kernel_for_pid, processes_by_kernel
-from .history import UsageHistory, history_text, kernel_history_text, point_for
+from .history import HistoryPoint, UsageHistory, history_text, kernel_history_text, point_for
 from .kernels import (
     KernelActions,
     KernelEnds,
@@ -28,6 +28,6 @@ from .watchdog_settings import WatchdogSettings, build_watchdog_settings
 __all__ = [
     "PidResolver", "ProcTable", "kernel_for_pid", "processes_by_kernel", "KernelManagerView", "KernelIds",
     "KernelRoots", "KernelEnds", "KernelActions", "pending_kernels", "untrack_kernel_requests", "KernelLifecycle",
-    "UsageHistory", "history_text", "kernel_history_text", "point_for",
+    "HistoryPoint", "UsageHistory", "history_text", "kernel_history_text", "point_for",
     "KernelReports", "Monitor", "Sample", "Watchdog", "WatchdogSettings", "build_watchdog_settings",
 ]

@@ -16,6 +16,14 @@ class CellOutput:
     stderr: str = ""
     errors: List[dict] = field(default_factory=list)  # error messages' content (ename, evalue, traceback)
     messages: List[dict] = field(default_factory=list)  # every iopub message, for comm checks
+    pages: List[str] = field(default_factory=list)  # what the reply gives the pager (`%gpucap?`), as text
+
+    def finish(self, reply: dict) -> "CellOutput":
+        """The execute reply: its status, and the pager's text of its payload."""
+        content = reply["content"]
+        self.status = content["status"]
+        self.pages = [p["data"].get("text/plain", "") for p in content.get("payload", ()) if p.get("source") == "page"]
+        return self
 
     def comm(self, kind: str) -> List[dict]:
         return [m["content"] for m in self.messages if m["msg_type"] == kind]
@@ -41,7 +49,6 @@ async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) ->
         await client.wait_for_ready(timeout=timeout)
         out = CellOutput(status="")
         reply = await client.execute_interactive(code, output_hook=out.add, timeout=timeout)
-        out.status = reply["content"]["status"]
-        return out
+        return out.finish(reply)
     finally:
         client.stop_channels()

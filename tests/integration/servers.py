@@ -191,8 +191,7 @@ def cell_in_kernel(connection_file: Path, code: str, timeout: float = 120) -> Ce
         client.wait_for_ready(timeout=timeout)
         out = CellOutput(status="")
         reply = client.execute_interactive(code, output_hook=out.add, timeout=timeout)
-        out.status = reply["content"]["status"]
-        return out
+        return out.finish(reply)
     finally:
         client.stop_channels()
 

@@ -58,13 +58,22 @@ def test_the_api_refuses_a_cap_below_one_mib(shared, cap, words):
     assert caps_of(server, kernel_id) == [POLICY_CAP]
 
 
-@pytest.mark.parametrize("line", ["%gpucap 0.00000000001", "%gpucap 0.0000001"])
-def test_the_magic_refuses_a_cap_below_one_mib(shared, line):
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        # Below 1 MiB of any GPU: the magic cannot read it as a cap, a usage error as IPython's own magics give.
+        ("%gpucap 0.00000000001", ("error", "UsageError: ")),
+        # 8.4 KiB of this kernel's 80 GiB device: the server refuses it, in one line.
+        ("%gpucap 0.0000001", ("ok", "gpu-quota: error: ")),
+    ],
+)
+def test_the_magic_refuses_a_cap_below_one_mib(shared, line, said):
     server, kernel_id = shared
     out = server.cell(kernel_id, line)
-    assert out.status == "ok" and out.errors == [] and "Traceback" not in out.stderr
+    status, start = said
+    assert out.status == status and out.errors == [] and "Traceback" not in out.stderr
     (error,) = out.stderr.strip().splitlines()
-    assert error.startswith("gpu-quota: error: ") and "1 MiB" in error
+    assert error.startswith(start) and "1 MiB" in error
     assert caps_of(server, kernel_id) == [POLICY_CAP]
     env = json.loads(
         server.run(kernel_id, "import os, json; print(json.dumps(os.environ.get('CUPY_GPU_MEMORY_LIMIT')))")

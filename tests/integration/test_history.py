@@ -16,7 +16,7 @@ from gpu_quota_ext.shared import contract
 from gpu_quota_ext.usage.history import POINTS_MAX
 
 from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_pid, next_samples, service_of, wait_for  # noqa: F401
-from .kernels import shutdown_kernel, start_kernel
+from .kernels import execute, shutdown_kernel, start_kernel
 
 WAIT = 30.0  # a deadline on a busy 2-core machine, not a threshold
 
@@ -136,6 +136,25 @@ async def test_the_kernel_reads_its_own_history_with_its_secret_and_only_its_own
     assert everyone.value.code == 403
     await shutdown_kernel(jp_fetch, mine)
     await shutdown_kernel(jp_fetch, other)
+
+
+async def test_the_panel_of_the_kernel_charts_its_own_history(jp_fetch, jp_serverapp, fake_nvml):
+    # `%gpucap panel` in the kernel reads the server's points with the kernel's own secret and draws them.
+    kernel_id = await start_kernel(jp_fetch)
+    service = service_of(jp_serverapp)
+    device = service.ledger.get(kernel_id).devices[0]
+    pid = await kernel_pid(jp_serverapp, kernel_id)
+    FakeNvml.set_usage(pid, f"static-{device}", 3 * GiB)
+    await wait_for(lambda: any(p.used == 3 * GiB for p in service.history.kernel(kernel_id) or ()), timeout=WAIT)
+    drawn = await execute(
+        jp_serverapp,
+        kernel_id,
+        "from gpu_quota_ext.kernel.panel import GpuUsagePanel\n"
+        "panel = GpuUsagePanel(start=False)\nprint(panel.chart.value)\npanel.close()",
+    )
+    assert drawn.count('<svg class="gpu-quota-chart"') == 1, drawn
+    assert "NVML used (line): 3.0 GiB now" in drawn and "Cap (dashed): " in drawn
+    await shutdown_kernel(jp_fetch, kernel_id)
 
 
 async def test_bad_input_is_one_clear_error(jp_fetch, jp_serverapp, fake_nvml):

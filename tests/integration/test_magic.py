@@ -30,6 +30,8 @@ from .kernels import (
 )
 from .servers import serving
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours the inspector's headings
+
 DEVICE_TOTAL = 80 * GiB
 
 
@@ -62,8 +64,19 @@ def caps_of(record: dict) -> List[int]:
     return [d["cap"] for d in record["devices"]]
 
 
+def assert_usage_error(out: CellOutput) -> str:
+    """An argument %gpucap cannot read: IPython's usage error, as its own magics give: the cell's status is
+    "error" (a notebook run stops there), one line "UsageError: ..." on stderr, no traceback."""
+    assert out.status == "error", out
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("UsageError: "), out
+    return lines[0]
+
+
 def assert_one_error_line(out: CellOutput) -> str:
-    """Bad input: the cell succeeds, no traceback, exactly one line on stderr, nothing on stdout."""
+    """A request the server refused, or one that failed: the cell succeeds, no traceback, exactly one line on
+    stderr, nothing on stdout."""
     assert out.status == "ok", out
     assert out.errors == []
     lines = out.stderr.strip().splitlines()
@@ -257,21 +270,33 @@ async def test_forged_or_foreign_secret_is_refused_through_the_magic(jp_fetch, j
         ("0.3 0.4", "unrecognized arguments"),
     ],
 )
-def test_bad_input_is_one_error_line_and_changes_nothing(shared, line, says):
+def test_bad_input_is_a_usage_error_and_changes_nothing(shared, line, says):
     server, kernel_id = shared
     out = server.cell(kernel_id, f"%gpucap {line}")
-    assert says in assert_one_error_line(out)
+    assert says in assert_usage_error(out)
     assert caps_of(server.api(f"/api/gpu-quota/kernels/{kernel_id}")) == [int(0.25 * DEVICE_TOTAL)]
     state = server.run(kernel_id, "from gpu_quota_ext.kernel import state; print(state.STATE.caps_by_ordinal())")
     assert state.strip() == str([int(0.25 * DEVICE_TOTAL)])
 
 
-def test_help(shared):
+@pytest.mark.parametrize("line", ["--help", "help", "-h"])
+def test_help(shared, line):
     server, kernel_id = shared
-    out = server.cell(kernel_id, "%gpucap --help")
-    assert out.status == "ok" and out.errors == []
+    out = server.cell(kernel_id, f"%gpucap {line}")
+    assert out.status == "ok" and out.errors == [] and out.stderr == ""
     assert "%gpucap --device 1 8GiB" in out.stdout
     assert "--cells" in out.stdout
+
+
+def test_the_question_mark_shows_the_magics_docstring(shared):
+    # What JupyterLab's pager shows for `%gpucap?`: the reply's payload, not the cell's output.
+    server, kernel_id = shared
+    out = server.cell(kernel_id, "%gpucap?")
+    assert out.status == "ok" and len(out.pages) == 1, out
+    page = ANSI.sub("", out.pages[0])
+    assert "<no docstring>" not in page
+    assert "%gpucap [CAP | reset | panel | park | resume | help]" in page, page
+    assert "%gpucap --device 1 8GiB" in page and "%gpucap help" in page
 
 
 # --- the usage panel ----------------------------------------------------------------------------------
@@ -504,7 +529,7 @@ async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_loca
         )
         assert state.stdout.strip() == "{None: '0.3'}"
         bad = await cell("%gpucap abc")
-        assert assert_one_error_line(bad)
+        assert "'abc' is not a cap" in assert_usage_error(bad)
     finally:
         client.stop_channels()
         await manager.shutdown_kernel(now=True)

@@ -129,11 +129,12 @@ async def test_a_server_without_the_park_routes_gives_one_clear_line(jp_fetch, j
     assert token and token not in out.stdout + out.stderr
 
 
-async def test_park_with_a_device_is_one_error_line_and_asks_nobody(jp_fetch, jp_serverapp, requests_seen):
+async def test_park_with_a_device_is_a_usage_error_and_asks_nobody(jp_fetch, jp_serverapp, requests_seen):
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "%gpucap")
     out = await run_cell(jp_serverapp, kernel_id, "%gpucap --device 0 park")
-    assert only_line(out) == "gpu-quota: error: --device cannot be used with 'park'"
+    assert out.status == "error" and out.stdout == ""
+    assert out.stderr.strip() == "UsageError: --device cannot be used with 'park'"
     assert posts_to(requests_seen, jp_serverapp, kernel_id, PARK_SUFFIX) == []
 
 

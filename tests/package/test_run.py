@@ -84,6 +84,21 @@ def test_each_extra_has_its_own_stamp(checkout):
     assert run_function(checkout, "install_reason test") == "first setup of [test]"
 
 
+def test_before_pip_installs_the_develop_link_goes_and_a_real_folder_stays(checkout):
+    # `pip uninstall gpu-quota-ext` deleted what the link pointed to and left it dangling: pip's next install
+    # would fail writing install.json through it.
+    labextensions = checkout / ".venv" / "share" / "jupyter" / "labextensions"
+    labextensions.mkdir(parents=True)
+    link = labextensions / "gpu-quota-ext"
+    link.symlink_to(checkout / "gpu_quota_ext" / "labextension")  # dangling: that folder does not exist
+    run_function(checkout, "unlink_develop_link")
+    assert not link.is_symlink() and not link.exists()
+    link.mkdir()  # an installed copy (a wheel's), not a link: pip's to manage
+    (link / "package.json").write_text("{}")
+    run_function(checkout, "unlink_develop_link")
+    assert (link / "package.json").exists()
+
+
 # --- labextension_build_reason: when ./run rebuilds the JupyterLab extension ------------------------------
 
 

@@ -206,3 +206,37 @@ def test_the_service_says_the_packages_version():
     from gpu_quota_ext.hub.service.app import GpuQuotaService
 
     assert GpuQuotaService.version == gpu_quota_ext.__version__
+
+
+def test_each_host_sample_adds_a_point_to_the_users_history_and_a_user_sees_only_their_own(tmp_path):
+    import os
+    import pwd
+    import time
+
+    from gpu_quota_ext.devices.fake_nvml import FakeNvml
+    from gpu_quota_ext.hub.service.user_policy import user_policy
+    from gpu_quota_ext.policy import GiB
+
+    config = Config()
+    config.GpuQuotaService.state_dir = str(tmp_path / "state")
+    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+    config.GpuQuotaService.nvml_class = "gpu_quota_ext.devices.fake_nvml.FakeNvml"
+    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
+    app = GpuQuotaService(config=config)
+    app.build()
+    FakeNvml.reset()
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name  # this process is the user's kernel: its uid is the user's
+        policy = user_policy(app.caps, app.host_policy, me, [], app.limits)
+        app.book.grant(me, "", "k1", "python3", policy, None, time.time())
+        app.book.lease(me, "", {"k1": (os.getpid(),)}, time.time())
+        FakeNvml.set_usage(os.getpid(), "GPU-a", 3 * GiB)
+        for _ in range(2):
+            app.sampler._tick()  # one round of the sampler's thread, here
+        (points,) = app.user_history(app.status_now(me, False)).values()
+        assert len(points) == 2 and points[-1]["used"] == 3 * GiB and points[-1]["cap"] == 20 * GiB
+        assert app.user_history(app.status_now("someone-else", False)) == {}
+    finally:
+        FakeNvml.reset()
+        app.store.close()
+

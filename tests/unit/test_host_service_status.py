@@ -86,3 +86,41 @@ def test_the_gauges_are_per_user_and_kernel_and_follow_the_ledger():
     assert 'gpu_quota_host_user_unmanaged_bytes{user="<bob>"}' in text
     book.release("alice", "ka", False)
     assert 'kernel_id="ka"' not in generate_latest(registry).decode()
+
+
+def test_each_users_usage_and_grants_over_time_are_kept_bounded_and_charted_on_the_page():
+    from gpu_quota_ext.hub.service.history import UserHistory, user_points
+
+    book, sample, actions = scene()
+    history = UserHistory(points_max=3)
+    for t in (101.0, 106.0, 111.0, 116.0):
+        status = build_status(book, sample, "ok", actions, {}, "history", True, t)
+        status["sampled_at"] = t  # a sample every 5 s
+        history.record(user_points(status, sampled=True))
+    kept = history.points(["alice", "<bob>", "carol"])
+    assert sorted(kept) == ["<bob>", "alice"]  # carol has no row, so no history
+    assert [p["t"] for p in kept["alice"]] == [106.0, 111.0, 116.0]  # the oldest dropped past points_max
+    assert kept["alice"][-1]["used"] == 30 * GiB and kept["alice"][-1]["cap"] == 20 * GiB
+    assert kept["<bob>"][-1]["used"] == 5 * GiB  # all of a user's processes: bob's unmanaged one too
+
+    # A sample in which NVML read no device: the usage is unknown, not 0.
+    unread = build_status(book, sample, "ok", actions, {}, "history", True, 121.0)
+    unread["sampled_at"] = 121.0
+    history.record(user_points(unread, sampled=False))
+    assert history.points(["alice"])["alice"][-1]["used"] is None
+
+    # A user the status no longer lists is forgotten.
+    book.release("<bob>", "kb", False)
+    later = build_status(book, None, "ok", [], {}, "history", True, 126.0)
+    later["sampled_at"] = 126.0
+    history.record(user_points(later, sampled=False))
+    assert sorted(history.points(["alice", "<bob>"])) == ["alice"]
+
+    status = build_status(book, sample, "ok", actions, {}, "carol", True, 102.0)
+    page = render_page(status, {"alice": kept["alice"], "<bob>": kept["<bob>"]}, 5.0)
+    assert "Usage over the last minutes, per user" in page
+    assert page.count('<svg class="gpu-quota-chart"') == 2
+    assert "<th>&lt;bob&gt;</th>" in page and "<bob>" not in page
+    assert "Granted (dashed): 20.0 GiB" in page and "NVML used, all the user&#x27;s processes (line): 30.0 GiB" in page
+    assert "Allocator" not in page  # the service has no allocator figures: not said at all
+    assert "Usage over the last minutes" not in render_page(status)

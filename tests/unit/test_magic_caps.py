@@ -12,6 +12,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from IPython.core.error import UsageError
 
 from gpu_quota_ext.kernel import torch_cap
 from gpu_quota_ext.kernel.client import CapAnswer
@@ -173,11 +174,11 @@ def test_a_rejected_line_changes_nothing_and_asks_nobody(line):
     environ: dict = {}
     magic = magic_for(state, client, environ)
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(UsageError) as refusal:
         magic.magic(line)
     assert state == before and client.calls == [] and environ == {} and not magic.cells.enabled
-    # The refusal is said: one error line, on stderr, and nothing else.
-    assert out.getvalue() == "" and err.getvalue().startswith("gpu-quota: error: ") and err.getvalue().count("\n") == 1
+    # The refusal is IPython's usage error (IPython prints it as one line and fails the cell), nothing printed.
+    assert out.getvalue() == err.getvalue() == "" and str(refusal.value) and "\n" not in str(refusal.value)
 
 
 def test_table_before_cuda_starts(torch, env):

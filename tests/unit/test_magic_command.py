@@ -19,6 +19,7 @@ from gpu_quota_ext.policy import GiB
         ("panel", Command("panel")),
         ("--help", Command("help")),
         ("-h", Command("help")),
+        ("help", Command("help")),
         ("--cells on", Command("cells", cells=True)),
         ("--cells off", Command("cells", cells=False)),
     ],
@@ -59,6 +60,7 @@ def test_caps(line, fraction, nbytes, ordinal):
         ("0.3 0.4", "unrecognized arguments"),
         ("--device 1", "needs a cap"),
         ("reset --device 0", "cannot be used with 'reset'"),
+        ("help --device 0", "cannot be used with 'help'"),
         ("--cells maybe", "invalid choice"),
         ("--cells on 0.3", "stands alone"),
         ('"0.3', "cannot read"),
@@ -79,12 +81,21 @@ def test_any_device_is_accepted_when_the_kernel_does_not_know_its_devices():
 
 def test_help_names_every_form():
     text = help_text()
-    for form in ("%gpucap 0.3", "%gpucap --device 1 8GiB", "%gpucap reset", "%gpucap panel", "--cells"):
+    for form in ("%gpucap 0.3", "%gpucap --device 1 8GiB", "%gpucap reset", "%gpucap panel", "--cells", "%gpucap help"):
         assert form in text
     assert not text.startswith("::")
 
 
-TOKENS = ["--device", "-d", "--cells", "--help", "-h", "on", "off", "reset", "panel", "0", "1", "7", "-1",
+def test_the_magics_docstring_is_its_usage_and_description_in_both_the_stand_in_and_the_full_magic():
+    from gpu_quota_ext.kernel.help import DESCRIPTION, DOCSTRING, USAGE
+    from gpu_quota_ext.kernel.magic import GpuCap
+    from gpu_quota_ext.kernel.stub import GpuCapStub
+
+    assert GpuCapStub.magic.__doc__ == GpuCap.magic.__doc__ == DOCSTRING
+    assert DOCSTRING.startswith(USAGE) and DESCRIPTION in help_text()
+
+
+TOKENS = ["--device", "-d", "--cells", "--help", "-h", "help", "on", "off", "reset", "panel", "0", "1", "7", "-1",
           "0.3", "30%", "12GiB", "12GB", "1.5", "999TiB", "abc", '"', "'", "--", "-", "%", "nan", "inf", "1e3"]
 
 

@@ -209,6 +209,51 @@ def test_a_new_panel_replaces_the_one_before(monkeypatch, capsys):
     assert not latest.running
 
 
+class HistoryServer:
+    """A client whose server keeps `points` (t = 1, 2, ...) and answers only those newer than `since`."""
+
+    def __init__(self, points_max=4):
+        self.points: list = []
+        self.asked: list = []
+        self.points_max = points_max
+
+    def add(self, count):
+        start = len(self.points)
+        self.points += [{"t": float(start + i + 1), "used": GiB, "allocated": None, "reserved": None,
+                         "cap": 2 * GiB, "hard_limit": None, "park": "idle"} for i in range(count)]
+
+    def history(self, since=None):
+        self.asked.append(since)
+        newer = [p for p in self.points if since is None or p["t"] > since]
+        return {"interval": 1.0, "points_max": self.points_max, "points": newer[-self.points_max:]}
+
+    def park_state(self):
+        return None
+
+    def report_usage(self, devices):
+        pass
+
+
+def test_the_panels_chart_reads_only_new_points_and_keeps_at_most_the_servers_points_max(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from gpu_quota_ext.kernel import panel as panel_module
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(panel_module, "HISTORY_READ_S", 0.0)
+    server = HistoryServer()
+    server.add(3)
+    panel = panel_module.GpuUsagePanel(state=state_on(), client=server, start=False)
+    try:
+        assert panel.chart.value.count('<svg class="gpu-quota-chart"') == 1
+        server.add(3)
+        panel.refresh()
+        assert server.asked == [None, 3.0]  # the second read asks for what came after the newest point it has
+        assert [p["t"] for p in panel._points] == [3.0, 4.0, 5.0, 6.0]  # the server's points_max, the oldest gone
+        assert not panel.read_history()  # nothing new: the chart is left as it is
+    finally:
+        panel.close()
+
+
 # --- the HTTP client -------------------------------------------------------------------------------------
 
 

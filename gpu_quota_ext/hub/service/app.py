@@ -8,7 +8,7 @@ for the admin's page). The caps mapping can come in the environment too, as JSON
 GPU_QUOTA_SERVICE_CAPS ({"users": ..., "groups": ..., "default": ...}): what `service_entry` (spec.py) puts
 there for the hub.
 
-This module wires the parts (book.py, store.py, sampler.py, handlers.py) and nothing else.
+This module wires the parts (book.py, store.py, sampler.py, history.py, handlers.py) and nothing else.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from .handlers import (
     StatusHandler,
     Who,
 )
+from .history import UserHistory, user_points
 from .hub_directory import HubDirectory, HubUnavailable
 from .metrics import registry_for
 from .sampler import HostSampler
@@ -218,10 +219,31 @@ class GpuQuotaService(Application):
             self.unmanaged_action,
             self.unmanaged_grace,
             self.unix_user_template,
-            on_round=self.book.note_round,
+            on_round=self._on_round,
         )
+        self.history = UserHistory()
+        self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.registry = registry_for(lambda: self.status_now("metrics", True))
+
+    def _on_round(self, verified, now: float) -> None:
+        """After each host sample (the sampler's thread): the book hears which grants a live process holds,
+        then each user's usage and grants of this sample go into the admin page's history."""
+        self.book.note_round(verified, now)
+        sample = self.sampler.last
+        if sample is None:
+            return
+        sampled = any(used is not None for used in sample.device_used.values())
+        try:
+            self.history.record(user_points(self.status_now("history", True), sampled))
+        except Exception:  # the charts are a view: a failure here must not cost the watchdog a sample
+            if not self._history_failed:
+                log.exception("gpu-quota service: the admin page's usage history could not be recorded")
+            self._history_failed = True
+
+    def user_history(self, status: dict) -> Dict[str, list]:
+        """The history points of the users `status` (what one viewer may see) lists."""
+        return self.history.points([row["name"] for row in status["users"]])
 
     def _granted_uuids(self):
         uuid_of = {d.index: d.uuid for d in self.devices}

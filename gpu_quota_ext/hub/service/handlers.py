@@ -347,4 +347,6 @@ class PageHandler(ServiceOAuth, web.RequestHandler):
 
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
-        self.finish(render_page(await self.settings["gpu_quota_service"].status(who.name, who.admin)))
+        service = self.settings["gpu_quota_service"]
+        status = await service.status(who.name, who.admin)
+        self.finish(render_page(status, service.user_history(status), service.poll_interval))

@@ -1,11 +1,15 @@
-"""The admin's page: the status (status.py) as server-rendered HTML tables. Pure; every value escaped."""
+"""The admin's page: the status (status.py) as server-rendered HTML tables, and each user's GPU memory over the
+last minutes as a chart (history.py; drawn by shared/chart.py, as the sidebar draws a kernel's). Pure; every
+value escaped."""
 
 from __future__ import annotations
 
 from html import escape
-from typing import Any, Iterable, List, Sequence
+from typing import Any, Iterable, List, Mapping, Optional, Sequence
 
 from ...policy import format_bytes
+from ...shared.chart import chart_of, chart_svg, legend_html, window
+from .history import POINTS_MAX, WORDS
 
 
 def _size(value: Any) -> str:
@@ -21,7 +25,22 @@ def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) ->
     return f"<h2>{escape(title)}</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render_page(status: dict) -> str:
+def _charts(history: Mapping[str, List[dict]], interval: float) -> str:
+    """One chart per user with points, in the status's order of users, under one key."""
+    if not history:
+        return ""
+    rows = []
+    for name, points in sorted(history.items()):
+        end, seconds = window(points, interval, POINTS_MAX)
+        chart = chart_svg(chart_of(points, end, seconds, interval), height_px=56, words=WORDS)
+        rows.append(f"<tr><th>{escape(name)}</th><td style='width:32em'>{chart}</td></tr>")
+    key = legend_html(("used", "cap"), {"used": "used (NVML, all the user's processes)", "cap": "granted"})
+    return f"<h2>Usage over the last minutes, per user</h2>{key}<table>{''.join(rows)}</table>"
+
+
+def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None, interval: float = 5.0) -> str:
+    """The page of `status`; `history`: the points of the users it lists (history.UserHistory.points),
+    `interval` seconds apart."""
     viewer = status["viewer"]
     parts: List[str] = [
         "<!doctype html><html><head><meta charset='utf-8'><title>GPU quota</title>",
@@ -64,6 +83,7 @@ def render_page(status: dict) -> str:
                 for u in status["users"]
             ),
         ),
+        _charts(history or {}, interval),
         _table(
             "Kernels",
             ["user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "source"],

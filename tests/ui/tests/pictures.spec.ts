@@ -5,7 +5,8 @@
  * of a GPU per kernel) with the scenario's fake NVML and checkpoint driver (../ui_scenario.py), sampling
  * every 0.25 s so that a minute and a quarter fills a chart's 300 samples. Five notebooks, as a user opens
  * them: a training run whose usage climbs, a fine-tune over its cap (the watchdog warns), one parked, one
- * whose resume waits for device memory, and one on a GPU that NVML stops reading (usage unknown). Every
+ * whose resume waits for device memory, and one on a GPU that NVML stops reading (usage unknown); under the
+ * training notebook's cell, its `%gpucap panel` with the chart of its usage history. Every
  * figure comes from the real server; only what NVML and the checkpoint driver report is the scenario's.
  * Time passes by the server's own samples (waited for in its history), never by sleeping.
  */
@@ -141,6 +142,17 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
     await app.commands.execute('notebook:clear-all-cell-outputs');
   }, TRAINING_CELL);
   await expect(page.locator(STATUS)).toHaveText('GPU 11.2 / 20 GiB');
+  // Under the training cell, `%gpucap panel`: its bars (the demo's torch reads no GPU) and the chart of the
+  // kernel's usage history, which the kernel reads from the server.
+  if ((await page.notebook.getCellCount()) > 1) {
+    await page.notebook.setCell(1, 'code', '%gpucap panel'); // the empty cell that running cell 0 left
+  } else {
+    await page.notebook.addCell('code', '%gpucap panel');
+  }
+  await page.notebook.runCell(1);
+  const usagePanel = (await page.notebook.getCellOutputLocator(1))!;
+  await expect(usagePanel.locator('svg.gpu-quota-chart')).toBeVisible({ timeout: 30000 });
+  await expect(usagePanel.locator('svg.gpu-quota-chart path.gpu-quota-chart-used')).toHaveCount(1);
   const panel = page.locator(PANEL);
   for (const theme of ['light', 'dark']) {
     if (theme === 'dark') {
@@ -156,5 +168,6 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
     expect(await setSidebarWidth(page, SIDEBAR_WIDTHS.default)).toBe(SIDEBAR_WIDTHS.default);
     await transitionsDone(page);
     await page.screenshot({ path: shot(`lab-${theme}.png`) });
+    await usagePanel.screenshot({ path: shot(`panel-${theme}.png`) });
   }
 });
