@@ -22,6 +22,8 @@ CUDA_DID_NOT_START = "the CUDA driver did not start"
 MPS_CLIENT = "an MPS client cannot be parked"
 OTHER_USER = "a process of the kernel belongs to another Unix user"
 MONITOR_STALLED = "the GPU driver has not answered for a while"
+# A lost kernel (its restore failed): what is gone and what the user can still do, before the driver's words.
+RESTORE_FAILED = "its GPU memory could not be brought back: save what is in host memory, then restart the kernel"
 
 MAX_WORDS_CHARS = 100  # the most a short reason says; the detail has the rest
 
@@ -39,6 +41,8 @@ _RULES: Tuple[Tuple[Pattern[str], str], ...] = tuple(
         (r"cuInit\(0\) returned", CUDA_DID_NOT_START),
         (r"MPS client", MPS_CLIENT),
         (r"belongs to another Unix user|refuses another Unix user", OTHER_USER),
+        # Before the lost GPU's rules: a lost kernel's reason says "what was on the GPU is lost" too.
+        (r"could not be brought back", RESTORE_FAILED),
         (r"(GPU \d+) unreadable: .*(GpuIsLost|GPU is lost)", r"\1 is lost (off the bus or being reset)"),
         (r"GpuIsLost|GPU is lost", "a GPU is lost (off the bus or being reset)"),
         (r"an NVML call has not returned", MONITOR_STALLED),

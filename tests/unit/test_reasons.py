@@ -6,10 +6,23 @@ import pytest
 from gpu_quota_ext.devices.inventory import read_nvml_devices
 from gpu_quota_ext.devices.nvml import NvmlUnavailable, PynvmlBackend
 from gpu_quota_ext.kernel import reasons as kernel_reasons
-from gpu_quota_ext.parking.checkpoint import CheckpointUnavailable, CudaCheckpointDriver
+from gpu_quota_ext.parking.checkpoint import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CheckpointError,
+    CheckpointUnavailable,
+    CudaCheckpointDriver,
+)
 from gpu_quota_ext.parking.decisions import MPS_REASON, not_parkable
+from gpu_quota_ext.parking.wording import lost_reason
 from gpu_quota_ext.shared import contract
-from gpu_quota_ext.shared.reasons import MAX_WORDS_CHARS, MPS_CLIENT, NO_DRIVER, reason_pair, short_reason
+from gpu_quota_ext.shared.reasons import (
+    MAX_WORDS_CHARS,
+    MPS_CLIENT,
+    NO_DRIVER,
+    RESTORE_FAILED,
+    reason_pair,
+    short_reason,
+)
 
 
 def this_machine_has_no_driver() -> bool:
@@ -59,6 +72,15 @@ def test_known_driver_problems():
     assert short_reason(
         "no GPU could be read: nvmlDeviceGetHandleByUUID failed on static-0 (NVMLError_GpuIsLost: GPU is lost)"
     ) == "a GPU is lost (off the bus or being reset)"
+
+
+def test_a_lost_kernel_is_told_what_it_can_still_do_not_that_a_gpu_is_lost():
+    # The parker's words for a failed restore say "what was on the GPU is lost": not the lost GPU of NVML.
+    raw = lost_reason(str(CheckpointError("cuCheckpointProcessRestore", 4242, CUDA_ERROR_OUT_OF_MEMORY)), 17 << 30)
+    pair = reason_pair(raw)
+    assert pair == {"reason": RESTORE_FAILED, "detail": raw}
+    assert "off the bus" not in pair["reason"]
+    assert "restart the kernel" in pair["reason"] and "host memory" in pair["reason"]
 
 
 def test_other_details_keep_their_first_clause_without_the_technical_parts():
