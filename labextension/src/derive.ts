@@ -186,10 +186,14 @@ export interface IKernelLine {
   state: string;
 }
 
+/** The level of a park state's line: a lost kernel in the error colour, a wait (told or not) in the warning one. */
+const PARK_LEVELS: Partial<Record<string, Level>> = { lost: 'over', waiting: 'warning' };
+
 /**
  * One line per row, one reason at most: why it runs without a GPU, else why it cannot be parked, else its
- * park state (a waiting resume in the warning colour, with what it waits for). The server's short words
- * first; its raw words on hover. Null for a kernel of a server that does not park and has a GPU.
+ * park state (a waiting resume in the warning colour, with how long, the limit and what it waits for; a
+ * lost kernel in the error colour, with what the user can still do). The server's short words first; its
+ * raw words on hover. Null for a kernel of a server that does not park and has a GPU.
  */
 export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
   const park = kernel.park || null;
@@ -201,14 +205,15 @@ export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
     return null;
   }
   const said = reasonText(kernel.reasons?.park, park.reason);
-  if (park.parkable === false) {
+  // A lost kernel is not parkable either (the server says so), but "not parkable" is not its news.
+  if (park.parkable === false && park.state !== 'lost') {
     return { kind: 'not-parkable', words: said?.words || '', detail: said?.detail || '', level: 'ok', state: park.state };
   }
   return {
     kind: 'park',
     words: parkWords(park, said?.words),
     detail: said?.detail || '',
-    level: park.state === 'waiting' ? 'warning' : 'ok',
+    level: PARK_LEVELS[park.state] || 'ok',
     state: park.state
   };
 }
@@ -232,13 +237,18 @@ export const PARK_TITLE =
   'Move this kernel\'s GPU memory to host memory once its current cell has finished; its next cell brings it back';
 export const RESUME_TITLE = 'Bring this kernel\'s GPU memory back now (its next cell would too)';
 
+export const WAITING_TITLE =
+  'Waiting for device memory: it comes back as soon as there is room for it ' +
+  '(the broker makes room by parking idle kernels)';
+
 /**
- * Park when parkable and not parked; Resume when parked or waiting; a kernel that cannot be parked
- * shows Park disabled with the server's reason as its tooltip. No park object (a server that does
- * not park): neither button.
+ * Park when parkable and not parked; Resume when parked; Resume shown but disabled while it waits for device
+ * memory or is resuming (asking again brings nothing sooner); a kernel that cannot be parked shows Park
+ * disabled with the server's reason as its tooltip. A lost kernel neither: nothing can bring its GPU memory
+ * back, only a restart or a shutdown helps it. No park object (a server that does not park): neither button.
  */
 export function parkButtons(park: IKernelPark | null | undefined): IParkButtons {
-  if (!park) {
+  if (!park || park.state === 'lost') {
     return { park: HIDDEN, resume: HIDDEN };
   }
   if (park.parkable === false) {
@@ -253,8 +263,9 @@ export function parkButtons(park: IKernelPark | null | undefined): IParkButtons 
     case 'parking':
       return { park: { visible: true, enabled: false, title: parkWords(park) }, resume: HIDDEN };
     case 'parked':
-    case 'waiting':
       return { park: HIDDEN, resume: { visible: true, enabled: true, title: RESUME_TITLE } };
+    case 'waiting':
+      return { park: HIDDEN, resume: { visible: true, enabled: false, title: WAITING_TITLE } };
     case 'resuming':
       return { park: HIDDEN, resume: { visible: true, enabled: false, title: 'resuming' } };
     default:

@@ -196,10 +196,15 @@ export function reasonText(pair: IReason | null | undefined, raw: string | null 
 
 // --- parking in words -------------------------------------------------------------------------
 
+/** What a lost kernel's line says when the server gave no reason (gpu_quota_ext/kernel/park.py's words). */
+export const LOST_WORDS = 'its GPU memory could not be brought back; restart the kernel';
+
 /**
  * A kernel's park state as the sidebar says it ("running", "idle for 12 min", "parked since 14:02,
- * 17.8 GiB on host", "resuming", "waiting for device memory: <reason>"); the same words as %gpucap
- * (gpu_quota_ext/kernel/park.py). `reason`: the words for the server's reason (its short pair).
+ * 17.8 GiB on host", "resuming", "waiting for device memory for 12 s (limit 5 min): <reason>", "lost:
+ * <what the user can still do>"); the same words as %gpucap (gpu_quota_ext/kernel/park.py, state_words),
+ * with the wait's limit beside how long it has waited (the cell's own output says both too).
+ * `reason`: the words for the server's reason (its short pair).
  */
 export function parkWords(park: IKernelPark, reason?: string | null): string {
   const said = reason || (typeof park.reason === 'string' && park.reason ? shorten(park.reason) : '');
@@ -226,13 +231,44 @@ export function parkWords(park: IKernelPark, reason?: string | null): string {
     case 'resuming':
       return 'resuming';
     case 'waiting':
-      if (said.toLowerCase().startsWith('waiting for device memory')) {
-        return said; // the server's reason already says it
-      }
-      return said ? `waiting for device memory: ${said}` : 'waiting for device memory';
+      return park.told === true ? toldWords(park) : waitingWords(park, said);
+    case 'lost':
+      return `lost: ${said || LOST_WORDS}`;
     default:
       return String(park.state || 'unknown');
   }
+}
+
+/** "5 min" of the wait's limit, or "" when there is none (park_wait_limit "off") or it is unknown. */
+function limitWords(park: IKernelPark): string {
+  return isNumber(park.wait_limit) && park.wait_limit > 0 ? formatDuration(park.wait_limit) : '';
+}
+
+/** "waiting for device memory for 12 s (limit 5 min): <reason>": how long, the limit, what for. */
+function waitingWords(park: IKernelPark, said: string): string {
+  if (said.toLowerCase().startsWith('waiting for device memory')) {
+    return said; // an older server's reason already says it
+  }
+  let words = 'waiting for device memory';
+  if (isNumber(park.waited) && park.waited >= 1) {
+    words += ` for ${formatDuration(park.waited)}`;
+  }
+  const limit = limitWords(park);
+  if (limit) {
+    words += ` (limit ${limit})`;
+  }
+  return said ? `${words}: ${said}` : words;
+}
+
+/**
+ * Its wait passed the limit: the cell that waited ends without running (the kernel side says so in the
+ * cell's output), nothing is lost, the kernel stays parked with its grant. What it waited for is the
+ * server's reason, on hover.
+ */
+function toldWords(park: IKernelPark): string {
+  const limit = limitWords(park);
+  const passed = limit ? `waited past its limit (${limit})` : 'waited past its limit';
+  return `${passed}: the cell did not run; the kernel stays parked with its grant`;
 }
 
 // Openings that already say the server refused: said once ("not parkable: MPS client", never

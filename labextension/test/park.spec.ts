@@ -49,12 +49,13 @@ describe('parkButtons', () => {
     }
   });
 
-  it('offers Resume when parked or waiting', () => {
-    for (const state of ['parked', 'waiting'] as const) {
-      const buttons = parkButtons(park(state));
-      expect(buttons.resume).toEqual({ visible: true, enabled: true, title: RESUME_TITLE });
-      expect(buttons.park.visible).toBe(false);
-    }
+  it('offers Resume when parked, disabled while it waits for room (asking again brings nothing sooner)', () => {
+    const parked = parkButtons(park('parked'));
+    expect(parked.resume).toEqual({ visible: true, enabled: true, title: RESUME_TITLE });
+    expect(parked.park.visible).toBe(false);
+    const waiting = parkButtons(park('waiting'));
+    expect(waiting.resume).toMatchObject({ visible: true, enabled: false });
+    expect(waiting.park.visible).toBe(false);
   });
 
   it('disables Park with the reason as its tooltip when the kernel cannot be parked', () => {
