@@ -1,7 +1,8 @@
 /**
  * A kernel's usage over the last minutes as a small chart, as pure functions: the geometry of an SVG that
  * our own code draws (paths in a fixed box that the row stretches to its width): the allocator's allocated
- * and reserved as areas, NVML's used as a line, the cap and the hard limit as steps, park periods as bands;
+ * and reserved as areas, NVML's used as a line, the cap and the hard limit as steps, park periods as bands
+ * (parked, waiting for device memory, lost);
  * a gap where a figure is unknown or samples are missing, never a drop to 0. And what it shows, in words,
  * for its tooltip. No JupyterLab imports, no DOM.
  */
@@ -17,11 +18,22 @@ const PAD = 1.5; // so that a line at the top or at 0 is not cut in half
 /** Park states whose period the chart marks: the kernel's GPU memory is (going) on the host. */
 const PARKED = new Set(['parking', 'parked', 'resuming']);
 
+/** What a band marks: parked (parking, parked, resuming), waiting (a resume waiting for device memory), or
+ * lost (its restore failed: what was on the GPU is gone). */
+export type BandState = 'parked' | 'waiting' | 'lost';
+
+/** The band a park state draws, or null for a kernel on its device (busy, idle, pending). */
+export function bandOf(park: string): BandState | null {
+  if (park === 'waiting' || park === 'lost') {
+    return park;
+  }
+  return PARKED.has(park) ? 'parked' : null;
+}
+
 export interface IParkBand {
   x: number;
   width: number;
-  /** parked (parking, parked, resuming) or waiting (a resume waiting for device memory). */
-  state: 'parked' | 'waiting';
+  state: BandState;
   /** The server's times of its first and last points. */
   from: number;
   to: number;
@@ -133,10 +145,10 @@ export function chartOf(points: readonly IHistoryPoint[], end: number, seconds: 
       .join('');
 
   // Park periods: runs of points in one held state, each sample standing for the interval around it.
-  const spans: { state: 'parked' | 'waiting'; from: number; to: number }[] = [];
+  const spans: { state: BandState; from: number; to: number }[] = [];
   let previous: IHistoryPoint | null = null;
   for (const p of shown) {
-    const state = p.park === 'waiting' ? 'waiting' : PARKED.has(p.park) ? 'parked' : null;
+    const state = bandOf(p.park);
     const open = spans.length ? spans[spans.length - 1] : null;
     const continues = open !== null && previous !== null && open.to === previous.t && p.t - previous.t <= gap;
     if (state && continues && open!.state === state) {
@@ -189,6 +201,12 @@ function most(points: readonly IHistoryPoint[], figure: Figure): number | null {
   return top;
 }
 
+const BAND_WORDS: Record<BandState, string> = {
+  parked: 'Parked',
+  waiting: 'Waiting for device memory',
+  lost: 'Lost (its GPU memory could not be brought back)'
+};
+
 /** What the chart shows, in words (its tooltip and its accessible name), one fact a line. */
 export function chartSummary(chart: IChart): string[] {
   const points = chart.points;
@@ -215,7 +233,7 @@ export function chartSummary(chart: IChart): string[] {
     lines.push(`Hard limit (dotted): ${formatBytes(hard)}`);
   }
   for (const band of chart.parks) {
-    const words = band.state === 'waiting' ? 'Waiting for device memory' : 'Parked';
+    const words = BAND_WORDS[band.state];
     lines.push(`${words}: ${formatClock(band.from)}–${formatClock(band.to)}`);
   }
   return lines;

@@ -440,7 +440,8 @@ class KernelRow {
     this.marks = {
       hardLimit: chart.hardLimit !== '',
       park: chart.parks.some(band => band.state === 'parked'),
-      waiting: chart.parks.some(band => band.state === 'waiting')
+      waiting: chart.parks.some(band => band.state === 'waiting'),
+      lost: chart.parks.some(band => band.state === 'lost')
     };
   }
 
@@ -561,9 +562,10 @@ interface IChartMarks {
   hardLimit: boolean;
   park: boolean;
   waiting: boolean;
+  lost: boolean;
 }
 
-const NO_MARKS: IChartMarks = { hardLimit: false, park: false, waiting: false };
+const NO_MARKS: IChartMarks = { hardLimit: false, park: false, waiting: false, lost: false };
 
 /** The key to the charts, once above the kernels: what each mark is (the hard limit and the park marks
  * only while some chart has them). */
@@ -578,7 +580,8 @@ class ChartLegend {
       ['cap', trans.__('cap')],
       ['hardLimit', trans.__('hard limit')],
       ['park', trans.__('parked')],
-      ['waiting', trans.__('waiting to resume')]
+      ['waiting', trans.__('waiting to resume')],
+      ['lost', trans.__('lost')]
     ];
     for (const [mark, words] of entries) {
       const entry = h('span', `jp-GpuQuota-legendEntry jp-GpuQuota-legend-${mark}`);
@@ -592,6 +595,7 @@ class ChartLegend {
     setHidden(this._entries.get('hardLimit')!, !marks.hardLimit);
     setHidden(this._entries.get('park')!, !marks.park);
     setHidden(this._entries.get('waiting')!, !marks.waiting);
+    setHidden(this._entries.get('lost')!, !marks.lost);
   }
 }
 
@@ -754,7 +758,8 @@ export class QuotaPanel extends Widget {
     this._legend.update({
       hardLimit: ordered.some(row => row.marks.hardLimit),
       park: ordered.some(row => row.marks.park),
-      waiting: ordered.some(row => row.marks.waiting)
+      waiting: ordered.some(row => row.marks.waiting),
+      lost: ordered.some(row => row.marks.lost)
     });
     let cursor = this._kernelList.firstElementChild;
     for (const row of ordered) {

@@ -1,10 +1,11 @@
 /**
  * The usage history in the sidebar: answers read defensively, merged incrementally (only points after the
  * last, bounded as the server bounds them, kernels the server dropped dropped), stale answers ignored; and
- * the chart drawn from it: gaps for unknown figures and missing samples, steps for the cap, park bands.
+ * the chart drawn from it: gaps for unknown figures and missing samples, steps for the cap, park bands (parked,
+ * waiting for device memory, lost).
  */
-import { chartOf, chartSummary, CHART_HEIGHT, CHART_WIDTH } from '../src/chart';
-import { IHistoryPoint, normalizeHistory } from '../src/contract';
+import { bandOf, chartOf, chartSummary, CHART_HEIGHT, CHART_WIDTH } from '../src/chart';
+import { IHistoryPoint, normalizeHistory, PARK_STATES } from '../src/contract';
 import { EMPTY_HISTORY, INITIAL_STATE, mergeHistory, reduce } from '../src/state';
 
 const GiB = 1024 ** 3;
@@ -127,5 +128,48 @@ describe('chartOf', () => {
   it('keeps points outside the window out', () => {
     const chart = chartOf([point(1), ...ten], 109, 10, 1);
     expect(chart.points[0].t).toBe(100);
+  });
+});
+
+describe('the chart of a kernel that waited, then was lost', () => {
+  const point = (t: number, state: IHistoryPoint['park']): IHistoryPoint => ({
+    t,
+    used: state === 'idle' ? 4 * GiB : 0,
+    allocated: null,
+    reserved: null,
+    cap: 20 * GiB,
+    hard_limit: null,
+    park: state
+  });
+  // 100-103 on the device, 104-105 parked, 106-107 waiting, 108 resuming, 109-111 lost.
+  const states: IHistoryPoint['park'][] = ['idle', 'idle', 'idle', 'idle', 'parked', 'parked', 'waiting', 'waiting'];
+  const points = [...states, 'resuming', 'lost', 'lost', 'lost'].map((s, i) => point(100 + i, s as any));
+
+  it('marks each period with its own band: parked, waiting, parked (resuming), lost', () => {
+    const chart = chartOf(points, 111, 12, 1);
+    expect(chart.parks.map(b => [b.state, b.from, b.to])).toEqual([
+      ['parked', 104, 105],
+      ['waiting', 106, 107],
+      ['parked', 108, 108],
+      ['lost', 109, 111]
+    ]);
+    const lost = chart.parks[3];
+    expect(lost.x + lost.width).toBeLessThanOrEqual(300);
+    const said = chartSummary(chart);
+    expect(said.filter(line => line.startsWith('Waiting for device memory: '))).toHaveLength(1);
+    expect(said[said.length - 1]).toMatch(/^Lost \(its GPU memory could not be brought back\): \d\d:\d\d–\d\d:\d\d$/);
+  });
+
+  it('draws a band for every park state but the ones on the device', () => {
+    expect(PARK_STATES.map(s => [s, bandOf(s)])).toEqual([
+      ['busy', null],
+      ['idle', null],
+      ['pending', null],
+      ['parking', 'parked'],
+      ['parked', 'parked'],
+      ['resuming', 'parked'],
+      ['waiting', 'waiting'],
+      ['lost', 'lost']
+    ]);
   });
 });
