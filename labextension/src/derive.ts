@@ -1,8 +1,8 @@
 /**
  * What the sidebar and the status bar show, derived from the state as pure decisions: which usage figure a
  * bar shows (or that usage is unknown), when it turns to a warning, how kernels are ordered, what the
- * banner says about the monitor, the one line each kernel row says about itself, and which of the Park /
- * Resume buttons it offers. No JupyterLab imports.
+ * banner says about the monitor, the one line each kernel row says about itself, which of the Park /
+ * Resume buttons it offers, and whether it offers a cap. No JupyterLab imports.
  */
 
 import { IKernelDevice, IKernelPark, IKernelStatus, IQuotaStatus, isNumber } from './contract';
@@ -271,6 +271,14 @@ export function parkButtons(park: IKernelPark | null | undefined): IParkButtons 
     default:
       return { park: HIDDEN, resume: HIDDEN };
   }
+}
+
+/**
+ * Whether a row offers the cap's field and buttons: not for a kernel without a GPU (nothing to cap), nor for a
+ * lost one (no GPU call of it will return: only a restart or a shutdown helps it).
+ */
+export function offersCap(kernel: IKernelStatus): boolean {
+  return kernel.devices.length > 0 && kernel.park?.state !== 'lost';
 }
 
 export interface IParkFeedback {

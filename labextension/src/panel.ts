@@ -24,6 +24,7 @@ import {
   kernelDeviceUsage,
   kernelLine,
   monitorNotice,
+  offersCap,
   parkButtons,
   parkFeedback,
   sortKernels,
@@ -386,8 +387,7 @@ class KernelRow {
       this._layers.classList.toggle('jp-mod-hard', layers.hard);
     }
 
-    const cpuOnly = kernel.devices.length === 0;
-    setHidden(this._capGroup, cpuOnly);
+    setHidden(this._capGroup, !offersCap(kernel));
     this._updatePark(kernel);
 
     const action = kernel.last_action;

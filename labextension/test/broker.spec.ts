@@ -8,7 +8,7 @@ import { spawnSync } from 'child_process';
 import * as path from 'path';
 
 import { IKernelPark, IKernelStatus, normalizeStatus } from '../src/contract';
-import { kernelLine, parkButtons, parkFeedback, RESUME_TITLE, WAITING_TITLE } from '../src/derive';
+import { kernelLine, offersCap, parkButtons, parkFeedback, RESUME_TITLE, WAITING_TITLE } from '../src/derive';
 import { LOST_WORDS, parkWords } from '../src/format';
 
 const GiB = 1024 ** 3;
@@ -154,6 +154,13 @@ describe('a lost kernel (its restore failed)', () => {
       resume: { visible: false, enabled: false, title: '' }
     });
     expect(parkButtons({ ...lost, parkable: true }).resume.visible).toBe(false);
+  });
+
+  it('offers no cap either: only a restart or a shutdown helps it', () => {
+    expect(offersCap(kernel(lost, LOST_PAIR))).toBe(false);
+    expect(offersCap(kernel(park('waiting', { reason: MAKING_ROOM })))).toBe(true);
+    expect(offersCap(kernel(park('parked')))).toBe(true);
+    expect(offersCap({ ...kernel(park('idle')), devices: [] })).toBe(false); // no GPU: nothing to cap
   });
 
   it('a refused Resume says why, as the server wrote it', () => {
