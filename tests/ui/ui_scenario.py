@@ -7,7 +7,7 @@ The file (`$GQ_UI_SCENARIO`, in the server's root) says what NVML sees now:
     {"usage": {"<pid>": {"<device uuid>": bytes}},   # what each process holds (a parked one: on the host)
      "other_used": {"<device uuid>": bytes},          # held by processes that are no kernel's
      "lost": ["<device uuid>"],                       # devices NVML cannot read (usage unknown)
-     "fail_restores": n}                              # the next n resumes find no device memory (waiting)
+     "fail_restores": n}                              # the next n restores fail as a full device's do (lost)
 
 It is read again whenever it changes; no file is an idle GPU. Everything else is the real server.
 """

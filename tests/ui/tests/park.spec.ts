@@ -22,10 +22,24 @@ interface IPark {
   host_bytes: number | null;
   parkable: boolean;
   reason: string | null;
+  waited: number | null;
+  wait_limit: number | null;
+  told: boolean;
 }
 
 function park(state: string, extra: Partial<IPark> = {}): IPark {
-  return { state, since: null, idle_seconds: null, host_bytes: null, parkable: true, reason: null, ...extra };
+  return {
+    state,
+    since: null,
+    idle_seconds: null,
+    host_bytes: null,
+    parkable: true,
+    reason: null,
+    waited: null,
+    wait_limit: 300,
+    told: false,
+    ...extra
+  };
 }
 
 /** The real status answer, with `parks[kernel id]` as that kernel's park object. */
@@ -74,7 +88,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
     }
   });
 
-  test('a parked kernel offers Resume; a waiting one says what it waits for', async ({ page }) => {
+  test('a parked kernel offers Resume; a waiting one says for how long and what for', async ({ page }) => {
     const kernelId = await startKernel(page);
     try {
       const since = Date.now() / 1000 - 600;
@@ -85,7 +99,7 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       const sent: string[] = [];
       await page.route(PARK_ROUTE, async route => {
         sent.push(new URL(route.request().url()).pathname);
-        parks[kernelId] = park('waiting', { reason: 'GPU 0 has 2 GiB free, 17.8 GiB needed' });
+        parks[kernelId] = park('waiting', { reason: 'needs 17.8 GiB on GPU 0; making room', waited: 12 });
         await route.fulfill({ status: 202, json: { park: parks[kernelId] } });
       });
       await openPanel(page);
@@ -95,9 +109,10 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       await r.getByRole('button', { name: 'Resume' }).click();
       expect(sent).toEqual([`/api/gpu-quota/kernels/${kernelId}/resume`]);
       await expect(r.locator('.jp-GpuQuota-line')).toHaveText(
-        'waiting for device memory: GPU 0 has 2 GiB free, 17.8 GiB needed'
+        'waiting for device memory for 12 s (limit 5 min): needs 17.8 GiB on GPU 0; making room'
       );
-      await expect(r.getByRole('button', { name: 'Resume' })).toBeEnabled();
+      // Asking again brings nothing sooner: the broker brings it back as soon as there is room.
+      await expect(r.getByRole('button', { name: 'Resume' })).toBeDisabled();
     } finally {
       await page.request.delete(`/api/kernels/${kernelId}`);
     }
