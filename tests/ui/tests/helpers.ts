@@ -105,7 +105,7 @@ export interface IScenario {
   other_used?: Record<string, number>;
   /** Devices NVML cannot read. */
   lost?: string[];
-  /** The next n restores fail, as a restore into a full device does: the kernel is lost (its GPU state gone). */
+  /** The next n restores fail, as one into a full device does: the kernel is lost (its GPU state gone). */
   fail_restores?: number;
 }
 

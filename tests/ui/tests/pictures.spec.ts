@@ -5,7 +5,9 @@
  * of a GPU per kernel) with the scenario's fake NVML and checkpoint driver (../ui_scenario.py), sampling
  * every 0.25 s so that a minute and a quarter fills a chart's 300 samples. Five notebooks, as a user opens
  * them: a training run whose usage climbs, a fine-tune over its cap (the watchdog warns), one parked, one
- * whose resume waits for device memory, and one on a GPU that NVML stops reading (usage unknown); under the
+ * whose resume waits for device memory (processes outside this server hold most of its GPU, and no kernel
+ * has been idle long enough for the broker to park it), and one on a GPU that NVML stops reading (usage
+ * unknown); under the
  * training notebook's cell, its `%gpucap panel` with the chart of its usage history. Every
  * figure comes from the real server; only what NVML and the checkpoint driver report is the scenario's.
  * Time passes by the server's own samples (waited for in its history), never by sleeping.
@@ -95,17 +97,19 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
   await allocator(evaluation, 3.1 * GiB, 3.4 * GiB);
   await samplesPass(page, train.id, 24);
 
-  // The eval notebook is parked from the sidebar, and later asked back while the device memory is short.
+  // The eval notebook is parked from the sidebar, and later asked back while processes outside this server hold
+  // most of GPU 0: the broker has no room for it, and no kernel idle long enough to park (the config's
+  // park_min_idle), so it waits, saying for how long and what for.
   await row(page, evaluation.id).getByRole('button', { name: 'Park' }).click();
   await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(/^parked since/, {
     timeout: 30000
   });
 
+  const others = { [train.uuid]: 58 * GiB, [gpu1]: 0.5 * GiB }; // GPU 0: 80 GiB, the kernels' caps 20 GiB each
   for (const [step, gib] of [4.5, 6, 7.5, 9, 10.5, 11.2].entries()) {
     await setScenario(page, {
       usage: usage(gib * GiB, (step >= 2 ? 11.2 : 8.1 + step) * GiB),
-      other_used: { [gpu1]: 0.5 * GiB },
-      fail_restores: step >= 3 ? 1000 : 0
+      other_used: step >= 3 ? others : { [gpu1]: 0.5 * GiB }
     });
     await samplesPass(page, train.id, 2); // the fakes have read the new scenario
     await allocator(train, (gib - 0.8) * GiB, (gib - 0.5) * GiB);
@@ -121,14 +125,16 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
     await samplesPass(page, train.id, 26);
   }
   await expect(row(page, explore.id).locator('.jp-GpuQuota-line')).toHaveText(/^parked since/);
-  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(/^waiting for device memory/);
+  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(
+    /^waiting for device memory for \d+ s \(limit 5 min\): needs 4\.0 GiB on GPU 0$/
+  );
   await expect(row(page, finetune.id).locator('.jp-GpuQuota-action')).toContainText('Watchdog: warn');
 
   // GPU 1 stops answering NVML: the notes notebook, which reported no allocator figures, is unknown.
   await setScenario(page, {
     usage: usage(11.2 * GiB, 11.2 * GiB),
-    lost: [gpu1],
-    fail_restores: 1000
+    other_used: others,
+    lost: [gpu1]
   });
   await expect(row(page, notes.id).locator('.jp-GpuQuota-figure')).toHaveText('unknown / 10 GiB');
   await samplesPass(page, train.id, 30);
