@@ -246,6 +246,7 @@ class GpuQuota(ExtensionApp):
     park_min_idle = setting_trait("park_min_idle")
     park_wait_limit = setting_trait("park_wait_limit")
     park_device_margin = setting_trait("park_device_margin")
+    park_on_device_full = setting_trait("park_on_device_full")
     park_call_timeout = setting_trait("park_call_timeout")
     checkpoint_class = setting_trait("checkpoint_class")
 

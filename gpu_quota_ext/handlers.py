@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.services.sessions.handlers import SessionRootHandler
@@ -35,6 +35,7 @@ from .shared.contract import (
     MAX_BODY,
     PARK_SUFFIX,
     RESUME_SUFFIX,
+    ROOM_SUFFIX,
     STATUS_PATH,
     USAGE_FIELDS,
     USAGE_SUFFIX,
@@ -354,6 +355,34 @@ class ResumeHandler(_ParkRoute):
         return await self.manager.request_resume(kernel_id, who)
 
 
+class RoomHandler(GpuQuotaHandler):
+    """POST kernels/<id>/room {"device": index | null}: the kernel found the GPU full (shared.contract ROOM_SUFFIX)."""
+
+    @allow_unauthenticated
+    async def post(self, kernel_id: str):
+        who = self.require_user_or_kernel(kernel_id, "write")
+        body = self.read_json_body()
+        if body is None:
+            body = {}
+        if not isinstance(body, dict) or set(body) - {"device"}:
+            raise web.HTTPError(400, 'POST room takes {"device": a device index or null}, or no body')
+        device = body.get("device")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise web.HTTPError(400, '"device" must be a device index (a whole number from 0) or null')
+        try:
+            accepted, park, why_not = await self.manager.request_room(kernel_id, device)
+        except UnknownKernel:
+            raise web.HTTPError(404, f"no kernel {shown(kernel_id)} on this server") from None
+        answer: Dict[str, Any] = {"park": park}
+        if accepted:
+            self.set_status(202)
+        else:
+            self.set_status(409)
+            answer["message"] = why_not
+        self.log.info("gpu-quota-ext: kernel %s room request (%s): %s", kernel_id, who, park.get("room") or why_not)
+        self.finish(json.dumps(answer))
+
+
 class SessionsHandler(SessionRootHandler):
     """jupyter_server's own POST /api/sessions (what JupyterLab opens a notebook with), in every respect but
     one: a kernel start that failed with an HTTP status of its own (the quota's 503 "GPU budget full", 400,
@@ -392,6 +421,7 @@ HANDLERS = [
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, PARK_SUFFIX), ParkHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, RESUME_SUFFIX), ResumeHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, ROOM_SUFFIX), RoomHandler),
     (HISTORY_PATH, HistoryHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, HISTORY_SUFFIX), KernelHistoryHandler),
 ]

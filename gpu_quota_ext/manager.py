@@ -247,6 +247,10 @@ class GpuQuotaManager:
     async def request_resume(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         return await self.parker.request_resume(kernel_id, who)
 
+    async def request_room(self, kernel_id: str, device: Optional[int]) -> Tuple[bool, dict, str]:
+        """A kernel found the device full: room up to its cap, where the admin turned that on."""
+        return await self.parker.request_room(kernel_id, device)
+
     def park_for_host(self, kernel_ids: List[str]) -> None:
         """The host service chose these idle kernels of this server to park, for another kernel of the host (the
         lease's answer, in the lease's thread): the parker decides on the event loop."""

@@ -489,6 +489,18 @@ SETTINGS: Dict[str, Setting] = _table(
         device full loses the kernel's GPU state for good).""",
     ),
     Setting(
+        "park_on_device_full",
+        CHOICE,
+        PARK,
+        "off",
+        choices=("off", "on"),
+        attribute="on_device_full",
+        env="GPU_QUOTA_PARK_ON_DEVICE_FULL",
+        help="""When a kernel's allocation finds the GPU itself full (torch's out-of-memory below the kernel's own
+        cap), "on" makes the broker park idle kernels to give it room up to its cap, and the kernel says so under
+        the failed cell (run it again once room is made); "off" leaves it to the user.""",
+    ),
+    Setting(
         "park_call_timeout",
         SECONDS,
         PARK,

@@ -441,6 +441,54 @@ async def test_a_restore_the_driver_fails_is_lost_said_plainly_never_retried_and
     assert (await park_state(jp_fetch, kernel_id))["state"] in ("idle", "busy")
 
 
+DEVICE_FULL = (
+    "import torch\n"
+    "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of "
+    "16.00 GiB of which 1.50 GiB is free. Of the allocated memory 2.00 GiB is allocated by PyTorch')"
+)
+
+
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "on"}])
+async def test_a_kernel_whose_allocation_found_the_device_full_gets_room_made_up_to_its_cap(
+    jp_fetch, jp_serverapp, full_devices
+):
+    a, b, c = await start_kernel(jp_fetch), await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, b, 6 * GiB)  # B idle longest
+    await holding_gpu(jp_serverapp, c, 6 * GiB)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)  # A: 5 GiB of its 7 GiB cap left, 2 GiB free on the device
+    ran = await run_cell(jp_serverapp, a, DEVICE_FULL)
+    assert ran["status"] == "error" and "OutOfMemoryError" in ran["error"]
+    said = ran["stderr"]
+    assert "itself is full" in said and "the broker parks idle kernels to make room" in said, said
+    assert "room made after" in said and "run the cell again" in said, said
+    assert (await park_state(jp_fetch, b))["state"] == "parked"  # idle longest: B gave its room
+    assert (await park_state(jp_fetch, c))["state"] == "idle"
+    park = await park_state(jp_fetch, a)
+    assert park["room"] == "made" and park["state"] in ("idle", "busy")
+    assert (await execute(jp_serverapp, a, "print(1)")).strip() == "1"  # and its next cell runs
+
+
+@pytest.mark.parametrize("park", [BROKER])
+async def test_room_on_a_full_device_is_the_admins_choice_and_off_by_default(jp_fetch, jp_serverapp, full_devices):
+    a = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)
+    code, answer = await post_error(jp_fetch, a, "room")
+    assert code == 409 and answer["message"] == "park_on_device_full is off on this server"
+    ran = await run_cell(jp_serverapp, a, DEVICE_FULL)
+    assert "itself is full" in ran["stderr"] and "broker" not in ran["stderr"]  # the kernel says nothing more
+    assert FakeCheckpoint.calls == []
+
+
+@pytest.mark.parametrize("body", ['{"device": -1}', '{"device": true}', '{"devices": 0}', "[]", '{"device": 9}'])
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "on"}])
+async def test_bad_room_requests_change_nothing(jp_fetch, jp_serverapp, full_devices, body):
+    a = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)
+    code, answer = await post_error(jp_fetch, a, "room", body=body)
+    assert code in (400, 409) and answer["message"]
+    assert (await park_state(jp_fetch, a))["room"] is None and FakeCheckpoint.calls == []
+
+
 async def test_a_park_first_asks_the_kernel_to_empty_its_caches(jp_fetch, jp_serverapp, fake_driver, caplog):
     caplog.set_level(logging.INFO, "gpu_quota_ext")
     kernel_id = await start_kernel(jp_fetch)
