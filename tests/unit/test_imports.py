@@ -5,7 +5,8 @@ shared core imports only the standard library and itself; the package keeps at m
 modules.
 
 Module-level and function-level imports both count (a function-level import is a cycle waiting for its
-first call); imports under `if TYPE_CHECKING:` do not (they never run).
+first call); imports under `if TYPE_CHECKING:` do not (they never run). Importing a module runs the packages
+above it first, so an import of `hub.service.spec` counts as one of `hub` and `hub.service` too.
 """
 
 from __future__ import annotations
@@ -100,8 +101,19 @@ def package_graph() -> Tuple[Dict[str, Set[str]], Dict[str, List[Tuple[str, int]
         imports = imported_names(name, path)
         everything[name] = imports
         # `from . import state` names a module; `from .policy import GiB` names policy, not policy.GiB.
-        graph[name] = {target for target, _ in imports if target in sources and target != name}
+        named = {target for target, _ in imports if target in sources and target != name}
+        graph[name] = named | {parent for target in named for parent in packages_run_first(name, target)}
     return graph, everything
+
+
+def packages_run_first(importer: str, target: str) -> Set[str]:
+    """The packages Python runs before `target` when `importer` imports it: every package above the target
+    (their __init__ runs first, and may import more), except the root and the importer's own packages, which
+    ran before the importer did."""
+    parts = target.split(".")
+    above = {".".join(parts[:end]) for end in range(2, len(parts))}
+    own = {".".join(importer.split(".")[:end]) for end in range(1, importer.count(".") + 1)}
+    return above - own
 
 
 def find_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -249,6 +261,16 @@ def test_the_shared_core_imports_only_the_standard_library_and_itself():
 
 
 # --- the checks themselves can fail ------------------------------------------------------------------
+
+
+def test_importing_a_module_runs_the_packages_above_it_first():
+    # hub.service.spec imported from ledger runs hub/__init__ and hub/service/__init__ too: a cycle through a
+    # package's __init__ is a cycle.
+    assert packages_run_first(PACKAGE + ".ledger.remote", PACKAGE + ".hub.service.spec") == {
+        PACKAGE + ".hub", PACKAGE + ".hub.service"
+    }
+    assert packages_run_first(PACKAGE + ".hub.service.app", PACKAGE + ".hub.service.spec") == set()
+    assert packages_run_first(PACKAGE + ".app", PACKAGE + ".policy") == set()
 
 
 def test_the_cycle_finder_reports_a_cycle_and_ignores_a_tree():
