@@ -32,14 +32,14 @@ from .shared.contract import (
     HISTORY_SUFFIX,
     KERNEL_TOKEN_HEADER,
     KERNELS_PATH,
-    MAX_BODY,
+    MAX_BODY_TEXT,
     PARK_SUFFIX,
     RESUME_SUFFIX,
     STATUS_PATH,
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
-from .shared.request_body import body_follows, declared_length
+from .shared.request_body import TOO_LARGE, BoundedBody, body_follows, declared_length
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -65,8 +65,7 @@ class GpuQuotaHandler(APIHandler):
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
-        self._body = bytearray()
-        self._body_too_large = False
+        self._body = BoundedBody()
         self._refusal: Optional[web.HTTPError] = None
         try:
             length = declared_length(self.request.headers)
@@ -77,12 +76,15 @@ class GpuQuotaHandler(APIHandler):
             return
         try:
             await super().prepare()
-            if length is not None and length > MAX_BODY:
-                raise web.HTTPError(413, f"the request body is {length} bytes; the most this API reads is 64 KiB")
+            if length is not None and length > self._body.limit:
+                raise web.HTTPError(
+                    413, f"the request body is {length} bytes; the most this API reads is {MAX_BODY_TEXT}"
+                )
         except web.HTTPError as refusal:
             if not body_follows(self.request.headers):
                 raise
-            self._refusal, self._body_too_large = refusal, True  # answered by the method, once the body is in
+            self._refusal = refusal  # answered by the method, once the body is in
+            self._body.drop()
 
     def answer_refusal(self) -> None:
         """Raise the refusal prepare() decided before the body arrived. Every route reaches it first: through
@@ -91,14 +93,7 @@ class GpuQuotaHandler(APIHandler):
             raise self._refusal
 
     def data_received(self, chunk: bytes) -> None:
-        # Past the limit (or refused already), what arrives is dropped.
-        if self._body_too_large:
-            return
-        if len(self._body) + len(chunk) > MAX_BODY:
-            self._body_too_large = True
-            self._body = bytearray()
-        else:
-            self._body += chunk
+        self._body.add(chunk)  # past the limit (or refused already), what arrives is dropped
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """jupyter_server's JSON error answer, with the message formatted: tornado stores a message given
@@ -153,11 +148,11 @@ class GpuQuotaHandler(APIHandler):
             return {}
 
     def read_json_body(self) -> Any:
-        if self._body_too_large:
-            raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
+        if self._body.over:
+            raise web.HTTPError(413, TOO_LARGE)
         try:
-            return json.loads(bytes(self._body) or b"null")
-        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than the decoder goes
+            return self._body.json()
+        except ValueError:
             raise web.HTTPError(400, "the body is not JSON") from None
 
 

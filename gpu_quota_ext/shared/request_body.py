@@ -1,4 +1,5 @@
-"""What the two HTTP APIs (the server's routes, the host service's) read of a request's headers before its body.
+"""What the two HTTP APIs (the server's routes, the host service's) read of a request: its headers before its
+body, then the body as it streams in, kept only up to the limit.
 
 Both stream their bodies (tornado's stream_request_body) so that one over the limit is never kept; so both
 see a request's headers before tornado has checked them. A malformed Content-Length is tornado's to refuse
@@ -7,13 +8,18 @@ refusal decided before the body is read (no credentials, over the limit) is answ
 arrived, dropped: a server that answers and closes while the client, or the hub's proxy, is still sending
 makes the kernel reset the connection, and the proxy then reports a 503 of its own, not the answer.
 
-Standard library only: pure reading of header values.
+Standard library only: pure reading of header values and bytes; each API turns what it finds into its answers.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
+
+from .contract import MAX_BODY, MAX_BODY_TEXT
+
+TOO_LARGE = f"the request body is over {MAX_BODY_TEXT}, the most this API reads"  # a 413's words
 
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() takes "٣" and "³" would fail; neither is HTTP
 _SAME_VALUES = re.compile(r",[ \t]*")
@@ -40,3 +46,32 @@ def body_follows(headers: Mapping[str, str]) -> bool:
         return bool(declared_length(headers))
     except ValueError:
         return True  # unknown: as if it did
+
+
+class BoundedBody:
+    """A request body as it streams in (tornado's data_received), kept while within `limit` bytes: one that
+    grows past it is dropped at once and marked `over`, so no more than the limit is ever held."""
+
+    def __init__(self, limit: int = MAX_BODY) -> None:
+        self.limit = limit
+        self.over = False
+        self._data = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        if self.over:
+            return
+        if len(self._data) + len(chunk) > self.limit:
+            self.drop()
+        else:
+            self._data += chunk
+
+    def drop(self) -> None:
+        """Keep nothing of it (over the limit, or refused before it arrived): what still arrives is dropped."""
+        self.over, self._data = True, bytearray()
+
+    def json(self) -> Any:
+        """The body as JSON, None when empty. ValueError when it is not JSON, however deep its nesting."""
+        try:
+            return json.loads(bytes(self._data) or b"null")
+        except RecursionError:  # nested deeper than the decoder goes
+            raise ValueError("JSON nested too deep") from None

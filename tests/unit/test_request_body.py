@@ -1,0 +1,39 @@
+"""A streamed request body is kept only up to the limit, for both HTTP APIs (shared/request_body.py)."""
+
+import pytest
+
+from gpu_quota_ext.shared.contract import MAX_BODY
+from gpu_quota_ext.shared.request_body import BoundedBody
+
+
+def test_a_body_within_the_limit_is_kept_and_read_as_json():
+    body = BoundedBody(limit=16)
+    for chunk in (b'{"cap":', b' "1GiB"}'):
+        body.add(chunk)
+    assert not body.over and body.json() == {"cap": "1GiB"}
+    assert BoundedBody().json() is None and BoundedBody().limit == MAX_BODY
+
+
+def test_a_body_that_grows_past_the_limit_is_dropped_and_stays_over():
+    body = BoundedBody(limit=16)
+    body.add(b"x" * 16)
+    assert not body.over
+    body.add(b"y")
+    assert body.over and body.json() is None  # nothing of it is held
+    body.add(b"{}")
+    assert body.over and body.json() is None
+
+
+def test_a_refused_body_is_dropped_as_it_arrives():
+    body = BoundedBody()
+    body.drop()
+    body.add(b"{}")
+    assert body.over and body.json() is None
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000])
+def test_what_is_not_json_is_a_value_error(raw):
+    body = BoundedBody(limit=len(raw))
+    body.add(raw)
+    with pytest.raises(ValueError):
+        body.json()
