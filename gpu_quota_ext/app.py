@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -29,7 +29,7 @@ from traitlets import (
 )
 from traitlets import Union as UnionTrait
 
-from .devices import Device
+from .devices import Device, DeviceInventory
 from .handlers import HANDLERS
 from .hard_limit import (
     HardCapLayer,
@@ -112,7 +112,7 @@ class StartParts:
     policy: Policy
     enforcement: WatchdogSettings
     parking: ParkSettings
-    inventory: Any
+    inventory: DeviceInventory
     devices: Sequence[Device]
     ledger: Ledger
     hard_layer: HardCapLayer
