@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_devices
+from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import HardCapLayer, HardCapSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
@@ -481,14 +481,7 @@ class GpuQuotaManager:
         pinned = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
         if pinned is None or pinned == parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")):
             return None
-        allowed: List[int] = []
-        for entry in pinned:
-            device = find_device(list(self.devices.values()), entry)
-            if device is None:
-                break  # CUDA ends the list at an entry that names no device: the kernel sees no more
-            if device.index not in allowed:
-                allowed.append(device.index)
-        return allowed
+        return [device.index for device in devices_named(list(self.devices.values()), pinned)]
 
     # --- the kernels' secrets ------------------------------------------------------------------
 
