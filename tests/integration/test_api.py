@@ -367,7 +367,10 @@ async def test_any_unparseable_body_is_a_400(jp_fetch, jp_serverapp, fake_nvml):
 
 async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch, jp_serverapp, fake_nvml, caplog):
     kernel_id = await start_kernel(jp_fetch)
-    put = lambda body: jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))  # noqa: E731
+
+    def put(body):
+        return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))
+
     error = await expect_status(put({"cap": "2.5"}), 400)
     message = json.loads(error.response.body)["message"]
     assert "(100%)" in message and "%%" not in message, message
