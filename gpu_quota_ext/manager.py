@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
-from .hard_limit import HardCapLayer, HardCapSettings
+from .hard_limit import HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
 from .parking import CheckpointDriver, CudaCheckpointDriver, Parker, ParkSettings
@@ -103,7 +103,7 @@ class GpuQuotaManager:
         kernels: KernelManagerView,
         backend: NvmlBackend,
         watchdog_settings: WatchdogSettings = WatchdogSettings(),
-        hard_cap: Optional[HardCapLayer] = None,
+        hard_cap: Optional[HardLimitLayer] = None,
         api_url: Callable[[], Optional[str]] = lambda: None,
         user: Optional[str] = None,
         no_gpu_reason: Optional[str] = None,
@@ -129,7 +129,7 @@ class GpuQuotaManager:
         self._writes: Dict[str, Tuple[str, asyncio.Task]] = {}
         self._slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
         # The hard limit (MPS): off unless the app gives a layer built from c.GpuQuota.hard_cap.
-        self.hard_cap = hard_cap if hard_cap is not None else HardCapLayer(HardCapSettings())
+        self.hard_cap = hard_cap if hard_cap is not None else HardLimitLayer(HardLimitSettings())
         # Usage: measured by the monitor, reported by kernels; caps stay in the ledger.
         self.watchdog_settings = watchdog_settings
         self.monitor = Monitor(
