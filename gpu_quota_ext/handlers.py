@@ -39,7 +39,7 @@ from .shared.contract import (
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
-from .shared.request_body import TOO_LARGE, BoundedBody, body_follows, declared_length
+from .shared.request_body import TOO_LARGE, BoundedBody
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -65,23 +65,21 @@ class GpuQuotaHandler(APIHandler):
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
-        self._body = BoundedBody()
+        self._body = BoundedBody(self.request.headers)
         self._refusal: Optional[web.HTTPError] = None
-        try:
-            length = declared_length(self.request.headers)
-        except ValueError as error:
+        if self._body.malformed is not None:
             # tornado answers 400 and closes when it reads such a body, before any method runs; were it to
             # read it after all, the method would answer the same, knowing no user.
-            self._refusal, self.current_user = web.HTTPError(400, str(error)), None
+            self._refusal, self.current_user = web.HTTPError(400, self._body.malformed), None
             return
         try:
             await super().prepare()
-            if length is not None and length > self._body.limit:
+            if self._body.over:
                 raise web.HTTPError(
-                    413, f"the request body is {length} bytes; the most this API reads is {MAX_BODY_TEXT}"
+                    413, f"the request body is {self._body.declared} bytes; the most this API reads is {MAX_BODY_TEXT}"
                 )
         except web.HTTPError as refusal:
-            if not body_follows(self.request.headers):
+            if not self._body.follows:
                 raise
             self._refusal = refusal  # answered by the method, once the body is in
             self._body.drop()

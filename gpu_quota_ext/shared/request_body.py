@@ -49,13 +49,24 @@ def body_follows(headers: Mapping[str, str]) -> bool:
 
 
 class BoundedBody:
-    """A request body as it streams in (tornado's data_received), kept while within `limit` bytes: one that
-    grows past it is dropped at once and marked `over`, so no more than the limit is ever held."""
+    """A request body as its headers declare it and as it streams in (tornado's data_received), kept while
+    within `limit` bytes: one declared or grown past it is dropped at once and marked `over`, so no more than
+    the limit is ever held. `malformed`: why the Content-Length is not a number of bytes (tornado's 400), or
+    None; `follows`: whether a body comes after the headers (a refusal must wait for it: see above)."""
 
-    def __init__(self, limit: int = MAX_BODY) -> None:
+    def __init__(self, headers: Optional[Mapping[str, str]] = None, limit: int = MAX_BODY) -> None:
+        headers = headers or {}
         self.limit = limit
+        self.malformed: Optional[str] = None
+        try:
+            self.declared = declared_length(headers)
+        except ValueError as error:
+            self.declared, self.malformed = None, str(error)
+        self.follows = body_follows(headers)
         self.over = False
         self._data = bytearray()
+        if self.malformed is not None or (self.declared is not None and self.declared > limit):
+            self.drop()
 
     def add(self, chunk: bytes) -> None:
         if self.over:

@@ -37,3 +37,21 @@ def test_what_is_not_json_is_a_value_error(raw):
     body.add(raw)
     with pytest.raises(ValueError):
         body.json()
+
+
+def test_the_headers_say_what_is_declared_and_whether_a_body_follows():
+    fits = BoundedBody({"Content-Length": "12"}, limit=16)
+    assert (fits.declared, fits.malformed, fits.follows, fits.over) == (12, None, True, False)
+    declared_too_large = BoundedBody({"Content-Length": "17"}, limit=16)
+    declared_too_large.add(b"{}")
+    assert declared_too_large.over and declared_too_large.json() is None  # dropped before a byte arrives
+    chunked = BoundedBody({"Transfer-Encoding": "chunked"})
+    assert (chunked.declared, chunked.follows, chunked.over) == (None, True, False)
+    assert not BoundedBody({}).follows and not BoundedBody({"Content-Length": "0"}).follows
+
+
+@pytest.mark.parametrize("length", ["abc", "1, 2", "-5", "\u00b3"])
+def test_a_malformed_content_length_is_said_and_its_body_dropped(length):
+    body = BoundedBody({"Content-Length": length})
+    assert body.malformed and "not a number of bytes" in body.malformed
+    assert body.over and body.follows  # unknown: as if it did

@@ -30,7 +30,7 @@ from tornado.httputil import responses
 from ...ledger import AdmissionRefused, UnknownKernel
 from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
-from ...shared.request_body import TOO_LARGE, BoundedBody, body_follows, declared_length
+from ...shared.request_body import TOO_LARGE, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE
 from .book import Forbidden
 from .page import render_page
@@ -82,23 +82,18 @@ class ApiHandler(web.RequestHandler):
         return self.settings["gpu_quota_service"]
 
     async def prepare(self):
-        self._body = BoundedBody()
-        self._refusal: Optional[web.HTTPError] = None
         # Too large: the body is read and dropped, then refused (413) by body(). A refusal of the token,
         # likewise, is answered once the body is in (shared/request_body.py says why).
-        try:
-            length = declared_length(self.request.headers)
-        except ValueError as error:
+        self._body = BoundedBody(self.request.headers)
+        self._refusal: Optional[web.HTTPError] = None
+        if self._body.malformed is not None:
             # tornado answers 400 and closes when it reads such a body, before any method runs.
-            self._refusal = web.HTTPError(400, str(error))
-            self._body.drop()
+            self._refusal = web.HTTPError(400, self._body.malformed)
             return
-        if length is not None and length > self._body.limit:
-            self._body.drop()
         try:
             self._who = await self.service.identify(self)
         except web.HTTPError as refusal:
-            if not body_follows(self.request.headers):
+            if not self._body.follows:
                 raise
             self._refusal = refusal
             self._body.drop()
