@@ -39,7 +39,7 @@ from .shared.contract import (
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
-from .shared.request_body import TOO_LARGE, BoundedBody
+from .shared.request_body import BodyRefused, BoundedBody
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -146,12 +146,10 @@ class GpuQuotaHandler(APIHandler):
             return {}
 
     def read_json_body(self) -> Any:
-        if self._body.over:
-            raise web.HTTPError(413, TOO_LARGE)
         try:
             return self._body.json()
-        except ValueError:
-            raise web.HTTPError(400, "the body is not JSON") from None
+        except BodyRefused as refused:
+            raise web.HTTPError(refused.status, str(refused)) from None
 
 
 class StatusHandler(GpuQuotaHandler):

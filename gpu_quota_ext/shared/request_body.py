@@ -19,10 +19,17 @@ from typing import Any, Mapping, Optional
 
 from .contract import MAX_BODY, MAX_BODY_TEXT
 
-TOO_LARGE = f"the request body is over {MAX_BODY_TEXT}, the most this API reads"  # a 413's words
-
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() takes "٣" and "³" would fail; neither is HTTP
 _SAME_VALUES = re.compile(r",[ \t]*")
+
+
+class BodyRefused(Exception):
+    """Why a request's body cannot be read: the HTTP status to answer (413 over the limit, 400 not JSON) and
+    the message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def declared_length(headers: Mapping[str, str]) -> Optional[int]:
@@ -81,8 +88,11 @@ class BoundedBody:
         self.over, self._data = True, bytearray()
 
     def json(self) -> Any:
-        """The body as JSON, None when empty. ValueError when it is not JSON, however deep its nesting."""
+        """The body as JSON, None when empty. BodyRefused when it was over the limit (413), or is not JSON,
+        however deep its nesting (400)."""
+        if self.over:
+            raise BodyRefused(413, f"the request body is over {MAX_BODY_TEXT}, the most this API reads")
         try:
             return json.loads(bytes(self._data) or b"null")
-        except RecursionError:  # nested deeper than the decoder goes
-            raise ValueError("JSON nested too deep") from None
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
+            raise BodyRefused(400, "the body is not JSON") from None

@@ -3,7 +3,7 @@
 import pytest
 
 from gpu_quota_ext.shared.contract import MAX_BODY
-from gpu_quota_ext.shared.request_body import BoundedBody
+from gpu_quota_ext.shared.request_body import BodyRefused, BoundedBody
 
 
 def test_a_body_within_the_limit_is_kept_and_read_as_json():
@@ -14,29 +14,34 @@ def test_a_body_within_the_limit_is_kept_and_read_as_json():
     assert BoundedBody().json() is None and BoundedBody().limit == MAX_BODY
 
 
+def refusal(body: BoundedBody):
+    with pytest.raises(BodyRefused) as refused:
+        body.json()
+    return refused.value.status, str(refused.value)
+
+
 def test_a_body_that_grows_past_the_limit_is_dropped_and_stays_over():
     body = BoundedBody(limit=16)
     body.add(b"x" * 16)
     assert not body.over
     body.add(b"y")
-    assert body.over and body.json() is None  # nothing of it is held
+    assert body.over and bytes(body._data) == b""  # nothing of it is held
     body.add(b"{}")
-    assert body.over and body.json() is None
+    assert body.over and refusal(body) == (413, "the request body is over 64 KiB, the most this API reads")
 
 
 def test_a_refused_body_is_dropped_as_it_arrives():
     body = BoundedBody()
     body.drop()
     body.add(b"{}")
-    assert body.over and body.json() is None
+    assert body.over and refusal(body)[0] == 413
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000])
-def test_what_is_not_json_is_a_value_error(raw):
+def test_what_is_not_json_is_refused_with_a_400(raw):
     body = BoundedBody(limit=len(raw))
     body.add(raw)
-    with pytest.raises(ValueError):
-        body.json()
+    assert refusal(body) == (400, "the body is not JSON")
 
 
 def test_the_headers_say_what_is_declared_and_whether_a_body_follows():
@@ -44,7 +49,7 @@ def test_the_headers_say_what_is_declared_and_whether_a_body_follows():
     assert (fits.declared, fits.malformed, fits.follows, fits.over) == (12, None, True, False)
     declared_too_large = BoundedBody({"Content-Length": "17"}, limit=16)
     declared_too_large.add(b"{}")
-    assert declared_too_large.over and declared_too_large.json() is None  # dropped before a byte arrives
+    assert declared_too_large.over and refusal(declared_too_large)[0] == 413  # dropped before a byte arrives
     chunked = BoundedBody({"Transfer-Encoding": "chunked"})
     assert (chunked.declared, chunked.follows, chunked.over) == (None, True, False)
     assert not BoundedBody({}).follows and not BoundedBody({"Content-Length": "0"}).follows

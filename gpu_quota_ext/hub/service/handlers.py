@@ -30,7 +30,7 @@ from tornado.httputil import responses
 from ...ledger import AdmissionRefused, UnknownKernel
 from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
-from ...shared.request_body import TOO_LARGE, BoundedBody
+from ...shared.request_body import BodyRefused, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE
 from .book import Forbidden
 from .page import render_page
@@ -111,12 +111,10 @@ class ApiHandler(web.RequestHandler):
     def body(self) -> Any:
         if self._refusal is not None:
             raise self._refusal
-        if self._body.over:
-            raise web.HTTPError(413, TOO_LARGE)
         try:
             return self._body.json()
-        except ValueError:
-            raise web.HTTPError(400, "the body is not JSON") from None
+        except BodyRefused as refused:
+            raise web.HTTPError(refused.status, str(refused)) from None
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         _write_json_error(self, status_code, kwargs)
