@@ -37,9 +37,10 @@ from typing import (
 
 from ..devices import Device, NvmlBackend, NvmlFailure, NvmlUnavailable
 from ..threads import SerialThread
-from .attribution import TREE, PidResolver
+from .attribution import TREE
 from .kernels import KernelRoots
 from .periodic import every
+from .processes import PidResolver
 
 log = logging.getLogger("gpu_quota_ext")
 

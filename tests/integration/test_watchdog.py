@@ -225,7 +225,7 @@ DAEMON_CODE = (
 
 def ancestors(pid):
     """PIDs from `pid`'s parent up to init, read from the live process table."""
-    from gpu_quota_ext.usage.attribution import ProcTable
+    from gpu_quota_ext.usage import ProcTable
 
     table, chain = ProcTable(), []
     current = table.parent_of(pid)
