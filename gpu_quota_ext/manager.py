@@ -236,7 +236,7 @@ class GpuQuotaManager:
         """The server is stopping: sampling and following end, the hard-limit layer stops (a managed MPS
         daemon with it), the ledger closes (a RemoteLedger's lease renewals end, in a thread)."""
         await self.stop()
-        await self.hard_cap.stop(self.kernels.manager)
+        await self.hard_cap.stop(self.kernels.shutdown_all)
         try:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:

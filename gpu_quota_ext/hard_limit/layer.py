@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Sequence
 
 from ..devices import Device
 from ..ledger import Grant
@@ -34,9 +34,6 @@ from .decisions import (
     layers_summary,
 )
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
-
-if TYPE_CHECKING:
-    from jupyter_client.multikernelmanager import MultiKernelManager
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -157,13 +154,12 @@ class HardLimitLayer:
             self.state, self.problem = "stopped", "the server is stopping"
             self.message = self.problem
 
-    async def stop(self, kernel_manager: Optional[MultiKernelManager] = None) -> None:
-        """At shutdown: kernels first (they are the daemon's clients), then the daemon, off the loop."""
-        if self.daemon is not None and kernel_manager is not None:
+    async def stop(self, shutdown_kernels: Optional[Callable[[], Awaitable[Any]]] = None) -> None:
+        """At shutdown: kernels first (they are the daemon's clients: `shutdown_kernels`, the kernel
+        manager's), then the daemon, off the loop."""
+        if self.daemon is not None and shutdown_kernels is not None:
             try:
-                result = kernel_manager.shutdown_all()
-                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                    await result
+                await shutdown_kernels()
             except Exception as error:  # the daemon must still stop
                 log.warning("gpu-quota-ext: shutting kernels down before the MPS daemon: %r", error)
         await off_loop(self.stop_sync, name="gpu-quota-mps-stop")

@@ -4,8 +4,8 @@ actions out.
 `KernelManagerView` adapts jupyter_server's MappingKernelManager (jupyter_client underneath): which
 kernels exist and which are still starting (through the guarded `pending_kernels`), each
 kernel's own process (the root of its tree, for attribution), its "dead" event and whether its process
-still runs (for the lifecycle), its activity (for parking), and the interrupt / restart / kill the
-watchdog carries out.
+still runs (for the lifecycle), its activity (for parking), the interrupt / restart / kill the
+watchdog carries out, and every kernel's shutdown before the hard limit's MPS daemon stops.
 
 The one private jupyter_client attribute the server side reads is here too: MultiKernelManager.
 _pending_kernels (kernel id -> start task) keeps the kernels being started until they are listed; there is
@@ -183,3 +183,7 @@ class KernelManagerView:
             await maybe_await(manager.shutdown_kernel(kernel_id, now=True))
         else:  # pragma: no cover - the watchdog's settings allow no other value
             raise ValueError(action)
+
+    async def shutdown_all(self) -> None:
+        """Every kernel shut down (the server is stopping: before the MPS daemon they are clients of)."""
+        await maybe_await(self.manager.shutdown_all())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpu_quota_ext.policy import GiB, MiB
+from gpu_quota_ext.usage import KernelManagerView
 
 from .fake_gpu import manager_of, status, wait_for
 from .fake_mps import (  # noqa: F401 (jp_runtime_dir is a fixture)
@@ -317,7 +318,7 @@ class TestExternalDaemon:
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe and env["CUDA_MPS_LOG_DIRECTORY"] is None
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
         assert (await status(jp_fetch))["hard_cap"]["daemon"] == "external"
-        await manager_of(jp_serverapp).hard_cap.stop(jp_serverapp.kernel_manager)
+        await manager_of(jp_serverapp).hard_cap.stop(KernelManagerView(jp_serverapp.kernel_manager).shutdown_all)
         assert alive(pid)  # not ours to stop
         assert not (Path(jp_serverapp.runtime_dir) / f"gpu-quota-mps-{os.getpid()}").exists()
 

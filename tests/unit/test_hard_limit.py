@@ -220,3 +220,25 @@ def test_settings_describe_names_the_setting_and_leaves_out_the_control_program(
         mode="mps", daemon="external", limit="cap", context_allowance=MiB, control="/x/mps"
     ).describe()
     assert shown == {"mode": "mps", "daemon": "external", "hard_limit": "cap", "context_allowance": MiB, "timeout": 5.0}
+
+
+def test_at_shutdown_the_kernels_go_before_the_daemon_they_are_clients_of():
+    import asyncio
+
+    from gpu_quota_ext.hard_limit import HardLimitLayer
+
+    done = []
+
+    class Daemon:
+        def stop(self):
+            done.append("daemon")
+
+    async def shutdown_kernels():
+        done.append("kernels")
+
+    layer = HardLimitLayer(HardLimitSettings())
+    layer.daemon = Daemon()
+    asyncio.run(layer.stop(shutdown_kernels))
+    assert done == ["kernels", "daemon"] and layer.daemon is None
+    asyncio.run(layer.stop(shutdown_kernels))  # no daemon of its own (off, or an external one): kernels untouched
+    assert done == ["kernels", "daemon"]
