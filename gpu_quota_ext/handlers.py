@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.services.sessions.handlers import SessionRootHandler
@@ -252,7 +252,7 @@ def parse_since(handler: GpuQuotaHandler) -> Optional[float]:
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 
 
-def parse_usage_report(body: Any, granted: Any) -> list:
+def parse_usage_report(body: Any, granted: Collection[int]) -> list:
     """The validated entries of a usage report, or HTTP 400 saying what is wrong."""
     if not isinstance(body, dict) or set(body) != {"devices"}:
         raise web.HTTPError(
