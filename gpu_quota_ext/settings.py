@@ -38,7 +38,7 @@ COUNT = "count"  # a whole number from `low` to `high`
 # Parts: which validated object a setting belongs to (its builder takes the setting as an argument, `validated`).
 POLICY = "policy"  # policy.build_policy -> Policy
 WATCHDOG = "watchdog"  # usage.build_watchdog_settings -> WatchdogSettings
-HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
+HARD_CAP = "hard_cap"  # hard_limit.build_hard_limit_settings -> HardLimitSettings
 PARK = "park"  # parking.build_park_settings -> ParkSettings
 PLUGINS = "plugins"  # the classes the extension instantiates
 # The host service's limits on each user (hub/service/user_policy.py). The hub's mapping sets them per user

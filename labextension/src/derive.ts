@@ -202,7 +202,8 @@ export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
   }
   const said = reasonText(kernel.reasons?.park, park.reason);
   if (park.parkable === false) {
-    return { kind: 'not-parkable', words: said?.words || '', detail: said?.detail || '', level: 'ok', state: park.state };
+    const words = said?.words || '';
+    return { kind: 'not-parkable', words, detail: said?.detail || '', level: 'ok', state: park.state };
   }
   return {
     kind: 'park',
