@@ -53,22 +53,22 @@ def serve(port: int, token: str) -> None:
     from tornado import web
     from traitlets.config import Config
 
-    from gpu_quota_ext.provisioner import SETTINGS_KEY
+    from gpu_quota_ext.manager import SETTINGS_KEY
     from gpu_quota_ext.usage.kernels import pending_kernels
 
     class Leftovers(APIHandler):
         @web.authenticated
         def get(self):
             km = self.kernel_manager
-            service = self.settings[SETTINGS_KEY]
+            manager = self.settings[SETTINGS_KEY]
             self.finish(
                 json.dumps(
                     {
                         "reserved ports": len(LocalPortCache.instance().currently_used_ports),
                         "pending kernels": len(pending_kernels(km) or {}),
                         "kernels": len(km.list_kernel_ids()),
-                        "grants": len(service.ledger.grants()),
-                        "kernel secrets": len(service._tokens),
+                        "grants": len(manager.ledger.grants()),
+                        "kernel secrets": len(manager._tokens),
                         "python threads": threading.active_count(),
                     }
                 )

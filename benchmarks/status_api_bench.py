@@ -56,8 +56,8 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
     from traitlets.config import Config
 
     from gpu_quota_ext.devices.fake_nvml import FakeNvml
+    from gpu_quota_ext.manager import SETTINGS_KEY
     from gpu_quota_ext.policy import GiB
-    from gpu_quota_ext.provisioner import SETTINGS_KEY
 
     config = Config(
         {
@@ -74,18 +74,18 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
     )
     app = ServerApp.instance(config=config, allow_root=True, log_level="WARN")
     app.initialize(argv=[])
-    service = app.web_app.settings[SETTINGS_KEY]
+    manager = app.web_app.settings[SETTINGS_KEY]
 
     async def start_kernels() -> None:
-        manager = app.kernel_manager
+        kernel_manager = app.kernel_manager
         for number in range(kernels):
-            kernel_id = await manager.start_kernel(kernel_name=KERNELSPEC)
-            pid = manager.get_kernel(kernel_id).provisioner.process.pid
+            kernel_id = await kernel_manager.start_kernel(kernel_name=KERNELSPEC)
+            pid = kernel_manager.get_kernel(kernel_id).provisioner.process.pid
             with open(pid_file, "a") as pids:
                 pids.write(f"{pid}\n")
-            device = service.ledger.get(kernel_id).devices[0]
+            device = manager.ledger.get(kernel_id).devices[0]
             FakeNvml.set_usage(pid, f"static-{device}", GiB + number)
-            service.reports.report(
+            manager.reports.report(
                 kernel_id, [{"index": device, "allocated": number, "reserved": 2 * number, "peak": 3 * number}]
             )
 

@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -29,13 +29,13 @@ from traitlets import (
 )
 from traitlets import Union as UnionTrait
 
-from .devices import Device
+from .devices import Device, DeviceInventory
 from .handlers import HANDLERS
 from .hard_limit import (
-    HardCapLayer,
-    HardCapSettings,
-    HardCapUnavailable,
-    build_hard_cap_settings,
+    HardLimitLayer,
+    HardLimitSettings,
+    HardLimitUnavailable,
+    build_hard_limit_settings,
 )
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
@@ -118,10 +118,10 @@ class StartParts:
     policy: Policy
     enforcement: WatchdogSettings
     parking: ParkSettings
-    inventory: Any
+    inventory: DeviceInventory
     devices: Sequence[Device]
     ledger: Ledger
-    hard_layer: HardCapLayer
+    hard_layer: HardLimitLayer
 
     def close(self) -> None:
         """Undo what building them started (`jupyter gpu-quota check`): the hard layer's daemon, the ledger."""
@@ -246,6 +246,7 @@ class GpuQuota(ExtensionApp):
     park_min_idle = setting_trait("park_min_idle")
     park_wait_limit = setting_trait("park_wait_limit")
     park_device_margin = setting_trait("park_device_margin")
+    park_on_device_full = setting_trait("park_on_device_full")
     park_call_timeout = setting_trait("park_call_timeout")
     checkpoint_class = setting_trait("checkpoint_class")
 
@@ -284,7 +285,7 @@ class GpuQuota(ExtensionApp):
         """Every setting's value; a bad type, choice or range (config or environment): a TraitError, one line."""
         return {name: getattr(self, name) for name in server_setting_names()}
 
-    def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardCapSettings]:
+    def validated_settings(self) -> Tuple[Policy, WatchdogSettings, HardLimitSettings]:
         """The policy, the watchdog's and the hard limit's settings, validated. The server's start and
         `jupyter gpu-quota check` both come here: a SettingError (a PolicyError) or a TraitError names the
         first bad setting, and its environment variable when the value came from there."""
@@ -297,7 +298,7 @@ class GpuQuota(ExtensionApp):
             return (
                 build_policy(**part(POLICY)),
                 build_watchdog_settings(**part(WATCHDOG)),
-                build_hard_cap_settings(**part(HARD_CAP)),
+                build_hard_limit_settings(**part(HARD_CAP)),
             )
         except SettingError as error:
             raise self._named_with_its_variable(error) from None
@@ -327,10 +328,10 @@ class GpuQuota(ExtensionApp):
             ledger = _make_ledger(devices, policy)
         except (PolicyError, TraitError) as error:
             self._stop_server(str(error))
-        hard_layer = HardCapLayer(hard_cap, runtime_dir)
+        hard_layer = HardLimitLayer(hard_cap, runtime_dir)
         try:
             hard_layer.start(policy, devices)
-        except HardCapUnavailable as error:
+        except HardLimitUnavailable as error:
             ledger.close()
             self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
         return StartParts(policy, enforcement, parking, inventory, devices, ledger, hard_layer)

@@ -178,6 +178,7 @@ def _report(server, extension: GpuQuota, parts: StartParts) -> str:
     limit = parking.wait_limit
     lines.append(row("park_wait_limit", "off (waits without a limit)" if limit is None else f"{limit:g} s"))
     lines.append(row("park_device_margin", format_bytes(parking.device_margin)))
+    lines.append(row("park_on_device_full", parking.on_device_full))
     lines.append(row("park_call_timeout", f"{parking.call_timeout:g} s"))
 
     layer = parts.hard_layer

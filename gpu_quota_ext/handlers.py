@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Collection, Dict, Optional
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.services.sessions.handlers import SessionRootHandler
@@ -32,14 +32,15 @@ from .shared.contract import (
     HISTORY_SUFFIX,
     KERNEL_TOKEN_HEADER,
     KERNELS_PATH,
-    MAX_BODY,
+    MAX_BODY_TEXT,
     PARK_SUFFIX,
     RESUME_SUFFIX,
+    ROOM_SUFFIX,
     STATUS_PATH,
     USAGE_FIELDS,
     USAGE_SUFFIX,
 )
-from .shared.request_body import body_follows, declared_length
+from .shared.request_body import BodyRefused, BoundedBody
 from .shared.sizes import PolicyError, shown
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
@@ -65,24 +66,24 @@ class GpuQuotaHandler(APIHandler):
         return self.settings[SETTINGS_KEY]
 
     async def prepare(self):
-        self._body = bytearray()
-        self._body_too_large = False
+        self._body = BoundedBody(self.request.headers)
         self._refusal: Optional[web.HTTPError] = None
-        try:
-            length = declared_length(self.request.headers)
-        except ValueError as error:
+        if self._body.malformed is not None:
             # tornado answers 400 and closes when it reads such a body, before any method runs; were it to
             # read it after all, the method would answer the same, knowing no user.
-            self._refusal, self.current_user = web.HTTPError(400, str(error)), None
+            self._refusal, self.current_user = web.HTTPError(400, self._body.malformed), None
             return
         try:
             await super().prepare()
-            if length is not None and length > MAX_BODY:
-                raise web.HTTPError(413, f"the request body is {length} bytes; the most this API reads is 64 KiB")
+            if self._body.over:
+                raise web.HTTPError(
+                    413, f"the request body is {self._body.declared} bytes; the most this API reads is {MAX_BODY_TEXT}"
+                )
         except web.HTTPError as refusal:
-            if not body_follows(self.request.headers):
+            if not self._body.follows:
                 raise
-            self._refusal, self._body_too_large = refusal, True  # answered by the method, once the body is in
+            self._refusal = refusal  # answered by the method, once the body is in
+            self._body.drop()
 
     def answer_refusal(self) -> None:
         """Raise the refusal prepare() decided before the body arrived. Every route reaches it first: through
@@ -91,14 +92,7 @@ class GpuQuotaHandler(APIHandler):
             raise self._refusal
 
     def data_received(self, chunk: bytes) -> None:
-        # Past the limit (or refused already), what arrives is dropped.
-        if self._body_too_large:
-            return
-        if len(self._body) + len(chunk) > MAX_BODY:
-            self._body_too_large = True
-            self._body = bytearray()
-        else:
-            self._body += chunk
+        self._body.add(chunk)  # past the limit (or refused already), what arrives is dropped
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """jupyter_server's JSON error answer, with the message formatted: tornado stores a message given
@@ -153,12 +147,10 @@ class GpuQuotaHandler(APIHandler):
             return {}
 
     def read_json_body(self) -> Any:
-        if self._body_too_large:
-            raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
         try:
-            return json.loads(bytes(self._body) or b"null")
-        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than the decoder goes
-            raise web.HTTPError(400, "the body is not JSON") from None
+            return self._body.json()
+        except BodyRefused as refused:
+            raise web.HTTPError(refused.status, str(refused)) from None
 
 
 class StatusHandler(GpuQuotaHandler):
@@ -261,7 +253,7 @@ def parse_since(handler: GpuQuotaHandler) -> Optional[float]:
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 
 
-def parse_usage_report(body: Any, granted: Any) -> list:
+def parse_usage_report(body: Any, granted: Collection[int]) -> list:
     """The validated entries of a usage report, or HTTP 400 saying what is wrong."""
     if not isinstance(body, dict) or set(body) != {"devices"}:
         raise web.HTTPError(
@@ -354,6 +346,34 @@ class ResumeHandler(_ParkRoute):
         return await self.manager.request_resume(kernel_id, who)
 
 
+class RoomHandler(GpuQuotaHandler):
+    """POST kernels/<id>/room {"device": index | null}: the kernel found the GPU full (shared.contract ROOM_SUFFIX)."""
+
+    @allow_unauthenticated
+    async def post(self, kernel_id: str):
+        who = self.require_user_or_kernel(kernel_id, "write")
+        body = self.read_json_body()
+        if body is None:
+            body = {}
+        if not isinstance(body, dict) or set(body) - {"device"}:
+            raise web.HTTPError(400, 'POST room takes {"device": a device index or null}, or no body')
+        device = body.get("device")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise web.HTTPError(400, '"device" must be a device index (a whole number from 0) or null')
+        try:
+            accepted, park, why_not = await self.manager.request_room(kernel_id, device)
+        except UnknownKernel:
+            raise web.HTTPError(404, f"no kernel {shown(kernel_id)} on this server") from None
+        answer: Dict[str, Any] = {"park": park}
+        if accepted:
+            self.set_status(202)
+        else:
+            self.set_status(409)
+            answer["message"] = why_not
+        self.log.info("gpu-quota-ext: kernel %s room request (%s): %s", kernel_id, who, park.get("room") or why_not)
+        self.finish(json.dumps(answer))
+
+
 class SessionsHandler(SessionRootHandler):
     """jupyter_server's own POST /api/sessions (what JupyterLab opens a notebook with), in every respect but
     one: a kernel start that failed with an HTTP status of its own (the quota's 503 "GPU budget full", 400,
@@ -392,6 +412,7 @@ HANDLERS = [
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, USAGE_SUFFIX), UsageHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, PARK_SUFFIX), ParkHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, RESUME_SUFFIX), ResumeHandler),
+    (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, ROOM_SUFFIX), RoomHandler),
     (HISTORY_PATH, HistoryHandler),
     (url_path_join(KERNELS_PATH, KERNEL_ID_PATTERN, HISTORY_SUFFIX), KernelHistoryHandler),
 ]

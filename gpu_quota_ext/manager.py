@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .devices import Device, NvmlBackend, find_device, parse_cuda_visible_devices
-from .hard_limit import HardCapLayer, HardCapSettings
+from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
+from .hard_limit import HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env
 from .ledger import ChangeOutcome, Grant, Ledger
 from .parking import (
@@ -112,7 +112,7 @@ class GpuQuotaManager:
         kernels: KernelManagerView,
         backend: NvmlBackend,
         watchdog_settings: WatchdogSettings = WatchdogSettings(),
-        hard_cap: Optional[HardCapLayer] = None,
+        hard_cap: Optional[HardLimitLayer] = None,
         api_url: Callable[[], Optional[str]] = lambda: None,
         user: Optional[str] = None,
         no_gpu_reason: Optional[str] = None,
@@ -139,7 +139,7 @@ class GpuQuotaManager:
         self._writes: Dict[str, Tuple[str, asyncio.Task]] = {}
         self._slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
         # The hard limit (MPS): off unless the app gives a layer built from c.GpuQuota.hard_cap.
-        self.hard_cap = hard_cap if hard_cap is not None else HardCapLayer(HardCapSettings())
+        self.hard_cap = hard_cap if hard_cap is not None else HardLimitLayer(HardLimitSettings())
         # Usage: measured by the monitor, reported by kernels; caps stay in the ledger.
         self.watchdog_settings = watchdog_settings
         self.monitor = Monitor(
@@ -247,6 +247,10 @@ class GpuQuotaManager:
     async def request_resume(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         return await self.parker.request_resume(kernel_id, who)
 
+    async def request_room(self, kernel_id: str, device: Optional[int]) -> Tuple[bool, dict, str]:
+        """A kernel found the device full: room up to its cap, where the admin turned that on."""
+        return await self.parker.request_room(kernel_id, device)
+
     def park_for_host(self, kernel_ids: List[str]) -> None:
         """The host service chose these idle kernels of this server to park, for another kernel of the host (the
         lease's answer, in the lease's thread): the parker decides on the event loop."""
@@ -266,7 +270,7 @@ class GpuQuotaManager:
         """The server is stopping: sampling and following end, the hard-limit layer stops (a managed MPS
         daemon with it), the ledger closes (a RemoteLedger's lease renewals end, in a thread)."""
         await self.stop()
-        await self.hard_cap.stop(self.kernels.manager)
+        await self.hard_cap.stop(self.kernels.shutdown_all)
         try:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:
@@ -516,14 +520,7 @@ class GpuQuotaManager:
         pinned = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
         if pinned is None or pinned == parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")):
             return None
-        allowed: List[int] = []
-        for entry in pinned:
-            device = find_device(list(self.devices.values()), entry)
-            if device is None:
-                break  # CUDA ends the list at an entry that names no device: the kernel sees no more
-            if device.index not in allowed:
-                allowed.append(device.index)
-        return allowed
+        return [device.index for device in devices_named(list(self.devices.values()), pinned)]
 
     # --- the kernels' secrets ------------------------------------------------------------------
 

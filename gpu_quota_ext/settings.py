@@ -38,7 +38,7 @@ COUNT = "count"  # a whole number from `low` to `high`
 # Parts: which validated object a setting belongs to (its builder takes the setting as an argument, `validated`).
 POLICY = "policy"  # policy.build_policy -> Policy
 WATCHDOG = "watchdog"  # usage.build_watchdog_settings -> WatchdogSettings
-HARD_CAP = "hard_cap"  # hard_limit.build_hard_cap_settings -> HardCapSettings
+HARD_CAP = "hard_cap"  # hard_limit.build_hard_limit_settings -> HardLimitSettings
 PARK = "park"  # parking.build_park_settings -> ParkSettings
 PLUGINS = "plugins"  # the classes the extension instantiates
 # The host service's limits on each user (hub/service/user_policy.py). The hub's mapping sets them per user
@@ -487,6 +487,18 @@ SETTINGS: Dict[str, Setting] = _table(
         help="""Device memory kept free beyond what a restore brings back: a restore runs only when the GPU
         has the kernel's parked bytes plus this margin free and claimed by nobody (a restore that finds the
         device full loses the kernel's GPU state for good).""",
+    ),
+    Setting(
+        "park_on_device_full",
+        CHOICE,
+        PARK,
+        "off",
+        choices=("off", "on"),
+        attribute="on_device_full",
+        env="GPU_QUOTA_PARK_ON_DEVICE_FULL",
+        help="""When a kernel's allocation finds the GPU itself full (torch's out-of-memory below the kernel's own
+        cap), "on" makes the broker park idle kernels to give it room up to its cap, and the kernel says so under
+        the failed cell (run it again once room is made); "off" leaves it to the user.""",
     ),
     Setting(
         "park_call_timeout",

@@ -1,4 +1,5 @@
-// Unit tests of the pure modules (format.ts, state.ts): plain Node, no JupyterLab, no DOM.
+// Unit tests of the pure modules (contract.ts, format.ts, state.ts, share.ts, derive.ts, ...): plain Node,
+// no JupyterLab, no DOM.
 module.exports = {
   testEnvironment: 'node',
   roots: ['<rootDir>/test'],

@@ -75,18 +75,22 @@ def parse_cuda_visible_devices(value: Optional[str]) -> Optional[List[str]]:
     return entries
 
 
+def devices_named(devices: Sequence[Device], entries: Sequence[str]) -> List[Device]:
+    """The devices CUDA_VISIBLE_DEVICES entries (from parse_cuda_visible_devices) name, in their order, each once,
+    as they are (not re-indexed). CUDA ends the list at an entry that names no device."""
+    chosen: List[Device] = []
+    for entry in entries:
+        match = find_device(devices, entry)
+        if match is None:
+            break
+        if match not in chosen:
+            chosen.append(match)
+    return chosen
+
+
 def select_visible(devices: Sequence[Device], visible: Optional[List[str]]) -> List[Device]:
     """The devices that `visible` (from parse_cuda_visible_devices) keeps, in its order, re-indexed."""
-    if visible is None:
-        chosen = list(devices)
-    else:
-        chosen = []
-        for entry in visible:
-            match = find_device(devices, entry)
-            if match is None:
-                break  # CUDA: an entry that names no device ends the list
-            if match not in chosen:
-                chosen.append(match)
+    chosen = list(devices) if visible is None else devices_named(devices, visible)
     return [
         Device(index=i, name=d.name, uuid=d.uuid, total=d.total, nvml_index=d.nvml_index)
         for i, d in enumerate(chosen)

@@ -4,7 +4,7 @@ decisions.py holds the pure rules (settings, each kernel's limit and route); mps
 control daemon; layer.py is what the server holds (the daemon it manages, each kernel's layers).
 """
 
-from .decisions import HardCapSettings, KernelLayers, build_hard_cap_settings
-from .layer import HardCapLayer, HardCapUnavailable
+from .decisions import HardLimitSettings, KernelLayers, build_hard_limit_settings
+from .layer import HardLimitLayer, HardLimitUnavailable
 
-__all__ = ["HardCapSettings", "KernelLayers", "build_hard_cap_settings", "HardCapLayer", "HardCapUnavailable"]
+__all__ = ["HardLimitSettings", "KernelLayers", "build_hard_limit_settings", "HardLimitLayer", "HardLimitUnavailable"]

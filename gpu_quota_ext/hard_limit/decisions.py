@@ -39,8 +39,8 @@ LOG_VARIABLE = "CUDA_MPS_LOG_DIRECTORY"
 
 
 @dataclass(frozen=True)
-class HardCapSettings:
-    """The admin's hard-cap settings, validated (c.GpuQuota.hard_cap, mps_*, hard_limit)."""
+class HardLimitSettings:
+    """The admin's hard-limit settings, validated (c.GpuQuota.hard_cap, mps_*, hard_limit)."""
 
     mode: str = default_of("hard_cap")  # "off", "auto" (MPS when usable) or "mps" (required)
     daemon: str = default_of("mps_daemon")  # "managed" (this server starts and stops one) or "external" (an admin's)
@@ -58,10 +58,10 @@ class HardCapSettings:
         return shown
 
 
-def build_hard_cap_settings(*args: Any, **given: Any) -> HardCapSettings:
+def build_hard_limit_settings(*args: Any, **given: Any) -> HardLimitSettings:
     """The hard limit's settings (the table's HARD_CAP rows: in its order, or by name), validated; a
     SettingError (a PolicyError) names the first bad one and its value."""
-    return HardCapSettings(**validated(HARD_CAP, args, given))
+    return HardLimitSettings(**validated(HARD_CAP, args, given))
 
 
 # --- the limit of one kernel ----------------------------------------------------------------------
@@ -104,7 +104,7 @@ def kernel_ordinals(grant: Grant, devices: Mapping[int, Device], env: Mapping[st
 
 
 def device_limits(
-    grant: Grant, devices: Mapping[int, Device], env: Mapping[str, str], settings: HardCapSettings
+    grant: Grant, devices: Mapping[int, Device], env: Mapping[str, str], settings: HardLimitSettings
 ) -> Tuple[DeviceLimit, ...]:
     """The kernel's hard limit on each device it holds and sees, tightened by a limit already in `env`."""
     numbers = grant.max_caps if settings.limit == "max_cap" else grant.caps
@@ -260,7 +260,7 @@ def decide(
     grant: Grant,
     devices: Mapping[int, Device],
     env: Mapping[str, str],
-    settings: HardCapSettings,
+    settings: HardLimitSettings,
     unavailable: Optional[str],
     probe: Optional[Probe],
     uid: int,

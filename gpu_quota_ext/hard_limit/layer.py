@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Sequence
 
 from ..devices import Device
 from ..ledger import Grant
@@ -24,7 +24,7 @@ from ..threads import SerialThread, off_loop
 from .decisions import (
     DEFAULT_PIPE_DIRECTORY,
     PIPE_VARIABLE,
-    HardCapSettings,
+    HardLimitSettings,
     KernelLayers,
     Probe,
     Route,
@@ -35,20 +35,17 @@ from .decisions import (
 )
 from .mps import EXTRA_PATH, ManagedDaemon, MpsError, find_control, make_private, probe
 
-if TYPE_CHECKING:
-    from jupyter_client.multikernelmanager import MultiKernelManager
-
 log = logging.getLogger("gpu_quota_ext")
 
-class HardCapUnavailable(Exception):
+class HardLimitUnavailable(Exception):
     """hard_cap = "mps" (required) and no usable MPS control daemon: the server must not start."""
 
 
-class HardCapLayer:
+class HardLimitLayer:
     """The hard limit for this server's kernels: its daemon, its check before each start, and what
     each kernel got (for the status API, the sidebar, %gpucap and /metrics)."""
 
-    def __init__(self, settings: HardCapSettings, runtime_directory: Optional[str] = None, uid: Optional[int] = None):
+    def __init__(self, settings: HardLimitSettings, runtime_directory: Optional[str] = None, uid: Optional[int] = None):
         self.settings = settings
         self.runtime_directory = runtime_directory or tempfile.gettempdir()
         self.uid = os.getuid() if uid is None else uid
@@ -70,7 +67,7 @@ class HardCapLayer:
     # --- server start and stop ---------------------------------------------------------------------
 
     def start(self, policy: Optional[Policy] = None, devices: Sequence[Device] = ()) -> None:
-        """At server start (blocking, before any kernel). Raises HardCapUnavailable when hard_cap is
+        """At server start (blocking, before any kernel). Raises HardLimitUnavailable when hard_cap is
         "mps" and no daemon is usable; with "auto" the layer is "unavailable" and says why.
 
         A managed daemon also gets, per device, a default limit at the largest hard limit `policy` can
@@ -107,7 +104,7 @@ class HardCapLayer:
         if problem is not None:
             if settings.mode == "mps":
                 self.stop_sync()
-                raise HardCapUnavailable(problem)
+                raise HardLimitUnavailable(problem)
             daemon, self.daemon = self.daemon, None
             if daemon is not None:
                 daemon.stop()
@@ -157,13 +154,12 @@ class HardCapLayer:
             self.state, self.problem = "stopped", "the server is stopping"
             self.message = self.problem
 
-    async def stop(self, kernel_manager: Optional[MultiKernelManager] = None) -> None:
-        """At shutdown: kernels first (they are the daemon's clients), then the daemon, off the loop."""
-        if self.daemon is not None and kernel_manager is not None:
+    async def stop(self, shutdown_kernels: Optional[Callable[[], Awaitable[Any]]] = None) -> None:
+        """At shutdown: kernels first (they are the daemon's clients: `shutdown_kernels`, the kernel
+        manager's), then the daemon, off the loop."""
+        if self.daemon is not None and shutdown_kernels is not None:
             try:
-                result = kernel_manager.shutdown_all()
-                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                    await result
+                await shutdown_kernels()
             except Exception as error:  # the daemon must still stop
                 log.warning("gpu-quota-ext: shutting kernels down before the MPS daemon: %r", error)
         await off_loop(self.stop_sync, name="gpu-quota-mps-stop")
@@ -199,7 +195,7 @@ class HardCapLayer:
             return {}
         if probe_answer is None and self.state == "on":
             probe_answer = self.probe_sync()  # callers other than the launch hook (it probes off the loop)
-        unavailable = None if self.state == "on" else (self.problem or f"the hard-cap layer is {self.state}")
+        unavailable = None if self.state == "on" else (self.problem or f"the hard-limit layer is {self.state}")
         layers, variables = decide(grant, devices, env, self.settings, unavailable, probe_answer, self.uid, self.route)
         with self._lock:
             self._forget_locked(kernel_id)

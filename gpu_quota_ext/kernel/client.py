@@ -14,7 +14,15 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..shared.contract import HISTORY_SINCE, HISTORY_SUFFIX, PARK_SUFFIX, RESUME_SUFFIX, USAGE_SUFFIX, kernel_path
+from ..shared.contract import (
+    HISTORY_SINCE,
+    HISTORY_SUFFIX,
+    PARK_SUFFIX,
+    RESUME_SUFFIX,
+    ROOM_SUFFIX,
+    USAGE_SUFFIX,
+    kernel_path,
+)
 from ..shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
 from ..shared.env_vars import API_URL, KERNEL_ID, TOKEN
 
@@ -154,6 +162,23 @@ class QuotaClient:
         elif status == 403:
             message = "the server refused this kernel's credentials (403): " + (message or "forbidden")
         return ParkAnswer("error", str(message or f"the server answered HTTP {status}"), status=status)
+
+    def ask_room(self, device_index: Optional[int]) -> ParkAnswer:
+        """This kernel's allocation found the GPU itself full: ask the server to make room up to its cap (where
+        the admin turned that on). "accepted" (room is being made: follow `park_state()["room"]`), "refused"
+        (off on this server, or nothing to give: `message` says which) or "error"."""
+        try:
+            body = {"device": device_index}
+            status, reply = self._send("POST", self.kernel_url(ROOM_SUFFIX), body, REQUEST_TIMEOUT_S)
+        except OSError as error:
+            return ParkAnswer("error", f"cannot reach the GPU quota server at {self.api_url}: {_reason(error)}")
+        park = reply.get("park") if isinstance(reply, dict) else None
+        message = str(reply.get("message") or "") if isinstance(reply, dict) else ""
+        if status == 202 and isinstance(park, dict):
+            return ParkAnswer("accepted", message, park, status)
+        if status == 409:
+            return ParkAnswer("refused", message, park if isinstance(park, dict) else None, status)
+        return ParkAnswer("error", message or f"the server answered HTTP {status}", status=status)
 
     # --- usage history -------------------------------------------------------------------------
 

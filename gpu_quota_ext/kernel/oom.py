@@ -67,6 +67,26 @@ def explain_after_cell(result, state, stream=None) -> Optional[str]:
         reserved = {o: u.reserved for o, u in read_usage().items()}
         line = explain_oom(str(error), caps, reserved)
         print(line, file=stream or sys.stderr, flush=True)
+        if "allowed;" not in str(error):  # the device was full, not the cap: room can be made, where it is on
+            ask_for_room(str(error), state, stream)
         return line
     except Exception:
         return None
+
+
+def ask_for_room(message: str, state, stream=None) -> None:
+    """Ask the server to park idle kernels so that this kernel gets its cap (park_on_device_full), and follow."""
+    from .client import QuotaClient
+    from .park_wait import follow_room
+
+    client = QuotaClient.from_environment()
+    if client is None:
+        return
+    match = _DEVICE_RE.search(message)
+    ordinal = int(match.group(1)) if match else None
+    device = next((d.index for d in state.devices if d.ordinal == ordinal), None)
+    follow_room(
+        lambda: client.ask_room(device),
+        client.park_state,
+        lambda line: print(line, file=stream or sys.stderr, flush=True),
+    )

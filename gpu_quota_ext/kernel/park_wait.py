@@ -207,3 +207,48 @@ def install(shell: Any, watch: ParkWatch) -> bool:
     handlers[KERNEL_REQUEST] = on_request
     shell.ast_transformers.append(WaitWhileParked(watch))
     return True
+
+
+# --- room after an allocation found the GPU full (park_on_device_full) -------------------------------------
+
+
+def follow_room(
+    ask: Callable[[], Any],
+    park_state: Callable[[], Optional[dict]],
+    out: Callable[[str], None] = print,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Optional[str]:
+    """Ask the server for room up to this kernel's cap (`ask`: QuotaClient.ask_room bound to a device) and say,
+    under the failed cell, how it goes until the room is made or the broker gives up. Says nothing when the server
+    does not make room (off, or the cap itself was the limit). The outcome: "made", "told", "waiting" or None."""
+    answer = ask()
+    if getattr(answer, "outcome", None) != "accepted":
+        return None
+    out(f"{PREFIX} the GPU was full below this kernel's cap: the broker parks idle kernels to make room")
+    began = time.monotonic()
+    said: Optional[str] = None
+    limit: float = 300.0
+    try:
+        while True:
+            park = park_state() or {}
+            room = park.get("room")
+            if isinstance(park.get("wait_limit"), (int, float)):
+                limit = float(park["wait_limit"])
+            if room == "made":
+                out(f"{PREFIX} room made after {time.monotonic() - began:.0f} s: run the cell again")
+                return "made"
+            if room != "asking":
+                out(f"{PREFIX} no room made: {park.get('reason') or 'the broker gave up'}")
+                return "told"
+            reason = park.get("reason")
+            if reason and reason != said:
+                out(f"{PREFIX} {reason}")
+                said = reason
+            if time.monotonic() - began > limit + 10:
+                out(f"{PREFIX} room is still being made; run the cell again in a moment")
+                return "waiting"
+            sleep(POLL_S)
+    except KeyboardInterrupt:
+        out(f"{PREFIX} stopped following; the broker goes on making room: run the cell again in a moment")
+        return "waiting"
+

@@ -12,9 +12,9 @@ from memory at once: a remote ledger keeps a copy of this server's grants as the
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import (
-    Any,
     Dict,
     List,
     Mapping,
@@ -86,7 +86,7 @@ class HeldGrants:
     which the implementation sets up and writes."""
 
     _grants: Dict[str, Grant]
-    _lock: Any
+    _lock: threading.Lock
 
     def get(self, kernel_id: str) -> Optional[Grant]:
         with self._lock:

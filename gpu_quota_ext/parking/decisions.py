@@ -29,6 +29,7 @@ class ParkSettings:
     wait_limit: Optional[float] = 300.0  # seconds a cell waits for room before it is told; None: no limit
     device_margin: int = GiB  # device memory kept free beyond a restore's bytes
     call_timeout: float = 600.0  # seconds a driver call may take before the state says it has not returned
+    on_device_full: str = "off"  # "on": a kernel whose allocation found the device full gets room made
     lock_timeout_ms: int = LOCK_TIMEOUT_MS
     fresh_sample_wait: float = FRESH_SAMPLE_WAIT  # seconds a park waits for a sample taken after it was asked
     trim_timeout: float = TRIM_TIMEOUT
@@ -41,6 +42,7 @@ class ParkSettings:
             "park_wait_limit": self.wait_limit,
             "park_device_margin": self.device_margin,
             "park_call_timeout": self.call_timeout,
+            "park_on_device_full": self.on_device_full,
         }
 
     @property
@@ -78,8 +80,11 @@ def not_parkable(
     pids: Tuple[int, ...],
     foreign: Tuple[int, ...] = (),
     stuck: Optional[str] = None,
+    unreadable: Tuple[int, ...] = (),
 ) -> Optional[str]:
-    """Why parking cannot work for this kernel now, or None. The first reason that applies, most basic first."""
+    """Why parking cannot work for this kernel now, or None. The first reason that applies, most basic first.
+    `unreadable`: the kernel's GPUs NVML could not read in the last sample (what it holds there is unknown,
+    which is not nothing)."""
     if driver_problem:
         return f"no checkpoint driver: {driver_problem}"
     if mps_client:
@@ -93,6 +98,9 @@ def not_parkable(
             f"process {', '.join(map(str, foreign))} belongs to another Unix user; the driver parks only the "
             "server's own user's processes"
         )
+    if unreadable:
+        where = ", ".join(f"GPU {i}" for i in unreadable)
+        return f"what it holds on {where} is unknown: NVML could not read {'it' if len(unreadable) == 1 else 'them'}"
     if not pids or gpu_bytes <= 0:
         return "this kernel holds no GPU memory"
     return None

@@ -65,6 +65,7 @@ from .states import (
     RUNNING,
     AskPark,
     AskResume,
+    AskRoom,
     Busy,
     Checkpoint,
     Decide,
@@ -291,8 +292,14 @@ class Parker:
                 record.state, record.since, idle_for, host_bytes, parkable, reason, waited, limit, record.told
             )
         problem = self.problem(kernel_id)
-        reason = problem or (record.reason if record is not None else None)
-        return park_json(activity_state(execution_state), last, idle_for, None, problem is None, reason, None, limit)
+        room = None
+        if record is not None:
+            room = "asking" if record.room_need else record.room_outcome
+        reason = (record.reason if record is not None and room else None) or problem or (
+            record.reason if record is not None else None
+        )
+        state = activity_state(execution_state)
+        return park_json(state, last, idle_for, None, problem is None, reason, None, limit, room=room)
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) this kernel's GPU state: its processes cannot run CUDA now."""
@@ -305,6 +312,11 @@ class Parker:
         grant = self.ledger.get(kernel_id)
         sample = self.monitor.latest
         record = self.records.get(kernel_id)
+        devices = grant.devices if grant is not None else ()
+        readable = getattr(sample, "state", None) in ("ok", "degraded")
+        unreadable = tuple(
+            i for i in devices if readable and (i not in sample.devices or sample.devices[i].used is None)
+        )
         return not_parkable(
             self.driver_problem,
             bool(layers is not None and layers.hard),
@@ -313,6 +325,7 @@ class Parker:
             tuple(sample.pids.get(kernel_id, ())),
             foreign=tuple(sample.foreign.get(kernel_id, ())),
             stuck=record.stuck if record is not None else None,
+            unreadable=unreadable,
         )
 
     def _kernel_ids(self) -> set:
@@ -338,7 +351,9 @@ class Parker:
         return new
 
     def _store(self, kernel_id: str, old: ParkRecord, new: ParkRecord) -> None:
-        plain = new.state == RUNNING and not new.reason and not new.refused and not new.room
+        plain = (
+            new.state == RUNNING and not new.reason and not new.refused and not new.room and not new.room_need
+        ) and not new.room_outcome
         if plain:
             self.records.pop(kernel_id, None)
         else:
@@ -410,6 +425,26 @@ class Parker:
         self._handle(kernel_id, AskResume(f"{who} request"))
         return record.state != LOST, self.kernel_json(kernel_id)
 
+    async def request_room(self, kernel_id: str, device: Optional[int] = None) -> Tuple[bool, dict, str]:
+        """A kernel's allocation found the device itself full: with park_on_device_full on, the broker makes room
+        up to its cap (on `device`, or each of its devices). (accepted, its park object, why not)."""
+        self._known(kernel_id)
+        grant = self.ledger.get(kernel_id)
+        if self.settings.on_device_full != "on":
+            return False, self.kernel_json(kernel_id), "park_on_device_full is off on this server"
+        if grant is None or not grant.devices or (device is not None and device not in grant.devices):
+            return False, self.kernel_json(kernel_id), "no such GPU among this kernel's"
+        used = self.monitor.latest.kernels.get(kernel_id, {})
+        need = {
+            i: grant.caps[i] - used.get(i, 0)
+            for i in grant.devices
+            if (device is None or i == device) and grant.caps[i] > used.get(i, 0)
+        }
+        if not need:
+            return False, self.kernel_json(kernel_id), "it holds its whole cap already: the cap was the limit"
+        self._handle(kernel_id, AskRoom(need))
+        return True, self.kernel_json(kernel_id), ""
+
     def park_for_host(self, kernel_ids: List[str]) -> None:
         """The host service chose these kernels of ours to park, to make room for another kernel of the host.
         Each is parked only if it is still idle and parkable here (the service's view may be a moment old)."""
@@ -477,7 +512,7 @@ class Parker:
             if due_for_park(self.settings, state, idle_seconds(execution_state, last, now)):
                 if self.problem(kernel_id) is None:
                     self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
-        if any(r.state in ("waiting", "parking") or r.room for r in self.records.values()):
+        if any(r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()):
             self.decide_soon()
 
     def forget(self, kernel_id: str) -> None:
@@ -568,6 +603,8 @@ class Parker:
                 demands.append(BrokerDemand(kernel_id, dict(record.parked), record.waiting_since or now))
             if record.room:
                 reservations.append(Reservation(kernel_id, dict(record.room)))
+            if record.room_need and record.state in (RUNNING, "pending"):
+                demands.append(BrokerDemand(kernel_id, dict(record.room_need), record.room_asked or now, running=True))
         available, cgroup = self.host()
         return Round(
             devices=devices,
@@ -596,18 +633,20 @@ class Parker:
                 continue
             self._ask_park(victim, f"to make room for kernel {for_kernel[:8]}", automatic=True)
         for kernel_id in plan.go:
-            record = self.records.get(kernel_id)
-            if record is not None and record.state == "waiting":
+            if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
         for kernel_id, message in plan.told.items():
-            record = self.records.get(kernel_id)
-            if record is not None and record.state == "waiting" and not record.told:
+            if self._waits(kernel_id) and not self.records[kernel_id].told:
                 log.warning("gpu-quota-ext: kernel %s %s", kernel_id, message)
                 self._handle(kernel_id, RoomTold(message))
         for kernel_id, reason in plan.waiting.items():
-            record = self.records.get(kernel_id)
-            if record is not None and record.state == "waiting" and not record.told:
+            if self._waits(kernel_id) and not self.records[kernel_id].told:
                 self._handle(kernel_id, RoomWait(reason))
+
+    def _waits(self, kernel_id: str) -> bool:
+        """A parked kernel that waits for room to come back to, or a running one that asked for room."""
+        record = self.records.get(kernel_id)
+        return record is not None and (record.state == "waiting" or bool(record.room_need))
 
     # --- park and resume -------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 returns the next record and the effects the parker (parker.py) carries out. No I/O, no clock.
 
     running --park (idle)--> parking --checked--> parking --done--> parked
+    running --its allocation found the device full (ask room)--> running, asking --room made or told--> running
     running --park (busy)--> pending --idle--> parking
     parking --refused, failed--> running (with the reason; no automatic park until it is busy again)
     parked --a cell (busy) or a resume request--> waiting --room granted--> resuming --done--> running
@@ -51,6 +52,10 @@ class ParkRecord:
     room_until: Optional[float] = None  # ... until a sample taken after this (the restore's end) shows them
     deferred_at: Optional[float] = None  # its restore was not asked (no room right then): no new grant until a
     # sample taken after this has been seen (the broker would decide on the same old reading again)
+    room_need: Mapping[int, int] = field(default_factory=dict)  # a running kernel found the device full: the room
+    # it asked for, up to its cap (park_on_device_full), while the broker makes it
+    room_asked: Optional[float] = None  # when it asked; once answered, when the answer came
+    room_outcome: Optional[str] = None  # "made" or "told": how its last ask ended (until it asks again or parks)
 
     @property
     def shows_park(self) -> bool:
@@ -82,6 +87,13 @@ class AskPark:
 @dataclass(frozen=True)
 class AskResume:
     why: str = "user request"
+
+
+@dataclass(frozen=True)
+class AskRoom:
+    """A running kernel's allocation found the device full: make room up to its cap (`need`, by device)."""
+
+    need: Mapping[int, int]
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,7 @@ Event = Union[
     Idle,
     AskPark,
     AskResume,
+    AskRoom,
     ParkChecked,
     ParkDone,
     RoomGranted,
@@ -198,8 +211,12 @@ def moved(record: ParkRecord, state: str, now: float, **changes) -> ParkRecord:
 
 
 def running(record: ParkRecord, now: float, reason: Optional[str] = None, refused: bool = False) -> ParkRecord:
-    """Back on the device: nothing of the park kept but the reservation of a restore just ended."""
+    """Back on the device: nothing of the park kept but the reservation of a restore just ended (and a running
+    kernel's own ask for room, which a park of it does not change)."""
     return ParkRecord(
+        room_need=record.room_need,
+        room_asked=record.room_asked,
+        room_outcome=record.room_outcome,
         state=RUNNING,
         since=now if record.state != RUNNING else record.since,
         reason=reason,
@@ -240,13 +257,32 @@ def transition(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord
 
 def _begin_park(record: ParkRecord, now: float, why: Optional[str]) -> Tuple[ParkRecord, Effects]:
     op = record.op + 1
-    parking = moved(record, "parking", now, op=op, reason=why, refused=False, resume_wanted=None, pids=(), parked={})
+    parking = moved(
+        record, "parking", now, op=op, reason=why, refused=False, resume_wanted=None, pids=(), parked={},
+        room_need={}, room_asked=None, room_outcome=None,
+    )
     return parking, (StartPark(op),)
 
 
 def _running(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, Effects]:
+    if isinstance(event, AskRoom):
+        if not event.need:
+            return record, ()
+        asked = replace(record, room_need=dict(event.need), room_asked=now, room_outcome=None, reason=None)
+        return asked, (Decide(),)
+    if record.room_need and isinstance(event, (RoomGranted, RoomWait, RoomTold)):
+        if isinstance(event, RoomWait):
+            return (replace(record, reason=event.reason) if event.reason != record.reason else record), ()
+        made = isinstance(event, RoomGranted)
+        reason = "room made: the device has its cap free now" if made else event.message  # type: ignore[union-attr]
+        done = replace(record, room_need={}, room_asked=now, room_outcome="made" if made else "told", reason=reason)
+        return done, ()
     if isinstance(event, Busy):
-        return (replace(record, refused=False, reason=None) if record.refused or record.reason else record), ()
+        if record.room_need or record.room_outcome:
+            return record, ()  # its ask for room, and how it went, are said until it asks again or parks
+        if record.refused or record.reason:
+            return replace(record, refused=False, reason=None), ()
+        return record, ()
     if isinstance(event, AskPark):
         if event.problem is not None:
             return replace(record, refused=True, reason=event.problem), ()

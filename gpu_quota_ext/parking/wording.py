@@ -58,6 +58,7 @@ def park_json(
     waited: Optional[float] = None,
     wait_limit: Optional[float] = None,
     told: bool = False,
+    room: Optional[str] = None,
 ) -> Dict[str, Any]:
     """A kernel's "park" object (shared.contract.PARK_FIELDS)."""
     answer = {
@@ -70,6 +71,7 @@ def park_json(
         "waited": None if waited is None else round(waited, 1),
         "wait_limit": wait_limit,
         "told": told,
+        "room": room,
     }
     assert tuple(answer) == PARK_FIELDS
     return answer

@@ -63,6 +63,11 @@ def kernel_path(kernel_id: str, *parts: str) -> str:
 # kernel routes: the server's user, or the kernel itself with its own secret.
 PARK_SUFFIX = "park"
 RESUME_SUFFIX = "resume"
+# POST kernels/<id>/room {"device": index | null}: the kernel's allocation found the GPU itself full; with
+# park_on_device_full "on" the broker parks idle kernels to give it room up to its cap (202, {"park": ...}, whose
+# "room" then says how it goes); 409 {"park", "message"} when it is off, or nothing is left to give. Same
+# authorization as the park route.
+ROOM_SUFFIX = "room"
 # The server's requests to a kernel, on its control channel (kernel/park_wait.py answers them): content
 # {"action": "trim"} before a park (empty the allocators' caches; the kernel may be parked from now on) ->
 # {"freed": bytes, "reserved_before": bytes, "reserved_after": bytes, "frameworks": [...]}. The types are
@@ -90,6 +95,7 @@ PARK_FIELDS = (
     "waited",  # seconds it has waited for room (waiting), or null
     "wait_limit",  # seconds a cell waits for room before it is told (park_wait_limit), or null: no limit
     "told",  # true once its wait passed the limit: the cell that waits ends with `reason`, the kernel stays parked
+    "room",  # a running kernel that asked for room (POST room): "asking", then "made" or "told"; null if none
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----

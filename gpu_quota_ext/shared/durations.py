@@ -52,13 +52,3 @@ def parse_duration(value: Any, allow_off: bool = True) -> Optional[float]:
         raise PolicyError(f"{shown(value)}: a duration must be above 0")
     return seconds
 
-
-def format_duration(seconds: Optional[float]) -> str:
-    """300 -> '5 min', 5400 -> '1.5 h', 12 -> '12 s'; None -> 'off'."""
-    if seconds is None:
-        return "off"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

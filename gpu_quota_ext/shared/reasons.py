@@ -47,6 +47,7 @@ _RULES: Tuple[Tuple[Pattern[str], str], ...] = tuple(
         (r"GpuIsLost|GPU is lost", "a GPU is lost (off the bus or being reset)"),
         (r"an NVML call has not returned", MONITOR_STALLED),
         (r"^this kernel holds no GPU memory$", "it holds no GPU memory"),
+        (r"^what it holds on (GPU \d+(, GPU \d+)*) is unknown", r"its usage on \1 is unknown"),
     )
 )
 

@@ -39,7 +39,7 @@ VIEW_FIELDS = (
 
 
 class HardLimitShown(Protocol):
-    """The hard-limit layer (hard_limit.HardCapLayer) as the view shows it."""
+    """The hard-limit layer (hard_limit.HardLimitLayer) as the view shows it."""
 
     def describe(self) -> dict: ...
 

@@ -4,8 +4,8 @@ actions out.
 `KernelManagerView` adapts jupyter_server's MappingKernelManager (jupyter_client underneath): which
 kernels exist and which are still starting (through the guarded `pending_kernels`), each
 kernel's own process (the root of its tree, for attribution), its "dead" event and whether its process
-still runs (for the lifecycle), its activity (for parking), and the interrupt / restart / kill the
-watchdog carries out.
+still runs (for the lifecycle), its activity (for parking), the interrupt / restart / kill the
+watchdog carries out, and every kernel's shutdown before the hard limit's MPS daemon stops.
 
 The one private jupyter_client attribute the server side reads is here too: MultiKernelManager.
 _pending_kernels (kernel id -> start task) keeps the kernels being started until they are listed; there is
@@ -184,6 +184,9 @@ class KernelManagerView:
         else:  # pragma: no cover - the watchdog's settings allow no other value
             raise ValueError(action)
 
+    async def shutdown_all(self) -> None:
+        """Every kernel shut down (the server is stopping: before the MPS daemon they are clients of)."""
+        await maybe_await(self.manager.shutdown_all())
 
 def untrack_kernel_requests(manager: Any) -> None:
     """Add the server's own control-channel requests to a kernel (shared.contract KERNEL_REQUEST, KERNEL_REPLY)

@@ -37,9 +37,10 @@ from typing import (
 
 from ..devices import Device, NvmlBackend, NvmlFailure, NvmlUnavailable
 from ..threads import SerialThread
-from .attribution import TREE, PidResolver, foreign_pids
+from .attribution import TREE, foreign_pids
 from .kernels import KernelRoots
 from .periodic import every
+from .processes import PidResolver
 
 log = logging.getLogger("gpu_quota_ext")
 

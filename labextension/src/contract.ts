@@ -132,6 +132,8 @@ export interface IKernelPark {
   wait_limit?: number | null;
   /** True once its wait passed the limit. */
   told?: boolean;
+  /** A running kernel that found the GPU full and asked for room: "asking", then "made" or "told". */
+  room?: 'asking' | 'made' | 'told' | null;
 }
 
 /** The server's GPU monitor: how fresh its usage figures are. */

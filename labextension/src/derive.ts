@@ -207,7 +207,8 @@ export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
   const said = reasonText(kernel.reasons?.park, park.reason);
   // A lost kernel is not parkable either (the server says so), but "not parkable" is not its news.
   if (park.parkable === false && park.state !== 'lost') {
-    return { kind: 'not-parkable', words: said?.words || '', detail: said?.detail || '', level: 'ok', state: park.state };
+    const words = said?.words || '';
+    return { kind: 'not-parkable', words, detail: said?.detail || '', level: 'ok', state: park.state };
   }
   return {
     kind: 'park',

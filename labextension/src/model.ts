@@ -11,7 +11,8 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import { fetchHistory, fetchStatus, MissingExtensionError } from './api';
 import { normalizeStatus } from './contract';
-import { Action, canReuseShared, INITIAL_STATE, ISharedStatus, IState, reduce } from './state';
+import { canReuseShared, ISharedStatus } from './share';
+import { Action, INITIAL_STATE, IState, reduce } from './state';
 
 export const DEFAULT_INTERVAL_MS = 2000;
 export const DEFAULT_WARNING_THRESHOLD = 0.9;

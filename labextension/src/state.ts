@@ -1,8 +1,8 @@
 /**
  * The sidebar's state and its reduction, as pure functions: which of the server's answers are applied
- * (an answer overtaken by a later one, or asked for a kernel no longer current, is dropped), when another
- * tab's answer may stand in for one, and how the usage history grows from incremental answers, bounded as
- * the server bounds it. No JupyterLab imports.
+ * (an answer overtaken by a later one, or asked for a kernel no longer current, is dropped), and how the
+ * usage history grows from incremental answers, bounded as the server bounds it. (Whether another tab's
+ * answer may stand in for one: share.ts.) No JupyterLab imports.
  */
 
 import { IHistoryAnswer, IHistoryPoint, IQuotaStatus } from './contract';
@@ -142,31 +142,4 @@ export function reduce(state: IState, action: Action): IState {
     }
   }
   return state;
-}
-
-// --- sharing one poll between the tabs of a browser ---------------------------------------------
-
-/** A status another tab of this browser fetched from the same server, at `time` (epoch ms). */
-export interface ISharedStatus {
-  time: number;
-  status: IQuotaStatus;
-}
-
-/**
- * Whether a tick may use what another tab fetched instead of asking the server: when it is younger
- * than half an interval (so ten open tabs cost the server one or two requests per interval, not ten,
- * and a figure is at most 1.5 intervals old), and this tick was not asked for fresh data (a cap
- * change or a shutdown from this tab).
- */
-export function canReuseShared(
-  shared: ISharedStatus | null,
-  now: number,
-  interval: number,
-  force: boolean
-): boolean {
-  if (force || !shared) {
-    return false;
-  }
-  const age = now - shared.time;
-  return age >= 0 && age < interval / 2;
 }

@@ -11,7 +11,9 @@ import { EMPTY_HISTORY, INITIAL_STATE, mergeHistory, reduce } from '../src/state
 const GiB = 1024 ** 3;
 
 function point(t: number, extra: Partial<IHistoryPoint> = {}): IHistoryPoint {
-  return { t, used: 2 * GiB, allocated: GiB, reserved: 1.5 * GiB, cap: 10 * GiB, hard_limit: null, park: 'idle', ...extra };
+  return {
+    t, used: 2 * GiB, allocated: GiB, reserved: 1.5 * GiB, cap: 10 * GiB, hard_limit: null, park: 'idle', ...extra
+  };
 }
 
 function answer(kernels: Record<string, IHistoryPoint[]>, points_max = 5) {

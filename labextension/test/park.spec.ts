@@ -77,7 +77,8 @@ describe('parkButtons', () => {
       resume: { visible: false, enabled: false, title: '' }
     });
     expect(normalizeStatus({ gpu: true, kernels: [{ id: 'k', devices: [] }] }).kernels[0].park).toBeNull();
-    expect(normalizeStatus({ gpu: true, kernels: [{ id: 'k', devices: [], park: { state: 7 } }] }).kernels[0].park).toBeNull();
+    const status = normalizeStatus({ gpu: true, kernels: [{ id: 'k', devices: [], park: { state: 7 } }] });
+    expect(status.kernels[0].park).toBeNull();
   });
 });
 

@@ -1,7 +1,7 @@
 import { IKernelStatus, normalizeStatus } from '../src/contract';
 import { barFraction, kernelDeviceUsage, monitorNotice, sortKernels, statusBarInfo, usageLevel } from '../src/derive';
 import { labelled, MAX_MESSAGE_CHARS, serverMessage } from '../src/format';
-import { canReuseShared, INITIAL_STATE, IState, reduce } from '../src/state';
+import { INITIAL_STATE, IState, reduce } from '../src/state';
 
 const GiB = 1024 ** 3;
 
@@ -213,21 +213,6 @@ describe('statusBarInfo', () => {
   });
 });
 
-describe('canReuseShared', () => {
-  const shared = { time: 10_000, status: normalizeStatus(TODAY) };
-
-  it('reuses what another tab fetched less than half an interval ago', () => {
-    expect(canReuseShared(shared, 10_999, 2000, false)).toBe(true);
-    expect(canReuseShared(shared, 11_000, 2000, false)).toBe(false);
-    expect(canReuseShared(shared, 9_000, 2000, false)).toBe(false); // from the future: clock skew
-  });
-
-  it('asks the server when told to, or when nothing was shared', () => {
-    expect(canReuseShared(shared, 10_001, 2000, true)).toBe(false);
-    expect(canReuseShared(null, 10_001, 2000, false)).toBe(false);
-  });
-});
-
 describe('serverMessage', () => {
   it('shows the message of an error answer as written, a percent sign once', () => {
     const body = {
@@ -264,7 +249,8 @@ describe('labelled', () => {
     expect(labelled('No GPU on this server', 'no GPU: NVML could not start (NVMLError_LibraryNotFound)')).toBe(
       'No GPU on this server: NVML could not start (NVMLError_LibraryNotFound)'
     );
-    expect(labelled('Clamped', 'clamped to max_cap 40.0 GiB on device 0')).toBe('Clamped to max_cap 40.0 GiB on device 0');
+    const said = labelled('Clamped', 'clamped to max_cap 40.0 GiB on device 0');
+    expect(said).toBe('Clamped to max_cap 40.0 GiB on device 0');
     expect(labelled('Not a cap', "cap: 'lots' is not a cap; use a fraction like 0.25")).toBe(
       "Cap: 'lots' is not a cap; use a fraction like 0.25"
     );

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from traitlets.config import Config
 
-from ..integration.fake_gpu import service_of, status
+from ..integration.fake_gpu import manager_of, status
 from ..integration.fake_mps import other_user, short_tmp  # noqa: F401 (short_tmp is a fixture)
 from ..integration.kernels import execute, restart_kernel, shutdown_kernel, start_kernel
 from ..integration.servers import Server
@@ -90,7 +90,7 @@ async def wait_park(jp_fetch, kernel_id, states, timeout=PARK_WAIT) -> dict:
 
 async def seen_on_gpu(serverapp, kernel_id, pids, nbytes, timeout=60.0):
     """Wait until the monitor's sample has every pid of the kernel on a GPU, holding nbytes or more."""
-    monitor = service_of(serverapp).monitor
+    monitor = manager_of(serverapp).monitor
     deadline = time.monotonic() + timeout
     while True:
         held = monitor.latest.kernels.get(kernel_id, {})
@@ -248,7 +248,7 @@ async def test_restart_and_shutdown_of_a_parked_kernel_leave_no_process(jp_fetch
         await asyncio.sleep(0.05)
     assert gone(pid), "the parked process is gone, and its host memory with it"
     assert pid not in nvml_used_by_pid()
-    assert kernel_id not in service_of(jp_serverapp).parker.records
+    assert kernel_id not in manager_of(jp_serverapp).parker.records
     if how == "restart":
         out = await execute(
             jp_serverapp, kernel_id, "import torch; print(torch.ones(4, device='cuda').sum().item())", timeout=180
@@ -305,7 +305,7 @@ def test_an_ordinary_user_parks_its_own_kernel_and_cannot_lock_another_users_pro
     if uid is None or shutil.which("runuser") is None:
         pytest.skip("needs root, useradd and runuser")
     from gpu_quota_ext.parking.decisions import not_parkable
-    from gpu_quota_ext.usage.attribution import ProcTable, foreign_pids
+    from gpu_quota_ext.usage import ProcTable, foreign_pids
 
     from ..integration.fake_mps import OTHER_USER
 

@@ -10,7 +10,7 @@ import pytest
 from traitlets.config import Config
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
-from gpu_quota_ext.provisioner import SETTINGS_KEY
+from gpu_quota_ext.manager import SETTINGS_KEY
 
 from .kernels import execute, static_devices_config
 
@@ -37,7 +37,8 @@ def fake_nvml():
     FakeNvml.reset()
 
 
-def service_of(serverapp):
+def manager_of(serverapp):
+    """The extension's GpuQuotaManager in a running server."""
     return serverapp.web_app.settings[SETTINGS_KEY]
 
 
@@ -70,6 +71,6 @@ async def wait_for(predicate, timeout: float = 10.0, step: float = 0.05):
 
 async def next_samples(serverapp, count: int = 2) -> None:
     """Wait until the monitor has completed `count` more rounds."""
-    monitor = service_of(serverapp).monitor
+    monitor = manager_of(serverapp).monitor
     start = monitor.ticks
     await wait_for(lambda: monitor.ticks >= start + count)

@@ -44,25 +44,30 @@ async def execute(serverapp, kernel_id: str, code: str, timeout: float = 60) -> 
 
 
 async def run_cell(serverapp, kernel_id: str, code: str, timeout: float = 60) -> dict:
-    """Run `code` in the kernel as a notebook would; {"status", "stdout", "error"} whatever happens (the error's
-    traceback lines joined, "" when none)."""
+    """Run `code` in the kernel as a notebook would; {"status", "stdout", "stderr", "error"} whatever happens (the
+    error's traceback lines joined, "" when none)."""
     km = serverapp.kernel_manager.get_kernel(kernel_id)
     client = km.client()
     client.start_channels()
     try:
         await client.wait_for_ready(timeout=timeout)
-        chunks: list = []
+        streams: dict = {"stdout": [], "stderr": []}
         errors: list = []
 
         def on_output(msg) -> None:
             kind = msg["msg_type"]
-            if kind == "stream" and msg["content"]["name"] == "stdout":
-                chunks.append(msg["content"]["text"])
+            if kind == "stream":
+                streams[msg["content"]["name"]].append(msg["content"]["text"])
             elif kind == "error":
                 errors.append("\n".join(msg["content"]["traceback"]))
 
         reply = await client.execute_interactive(code, output_hook=on_output, timeout=timeout)
-        return {"status": reply["content"]["status"], "stdout": "".join(chunks), "error": "\n".join(errors)}
+        return {
+            "status": reply["content"]["status"],
+            "stdout": "".join(streams["stdout"]),
+            "stderr": "".join(streams["stderr"]),
+            "error": "\n".join(errors),
+        }
     finally:
         client.stop_channels()
 

@@ -13,8 +13,8 @@ from .fake_gpu import (  # noqa: F401
     fake_nvml,
     kernel_entry,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     status,
     wait_for,
 )
@@ -36,7 +36,7 @@ async def expect_status(call, *codes):
 async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
     fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     fake_nvml.other_used[f"static-{device}"] = 1 * GiB  # someone else's process on the same GPU
@@ -65,7 +65,7 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
         }
     ]
     # The answer matches the ledger, device by device and kernel by kernel.
-    ledger = service_of(jp_serverapp).ledger
+    ledger = manager_of(jp_serverapp).ledger
     for row in ledger.device_grants():
         assert {k: devices[row["index"]][k] for k in row} == row
     assert {k["id"] for k in state["kernels"]} == {g.kernel_id for g in ledger.grants()}
@@ -77,26 +77,26 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
 async def test_a_subprocess_of_the_kernel_counts_for_the_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     child = await start_child_process(jp_serverapp, kernel_id)
-    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     fake_nvml.set_usage(child, f"static-{device}", 2 * GiB)
     await next_samples(jp_serverapp)
     entry = kernel_entry(await status(jp_fetch), kernel_id)
     assert entry["devices"][0]["used"] == 2 * GiB
-    assert service_of(jp_serverapp).monitor.latest.pids[kernel_id] == (child,)
+    assert manager_of(jp_serverapp).monitor.latest.pids[kernel_id] == (child,)
     await execute(jp_serverapp, kernel_id, "worker.kill(); worker.wait()")
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
 async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
     body = {"devices": [{"index": device, "allocated": 1000, "reserved": 2048, "peak": 4096}]}
     # The way the kernel-side code sends it: its secret in a header, no user token, no XSRF cookie.
     response = await jp_fetch(
         "api", "gpu-quota", "kernels", kernel_id, "usage",
         method="POST", body=json.dumps(body),
-        headers={"X-GPU-Quota-Kernel-Token": service.token_for(kernel_id), "Authorization": ""},
+        headers={"X-GPU-Quota-Kernel-Token": manager.token_for(kernel_id), "Authorization": ""},
     )
     assert json.loads(response.body) == {"accepted": 1, "last_action": None}
     entry = kernel_entry(await status(jp_fetch), kernel_id)
@@ -106,7 +106,7 @@ async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_s
         4096,
     )
     # The ledger is untouched: a report is usage, never a cap.
-    assert entry["devices"][0]["cap"] == service.ledger.get(kernel_id).caps[device]
+    assert entry["devices"][0]["cap"] == manager.ledger.get(kernel_id).caps[device]
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -130,9 +130,9 @@ BAD_USAGE_BODIES = [
 
 async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
-    grant_before = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
+    grant_before = manager.ledger.get(kernel_id)
     for body in BAD_USAGE_BODIES:
         error = await expect_status(
             jp_fetch(
@@ -141,19 +141,19 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
             400,
         )
         assert error.response.body, body
-    assert service.reports.get(kernel_id) is None
-    assert service.ledger.get(kernel_id) == grant_before
+    assert manager.reports.get(kernel_id) is None
+    assert manager.ledger.get(kernel_id) == grant_before
     # Malformed cap changes too.
     for body in ['{"cap": "lots"}', '{"cap": 0}', '{"reset": false}', '{"cap": "0.3", "device": -1}', "[1]"]:
         await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body), 400)
-    assert service.ledger.get(kernel_id) == grant_before
+    assert manager.ledger.get(kernel_id) == grant_before
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
 async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
     body = json.dumps({"devices": [{"index": device, "allocated": 1}]})
     other = await start_kernel(jp_fetch)
     # Another kernel's secret is not this kernel's.
@@ -166,12 +166,12 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
             "usage",
             method="POST",
             body=body,
-            headers={"X-GPU-Quota-Kernel-Token": service.token_for(other), "Authorization": ""},
+            headers={"X-GPU-Quota-Kernel-Token": manager.token_for(other), "Authorization": ""},
         ),
         403,
     )
     # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
-    cap_before = service.ledger.get(kernel_id).caps[device]
+    cap_before = manager.ledger.get(kernel_id).caps[device]
     for forged in ("forged", "é" * 43):
         await expect_status(
             jp_fetch(
@@ -185,21 +185,21 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
             ),
             403,
         )
-    assert service.ledger.get(kernel_id).caps[device] == cap_before
+    assert manager.ledger.get(kernel_id).caps[device] == cap_before
     await expect_status(
         jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404
     )
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
-    assert service.reports.get(kernel_id) is None
+    assert manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
     await shutdown_kernel(jp_fetch, other)
 
 
 async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
-    grant_before = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
+    grant_before = manager.ledger.get(kernel_id)
     no_auth = {"Authorization": ""}
     usage = json.dumps({"devices": [{"index": device, "allocated": 1}]})
     calls = [
@@ -231,15 +231,15 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
     for call in calls:
         error = await expect_status(call, 401, 403)
         assert b"allocated" not in (error.response.body or b"") and b'"kernels"' not in (error.response.body or b"")
-    assert service.ledger.get(kernel_id) == grant_before
-    assert service.reports.get(kernel_id) is None
+    assert manager.ledger.get(kernel_id) == grant_before
+    assert manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
 async def test_nvml_failing_mid_run_leaves_the_server_and_kernels_up(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     fake_nvml.set_usage(pid, f"static-{device}", 2 * GiB)
     await next_samples(jp_serverapp)
 
@@ -272,8 +272,8 @@ async def test_nvml_failing_mid_run_leaves_the_server_and_kernels_up(jp_fetch, j
 
 async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
     await jp_fetch(
         "api",
         "gpu-quota",
@@ -283,11 +283,11 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
         method="POST",
         body=json.dumps({"devices": [{"index": device, "reserved": 5}]}),
     )
-    assert kernel_id in service.reports
+    assert kernel_id in manager.reports
     await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
-    assert kernel_id not in service.reports
-    assert service.ledger.get(kernel_id) is None
+    assert kernel_id not in manager.reports
+    assert manager.ledger.get(kernel_id) is None
     assert all(k["id"] != kernel_id for k in (await status(jp_fetch))["kernels"])
 
 
@@ -314,8 +314,8 @@ def test_invalid_watchdog_settings_stop_the_server_with_one_line(jp_configurable
 
 async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant_before = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    grant_before = manager.ledger.get(kernel_id)
     huge_cap = json.dumps({"cap": "9" * (1 << 20)})  # 1 MiB: valid JSON, a nonsense cap
     error = await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=huge_cap), 413)
     assert len(error.response.body) < 300 and b"64 KiB" in error.response.body
@@ -339,8 +339,8 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
     )
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage), 413)
-    assert service.ledger.get(kernel_id) == grant_before
-    assert service.reports.get(kernel_id) is None
+    assert manager.ledger.get(kernel_id) == grant_before
+    assert manager.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
     padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
     assert (
@@ -354,20 +354,23 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
 
 async def test_any_unparseable_body_is_a_400(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant_before = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    grant_before = manager.ledger.get(kernel_id)
     nested = "[" * 30_000 + "]" * 30_000  # 60 kB, deeper than the JSON decoder recurses
     for body in [nested, '{"cap": ' + nested + "}", b"\xff\xfe{", '{"cap": 1' + "0" * 5000 + "}", "{" * 50]:
         for route, method in ((("kernels", kernel_id), "PUT"), (("kernels", kernel_id, "usage"), "POST")):
             error = await expect_status(jp_fetch("api", "gpu-quota", *route, method=method, body=body), 400)
             assert json.loads(error.response.body)["message"]
-    assert service.ledger.get(kernel_id) == grant_before
+    assert manager.ledger.get(kernel_id) == grant_before
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
 async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch, jp_serverapp, fake_nvml, caplog):
     kernel_id = await start_kernel(jp_fetch)
-    put = lambda body: jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))  # noqa: E731
+
+    def put(body):
+        return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))
+
     error = await expect_status(put({"cap": "2.5"}), 400)
     message = json.loads(error.response.body)["message"]
     assert "(100%)" in message and "%%" not in message, message

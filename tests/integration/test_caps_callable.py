@@ -15,7 +15,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import service_of, wait_for
+from .fake_gpu import manager_of, wait_for
 from .kernels import kernel_env, start_kernel, static_devices_config
 
 TOTAL = 16 * GiB
@@ -112,7 +112,7 @@ class TestSlowCallable:
         self, jp_fetch, jp_serverapp, caplog
     ):
         gate = self.gate
-        service_of(jp_serverapp).caps_timeout = 0.2
+        manager_of(jp_serverapp).caps_timeout = 0.2
         try:
             kernel_id = await start_kernel(jp_fetch)
             grant = await grant_of(jp_fetch, kernel_id)

@@ -88,8 +88,11 @@ def find_cell(nb, source: str):
 def magic_output(nb) -> str:
     """Everything gpu-quota-ext said: the first cell and the %gpucap cells (not torch's own warnings)."""
     cells = [nb.cells[1]] + [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith("%gpucap")]
-    ours = lambda c: [line for line in cell_text(c, "stderr").splitlines(True) if line.startswith("gpu-quota")]  # noqa: E731
-    return "".join(cell_text(c, "stdout") + "".join(ours(c)) for c in cells)
+
+    def ours(cell) -> str:
+        return "".join(line for line in cell_text(cell, "stderr").splitlines(True) if line.startswith("gpu-quota"))
+
+    return "".join(cell_text(c, "stdout") + ours(c) for c in cells)
 
 
 async def grant_of(jp_fetch, kernel_id: str) -> dict:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from gpu_quota_ext.policy import GiB, MiB
+from gpu_quota_ext.usage import KernelManagerView
 
-from .fake_gpu import service_of, status, wait_for
+from .fake_gpu import manager_of, status, wait_for
 from .fake_mps import (  # noqa: F401 (jp_runtime_dir is a fixture)
     FAKE_CONTROL,
     MPS_VARIABLES,
@@ -137,7 +138,7 @@ async def test_each_kernel_gets_its_hard_limit_in_the_ordinals_it_sees(jp_fetch,
 async def test_stopping_the_extension_stops_kernels_then_the_daemon(jp_fetch, jp_serverapp):
     """What jupyter_server's shutdown (and its SIGTERM handler) calls, checked without the process exiting:
     atexit and the watcher are only for a server that never gets here."""
-    layer = service_of(jp_serverapp).hard_cap
+    layer = manager_of(jp_serverapp).hard_cap
     pipe = layer.route.pipe_directory
     directory = Path(pipe).parent
     daemon = int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
@@ -186,7 +187,7 @@ class TestAnotherUsersServer:
         uid = other_user()
         if uid is None:
             pytest.skip("needs root (useradd, and a process run as a second user)")
-        layer = service_of(jp_serverapp).hard_cap
+        layer = manager_of(jp_serverapp).hard_cap
         pipe = layer.route.pipe_directory
         # The daemon runs an MPS server for the other user (as it does when that user's client connects).
         control(pipe, f"start_server -uid {uid}\n")
@@ -216,7 +217,7 @@ class TestAnotherUsersServer:
         assert entry(await status(jp_fetch), second)["layers"]["hard_limit"] is not None
 
     async def test_our_own_users_server_is_fine(self, jp_fetch, jp_serverapp):
-        pipe = service_of(jp_serverapp).hard_cap.route.pipe_directory
+        pipe = manager_of(jp_serverapp).hard_cap.route.pipe_directory
         control(pipe, f"start_server -uid {os.getuid()}\n")
         kernel_id = await start_kernel(jp_fetch)
         env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)
@@ -232,7 +233,7 @@ class TestHangingControl:
     async def test_a_hanging_control_program_costs_its_timeout_and_the_hard_layer_never_the_loop(
         self, jp_fetch, jp_serverapp
     ):
-        pipe = service_of(jp_serverapp).hard_cap.route.pipe_directory
+        pipe = manager_of(jp_serverapp).hard_cap.route.pipe_directory
         hang = Path(pipe) / "fake-hang"
         hang.touch()
         starting = asyncio.ensure_future(start_kernel(jp_fetch))
@@ -321,7 +322,7 @@ class TestExternalDaemon:
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe and env["CUDA_MPS_LOG_DIRECTORY"] is None
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT_40}"
         assert (await status(jp_fetch))["hard_cap"]["daemon"] == "external"
-        await service_of(jp_serverapp).hard_cap.stop(jp_serverapp.kernel_manager)
+        await manager_of(jp_serverapp).hard_cap.stop(KernelManagerView(jp_serverapp.kernel_manager).shutdown_all)
         assert alive(pid)  # not ours to stop
         assert not (Path(jp_serverapp.runtime_dir) / f"gpu-quota-mps-{os.getpid()}").exists()
 

@@ -15,7 +15,7 @@ from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared import contract
 from gpu_quota_ext.usage.history import POINTS_MAX
 
-from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_pid, next_samples, service_of, wait_for  # noqa: F401
+from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_pid, manager_of, next_samples, wait_for  # noqa: F401
 from .kernels import execute, shutdown_kernel, start_kernel
 
 WAIT = 30.0  # a deadline on a busy 2-core machine, not a threshold
@@ -53,8 +53,8 @@ async def error_code(call) -> int:
 
 async def test_points_follow_nvml_and_the_allocator_against_the_cap(jp_fetch, jp_serverapp, fake_driver):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    grant = manager.ledger.get(kernel_id)
     device = grant.devices[0]
     pid = await kernel_pid(jp_serverapp, kernel_id)
     FakeNvml.set_usage(pid, f"static-{device}", 3 * GiB)
@@ -64,7 +64,7 @@ async def test_points_follow_nvml_and_the_allocator_against_the_cap(jp_fetch, jp
     )
 
     def newest():
-        points = service.history.kernel(kernel_id) or []
+        points = manager.history.kernel(kernel_id) or []
         return points[-1] if points and points[-1].used == 3 * GiB and points[-1].reserved else None
 
     await wait_for(newest, timeout=WAIT)
@@ -98,16 +98,16 @@ async def test_points_follow_nvml_and_the_allocator_against_the_cap(jp_fetch, jp
 
 async def test_park_periods_are_in_the_points(jp_fetch, jp_serverapp, fake_driver):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
+    manager = manager_of(jp_serverapp)
+    device = manager.ledger.get(kernel_id).devices[0]
     pid = await kernel_pid(jp_serverapp, kernel_id)
     FakeNvml.set_usage(pid, f"static-{device}", 2 * GiB)
-    await wait_for(lambda: pid in service.monitor.gpu_pids(kernel_id), timeout=WAIT)
+    await wait_for(lambda: pid in manager.monitor.gpu_pids(kernel_id), timeout=WAIT)
     response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "park", method="POST", body="{}")
     assert response.code == 202
 
     def parked_points():
-        points = service.history.kernel(kernel_id) or []
+        points = manager.history.kernel(kernel_id) or []
         return [p for p in points if p.park == "parked"]
 
     await wait_for(parked_points, timeout=WAIT)
@@ -122,9 +122,9 @@ async def test_park_periods_are_in_the_points(jp_fetch, jp_serverapp, fake_drive
 
 async def test_the_kernel_reads_its_own_history_with_its_secret_and_only_its_own(jp_fetch, jp_serverapp, fake_nvml):
     mine, other = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    await wait_for(lambda: service.history.kernel(mine) and service.history.kernel(other), timeout=WAIT)
-    own = {contract.KERNEL_TOKEN_HEADER: service.token_for(mine), "Authorization": ""}
+    manager = manager_of(jp_serverapp)
+    await wait_for(lambda: manager.history.kernel(mine) and manager.history.kernel(other), timeout=WAIT)
+    own = {contract.KERNEL_TOKEN_HEADER: manager.token_for(mine), "Authorization": ""}
     answer = await kernel_history(jp_fetch, mine, headers=own)
     assert answer["points"] and answer["points_max"] == POINTS_MAX
     # Its secret opens nothing else: not another kernel's history, not everyone's.
@@ -141,7 +141,7 @@ async def test_the_kernel_reads_its_own_history_with_its_secret_and_only_its_own
 async def test_the_panel_of_the_kernel_charts_its_own_history(jp_fetch, jp_serverapp, fake_nvml):
     # `%gpucap panel` in the kernel reads the server's points with the kernel's own secret and draws them.
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
+    service = manager_of(jp_serverapp)
     device = service.ledger.get(kernel_id).devices[0]
     pid = await kernel_pid(jp_serverapp, kernel_id)
     FakeNvml.set_usage(pid, f"static-{device}", 3 * GiB)
@@ -168,9 +168,9 @@ async def test_bad_input_is_one_clear_error(jp_fetch, jp_serverapp, fake_nvml):
 
 async def test_a_kernel_shut_down_leaves_the_history(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    await wait_for(lambda: service.history.kernel(kernel_id), timeout=WAIT)
+    manager = manager_of(jp_serverapp)
+    await wait_for(lambda: manager.history.kernel(kernel_id), timeout=WAIT)
     await shutdown_kernel(jp_fetch, kernel_id)
-    await wait_for(lambda: service.history.kernel(kernel_id) is None, timeout=WAIT)
+    await wait_for(lambda: manager.history.kernel(kernel_id) is None, timeout=WAIT)
     assert kernel_id not in (await history(jp_fetch))["kernels"]
     assert await error_code(kernel_history(jp_fetch, kernel_id)) == 404

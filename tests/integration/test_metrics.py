@@ -12,8 +12,8 @@ from .fake_gpu import (  # noqa: F401
     fake_gpu_config,
     fake_nvml,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     wait_for,
 )
 from .kernels import shutdown_kernel, start_kernel
@@ -38,7 +38,7 @@ async def scrape(jp_fetch) -> dict:
 async def test_gauges_follow_the_monitor_and_drop_a_gone_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
     fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     await next_samples(jp_serverapp)
@@ -68,7 +68,7 @@ async def test_gauges_follow_the_monitor_and_drop_a_gone_kernel(jp_fetch, jp_ser
     # No stale series: the moment the grant is released, the next scrape has none of the kernel's series,
     # without waiting for a sample (the last one still lists the kernel's usage).
     await shutdown_kernel(jp_fetch, kernel_id)
-    assert service_of(jp_serverapp).ledger.get(kernel_id) is None
+    assert manager_of(jp_serverapp).ledger.get(kernel_id) is None
     metrics = await scrape(jp_fetch)
     assert not [name for name in metrics if kernel_id in name]
     assert metrics[f'gpu_quota_device_granted_bytes{{device="{device}"}}'] == 0
@@ -77,9 +77,9 @@ async def test_gauges_follow_the_monitor_and_drop_a_gone_kernel(jp_fetch, jp_ser
 async def test_watchdog_actions_are_counted_by_the_watchdog(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
-    watchdog = service_of(jp_serverapp).watchdog
+    watchdog = manager_of(jp_serverapp).watchdog
     fake_nvml.set_usage(pid, f"static-{device}", grant.caps[device] + 2 * GiB)  # over cap + 1 GiB slack
     await wait_for(lambda: watchdog.counts.get("warn", 0) >= 1)
     metrics = await scrape(jp_fetch)
@@ -92,10 +92,10 @@ async def test_two_servers_in_one_process_share_one_collector(
 ):
     """pytest-jupyter (and embedders) can run several servers in one process, all serving one registry."""
     kernel_id = await start_kernel(jp_fetch)
-    first = service_of(jp_serverapp)
-    # pytest-jupyter initializes its (singleton) app again: a second extension app, service and monitor
+    first = manager_of(jp_serverapp)
+    # pytest-jupyter initializes its (singleton) app again: a second extension app, manager and monitor
     # in the same process, on the same registry. Before the collector, the second one's gauges collided.
-    second = service_of(jp_configurable_serverapp(config=fake_gpu_config("warn")))
+    second = manager_of(jp_configurable_serverapp(config=fake_gpu_config("warn")))
     try:
         assert second is not first and second.monitor._task is not None  # its monitor runs, and it publishes
         assert first.status.metric_families in gpu_metrics.COLLECTOR._sources

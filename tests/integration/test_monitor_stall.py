@@ -19,8 +19,8 @@ from .fake_gpu import (  # noqa: F401
     fake_nvml,
     kernel_entry,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     status,
     wait_for,
 )
@@ -37,7 +37,7 @@ def jp_server_config():
 async def test_a_hung_nvml_call_makes_the_monitor_stalled_then_ok_again(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     await next_samples(jp_serverapp)
     assert (await status(jp_fetch))["monitor"]["state"] == "ok"
@@ -82,12 +82,12 @@ class TestLifecycleDuringAStall:
     async def test_a_dead_kernel_gives_its_grant_back_while_nvml_hangs(self, jp_fetch, jp_serverapp, fake_nvml):
         kernel_id = await start_kernel(jp_fetch)
         pid = await kernel_pid(jp_serverapp, kernel_id)
-        service = service_of(jp_serverapp)
+        manager = manager_of(jp_serverapp)
         release = fake_nvml.hang()
         try:
             await wait_for(lambda: _monitor_if(jp_fetch, "stalled"), timeout=30, step=0.2)
             os.kill(pid, signal.SIGKILL)
-            await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
+            await wait_for(lambda: manager.ledger.get(kernel_id) is None, timeout=10)
             assert (await status(jp_fetch))["monitor"]["state"] == "stalled"
         finally:
             release.set()

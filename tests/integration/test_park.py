@@ -25,8 +25,8 @@ from .fake_gpu import (  # noqa: F401
     fake_nvml,
     kernel_entry,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     status,
     wait_for,
 )
@@ -62,7 +62,7 @@ def fake_driver(fake_nvml):
 
 
 def parker_of(serverapp):
-    return service_of(serverapp).parker
+    return manager_of(serverapp).parker
 
 
 async def park_state(jp_fetch, kernel_id) -> dict:
@@ -80,9 +80,9 @@ async def wait_state(jp_fetch, kernel_id, *states, timeout=WAIT) -> dict:
 async def holding_gpu(serverapp, kernel_id, nbytes=2 * GiB, pid=None) -> int:
     """The kernel's process 'uses' nbytes on its device (fake NVML) and the parker has seen it."""
     pid = pid or await kernel_pid(serverapp, kernel_id)
-    device = service_of(serverapp).ledger.get(kernel_id).devices[0]
+    device = manager_of(serverapp).ledger.get(kernel_id).devices[0]
     FakeNvml.set_usage(pid, f"static-{device}", nbytes)
-    parker, monitor = parker_of(serverapp), service_of(serverapp).monitor
+    parker, monitor = parker_of(serverapp), manager_of(serverapp).monitor
     await wait_for(lambda: pid in monitor.gpu_pids(kernel_id) and parker.driver_problem is None, timeout=WAIT)
     return pid
 
@@ -111,7 +111,7 @@ async def test_park_route_moves_the_memory_to_the_host_and_resume_brings_it_back
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "x = 41")
     pid = await holding_gpu(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     before = await park_state(jp_fetch, kernel_id)
     assert set(before) == set(PARK_FIELDS) and before["state"] == "idle" and before["parkable"] is True
 
@@ -121,7 +121,7 @@ async def test_park_route_moves_the_memory_to_the_host_and_resume_brings_it_back
     assert parked["host_bytes"] == 2 * GiB and parked["parkable"] is True
     assert pid not in FakeNvml.usage  # NVML: 0 B for the parked process
     assert FakeCheckpoint.parked_pids() == {pid: {f"static-{grant.devices[0]}": 2 * GiB}}
-    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == grant.caps  # the grant is kept
+    assert manager_of(jp_serverapp).ledger.get(kernel_id).caps == grant.caps  # the grant is kept
 
     code, answer = await post(jp_fetch, kernel_id, "park")  # again: nothing more to do
     assert code == 202 and answer["park"]["state"] == "parked"
@@ -210,7 +210,7 @@ async def test_resume_calls_off_a_pending_park(jp_fetch, jp_serverapp, fake_driv
 async def test_a_kernel_may_park_itself_with_its_secret_but_not_another(jp_fetch, jp_serverapp, fake_driver):
     mine, other = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
     await holding_gpu(jp_serverapp, mine)
-    service = service_of(jp_serverapp)
+    service = manager_of(jp_serverapp)
     code, answer = await post(jp_fetch, mine, "park", headers={KERNEL_TOKEN_HEADER: service.token_for(mine)})
     assert code == 202
     await wait_state(jp_fetch, mine, "parked")
@@ -235,9 +235,9 @@ async def test_host_bytes_are_what_the_kernel_holds_when_it_parks_not_the_sample
     # the tensor existed) while NVML showed 19.97 GB returned. The park reads the kernel's usage again.
     kernel_id = await start_kernel(jp_fetch)
     pid = await holding_gpu(jp_serverapp, kernel_id, nbytes=14 * 1024 * 1024)
-    monitor = service_of(jp_serverapp).monitor
+    monitor = manager_of(jp_serverapp).monitor
     await wait_for(lambda: sum(monitor.latest.kernels.get(kernel_id, {}).values()) == 14 * 1024 * 1024, timeout=WAIT)
-    device = service_of(jp_serverapp).ledger.get(kernel_id).devices[0]
+    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
     FakeNvml.set_usage(pid, f"static-{device}", 6 * GiB)  # the tensor, made right before the request
     code, _ = await post(jp_fetch, kernel_id, "park")
     assert code == 202
@@ -346,7 +346,7 @@ async def three_kernels(jp_fetch, jp_serverapp):
         kernel_id = await start_kernel(jp_fetch)
         await execute(jp_serverapp, kernel_id, f"x = {ord(name)}")
         kernels[name] = (kernel_id, await holding_gpu(jp_serverapp, kernel_id, 6 * GiB))
-        assert service_of(jp_serverapp).ledger.get(kernel_id).devices == (0,)
+        assert manager_of(jp_serverapp).ledger.get(kernel_id).devices == (0,)
         if name == "A":
             await post(jp_fetch, kernel_id, "park")
             await wait_state(jp_fetch, kernel_id, "parked")
@@ -420,7 +420,7 @@ async def test_a_restore_the_driver_fails_is_lost_said_plainly_never_retried_and
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "x = 41")
     pid = await holding_gpu(jp_serverapp, kernel_id, 2 * GiB)
-    caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
+    caps = manager_of(jp_serverapp).ledger.get(kernel_id).caps
     await post(jp_fetch, kernel_id, "park")
     await wait_state(jp_fetch, kernel_id, "parked")
     FakeCheckpoint.fail_restores(1)  # what the driver does however careful we are: the broker cannot stop it
@@ -435,10 +435,58 @@ async def test_a_restore_the_driver_fails_is_lost_said_plainly_never_retried_and
     assert (await execute(jp_serverapp, kernel_id, "%gpucap")) and calls("cuCheckpointProcessRestore") == [pid]
     code, answer = await post_error(jp_fetch, kernel_id, "resume")
     assert code == 409 and answer["park"]["state"] == "lost"
-    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps  # the grant is kept for the restart
+    assert manager_of(jp_serverapp).ledger.get(kernel_id).caps == caps  # the grant is kept for the restart
     await restart_kernel(jp_fetch, kernel_id)
     assert (await execute(jp_serverapp, kernel_id, "print('fresh')")).strip() == "fresh"
     assert (await park_state(jp_fetch, kernel_id))["state"] in ("idle", "busy")
+
+
+DEVICE_FULL = (
+    "import torch\n"
+    "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of "
+    "16.00 GiB of which 1.50 GiB is free. Of the allocated memory 2.00 GiB is allocated by PyTorch')"
+)
+
+
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "on"}])
+async def test_a_kernel_whose_allocation_found_the_device_full_gets_room_made_up_to_its_cap(
+    jp_fetch, jp_serverapp, full_devices
+):
+    a, b, c = await start_kernel(jp_fetch), await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, b, 6 * GiB)  # B idle longest
+    await holding_gpu(jp_serverapp, c, 6 * GiB)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)  # A: 5 GiB of its 7 GiB cap left, 2 GiB free on the device
+    ran = await run_cell(jp_serverapp, a, DEVICE_FULL)
+    assert ran["status"] == "error" and "OutOfMemoryError" in ran["error"]
+    said = ran["stderr"]
+    assert "itself is full" in said and "the broker parks idle kernels to make room" in said, said
+    assert "room made after" in said and "run the cell again" in said, said
+    assert (await park_state(jp_fetch, b))["state"] == "parked"  # idle longest: B gave its room
+    assert (await park_state(jp_fetch, c))["state"] == "idle"
+    park = await park_state(jp_fetch, a)
+    assert park["room"] == "made" and park["state"] in ("idle", "busy")
+    assert (await execute(jp_serverapp, a, "print(1)")).strip() == "1"  # and its next cell runs
+
+
+@pytest.mark.parametrize("park", [BROKER])
+async def test_room_on_a_full_device_is_the_admins_choice_and_off_by_default(jp_fetch, jp_serverapp, full_devices):
+    a = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)
+    code, answer = await post_error(jp_fetch, a, "room")
+    assert code == 409 and answer["message"] == "park_on_device_full is off on this server"
+    ran = await run_cell(jp_serverapp, a, DEVICE_FULL)
+    assert "itself is full" in ran["stderr"] and "broker" not in ran["stderr"]  # the kernel says nothing more
+    assert FakeCheckpoint.calls == []
+
+
+@pytest.mark.parametrize("body", ['{"device": -1}', '{"device": true}', '{"devices": 0}', "[]", '{"device": 9}'])
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "on"}])
+async def test_bad_room_requests_change_nothing(jp_fetch, jp_serverapp, full_devices, body):
+    a = await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, a, 2 * GiB)
+    code, answer = await post_error(jp_fetch, a, "room", body=body)
+    assert code in (400, 409) and answer["message"]
+    assert (await park_state(jp_fetch, a))["room"] is None and FakeCheckpoint.calls == []
 
 
 async def test_a_park_first_asks_the_kernel_to_empty_its_caches(jp_fetch, jp_serverapp, fake_driver, caplog):
@@ -509,12 +557,12 @@ async def test_shutdown_of_a_parked_kernel_leaves_nothing_behind(jp_fetch, jp_se
     assert FakeCheckpoint.parked_pids() == {}
     parker = parker_of(jp_serverapp)
     assert kernel_id not in parker.records and kernel_id not in parker._streams
-    assert service_of(jp_serverapp).ledger.get(kernel_id) is None
+    assert manager_of(jp_serverapp).ledger.get(kernel_id) is None
 
 
 async def test_restart_of_a_parked_kernel_starts_it_fresh_with_its_grant(jp_fetch, jp_serverapp, fake_driver):
     kernel_id, pid = await parked_kernel(jp_fetch, jp_serverapp)
-    caps = service_of(jp_serverapp).ledger.get(kernel_id).caps
+    caps = manager_of(jp_serverapp).ledger.get(kernel_id).caps
     await restart_kernel(jp_fetch, kernel_id)
     new_pid = await kernel_pid(jp_serverapp, kernel_id)
     assert new_pid != pid
@@ -522,7 +570,7 @@ async def test_restart_of_a_parked_kernel_starts_it_fresh_with_its_grant(jp_fetc
     assert kernel_id not in parker_of(jp_serverapp).records
     park = await park_state(jp_fetch, kernel_id)
     assert park["state"] in ("idle", "busy") and park["host_bytes"] is None
-    assert service_of(jp_serverapp).ledger.get(kernel_id).caps == caps
+    assert manager_of(jp_serverapp).ledger.get(kernel_id).caps == caps
     assert "41" not in await execute(jp_serverapp, kernel_id, "print(globals().get('x'))")
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from gpu_quota_ext.usage import kernels as kernel_manager_view
 
-from .fake_gpu import fake_gpu_config, fake_nvml, service_of  # noqa: F401
+from .fake_gpu import fake_gpu_config, fake_nvml, manager_of  # noqa: F401
 from .kernels import shutdown_kernel, start_kernel
 
 
@@ -20,9 +20,9 @@ async def test_a_starting_kernel_is_in_the_real_pending_kernels_dict(
     jp_fetch, jp_serverapp, fake_nvml, caplog, monkeypatch
 ):
     manager = jp_serverapp.kernel_manager
-    service = service_of(jp_serverapp)
+    gpu_quota = manager_of(jp_serverapp)
     seen = []
-    admit = service.admit
+    admit = gpu_quota.admit
 
     async def spying_admit(kernel_id, *args, **kwargs):  # runs inside the start, before the kernel is listed
         pending = kernel_manager_view.pending_kernels(manager)
@@ -30,7 +30,7 @@ async def test_a_starting_kernel_is_in_the_real_pending_kernels_dict(
         seen.append(kernel_id)
         return await admit(kernel_id, *args, **kwargs)
 
-    monkeypatch.setattr(service, "admit", spying_admit)
+    monkeypatch.setattr(gpu_quota, "admit", spying_admit)
     monkeypatch.setattr(kernel_manager_view, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="gpu_quota_ext"):
         kernel_id = await start_kernel(jp_fetch)

@@ -19,7 +19,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.usage.kernels import pending_kernels
 
-from .fake_gpu import service_of
+from .fake_gpu import manager_of
 from .kernels import (
     execute,
     shutdown_kernel,
@@ -67,15 +67,15 @@ async def leftovers(serverapp) -> dict:
     """What a start may take and must give back when it does not happen (once the ledger's calls,
     made in a thread, are done)."""
     km = serverapp.kernel_manager
-    service = service_of(serverapp)
-    await service.settled()
+    manager = manager_of(serverapp)
+    await manager.settled()
     return {
         "connection files": sorted(p.name for p in Path(km.connection_dir).glob("kernel-*.json")),
         "reserved ports": len(LocalPortCache.instance().currently_used_ports),
         "pending": sorted(pending_kernels(km)),
         "kernels": sorted(km.list_kernel_ids()),
-        "grants": sorted(g.kernel_id for g in service.ledger.grants()),
-        "secrets": sorted(service._tokens),
+        "grants": sorted(g.kernel_id for g in manager.ledger.grants()),
+        "secrets": sorted(manager._tokens),
     }
 
 
@@ -161,7 +161,7 @@ class TestFailedLaunch:
         assert (await leftovers(jp_serverapp)) == before
         # The budget it briefly held is free: four 0.25 kernels still fit.
         ids = [await start_kernel(jp_fetch) for _ in range(4)]
-        assert len(service_of(jp_serverapp).ledger.grants()) == 4
+        assert len(manager_of(jp_serverapp).ledger.grants()) == 4
         for kernel_id in ids:
             await shutdown_kernel(jp_fetch, kernel_id)
 
@@ -195,7 +195,7 @@ class TestSameKernelIdAtOnce:
         refused = [answer for code, answer in answers if code == 409]
         assert all(kernel_id in answer["message"] and "already" in answer["message"] for answer in refused)
         assert len(kernel_processes(kernel_id)) == 1
-        grants = service_of(jp_serverapp).ledger.grants()
+        grants = manager_of(jp_serverapp).ledger.grants()
         assert [g.kernel_id for g in grants] == [kernel_id]
         assert sum(len(g.devices) for g in grants) == 1
         assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
@@ -223,7 +223,7 @@ class TestClientChosenKernelIds:
             # 201 for the start that won, and for any that came once it was running ("Using existing kernel").
             assert codes[0] == 201 and set(codes) <= {201, 409}, answers
             assert json.loads((await jp_fetch("api", "kernels", kernel_id)).body)["id"] == kernel_id
-            grants = service_of(jp_serverapp).ledger.grants()
+            grants = manager_of(jp_serverapp).ledger.grants()
             assert [(g.kernel_id, sum(g.caps.values())) for g in grants] == [(kernel_id, 4 << 30)]
             assert len(kernel_processes(kernel_id)) == 1
             assert (await jp_fetch("api", "kernels", kernel_id, method="DELETE")).code == 204

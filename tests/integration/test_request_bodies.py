@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from .fake_gpu import fake_gpu_config, fake_nvml, service_of  # noqa: F401
+from .fake_gpu import fake_gpu_config, fake_nvml, manager_of  # noqa: F401
 from .kernels import shutdown_kernel, start_kernel
 from .test_refusals import server_log  # noqa: F401
 
@@ -53,9 +53,9 @@ async def test_a_malformed_content_length_is_a_400_on_every_route(
     jp_fetch, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, server_log  # noqa: F811
 ):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant_before = service.ledger.get(kernel_id)
-    credentials = [{}, jp_auth_header, {"X-GPU-Quota-Kernel-Token": service.token_for(kernel_id)}]
+    manager = manager_of(jp_serverapp)
+    grant_before = manager.ledger.get(kernel_id)
+    credentials = [{}, jp_auth_header, {"X-GPU-Quota-Kernel-Token": manager.token_for(kernel_id)}]
     host = {"Host": f"127.0.0.1:{jp_http_port}"}
     # What jupyter_server's own route answers the same request: the answer to give.
     own_route = f"{jp_base_url}api/kernels"
@@ -78,7 +78,7 @@ async def test_a_malformed_content_length_is_a_400_on_every_route(
     assert not [r for r in server_log.records if r.levelno >= 40], [r.getMessage() for r in server_log.records][:5]
     # A line of log per request at most (tornado's "Malformed HTTP message"), as for jupyter_server's routes.
     assert len(server_log.records) <= asked, [r.getMessage() for r in server_log.records][:5]
-    assert service.ledger.get(kernel_id) == grant_before and service.reports.get(kernel_id) is None
+    assert manager.ledger.get(kernel_id) == grant_before and manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -86,8 +86,8 @@ async def test_a_refusal_before_the_body_keeps_the_connection_serving(
     jp_fetch, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header
 ):
     kernel_id = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant_before = service.ledger.get(kernel_id)
+    manager = manager_of(jp_serverapp)
+    grant_before = manager.ledger.get(kernel_id)
     kernel = f"{jp_base_url}api/gpu-quota/kernels/{kernel_id}"
     status = f"{jp_base_url}api/gpu-quota/status"
 
@@ -117,5 +117,5 @@ async def test_a_refusal_before_the_body_keeps_the_connection_serving(
     assert codes == [413, 200, 413, 200, 403, 200, 413, 200], seen
     assert all(connection != "close" for _, connection, _ in seen), seen
     assert "64 KiB" in seen[0][2] and "64 KiB" in seen[2][2]
-    assert service.ledger.get(kernel_id) == grant_before
+    assert manager.ledger.get(kernel_id) == grant_before
     await shutdown_kernel(jp_fetch, kernel_id)

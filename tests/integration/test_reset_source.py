@@ -11,7 +11,7 @@ from traitlets.config import Config
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
 
-from .fake_gpu import service_of
+from .fake_gpu import manager_of
 from .kernels import start_kernel, static_devices_config
 
 
@@ -35,7 +35,7 @@ async def test_a_reset_clamped_by_the_budget_says_who_asked_and_what_was_left(jp
     b = await start_kernel(jp_fetch)
     await put(jp_fetch, a, {"cap": "8GiB"})  # a gives 12 GiB back
     await put(jp_fetch, b, {"cap": "0.375"})  # b takes 10 of them: 2 GiB of the budget left
-    token = service_of(jp_serverapp).token_for(a) if who == "kernel" else None
+    token = manager_of(jp_serverapp).token_for(a) if who == "kernel" else None
 
     answer = await put(jp_fetch, a, {"reset": True}, token)
 

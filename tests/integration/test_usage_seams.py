@@ -16,8 +16,8 @@ from .fake_gpu import (  # noqa: F401
     fake_nvml,
     kernel_entry,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     status,
 )
 from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config
@@ -29,7 +29,7 @@ def jp_server_config():
 
 
 async def test_a_kernels_activity_pids_and_each_sample_are_there_for_other_parts(jp_fetch, jp_serverapp, fake_nvml):
-    manager = service_of(jp_serverapp)
+    manager = manager_of(jp_serverapp)
     kernel_id = await start_kernel(jp_fetch)
     pid = await kernel_pid(jp_serverapp, kernel_id)
 
@@ -66,7 +66,7 @@ class TestNoGpu:
         return Config(static_devices_config())
 
     async def test_without_a_gpu_the_monitor_exists_and_says_so(self, jp_fetch, jp_serverapp):
-        manager = service_of(jp_serverapp)
+        manager = manager_of(jp_serverapp)
         answer = await status(jp_fetch)
         assert answer["gpu"] is False and answer["monitor"]["state"] == "no-gpu"
         assert answer["monitor"]["message"] == answer["message"] and "no GPU" in answer["message"]

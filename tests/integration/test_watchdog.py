@@ -19,8 +19,8 @@ from .fake_gpu import (  # noqa: F401
     fake_nvml,
     kernel_entry,
     kernel_pid,
+    manager_of,
     next_samples,
-    service_of,
     status,
     wait_for,
 )
@@ -49,7 +49,7 @@ def jp_server_config(enforce):
 async def go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid=None):
     """Make the kernel's process 'use' 6 GiB on its device: over its 4 GiB cap (0.25 of 16) + 1 GiB slack."""
     pid = pid or await kernel_pid(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     device = grant.devices[0]
     assert grant.caps[device] == 4 * GiB
     await next_samples(jp_serverapp, 1)  # start from a round boundary
@@ -58,7 +58,7 @@ async def go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid=None):
     # Acted on promptly, counted in samples, not seconds (grace 0): the sample in flight may have read
     # the old usage, the next one cannot have. (How fast in seconds is benchmarks' business.)
     await next_samples(jp_serverapp, 2)
-    watchdog = service_of(jp_serverapp).watchdog
+    watchdog = manager_of(jp_serverapp).watchdog
     if watchdog.settings.enforce != "off":
         assert [a for a in watchdog.history if a.kernel_id == kernel_id]
     return began, device
@@ -113,7 +113,7 @@ async def test_interrupt_stops_the_running_cell(jp_fetch, jp_serverapp, fake_nvm
     check_record(action, "interrupt", device, began)
     with pytest.raises(AssertionError, match="KeyboardInterrupt"):
         await asyncio.wait_for(cell, 10)
-    await wait_for(lambda: service_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
+    await wait_for(lambda: manager_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
     fake_nvml.clear_usage(pid)
     assert (await execute(jp_serverapp, kernel_id, "print('alive')")).strip() == "alive"
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -125,16 +125,16 @@ async def test_restart_gives_a_fresh_process_and_keeps_the_grant(jp_fetch, jp_se
     kernel_id = await start_kernel(jp_fetch)
     await execute(jp_serverapp, kernel_id, "x = 1")
     pid = await kernel_pid(jp_serverapp, kernel_id)
-    grant = service_of(jp_serverapp).ledger.get(kernel_id)
+    grant = manager_of(jp_serverapp).ledger.get(kernel_id)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, pid)
     action = await last_action(jp_fetch, kernel_id)
     check_record(action, "restart", device, began)
-    await wait_for(lambda: service_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
+    await wait_for(lambda: manager_of(jp_serverapp).status.last_action(kernel_id)["outcome"] == "done")
     fake_nvml.clear_usage(pid)
     new_pid = await kernel_pid(jp_serverapp, kernel_id)
     assert new_pid != pid
     assert (await execute(jp_serverapp, kernel_id, "print('x' in globals())")).strip() == "False"
-    assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+    assert manager_of(jp_serverapp).ledger.get(kernel_id) == grant
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -143,10 +143,10 @@ async def test_kill_shuts_the_kernel_down_and_frees_its_grant(jp_fetch, jp_serve
     kernel_id = await start_kernel(jp_fetch)
     bystander = await start_kernel(jp_fetch)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml)
-    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
+    actions = await wait_for(lambda: [a for a in manager_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
     check_record(actions[0].to_json(), "kill", device, began)
     await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
-    await wait_for(lambda: service_of(jp_serverapp).ledger.get(kernel_id) is None)
+    await wait_for(lambda: manager_of(jp_serverapp).ledger.get(kernel_id) is None)
     state = await status(jp_fetch)
     assert [a["outcome"] for a in state["actions"] if a["kernel_id"] == kernel_id] == ["done"]
     assert all(k["id"] != kernel_id for k in state["kernels"])
@@ -160,7 +160,7 @@ async def test_a_subprocess_over_the_cap_gets_its_kernel_acted_on(jp_fetch, jp_s
     kernel_id = await start_kernel(jp_fetch)
     child = await start_child_process(jp_serverapp, kernel_id)
     began, device = await go_over_cap(jp_serverapp, kernel_id, fake_nvml, child)
-    actions = await wait_for(lambda: [a for a in service_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
+    actions = await wait_for(lambda: [a for a in manager_of(jp_serverapp).watchdog.history if a.kernel_id == kernel_id])
     check_record(actions[0].to_json(), "kill", device, began)
     await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids())
 
@@ -198,14 +198,14 @@ class TestDeadKernel:
             },
         )
         kernel_id = await start_kernel(jp_fetch, name)
-        service = service_of(jp_serverapp)
-        assert service.ledger.get(kernel_id) is not None
+        manager = manager_of(jp_serverapp)
+        assert manager.ledger.get(kernel_id) is not None
         await wait_for(lambda: kernel_id not in jp_serverapp.kernel_manager, timeout=20)
         # The restarter's "dead" callback gives the grant back as jupyter_server drops the kernel, in the
         # same callback run (the ledger's call in a thread): no need to wait for the lifecycle's next poll.
-        await service.settled()
-        assert service.ledger.get(kernel_id) is None
-        assert all(d["granted"] == 0 for d in service.ledger.device_grants())
+        await manager.settled()
+        assert manager.ledger.get(kernel_id) is None
+        assert all(d["granted"] == 0 for d in manager.ledger.device_grants())
 
 
 # --- whose usage the watchdog may act on ----------------------------------------------------------
@@ -225,7 +225,7 @@ DAEMON_CODE = (
 
 def ancestors(pid):
     """PIDs from `pid`'s parent up to init, read from the live process table."""
-    from gpu_quota_ext.usage.attribution import ProcTable
+    from gpu_quota_ext.usage import ProcTable
 
     table, chain = ProcTable(), []
     current = table.parent_of(pid)
@@ -236,11 +236,11 @@ def ancestors(pid):
 
 
 async def victim_is_untouched(jp_fetch, jp_serverapp, victim, grant):
-    service = service_of(jp_serverapp)
+    manager = manager_of(jp_serverapp)
     assert victim in jp_serverapp.kernel_manager.list_kernel_ids()
-    assert service.ledger.get(victim) == grant
+    assert manager.ledger.get(victim) == grant
     assert (await execute(jp_serverapp, victim, "print('alive')")).strip() == "alive"
-    strong = [a for a in service.watchdog.history if a.kernel_id == victim and a.action != "warn"]
+    strong = [a for a in manager.watchdog.history if a.kernel_id == victim and a.action != "warn"]
     assert strong == []
 
 
@@ -250,18 +250,18 @@ async def test_a_daemon_naming_another_kernel_never_gets_it_killed(jp_fetch, jp_
     (same Unix user: a process the server may trust to say whose it is), but only a warning may follow."""
     attacker = await start_kernel(jp_fetch)
     victim = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant = service.ledger.get(victim)
+    manager = manager_of(jp_serverapp)
+    grant = manager.ledger.get(victim)
     device = grant.devices[0]
     daemon = int((await execute(jp_serverapp, attacker, DAEMON_CODE.format(victim=victim))).strip())
     try:
-        roots = service.kernels.roots()
+        roots = manager.kernels.roots()
         assert not set(ancestors(daemon)) & set(roots), "the daemon must be outside every kernel's tree"
         fake_nvml.set_usage(daemon, f"static-{device}", 6 * GiB)  # over V's 4 GiB cap + 1 GiB slack
         await next_samples(jp_serverapp, 5)
         # Seen, and counted for V by its environment ...
-        assert service.monitor.latest.kernels.get(victim, {}).get(device) == 6 * GiB
-        warned = [a for a in service.watchdog.history if a.kernel_id == victim]
+        assert manager.monitor.latest.kernels.get(victim, {}).get(device) == 6 * GiB
+        warned = [a for a in manager.watchdog.history if a.kernel_id == victim]
         assert [(a.action, a.attributed) for a in warned] == [("warn", "environment")]
         # ... yet V is alive, its grant intact, and nothing stronger than a warning was done.
         await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
@@ -293,8 +293,8 @@ async def test_a_process_of_another_user_is_never_attributed_by_its_environment(
     jp_fetch, jp_serverapp, fake_nvml, enforce
 ):
     victim = await start_kernel(jp_fetch)
-    service = service_of(jp_serverapp)
-    grant = service.ledger.get(victim)
+    manager = manager_of(jp_serverapp)
+    grant = manager.ledger.get(victim)
     device = grant.devices[0]
     user = other_unix_user()
     stranger = subprocess.Popen(
@@ -304,9 +304,9 @@ async def test_a_process_of_another_user_is_never_attributed_by_its_environment(
         await wait_for(lambda: open(f"/proc/{stranger.pid}/environ", "rb").read().find(victim.encode()) >= 0)
         fake_nvml.set_usage(stranger.pid, f"static-{device}", 6 * GiB)
         await next_samples(jp_serverapp, 5)
-        assert service.monitor.latest.kernels.get(victim, {}).get(device, 0) == 0  # not V's usage at all
+        assert manager.monitor.latest.kernels.get(victim, {}).get(device, 0) == 0  # not V's usage at all
         assert kernel_entry(await status(jp_fetch), victim)["devices"][0]["used"] == 0
-        assert [a for a in service.watchdog.history if a.kernel_id == victim] == []
+        assert [a for a in manager.watchdog.history if a.kernel_id == victim] == []
         await victim_is_untouched(jp_fetch, jp_serverapp, victim, grant)
     finally:
         stranger.kill()
@@ -328,31 +328,31 @@ class TestNoAutorestart:
         self, jp_fetch, jp_serverapp, fake_nvml
     ):
         kernel_id = await start_kernel(jp_fetch)
-        service = service_of(jp_serverapp)
+        manager = manager_of(jp_serverapp)
         pid = await kernel_pid(jp_serverapp, kernel_id)
-        assert service.ledger.get(kernel_id) is not None
-        monitor = service.monitor
+        assert manager.ledger.get(kernel_id) is not None
+        monitor = manager.monitor
         os.kill(pid, signal.SIGKILL)
         rounds = monitor.ticks
-        await wait_for(lambda: service.ledger.get(kernel_id) is None, timeout=10)
+        await wait_for(lambda: manager.ledger.get(kernel_id) is None, timeout=10)
         # The next round after the death notices it (the one running at the kill may have missed it).
         assert monitor.ticks <= rounds + 2
-        assert all(d["granted"] == 0 for d in service.ledger.device_grants())
+        assert all(d["granted"] == 0 for d in manager.ledger.device_grants())
         # jupyter_server keeps listing a dead kernel when autorestart is off (the user may restart it);
         # a restart asks the ledger again, like a new kernel.
         assert kernel_id in jp_serverapp.kernel_manager.list_kernel_ids()
         await restart_kernel(jp_fetch, kernel_id)
-        assert service.ledger.get(kernel_id) is not None
+        assert manager.ledger.get(kernel_id) is not None
         assert (await execute(jp_serverapp, kernel_id, "print('back')")).strip() == "back"
         await shutdown_kernel(jp_fetch, kernel_id)
-        assert service.ledger.get(kernel_id) is None
+        assert manager.ledger.get(kernel_id) is None
 
     async def test_a_live_kernel_keeps_its_grant(self, jp_fetch, jp_serverapp, fake_nvml):
         kernel_id = await start_kernel(jp_fetch)
-        grant = service_of(jp_serverapp).ledger.get(kernel_id)
+        grant = manager_of(jp_serverapp).ledger.get(kernel_id)
         await next_samples(jp_serverapp, 3)
-        assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+        assert manager_of(jp_serverapp).ledger.get(kernel_id) == grant
         await restart_kernel(jp_fetch, kernel_id)  # a restart in progress is not a death
         await next_samples(jp_serverapp, 3)
-        assert service_of(jp_serverapp).ledger.get(kernel_id) == grant
+        assert manager_of(jp_serverapp).ledger.get(kernel_id) == grant
         await shutdown_kernel(jp_fetch, kernel_id)

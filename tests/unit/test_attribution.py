@@ -1,5 +1,5 @@
-"""Process -> kernel attribution (gpu_quota_ext.usage.attribution): the pure mapping, NSpid, the live table,
-the resolver."""
+"""Process -> kernel attribution: the pure mapping and NSpid (gpu_quota_ext.usage.attribution), the live table
+and the resolver (usage.processes)."""
 
 import os
 import subprocess
@@ -8,12 +8,11 @@ import sys
 import pytest
 
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
+from gpu_quota_ext.usage import PidResolver, ProcTable
 from gpu_quota_ext.usage.attribution import (
     ENVIRONMENT,
     TREE,
     Attribution,
-    PidResolver,
-    ProcTable,
     alias_map,
     kernel_for_pid,
     parse_environ_kernel_id,

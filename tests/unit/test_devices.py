@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpu_quota_ext.devices import Device, parse_cuda_visible_devices, select_visible
+from gpu_quota_ext.devices import Device, devices_named, parse_cuda_visible_devices, select_visible
 from gpu_quota_ext.devices.inventory import parse_static_devices
 from gpu_quota_ext.policy import GiB, PolicyError
 
@@ -35,6 +35,14 @@ def test_select_visible_keeps_cuda_order_and_reindexes():
     assert select_visible(FOUR, []) == []
     assert [d.nvml_index for d in select_visible(FOUR, ["2", "7", "1"])] == [2]  # 7 names nothing: CUDA stops
     assert select_visible(FOUR, ["GPU-"]) == []  # ambiguous prefix
+
+
+def test_devices_named_keeps_the_devices_as_they_are_in_cuda_order_once_each():
+    # What a kernelspec's own CUDA_VISIBLE_DEVICES pins, in the server's indexes (the manager's placement).
+    assert [d.index for d in devices_named(FOUR, ["3", "GPU-1111", "3", "1"])] == [3, 1]
+    assert [d.index for d in devices_named(FOUR, ["2", "7", "1"])] == [2]  # 7 names nothing: CUDA stops
+    assert devices_named(FOUR, ["GPU-", "1"]) == []  # an ambiguous prefix names none, and ends the list
+    assert devices_named(FOUR, []) == []
 
 
 def test_cuda_id_prefers_uuid():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
+from gpu_quota_ext.hard_limit import HardLimitSettings, build_hard_limit_settings
 from gpu_quota_ext.hard_limit.decisions import (
     DEFAULT_CONTEXT_ALLOWANCE,
     Probe,
@@ -30,7 +30,7 @@ DEVICES = {
     1: Device(1, "H200", "GPU-bbbb", TOTAL, 1),
     2: Device(2, "H200", "GPU-cccc", TOTAL, 2),
 }
-ON = HardCapSettings(mode="auto")
+ON = HardLimitSettings(mode="auto")
 ROUTE = Route("/run/mps/pipe", "/run/mps/log", "/run/mps/none")
 ANSWERED = Probe(True, servers=())
 UID = 1000
@@ -47,12 +47,12 @@ def grant(devices=(1,), cap=35 * GiB, max_cap=70 * GiB, placed=True):
 
 
 def test_settings_default_to_off_and_parse_every_form():
-    assert build_hard_cap_settings().mode == "off"
-    settings = build_hard_cap_settings("MPS", "external", "cap", "1GiB", "/opt/nvidia/nvidia-cuda-mps-control", "2.5")
+    assert build_hard_limit_settings().mode == "off"
+    settings = build_hard_limit_settings("MPS", "external", "cap", "1GiB", "/opt/nvidia/nvidia-cuda-mps-control", "2.5")
     assert (settings.mode, settings.daemon, settings.limit) == ("mps", "external", "cap")
     assert (settings.context_allowance, settings.timeout) == (GiB, 2.5)
-    assert build_hard_cap_settings(mps_context_allowance="0").context_allowance == 0
-    assert build_hard_cap_settings(mps_context_allowance="640MiB").context_allowance == DEFAULT_CONTEXT_ALLOWANCE
+    assert build_hard_limit_settings(mps_context_allowance="0").context_allowance == 0
+    assert build_hard_limit_settings(mps_context_allowance="640MiB").context_allowance == DEFAULT_CONTEXT_ALLOWANCE
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_settings_default_to_off_and_parse_every_form():
 )
 def test_bad_settings_name_the_setting_and_value(kwargs, named):
     with pytest.raises(PolicyError) as error:
-        build_hard_cap_settings(**kwargs)
+        build_hard_limit_settings(**kwargs)
     assert str(error.value).startswith(named)
 
 
@@ -91,7 +91,7 @@ def test_max_cap_is_the_default_number_and_cap_the_other():
     limits = device_limits(grant(), DEVICES, {}, ON)
     assert [(d.index, d.ordinal, d.limit, d.usable) for d in limits] == [(1, 0, 70 * GiB + 640 * MiB, 70 * GiB)]
     assert limit_variable(limits) == f"0={70 * 1024 + 640}M"
-    by_cap = device_limits(grant(), DEVICES, {}, HardCapSettings(mode="auto", limit="cap"))
+    by_cap = device_limits(grant(), DEVICES, {}, HardLimitSettings(mode="auto", limit="cap"))
     assert [(d.limit, d.usable) for d in by_cap] == [(35 * GiB + 640 * MiB, 35 * GiB)]
 
 
@@ -137,7 +137,7 @@ def test_probe_problem_names_the_other_user_and_the_silence():
 
 
 def test_off_adds_nothing():
-    layers, variables = decide(grant(), DEVICES, {}, HardCapSettings(), None, None, UID, ROUTE)
+    layers, variables = decide(grant(), DEVICES, {}, HardLimitSettings(), None, None, UID, ROUTE)
     assert variables == {}
     assert not layers.hard and layers.soft and "off" in layers.reason
     assert "parkable" not in layers.to_json()  # the kernel's park object answers that, once
@@ -184,7 +184,7 @@ def test_a_cpu_only_kernel_has_no_layer_and_no_mps_variable():
 
 
 def test_restart_needed_when_a_cap_is_raised_above_a_cap_sized_limit():
-    settings = HardCapSettings(mode="auto", limit="cap")
+    settings = HardLimitSettings(mode="auto", limit="cap")
     layers, _ = decide(grant(cap=10 * GiB), DEVICES, {}, settings, None, ANSWERED, UID, ROUTE)
     assert layers.to_json(grant(cap=10 * GiB))["restart_needed"] is False
     assert layers.to_json(grant(cap=20 * GiB))["restart_needed"] is True
@@ -215,7 +215,29 @@ def test_a_managed_daemon_gets_the_largest_limit_policy_can_give_as_its_default(
 
 
 def test_settings_describe_names_the_setting_and_leaves_out_the_control_program():
-    shown = HardCapSettings(
+    shown = HardLimitSettings(
         mode="mps", daemon="external", limit="cap", context_allowance=MiB, control="/x/mps"
     ).describe()
     assert shown == {"mode": "mps", "daemon": "external", "hard_limit": "cap", "context_allowance": MiB, "timeout": 5.0}
+
+
+def test_at_shutdown_the_kernels_go_before_the_daemon_they_are_clients_of():
+    import asyncio
+
+    from gpu_quota_ext.hard_limit import HardLimitLayer
+
+    done = []
+
+    class Daemon:
+        def stop(self):
+            done.append("daemon")
+
+    async def shutdown_kernels():
+        done.append("kernels")
+
+    layer = HardLimitLayer(HardLimitSettings())
+    layer.daemon = Daemon()
+    asyncio.run(layer.stop(shutdown_kernels))
+    assert done == ["kernels", "daemon"] and layer.daemon is None
+    asyncio.run(layer.stop(shutdown_kernels))  # no daemon of its own (off, or an external one): kernels untouched
+    assert done == ["kernels", "daemon"]

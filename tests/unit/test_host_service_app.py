@@ -240,3 +240,43 @@ def test_each_host_sample_adds_a_point_to_the_users_history_and_a_user_sees_only
         FakeNvml.reset()
         app.store.close()
 
+
+
+def test_a_body_over_the_limit_or_not_json_is_refused_and_nothing_granted(service, monkeypatch):
+    """The service's API keeps a body only up to 64 KiB, declared or chunked (413), and refuses one that is not
+    JSON, however deep (400). The hub is down here: the token's owner is given."""
+    from gpu_quota_ext.hub.service.handlers import Who
+
+    async def identify(handler):
+        return Who("alice", False, {"kind": "user", "name": "alice"})
+
+    monkeypatch.setattr(service, "identify", identify)
+    grant = {"server": "", "kernel_id": "k1", "kernelspec": "python3"}
+
+    async def scenario():
+        port = free_port()
+        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        try:
+            url = f"http://127.0.0.1:{port}/services/gpu-quota/{GRANTS_PATH}"
+            client = AsyncHTTPClient()
+
+            async def post(**request):
+                answer = await client.fetch(url, method="POST", raise_error=False, **request)
+                return answer.code, json.loads(answer.body or b"{}").get("message", "")
+
+            code, message = await post(body=json.dumps({**grant, "pad": "x" * (70 * 1024)}))
+            assert code == 413 and "64 KiB" in message
+
+            async def chunks(write):
+                for _ in range(70):
+                    await write(b"x" * 1024)
+
+            code, message = await post(body_producer=chunks)  # no Content-Length: chunked
+            assert code == 413 and "64 KiB" in message
+            for raw in (b'{"server": ', b"\xff", b"[" * 30_000 + b"]" * 30_000):
+                assert await post(body=raw) == (400, "the body is not JSON"), raw[:10]
+        finally:
+            server.stop()
+
+    asyncio.run(scenario())
+    assert service.book.owned() == []

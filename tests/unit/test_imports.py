@@ -2,10 +2,11 @@
 imports go only down the design's picture (LAYERS below), and into another concern only through its
 package's `__init__`; `gpu_quota_ext.kernel` imports from the server side only `gpu_quota_ext.shared`; the
 shared core imports only the standard library and itself; the package keeps at most a dozen top-level
-modules.
+modules; handlers and the provisioner take nothing from the manager but its methods.
 
 Module-level and function-level imports both count (a function-level import is a cycle waiting for its
-first call); imports under `if TYPE_CHECKING:` do not (they never run).
+first call); imports under `if TYPE_CHECKING:` do not (they never run). Importing a module runs the packages
+above it first, so an import of `hub.service.spec` counts as one of `hub` and `hub.service` too.
 """
 
 from __future__ import annotations
@@ -100,8 +101,19 @@ def package_graph() -> Tuple[Dict[str, Set[str]], Dict[str, List[Tuple[str, int]
         imports = imported_names(name, path)
         everything[name] = imports
         # `from . import state` names a module; `from .policy import GiB` names policy, not policy.GiB.
-        graph[name] = {target for target, _ in imports if target in sources and target != name}
+        named = {target for target, _ in imports if target in sources and target != name}
+        graph[name] = named | {parent for target in named for parent in packages_run_first(name, target)}
     return graph, everything
+
+
+def packages_run_first(importer: str, target: str) -> Set[str]:
+    """The packages Python runs before `target` when `importer` imports it: every package above the target
+    (their __init__ runs first, and may import more), except the root and the importer's own packages, which
+    ran before the importer did."""
+    parts = target.split(".")
+    above = {".".join(parts[:end]) for end in range(2, len(parts))}
+    own = {".".join(importer.split(".")[:end]) for end in range(1, importer.count(".") + 1)}
+    return above - own
 
 
 def find_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -251,6 +263,16 @@ def test_the_shared_core_imports_only_the_standard_library_and_itself():
 # --- the checks themselves can fail ------------------------------------------------------------------
 
 
+def test_importing_a_module_runs_the_packages_above_it_first():
+    # hub.service.spec imported from ledger runs hub/__init__ and hub/service/__init__ too: a cycle through a
+    # package's __init__ is a cycle.
+    assert packages_run_first(PACKAGE + ".ledger.remote", PACKAGE + ".hub.service.spec") == {
+        PACKAGE + ".hub", PACKAGE + ".hub.service"
+    }
+    assert packages_run_first(PACKAGE + ".hub.service.app", PACKAGE + ".hub.service.spec") == set()
+    assert packages_run_first(PACKAGE + ".app", PACKAGE + ".policy") == set()
+
+
 def test_the_cycle_finder_reports_a_cycle_and_ignores_a_tree():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
@@ -285,3 +307,44 @@ def test_every_module_opens_with_what_it_is_for():
         if not (ast.get_docstring(ast.parse(text)) or text.lstrip().startswith("#")):
             silent.append(str(path.relative_to(package)))
     assert silent == []
+
+
+# --- handlers and the provisioner ask the manager, never its parts -----------------------------------
+
+
+def manager_reaches(path: Path) -> List[Tuple[int, str]]:
+    """(line, name) of every attribute the module takes from a manager (`manager.x`, `self.manager.x`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "manager") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "manager"
+        ):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def reaches_past_the_manager(path: Path) -> List[str]:
+    """What the module takes from the manager that is not one of its methods: a part (ledger, monitor, ...)."""
+    from gpu_quota_ext.manager import GpuQuotaManager
+
+    return [
+        f"{path.name}:{line} manager.{name}"
+        for line, name in manager_reaches(path)
+        if not callable(getattr(GpuQuotaManager, name, None))
+    ]
+
+
+def test_handlers_and_the_provisioner_call_manager_methods_only():
+    package = Path(gpu_quota_ext.__file__).parent
+    for name in ("handlers.py", "provisioner.py"):
+        assert len(manager_reaches(package / name)) >= 5, name  # the check sees their calls
+        assert reaches_past_the_manager(package / name) == [], name
+
+
+def test_a_reach_into_a_part_of_the_manager_is_found(tmp_path):
+    module = tmp_path / "mod.py"
+    module.write_text("def get(self, manager):\n    manager.admit(1)\n    return self.manager.ledger.grants()\n")
+    assert reaches_past_the_manager(module) == ["mod.py:3 manager.ledger"]

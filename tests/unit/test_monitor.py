@@ -16,7 +16,7 @@ from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.policy import GiB, build_policy, parse_cap, resolve
 from gpu_quota_ext.shared.contract import KERNEL_FIELDS
 from gpu_quota_ext.status.view import VIEW_FIELDS
-from gpu_quota_ext.usage.attribution import PidResolver
+from gpu_quota_ext.usage import PidResolver
 from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings
 
 ME = 1000

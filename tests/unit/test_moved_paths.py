@@ -55,3 +55,73 @@ def test_python_dash_m_of_an_old_path_runs_the_new_module():
     )
     assert done.returncode == 0, done.stderr
     assert "jupyter-gpu-quota-service" in done.stdout or "GpuQuotaService" in done.stdout
+
+
+# Every setting of the release before the move, with the environment variable it was read from (the settings
+# table at the commit before "One folder per concern"): a config file or a spawner's environment that set one
+# still sets it.
+SETTINGS_BEFORE_THE_MOVE = {
+    "default_cap": "GPU_QUOTA_DEFAULT_CAP", "max_cap": "GPU_QUOTA_MAX_CAP", "caps": None,
+    "overcommit": "GPU_QUOTA_OVERCOMMIT", "placement": "GPU_QUOTA_PLACEMENT", "on_full": "GPU_QUOTA_ON_FULL",
+    "on_over_max": "GPU_QUOTA_ON_OVER_MAX", "enforce": "GPU_QUOTA_ENFORCE", "slack": "GPU_QUOTA_SLACK",
+    "grace": "GPU_QUOTA_GRACE", "poll_interval": "GPU_QUOTA_POLL_INTERVAL", "hard_cap": "GPU_QUOTA_HARD_CAP",
+    "mps_daemon": "GPU_QUOTA_MPS_DAEMON", "hard_limit": "GPU_QUOTA_HARD_LIMIT",
+    "mps_context_allowance": "GPU_QUOTA_MPS_CONTEXT_ALLOWANCE", "mps_control": "GPU_QUOTA_MPS_CONTROL",
+    "mps_timeout": "GPU_QUOTA_MPS_TIMEOUT", "park_idle_after": "GPU_QUOTA_PARK_IDLE_AFTER",
+    "park_host_margin": "GPU_QUOTA_PARK_HOST_MARGIN", "inventory_class": None, "nvml_class": None,
+    "checkpoint_class": None,
+}
+
+# What the README and the docs of that release wrote in jupyter_server_config.py, as written there.
+DOCUMENTED_CONFIG = {
+    "GpuQuota": {
+        "default_cap": "0.25",
+        "max_cap": "0.5",
+        "on_over_max": "refuse",
+        "hard_cap": "auto",
+        "park_idle_after": "30min",
+        "slack": 2**30,
+        "inventory_class": "gpu_quota_ext.devices.StaticInventory",
+        "nvml_class": "gpu_quota_ext.fake_nvml.FakeNvml",
+        "checkpoint_class": "gpu_quota_ext.fake_checkpoint.FakeCheckpoint",
+    },
+    "StaticInventory": {"devices": [{"name": "Demo GPU", "total": "80GiB"}]},
+    "HamiInventory": {"physical_class": "gpu_quota_ext.devices.StaticInventory"},
+    "NvmlInventory": {"pod_share": False},
+}
+
+
+def test_every_setting_of_the_release_before_the_move_is_still_read_from_its_variable():
+    from gpu_quota_ext.app import GpuQuota
+    from gpu_quota_ext.settings import SETTINGS
+
+    for name, variable in SETTINGS_BEFORE_THE_MOVE.items():
+        assert name in SETTINGS and SETTINGS[name].env == variable, name
+        assert GpuQuota.class_traits(config=True).get(name) is not None, name
+
+
+def test_the_documented_config_values_configure_the_extension_as_before(monkeypatch):
+    from traitlets.config import Config
+
+    from gpu_quota_ext.app import GpuQuota
+    from gpu_quota_ext.devices import HamiInventory, NvmlInventory, StaticInventory
+    from gpu_quota_ext.devices.fake_nvml import FakeNvml
+    from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+    from gpu_quota_ext.settings import SETTINGS
+
+    for row in SETTINGS.values():
+        if row.env:
+            monkeypatch.delenv(row.env, raising=False)
+    config = Config(DOCUMENTED_CONFIG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the old class paths warn, and work
+        extension = GpuQuota(config=config)
+        policy, enforcement, hard = extension.validated_settings()
+    assert (str(policy.default_cap), str(policy.max_cap), policy.on_over_max) == ("0.25", "0.5", "refuse")
+    assert enforcement.slack.nbytes == 2**30 and hard.mode == "auto"
+    assert extension.park_idle_after == "30min"
+    assert extension.inventory_class is StaticInventory
+    assert extension.nvml_class is FakeNvml and extension.checkpoint_class is FakeCheckpoint
+    assert [d.total for d in StaticInventory(config=config).list_devices()] == [80 * 2**30]
+    assert HamiInventory(config=config).physical_class is StaticInventory
+    assert NvmlInventory(config=config).pod_share is False

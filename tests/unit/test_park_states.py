@@ -16,6 +16,7 @@ from gpu_quota_ext.parking.states import (
     STATES,
     AskPark,
     AskResume,
+    AskRoom,
     Busy,
     Checkpoint,
     Decide,
@@ -48,6 +49,7 @@ events = st.one_of(
     st.just(RoomWait("making room")),
     st.just(RoomTold("waited 300 s")),
     st.builds(Sampled, taken=st.floats(0, 2000)),
+    st.just(AskRoom({0: GiB})),
     st.just("stale"),
 )
 # How the parker's calls turn out, drawn with each event: every outstanding call is answered this way after it
@@ -105,6 +107,7 @@ DEEP = {
     "deferred then told": [(PARK, "ok"), (Busy(), "ok"), (RoomGranted(), "deferred"), (RoomTold("late"), "ok")],
     "waiting ends": [(PARK, "ok"), (Busy(), "ok"), (RoomWait("room"), "ok"), (Idle(), "ok"), ("stale", "ok")],
     "pending": [(AskPark(why="user", problem=None, busy=True), "ok"), (Idle(), "later"), (Busy(), "ok")],
+    "room asked": [(AskRoom({0: GiB}), "ok"), (RoomWait("making room"), "ok"), (RoomGranted(), "ok"), (Busy(), "ok")],
 }
 
 
@@ -168,6 +171,9 @@ def test_fields_agree_with_the_state(sequence):
             assert after.state == "resuming"  # held for a restore under way ...
         if after.room_until is not None:
             assert after.room  # ... or for one that ended, until a sample taken after it has seen its bytes
+        if after.room_need or after.room_outcome:
+            # Only a kernel on the device asks for room (running, or parking after its current cell).
+            assert after.state in (RUNNING, "pending") and after.room_asked is not None
         if after.deferred_at is not None:
             assert after.state == "waiting" and not after.room  # a deferred restore waits for a newer reading
         if after.state not in ("parking", "resuming"):
@@ -240,3 +246,15 @@ def test_a_stuck_call_is_shown_and_cleared_when_it_returns():
     assert record.stuck
     record, _ = step(record, Stuck(2, None))
     assert record.stuck is None
+
+
+def test_a_running_kernel_that_found_the_device_full_asks_for_room_and_is_told_how_it_went():
+    record, effects = step(ParkRecord(), AskRoom({0: 4 * GiB}))
+    assert record.room_need == {0: 4 * GiB} and effects == (Decide(),)
+    record, effects = step(record, RoomGranted())
+    assert not record.room_need and record.room_outcome == "made" and effects == ()  # nothing to restore
+    record, _ = step(record, Busy())
+    assert record.room_outcome == "made"  # the kernel's own cell may still be reading it
+    record, _ = step(record, AskRoom({0: GiB}))
+    assert record.room_outcome is None and record.room_need == {0: GiB}
+

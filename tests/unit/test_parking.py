@@ -264,3 +264,13 @@ def test_a_driver_without_the_checkpoint_calls_is_named(tmp_path):
         pytest.skip("no libm to stand for an old driver")
     with pytest.raises(CheckpointUnavailable, match="has no checkpoint API .*cuCheckpointProcessLock"):
         CudaCheckpointDriver(library=libm).open()
+
+
+def test_usage_nvml_cannot_read_is_unknown_not_nothing():
+    # A kernel on a GPU NVML has lost was shown "holds no GPU memory" while it held 9.3 GiB (its usage summed as 0).
+    reason = not_parkable(None, False, True, 0, (7,), unreadable=(1,))
+    assert reason == "what it holds on GPU 1 is unknown: NVML could not read it"
+    from gpu_quota_ext.shared.reasons import short_reason
+
+    assert short_reason(reason) == "its usage on GPU 1 is unknown"
+    assert not_parkable(None, False, True, 0, (7,)) == "this kernel holds no GPU memory"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
-from gpu_quota_ext.usage.attribution import ProcTable
+from gpu_quota_ext.usage import ProcTable
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="compares with /proc")
 

@@ -13,7 +13,7 @@ from traitlets.config import Config
 
 import gpu_quota_ext.hub.caps as hub
 from gpu_quota_ext.app import GpuQuota
-from gpu_quota_ext.hard_limit import HardCapSettings, build_hard_cap_settings
+from gpu_quota_ext.hard_limit import HardLimitSettings, build_hard_limit_settings
 from gpu_quota_ext.parking import ParkSettings, build_park_settings
 from gpu_quota_ext.policy import GiB, MiB, Policy, PolicyError, build_policy
 from gpu_quota_ext.settings import (
@@ -87,9 +87,9 @@ def test_every_part_is_built_from_the_table_and_the_dataclasses_defaults_are_the
     assert (str(policy.default_cap), str(policy.max_cap)) == (DEFAULTS["default_cap"], DEFAULTS["max_cap"])
     assert build_watchdog_settings(**{name: DEFAULTS[name] for name in names_of(WATCHDOG)}) == WatchdogSettings()
     assert build_watchdog_settings() == WatchdogSettings()
-    assert build_hard_cap_settings(**{name: DEFAULTS[name] for name in names_of(HARD_CAP)}) == HardCapSettings()
+    assert build_hard_limit_settings(**{name: DEFAULTS[name] for name in names_of(HARD_CAP)}) == HardLimitSettings()
     # A fresh extension (no config, no variable) validates to the same objects.
-    assert extension().validated_settings() == (policy, WatchdogSettings(), HardCapSettings())
+    assert extension().validated_settings() == (policy, WatchdogSettings(), HardLimitSettings())
     assert (
         build_park_settings(**{name: DEFAULTS[name] for name in names_of(PARK)})
         == ParkSettings()
@@ -226,8 +226,8 @@ def test_the_generated_reference_lists_every_setting_with_its_variable_and_defau
 
 def test_a_builder_takes_its_rows_in_the_tables_order_or_by_name_and_nothing_else():
     # Each builder reads its part's rows from the table (settings.validated): positional in the table's order.
-    by_position = build_hard_cap_settings(*[DEFAULTS[name] for name in names_of(HARD_CAP)][:-1], "2.5")
-    assert by_position == build_hard_cap_settings(mps_timeout="2.5") and by_position.timeout == 2.5
+    by_position = build_hard_limit_settings(*[DEFAULTS[name] for name in names_of(HARD_CAP)][:-1], "2.5")
+    assert by_position == build_hard_limit_settings(mps_timeout="2.5") and by_position.timeout == 2.5
     assert build_policy("0.5", "0.75").default_cap.fraction == 0.5
     with pytest.raises(TypeError, match="the watchdog settings are enforce, slack, grace, poll_interval: 5 given"):
         build_watchdog_settings("warn", "1GiB", 0, 1, "extra")
@@ -238,7 +238,7 @@ def test_a_builder_takes_its_rows_in_the_tables_order_or_by_name_and_nothing_els
 
 
 def test_every_row_reads_its_default_and_its_builder_holds_it_under_its_attribute():
-    parts = {POLICY: Policy, WATCHDOG: WatchdogSettings, HARD_CAP: HardCapSettings, PARK: ParkSettings}
+    parts = {POLICY: Policy, WATCHDOG: WatchdogSettings, HARD_CAP: HardLimitSettings, PARK: ParkSettings}
     for name, row in SETTINGS.items():
         row.parse(row.default)  # a default its own row refuses would stop every server
         if row.part in parts:

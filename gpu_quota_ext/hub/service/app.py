@@ -51,6 +51,7 @@ from ...shared.service_contract import (
     STATUS_PATH,
 )
 from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
+from .attribution import UNMANAGED_ACTIONS
 from .book import HostBook
 from .handlers import (
     GrantHandler,
@@ -143,7 +144,7 @@ class GpuQuotaService(Application):
         renewed with empty PID lists keeps nothing under "release".""",
     ).tag(config=True)
     unmanaged_action = Enum(
-        ("warn", "kill"),
+        UNMANAGED_ACTIONS,
         "warn",
         help="GPU memory outside every grant: warn, or kill the process after unmanaged_grace.",
     ).tag(config=True)

@@ -32,12 +32,11 @@ from tornado.httputil import responses
 from ...ledger import AdmissionRefused, UnknownKernel
 from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
-from ...shared.request_body import body_follows, declared_length
+from ...shared.request_body import BodyRefused, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE
 from .book import Forbidden
 from .page import render_page
 
-MAX_BODY = 64 * 1024
 KERNEL_ID = re.compile(r"^[\w-]{1,128}$")
 MAX_NAME = 255
 MAX_KERNELS = 4096
@@ -85,23 +84,21 @@ class ApiHandler(web.RequestHandler):
         return self.settings["gpu_quota_service"]
 
     async def prepare(self):
-        self._body = bytearray()
-        self._refusal: Optional[web.HTTPError] = None
         # Too large: the body is read and dropped, then refused (413) by body(). A refusal of the token,
         # likewise, is answered once the body is in (shared/request_body.py says why).
-        try:
-            length = declared_length(self.request.headers)
-        except ValueError as error:
+        self._body = BoundedBody(self.request.headers)
+        self._refusal: Optional[web.HTTPError] = None
+        if self._body.malformed is not None:
             # tornado answers 400 and closes when it reads such a body, before any method runs.
-            self._refusal, self._too_large = web.HTTPError(400, str(error)), True
+            self._refusal = web.HTTPError(400, self._body.malformed)
             return
-        self._too_large = length is not None and length > MAX_BODY
         try:
             self._who = await self.service.identify(self)
         except web.HTTPError as refusal:
-            if not body_follows(self.request.headers):
+            if not self._body.follows:
                 raise
-            self._refusal, self._too_large = refusal, True
+            self._refusal = refusal
+            self._body.drop()
 
     @property
     def who(self) -> Who:
@@ -111,22 +108,15 @@ class ApiHandler(web.RequestHandler):
         return self._who
 
     def data_received(self, chunk: bytes) -> None:
-        if self._too_large:
-            return
-        if len(self._body) + len(chunk) > MAX_BODY:
-            self._too_large, self._body = True, bytearray()
-        else:
-            self._body += chunk
+        self._body.add(chunk)
 
     def body(self) -> Any:
         if self._refusal is not None:
             raise self._refusal
-        if self._too_large:
-            raise web.HTTPError(413, "the request body is over 64 KiB, the most this API reads")
         try:
-            return json.loads(bytes(self._body) or b"null")
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise web.HTTPError(400, "the body is not JSON") from None
+            return self._body.json()
+        except BodyRefused as refused:
+            raise web.HTTPError(refused.status, str(refused)) from None
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         _write_json_error(self, status_code, kwargs)

@@ -23,7 +23,6 @@ from ...settings import DEFAULTS
 from ..caps import HubCaps, choose_settings, environment_of
 
 USER_KEYS = ("default_cap", "max_cap", "on_full")  # what a kernel's grant says it came from
-LIMIT_KEYS = ("max_kernels", "user_budget")
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,9 @@ class UserPolicy:
 def user_policy(
     caps: HubCaps, host: Policy, user: str, groups: Iterable[Any] = (), limits: UserLimits = BUILT_IN_LIMITS
 ) -> UserPolicy:
-    """`user`'s policy: each of USER_KEYS and LIMIT_KEYS from the mapping (their entry, their first group with settings,
-    the default), else the host's own setting (`host`, `limits`). Raises PolicyError (naming the user and the
-    source) when the mapping's result is invalid, like a spawn would."""
+    """`user`'s policy: each of USER_KEYS and caps.HOST_KEYS from the mapping (their entry, their first group
+    with settings, the default), else the host's own setting (`host`, `limits`). Raises PolicyError (naming the
+    user and the source) when the mapping's result is invalid, like a spawn would."""
     chosen, sources = choose_settings(caps, user, groups)
     environment_of(chosen, sources, user)  # the combination checked as for a spawned server
     cap = parse_cap(chosen["default_cap"]) if "default_cap" in chosen else host.default_cap
