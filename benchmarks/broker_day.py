@@ -8,8 +8,8 @@ simulation drives them as the server's parker does:
   - the parker samples every second; while a kernel waits for room (or a restore's reservation is held) the
     broker is asked on every sample; otherwise the clock jumps to the next event;
   - a park takes 0.3 s + bytes / 2.2 GB/s and a restore 0.3 s + bytes / 5 GB/s (measured on an H200 on
-    2026-11-29..12-01, docs/measurements.md and /FACTS: 2 GiB parked in 1.3 s and restored in 0.7 s, 20 GiB in
-    9-11 s and 3.9 s; a 56 GiB park took 33-55 s, slower than this model, but no kernel here holds that much);
+    2026-11-29..12-01, docs/measurements.md: 2 GiB parked in 1.3 s and restored in 0.7 s, 20 GiB in 9-11 s and
+    3.9 s; a 56 GiB park took 33-55 s, slower than this model, but no kernel here holds more than 35 GiB);
   - a park frees device memory only when it is done; a restore takes its bytes on the device from its start and
     keeps its reservation until the first sample after it ended (the parker's `room_until`);
   - a kernel that turns busy while parked waits; the broker parks idle kernels (idle >= park_min_idle, least
@@ -36,7 +36,9 @@ The users (parameters in Behaviour; all of them are printed and saved):
     every kernel's cap is the admin's default, 0.25 of the device (35.9 GiB);
   - the kernel alternates active periods (cells touching the GPU) lognormal(median 90 s, sigma 1.2, 5 s..1 h)
     and idle periods lognormal(median 5 min, sigma 1.5, 10 s..3 h): heavy-tailed, most of the idle time in
-    long gaps; while at work about 17 % of a kernel's time is active.
+    long gaps; while at work about 18 % of a kernel's time is active (printed with each run).
+Contrasts (3 seeds, fewer numbers of users) say what limits the count: the same users with 512 GiB of host
+memory, with each kernel's cap fitted to its working set (1.25 x, as a user would ask with %gpucap), and both.
 
 Sources for the shape (read 2026-12; no study found gives the distribution of idle gaps within notebook
 sessions, so the parameters above are this script's assumption, chosen to match what they report):
@@ -48,10 +50,11 @@ sessions, so the parameters above are this script's assumption, chosen to match 
     ISC 2023: about half of the GPU jobs used at most 25 % of the GPU memory (working sets well below a GPU).
   - Cankur et al., "Characterizing Production GPU Workloads using System-wide Telemetry Data",
     arXiv:2502.18680: among jobs on 80 GB GPUs, 55 % peak at 50 % of HBM or less.
-  - Weng et al., "MLaaS in the Wild", NSDI 2022 (Alibaba PAI trace): GPU instances hold their memory while
-    their median lifetime-average compute utilisation is low (1.5 %, as a secondary analysis of the trace reads it).
+  - Weng et al., "MLaaS in the Wild", NSDI 2022, and its public Alibaba PAI trace: GPU instances hold memory
+    while they compute little (a secondary analysis of the trace, affinode.io, reads a median lifetime-average
+    compute utilisation of 1.5 %).
 
-    python benchmarks/broker_day.py                # users 4..24, 5 seeds each (a few minutes on 2 cores)
+    python benchmarks/broker_day.py                # users 4..24, 5 seeds each, and the contrasts (2-3 minutes)
     python benchmarks/broker_day.py --quick        # 4, 8 and 12 users, one seed, a 4-hour day (seconds)
     python benchmarks/broker_day.py --save         # also writes benchmarks/results/broker_day-<date>-<host>.json
 """
@@ -86,6 +89,14 @@ GiB = 1 << 30
 H200_TOTAL = 143_771 * MiB  # one H200 as NVML counts it
 FIGURES_FROM = "2026-11-29..2026-12-01"  # when the park and restore times were measured
 HOUR = 3600.0
+SOURCES = (
+    "Carver et al., NotebookOS, ASPLOS 2026, arXiv:2503.20591: notebook sessions long-running, GPU use sporadic, "
+    "reserved GPUs unused most of a session's life",
+    "Li et al., Perlmutter resource utilization, ISC 2023: about half of GPU jobs use at most 25 % of GPU memory",
+    "Cankur et al., arXiv:2502.18680: 55 % of jobs on 80 GB GPUs peak at 50 % of HBM or less",
+    "Weng et al., MLaaS in the Wild, NSDI 2022 (Alibaba PAI trace): GPU memory held while compute is low",
+    "no source gives the idle-gap distribution inside notebook sessions: lognormal, parameters assumed (Behaviour)",
+)
 
 
 @dataclass(frozen=True)
@@ -699,7 +710,7 @@ def fmt(value, digits=0) -> str:
 
 def table(rows: Sequence[dict]) -> str:
     head = (
-        f"{'users':>5} {'policy':<24} {'admit':>5} {'peak':>4} {'cells':>5} {'waited':>6} {'p50 s':>6} "
+        f"{'users':>5} {'policy':<24} {'admit':>5} {'peak':>4} {'no-k h':>6} {'cells':>5} {'waited':>6} {'p50 s':>6} "
         f"{'p95 s':>6} {'max s':>6} {'told':>5} {'OOM':>4} {'ret GiB-h':>9} {'idle GiB-h':>10} {'park/h':>6} "
         f"{'rest/h':>6} {'host pk':>7} {'host no':>7}"
     )
@@ -707,6 +718,7 @@ def table(rows: Sequence[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r['users']:>5} {r['policy']:<24} {fmt(r['admitted'], 1):>5} {r['peak_kernels']:>4} "
+            f"{fmt(r['refused_user_hours'], 1):>6} "
             f"{fmt(r['cells']):>5} {fmt(r['cells_waited'], 1):>6} {fmt(r['wait_p50_s'], 1):>6} "
             f"{fmt(r['wait_p95_s'], 1):>6} {fmt(r['wait_max_s']):>6} {fmt(r['told'], 1):>5} "
             f"{fmt(r['first_cell_ooms'], 1):>4} {fmt(r['returned_gib_h']):>9} {fmt(r['idle_held_gib_h']):>10} "
@@ -716,7 +728,8 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-LEGEND = """admit: users who got a kernel (mean per day); peak: kernels alive at once (most, over seeds); cells: active
+LEGEND = """admit: users who got a kernel (mean per day); peak: kernels alive at once (most, over seeds); no-k h: hours
+users spent at work without a kernel, refused by admission (per day, all users together); cells: active
 periods begun; waited: cells whose kernel was parked; p50/p95/max: their waits, pooled over seeds (a told cell
 counts its wait to the limit); told: cells told at park_wait_limit; OOM: first cells that found the device
 physically full; ret GiB-h: GPU memory-hours on the host instead of the device; idle GiB-h: memory-hours idle
@@ -789,14 +802,26 @@ def main() -> None:
     days_run = (len(users) * len(seeds) + len(CONTRASTS) * len(contrast_users) * len(contrast_seeds)) * len(POLICIES)
     sample_days = [d for s in seeds for d in draw_day(max(users), s, behaviour, machine)]
     per_gpu = None if best is None else best * machine.cap_fraction
-    summary = (
-        f"largest number of users whose p95 wait stays within {options.target:g} s: {best} on one GPU "
-        f"(their caps add up to {fmt(per_gpu, 2)} of the device), against {int(1 / machine.cap_fraction)} kernels "
-        f"at overcommit 1; with "
-        + ", ".join(f"{label}: {fmt(n)}" for label, n in best_contrast.items())
-        + f" (of {','.join(map(str, contrast_users))} users tried); drawn users active "
-        f"{100 * active_share(sample_days):.0f} % of their time at work; {days_run} simulated days in {elapsed:.0f} s"
+
+    def beside(scenario_rows: Sequence[dict], n: Optional[int]) -> str:
+        plain = [r for r in scenario_rows if r["users"] == n and r["policy"] == NO_PARKING.name]
+        if not plain:
+            return ""
+        admitted, peak = fmt(plain[0]["admitted"], 1), plain[0]["peak_kernels"]
+        return f" (overcommit 1 on those users: {admitted} admitted, {peak} at once)"
+
+    lines = [
+        f"largest number of users whose p95 wait stays within {options.target:g} s, with parking: {best} on one GPU "
+        f"(their caps add up to {fmt(per_gpu, 2)} of the device){beside(rows, best)}"
+    ]
+    for label, n in best_contrast.items():
+        scenario_rows = [r for r in contrasts if r["scenario"] == label]
+        lines.append(f"  {label} (of {','.join(map(str, contrast_users))} users): {fmt(n)}{beside(scenario_rows, n)}")
+    lines.append(
+        f"drawn users active {100 * active_share(sample_days):.0f} % of their time at work; "
+        f"{days_run} simulated days in {elapsed:.0f} s"
     )
+    summary = "\n".join(lines)
     figures = {
         "device": f"simulated H200, figures from {FIGURES_FROM}",
         "quick": options.quick,
@@ -806,6 +831,7 @@ def main() -> None:
         "kernels_at_overcommit_1": int(1 / machine.cap_fraction),
         "largest_users_within_target_contrasts": best_contrast,
         "active_share": active_share(sample_days),
+        "sources": list(SOURCES),
         "seeds": seeds,
         "users": users,
         "contrast_seeds": contrast_seeds,
@@ -820,13 +846,13 @@ def main() -> None:
         },
         "elapsed_s": elapsed,
         "rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows + contrasts],
-        "runs": [{"scenario": r["scenario"], **run} for r in rows + contrasts for run in r["runs"]],
     }
     report("broker_day", figures, save=options.save, out=options.out)
     text = ["", "as measured (caps 0.25 of the device, 128 GiB host):", table(rows)]
     for label, _ in CONTRASTS if contrast_users else ():
         text += ["", f"{label}:", table([r for r in contrasts if r["scenario"] == label])]
-    print("\n".join(text + ["", LEGEND, "", summary]))
+    sources = ["sources of the users' model:"] + [f"  - {source}" for source in SOURCES]
+    print("\n".join(text + ["", LEGEND, ""] + sources + ["", summary]))
 
 
 if __name__ == "__main__":
