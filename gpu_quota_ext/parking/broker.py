@@ -10,10 +10,12 @@ checkpointed, every later call answers 304; measured on the H200 too). So a rest
 
     room(device) = total - NVML used - headroom of the running kernels - reservations - margin
 
-where a running kernel's headroom is what its cap still lets it take (cap - used, at least 0): bytes it may
-claim at any moment, so no restore may count on them. A resume granted room reserves its parked bytes until a
-sample taken after its restore has ended shows them as used. Nothing the broker grants is held by anyone else:
-that is the invariant its property tests check ("never two holders of the same bytes").
+where a running kernel's headroom is what its cap still lets it take (cap - used, at least 0) on a device where
+it holds memory: bytes it may claim at any moment, so no restore may count on them. (A kernel that holds
+nothing on a device claims nothing there: it could never be parked to give a claim back.) A resume granted
+room reserves its parked bytes until a sample taken after its restore has ended shows them as used. Nothing the
+broker grants is held by anyone else: that is the invariant its property tests check ("never two holders of the
+same bytes").
 
 Demands are served in the order they began to wait. One that does not fit now gets room made for it: idle
 kernels park, least recently active first, only parkable ones idle at least `min_idle`, only while the host's
@@ -55,8 +57,11 @@ class KernelView:
     label: str = ""  # how the words name it ("kernel 1a2b…", "alice's kernel 1a2b…")
 
     def headroom(self, key: Hashable) -> int:
-        """What its cap still lets it take on `key` while it runs."""
-        if self.state not in RUNNING_STATES:
+        """What its cap still lets it take on `key` while it runs and holds memory there. A kernel that holds
+        none there (it never used that GPU) claims nothing: it could not be parked to give a claim back, and
+        most kernels never touch the GPU at all. When it does start, it allocates like any newcomer (a device
+        found full makes room for it where park_on_device_full is on)."""
+        if self.state not in RUNNING_STATES or self.used.get(key, 0) <= 0:
             return 0
         return max(0, self.caps.get(key, 0) - self.used.get(key, 0))
 

@@ -10,7 +10,7 @@ it runs off the event loop.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Protocol, runtime_checkable
+from typing import Any, Dict, Hashable, List, Mapping, Protocol, runtime_checkable
 
 from ..threads import off_loop
 from .broker import Plan, Round
@@ -34,7 +34,7 @@ def kernel_park(kernel_id: str, state: str, idle_for: Any, parkable: bool) -> di
     }
 
 
-def room_request(round_: Round, uuid_of: Mapping[int, str]) -> dict:
+def room_request(round_: Round, uuid_of: Mapping[Hashable, str]) -> dict:
     """This server's demands and kernels, devices named by UUID."""
     return {
         "park": [kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable) for k in round_.kernels],
@@ -74,7 +74,7 @@ class HostBroker:
 
     def __init__(self, rooms: HostRooms, uuid_of: Mapping[int, str]):
         self.rooms = rooms
-        self.uuid_of = dict(uuid_of)
+        self.uuid_of: Dict[Hashable, str] = {index: uuid for index, uuid in uuid_of.items()}
 
     async def decide(self, round_: Round) -> Plan:
         mine = [k.kernel_id for k in round_.kernels]

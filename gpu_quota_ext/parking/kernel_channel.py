@@ -24,12 +24,12 @@ class KernelChannel:
     """Asks a kernel of the server's kernel manager, through a client of its own for each request."""
 
     def __init__(self, kernels: Any):
-        self.kernels = kernels  # usage.KernelManagerView: `.manager` is jupyter_server's MappingKernelManager
+        self.kernels = kernels  # usage.KernelManagerView
 
     async def ask(self, kernel_id: str, content: dict, timeout: float) -> Optional[dict]:
         """The kernel's reply content, or None (no such kernel, no answer in time, a channel that fails)."""
         try:
-            client = self.kernels.manager.get_kernel(kernel_id).client()
+            client = self.kernels.client(kernel_id)
             client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
         except Exception as error:
             log.debug("gpu-quota-ext: kernel %s: no control channel: %r", kernel_id, error)

@@ -27,6 +27,7 @@ provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutd
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import psutil
 
 from ..devices import Device
-from ..ledger import UnknownKernel
+from ..ledger import Ledger, UnknownKernel
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
 from .broker import Demand as BrokerDemand
@@ -105,6 +106,24 @@ class OwnBroker:
 
     async def decide(self, round_: Round) -> Plan:
         return decide(round_)
+
+
+class ParkedKernels(Protocol):
+    """What the parker needs of the server's kernels (usage.KernelManagerView has it all)."""
+
+    def kernel_ids(self) -> List[str]: ...
+
+    def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]: ...
+
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]: ...
+
+    def client(self, kernel_id: str) -> Any: ...
+
+
+class KernelLayers(Protocol):
+    """The hard-limit layer, as far as parking is concerned: whether a kernel is an MPS client."""
+
+    def layers(self, kernel_id: str) -> Any: ...
 
 
 class Sampling(Protocol):
@@ -193,7 +212,7 @@ def _quietly(call: Callable[[int], None], pid: int) -> None:
         log.warning("gpu-quota-ext: undoing a park: %s", error)
 
 
-def kernel_activity(kernels: Any, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
+def kernel_activity(kernels: ParkedKernels, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
     """(execution state, wall clock of its last activity) from KernelManagerView.activity."""
     state, last = kernels.activity(kernel_id)
     return state, (last.timestamp() if last is not None else None)
@@ -207,11 +226,11 @@ class Parker:
         self,
         settings: ParkSettings,
         driver: CheckpointDriver,
-        kernels: Any,
-        ledger: Any,
+        kernels: ParkedKernels,
+        ledger: Ledger,
         devices: Mapping[int, Device],
         monitor: Sampling,
-        hard_cap: Any = None,
+        hard_cap: Optional[KernelLayers] = None,
         host: Callable[[], Tuple[Optional[int], Optional[int]]] = host_room,
         broker: Optional[RoomBroker] = None,
         channel: Optional[KernelChannel] = None,
@@ -233,7 +252,7 @@ class Parker:
         self.transitions = 0  # state changes logged (tests wait on it)
         self.decisions = 0  # broker rounds applied (tests wait on it)
         self._sampled: Optional[asyncio.Event] = None  # set by each sample: a park waits for a fresh one
-        self._streams: Dict[str, Any] = {}
+        self._streams: Dict[str, Callable[[], None]] = {}  # kernel -> stops following its iopub status
         self._tasks: set = set()
         self._opening: Optional[asyncio.Future] = None
         self._deciding: Optional[asyncio.Task] = None
@@ -467,7 +486,7 @@ class Parker:
         if kernel_id in self.records:
             self._handle(kernel_id, Idle())
 
-    def on_sample(self, sample: Any) -> None:
+    def on_sample(self, sample: "Sample") -> None:
         """After each monitor sample (event loop): reservations whose restore the sample has seen, activity the
         iopub stream did not report, the idle timer, and the broker when someone waits. Never raises: the
         monitor's watchdog runs after it on the same sample."""
@@ -478,7 +497,7 @@ class Parker:
         except Exception as error:
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
 
-    def _review(self, sample: Any) -> None:
+    def _review(self, sample: "Sample") -> None:
         if getattr(sample, "state", None) in ("ok", "degraded") and self._sampled is not None:
             self._sampled.set()  # the parks waiting for a fresh reading have it
         live = self._kernel_ids()
@@ -756,44 +775,21 @@ class Parker:
     # --- the kernel's iopub: busy and idle as they happen -------------------------------------------
 
     def _watch(self, kernel_id: str) -> None:
-        """Listen to the kernel's iopub status messages while it is pending or parked, as jupyter_server's
-        activity monitor does (the same tracked message types), so a cell asks for room at once."""
-        try:
-            kernel = self.kernels.manager.get_kernel(kernel_id)
-            stream = kernel.connect_iopub()
-        except Exception as error:  # no channel (a kernel going away): the per-sample check still sees it
-            log.debug("gpu-quota-ext: kernel %s: no iopub stream for parking: %r", kernel_id, error)
-            return
-        from jupyter_client.session import Session
+        """Follow the kernel's busy and idle as they happen while it is pending or parked, so that a cell asks for
+        room at once (where the kernel has no iopub channel, the per-sample check still sees it)."""
 
-        session = Session(config=kernel.session.config, key=kernel.session.key)
-        track = getattr(self.kernels.manager, "track_message_type", lambda kind: True)
-
-        def on_message(parts) -> None:
-            try:
-                _, fed = session.feed_identities(parts)
-                message = session.deserialize(fed)
-            except Exception:
-                return
-            if message["header"].get("msg_type") != "status":
-                return
-            parent = (message.get("parent_header") or {}).get("msg_type")
-            if not parent or not track(parent):
-                return
-            state = message["content"].get("execution_state")
+        def on_state(state: str) -> None:
             if state == "busy":
                 self.turned_busy(kernel_id)
-            elif state == "idle":
+            else:
                 self.turned_idle(kernel_id)
 
-        stream.on_recv(on_message)
-        self._streams[kernel_id] = stream
+        stop = self.kernels.watch_status(kernel_id, on_state)
+        if stop is not None:
+            self._streams[kernel_id] = stop
 
     def _unwatch(self, kernel_id: str) -> None:
-        stream = self._streams.pop(kernel_id, None)
-        if stream is not None:
-            try:
-                stream.close()
-            except Exception:
-                pass
+        stop = self._streams.pop(kernel_id, None)
+        if stop is not None:
+            stop()
 

@@ -188,6 +188,50 @@ class KernelManagerView:
         """Every kernel shut down (the server is stopping: before the MPS daemon they are clients of)."""
         await maybe_await(self.manager.shutdown_all())
 
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+        """Call `on_state("busy" | "idle")` as the kernel's iopub status messages come, for the message types
+        jupyter_server's own activity monitor tracks (so the server's control requests to the kernel never
+        count); the callable returned stops it. None when the kernel has no iopub channel (going away)."""
+        from jupyter_client.session import Session
+
+        try:
+            kernel = self.manager.get_kernel(kernel_id)
+            stream = kernel.connect_iopub()
+        except Exception:
+            return None
+        session = Session(config=kernel.session.config, key=kernel.session.key)
+        track = getattr(self.manager, "track_message_type", lambda kind: True)
+
+        def on_message(parts) -> None:
+            try:
+                _, fed = session.feed_identities(parts)
+                message = session.deserialize(fed)
+            except Exception:
+                return
+            if message["header"].get("msg_type") != "status":
+                return
+            parent = (message.get("parent_header") or {}).get("msg_type")
+            if parent and track(parent):
+                state = message["content"].get("execution_state")
+                if state in ("busy", "idle"):
+                    on_state(state)
+
+        stream.on_recv(on_message)
+
+        def stop() -> None:
+            try:
+                stream.close()
+            except Exception:
+                pass
+
+        return stop
+
+    def client(self, kernel_id: str) -> Any:
+        """A new client of the kernel (jupyter_client's, with the kernel's connection and session key): the
+        caller starts the channels it needs and stops them. Raises for a kernel that is gone."""
+        return self.manager.get_kernel(kernel_id).client()
+
+
 def untrack_kernel_requests(manager: Any) -> None:
     """Add the server's own control-channel requests to a kernel (shared.contract KERNEL_REQUEST, KERNEL_REPLY)
     to jupyter_server's untracked message types: they are not the user's activity, and the kernel's status

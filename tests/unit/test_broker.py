@@ -333,3 +333,12 @@ def test_over_time_every_waiting_kernel_is_served_or_told_by_the_limit(sizes, wa
 def test_replace_keeps_the_views_frozen():
     view = kernel("A", "idle", used=GiB)
     assert replace(view, state="busy").headroom(0) == view.caps[0] - GiB
+
+
+def test_a_kernel_that_holds_nothing_on_a_device_claims_nothing_there():
+    # CPU-only notebooks (most kernels) and kernels that never reached a GPU cannot be parked to give a claim
+    # back: if their caps counted, one such kernel per cap would keep every parked kernel from coming back.
+    idle_cpu = [kernel(f"cpu{i}", "idle", used=0, cap=35 * GiB, idle_for=9e3) for i in range(4)]
+    kernels = [kernel("A", "waiting")] + idle_cpu
+    decided = plan([device(0)], kernels, [Demand("A", {0: 56 * GiB}, 0.0)], [], HostView(None), SETTINGS, 1.0)
+    assert decided.go == ("A",)

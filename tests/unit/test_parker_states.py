@@ -46,10 +46,11 @@ class Kernels:
     def activity(self, kernel_id):
         return (self.kernel.execution_state, self.kernel.last_activity) if kernel_id == KERNEL else (None, None)
 
-    def get_kernel(self, kernel_id):
-        if kernel_id != KERNEL:
-            raise KeyError(kernel_id)
-        return self.kernel  # no connect_iopub: the parker falls back to samples and the calls below
+    def watch_status(self, kernel_id, on_state):
+        return None  # no iopub here: the parker falls back to samples and the calls below
+
+    def client(self, kernel_id):
+        raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
 
 
 class Monitor:
