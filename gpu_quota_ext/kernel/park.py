@@ -43,7 +43,8 @@ def clock(since: Optional[float]) -> str:
 
 def state_words(park: dict) -> str:
     """One kernel's park state as a person reads it: "running", "idle for 12 min", "parked since 14:02,
-    17.8 GiB on host", "resuming", "waiting for device memory for 12 s: <reason>", "lost: <what to do>"."""
+    17.8 GiB on host", "resuming", "waiting for device memory for 12 s (limit 5 min): <reason>", "waited past
+    its limit (5 min): ...", "lost: <what to do>". The sidebar says the same (labextension/src/format.ts)."""
     state = park.get("state")
     reason = park.get("reason")
     if state == "busy":
@@ -66,8 +67,19 @@ def state_words(park: dict) -> str:
     if state == "resuming":
         return "resuming"
     if state == "waiting":
-        waited = duration_words(park.get("waited"))
-        words = f"waiting for device memory for {waited}" if waited else "waiting for device memory"
+        wait_limit = park.get("wait_limit")
+        limit = duration_words(wait_limit) if isinstance(wait_limit, (int, float)) and wait_limit > 0 else ""
+        if park.get("told") is True:
+            passed = f"waited past its limit ({limit})" if limit else "waited past its limit"
+            return f"{passed}: the cell did not run; the kernel stays parked with its grant"
+        if reason and reason.lower().startswith("waiting for device memory"):
+            return reason  # an older server's reason says it already
+        words = "waiting for device memory"
+        waited = park.get("waited")
+        if isinstance(waited, (int, float)) and waited >= 1:
+            words += f" for {duration_words(waited)}"
+        if limit:
+            words += f" (limit {limit})"
         return f"{words}: {reason}" if reason else words
     if state == "lost":
         return f"lost: {reason}" if reason else "lost: its GPU memory could not be brought back; restart the kernel"

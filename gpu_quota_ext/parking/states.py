@@ -346,8 +346,10 @@ def _parked(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, E
     return record, ()
 
 
-def _back_to_parked(record: ParkRecord, now: float, reason: Optional[str]) -> ParkRecord:
-    return moved(record, "parked", now, demand=None, waiting_since=None, told=False, reason=reason, deferred_at=None)
+def _back_to_parked(record: ParkRecord, now: float, reason: Optional[str], told: bool = False) -> ParkRecord:
+    """Parked again, nobody waiting. `told`: it got here because its wait passed the limit, which stays said
+    (the status's `told`, with the reason) until its next wait begins."""
+    return moved(record, "parked", now, demand=None, waiting_since=None, told=told, reason=reason, deferred_at=None)
 
 
 def _waiting(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, Effects]:
@@ -361,11 +363,12 @@ def _waiting(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
         return (replace(record, reason=event.reason) if event.reason != record.reason else record), ()
     if isinstance(event, RoomTold):
         if record.demand == REQUEST:
-            return _back_to_parked(record, now, event.message), (Decide(),)
+            return _back_to_parked(record, now, event.message, told=True), (Decide(),)
         return replace(record, told=True, reason=event.message), ()
     if isinstance(event, Idle) and record.demand == CELL:
         # The cell ended (the kernel side gave up at the limit, or the user interrupted it): nobody waits now.
-        return _back_to_parked(record, now, record.reason if record.told else None), (Decide(),)
+        told = record.told
+        return _back_to_parked(record, now, record.reason if told else None, told=told), (Decide(),)
     if isinstance(event, Busy) and record.demand == REQUEST:
         return replace(record, demand=CELL), ()
     if isinstance(event, AskPark) and record.demand == REQUEST:

@@ -135,8 +135,8 @@ def test_a_restore_is_asked_only_when_room_was_granted_and_once_per_park(sequenc
             assert driver_restores == 0  # never a second restore of the same park
         if isinstance(event, ResumeDone) and event.op == before.op and before.state == "resuming":
             driver_restores += 1
-        if after.state == "parked" and before.state == "parking":
-            driver_restores = 0
+        if isinstance(event, ParkDone) and event.op == before.op and event.error is None:
+            driver_restores = 0  # a new park is done (parked, or straight to waiting when a cell wanted it back)
 
 
 @settings(max_examples=500, deadline=None)
@@ -223,12 +223,15 @@ def test_a_cell_that_ends_while_waiting_calls_off_the_wait_and_the_kernel_stays_
     assert record.state == "waiting" and record.told
     record, effects = step(record, Idle())
     assert record.state == "parked" and record.reason == "waited 300 s" and effects == (Decide(),)
+    assert record.told  # said until its next wait begins
+    record, _ = step(record, Busy())
+    assert record.state == "waiting" and not record.told
 
 
 def test_a_requested_resume_that_passes_the_limit_ends_parked():
     waiting = ParkRecord(state="waiting", parked={0: GiB}, pids=(7,), demand=REQUEST, waiting_since=1.0)
     record, _ = step(waiting, RoomTold("waited 300 s"))
-    assert record.state == "parked" and record.reason == "waited 300 s"
+    assert record.state == "parked" and record.reason == "waited 300 s" and record.told
 
 
 def test_a_failed_restore_is_lost_with_what_the_user_can_do():
