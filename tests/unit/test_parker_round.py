@@ -1,0 +1,92 @@
+"""What the parker tells the broker, and its last check before a restore, without a server: the round it builds
+from the monitor's last sample, its records and the ledger, and `room_right_now`."""
+
+import datetime
+from types import SimpleNamespace
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.parking import ParkSettings
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.parker import Parker, room_right_now
+from gpu_quota_ext.parking.states import ParkRecord
+from gpu_quota_ext.usage import Sample
+from gpu_quota_ext.usage.sampling import DeviceReading
+
+GiB = 1 << 30
+NOW = datetime.datetime.now(datetime.timezone.utc)
+
+
+class Kernels:
+    def __init__(self, states):
+        self.states = states
+
+    def kernel_ids(self):
+        return list(self.states)
+
+    def activity(self, kernel_id):
+        return self.states.get(kernel_id), NOW - datetime.timedelta(seconds=600)
+
+    def watch_status(self, kernel_id, on_state):
+        return None
+
+    def client(self, kernel_id):
+        raise KeyError(kernel_id)
+
+
+def parker_with(records, sample, states):
+    grants = [
+        SimpleNamespace(kernel_id=k, devices=(0,), caps={0: 40 * GiB}) for k in states
+    ]
+    ledger = SimpleNamespace(get=lambda k: next((g for g in grants if g.kernel_id == k), None), grants=lambda: grants)
+    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda i: None)
+    parker = Parker(
+        ParkSettings(),
+        FakeCheckpoint(),
+        Kernels(states),
+        ledger,
+        {0: Device(index=0, name="GPU", uuid="GPU-0", total=140 * GiB, nvml_index=0)},
+        monitor,
+        host=lambda: (None, None),
+    )
+    parker.driver_problem = None
+    parker.records.update(records)
+    return parker
+
+
+def test_a_kernel_parked_after_the_sample_counts_as_a_park_under_way():
+    # Its bytes are still in the reading: the broker must wait for them, not park a second kernel for them.
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}}, pids={}
+    )
+    parked_after = ParkRecord(state="parked", since=1001.0, parked={0: 56 * GiB}, pids=(7,))
+    round_ = parker_with({"B": parked_after}, sample, {"B": "idle"}).round()
+    (b,) = round_.kernels
+    assert b.state == "parking" and b.used == {0: 56 * GiB}
+    parked_before = ParkRecord(state="parked", since=999.0, parked={0: 56 * GiB}, pids=(7,))
+    fresh = Sample(state="ok", time=1000.0, devices={0: DeviceReading(0, 0)}, kernels={}, pids={})
+    (b,) = parker_with({"B": parked_before}, fresh, {"B": "idle"}).round().kernels
+    assert b.state == "parked"
+
+
+def test_a_waiting_kernel_is_a_demand_and_a_restore_under_way_a_reservation():
+    sample = Sample(state="ok", time=1000.0, devices={0: DeviceReading(0, 0)}, kernels={}, pids={})
+    records = {
+        "A": ParkRecord(state="waiting", since=1.0, parked={0: 20 * GiB}, demand="cell", waiting_since=5.0),
+        "C": ParkRecord(state="resuming", since=1.0, parked={0: 8 * GiB}, room={0: 8 * GiB}, demand="cell",
+                        waiting_since=3.0),
+        "D": ParkRecord(state="waiting", since=1.0, parked={0: GiB}, demand="cell", waiting_since=2.0,
+                        deferred_at=999.0),
+    }
+    round_ = parker_with(records, sample, {"A": "busy", "C": "busy", "D": "busy"}).round()
+    assert [(d.kernel_id, d.need, d.since) for d in round_.demands] == [("A", {0: 20 * GiB}, 5.0)]
+    assert [(r.kernel_id, r.held) for r in round_.reservations] == [("C", {0: 8 * GiB})]  # D waits for a newer reading
+
+
+def test_the_last_check_before_a_restore_reads_the_device_now():
+    totals = {0: 140 * GiB}
+    assert room_right_now({0: 56 * GiB}, totals, lambda i: 80 * GiB, {}, GiB) is None
+    short = room_right_now({0: 56 * GiB}, totals, lambda i: 84 * GiB, {}, GiB)
+    assert short and "GPU 0 has 56.0 GiB free right now" in short and "waits for room again" in short
+    # Another restore granted and not run yet takes its bytes first.
+    assert room_right_now({0: 56 * GiB}, totals, lambda i: 40 * GiB, {0: 50 * GiB}, GiB) is not None
+    assert "cannot be read" in room_right_now({0: GiB}, totals, lambda i: None, {}, GiB)
