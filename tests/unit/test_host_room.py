@@ -47,6 +47,7 @@ class Host:
         self.room = HostRoom()
         self.kernel_used = dict({"kb-bob": {UUID: 5 * GiB}, "kc-carol": {UUID: 5 * GiB}} if used is None else used)
         self.now = 1000.0
+        self.sampled_at = 999.9  # the last sample: a moment ago
 
     @property
     def device_used(self):
@@ -59,9 +60,10 @@ class Host:
         checked = check_request(owned_, DEVICES, user, server, reports, demands)
         self.room.hear(user, server, checked.reports, self.now, lease=False)
         self.room.ask(user, server, checked.demands, self.now)
-        heard, waiting, held = self.room.view()
+        heard, waiting, held, taken = self.room.view()
         round_ = host_round(
-            DEVICES, owned_, self.device_used, self.kernel_used, heard, waiting, held, HOST, SETTINGS, user, self.now
+            DEVICES, owned_, self.device_used, self.kernel_used, heard, waiting, held, HOST, SETTINGS, user, self.now,
+            self.sampled_at, taken,
         )
         return self.room.answer(decide(round_), user, server, owned_, self.now)
 
@@ -118,6 +120,23 @@ def test_a_park_reported_before_the_sample_shows_it_is_waited_for_not_added_to()
     assert answer.go == () and answer.wake == ()  # carol is not parked for the bytes already leaving
     assert "parking" in answer.waiting["ka-alice"]
     assert not host.room.pending("carol", "")
+
+
+def test_a_kernel_taken_to_park_whose_memory_a_later_sample_shows_gone_counts_as_parked():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    alice_waits(host)
+    host.now += 0.2
+    taken = host.now
+    assert host.room.take("bob", "", HELD, taken) == ["kb-bob"]
+    host.lease("bob", {"kb-bob": IDLE(100.2)})  # its renewal right after the answer: not parked yet
+    host.now += 0.5
+    assert alice_waits(host).go == ()  # the last sample is from before the request: bob's memory is there
+    assert not host.room.pending("carol", "")  # bob's park is waited for, carol is not asked
+    host.kernel_used["kb-bob"] = {}
+    host.sampled_at = taken + 0.3  # a sample taken since: bob's memory has left the device
+    assert alice_waits(host).go == ("ka-alice",)
 
 
 def test_a_kernel_never_reported_is_running_and_never_parked():
@@ -274,8 +293,8 @@ def test_a_grant_gone_takes_everything_of_its_kernel_with_it():
     host.lease("bob", {"kb-bob": IDLE(100.0)})
     alice_waits(host)
     host.room.expire(host.now, {"kc-carol"}, 60)
-    heard, waiting, held = host.room.view()
-    assert heard == {} and waiting == [] and held == []
+    heard, waiting, held, taken = host.room.view()
+    assert heard == {} and waiting == [] and held == [] and taken == {}
     assert not host.room.pending("bob", "")
 
 

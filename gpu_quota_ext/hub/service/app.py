@@ -308,7 +308,7 @@ class GpuQuotaService(Application):
         self.room.hear(user, server, checked.reports, now, lease=False)
         self.room.ask(user, server, checked.demands, now)
         self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)
-        heard, waiting, held = self.room.view()
+        heard, waiting, held, taken = self.room.view()
         sample = self._recent_sample(now)
         available, cgroup = parking.host_room()  # the host's memory (the function, parking's surface)
         round_ = host_round(
@@ -323,6 +323,8 @@ class GpuQuotaService(Application):
             self.broker_settings,
             user,
             now,
+            sample.taken_at if sample is not None else None,
+            taken,
         )
         answer = self.room.answer(decide(round_), user, server, owned, now)
         for key in answer.wake:

@@ -13,7 +13,9 @@ answers. What the service believes of each:
   server (the lease's or the room call's "park"): a server's word about its own kernels, which decides only
   whether they may be parked. A kernel never reported counts as running (its headroom claimed) and is never
   parked. A report of "parked" while the sample still shows the kernel's memory (taken before the park ended)
-  counts as a park under way: its bytes are coming, no other kernel parks for them.
+  counts as a park under way: its bytes are coming, no other kernel parks for them. A kernel its server took a
+  park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
+  server's report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
   a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A room call names all of its server's demands:
   those it no longer names have ended; a lease report saying a kernel no longer waits ends its demand too.
@@ -216,10 +218,14 @@ def host_round(
     settings: BrokerSettings,
     viewer: str,
     now: float,
+    sampled_at: Optional[float] = None,
+    taken: Optional[Mapping[str, float]] = None,
 ) -> Round:
     """The broker's Round for the whole host. `device_used`: the last sample's NVML usage per uuid (None: no
-    sample recent enough, nothing moves); `kernel_used`: its verified usage per kernel and uuid; `viewer`: the user
-    the words are for. Demands of kernels that hold a reservation are answered by it, not decided again."""
+    sample recent enough, nothing moves); `kernel_used`: its verified usage per kernel and uuid; `sampled_at`: when
+    that sample was taken; `taken`: kernel id -> when its server took a park request for it (HostRoom.view);
+    `viewer`: the user the words are for. Demands of kernels that hold a reservation are answered by it, not
+    decided again."""
     uuid_of = {index: d.uuid for index, d in devices.items()}
     views = tuple(
         DeviceView(d.uuid, d.uuid, d.total, None if device_used is None else device_used.get(d.uuid))
@@ -235,7 +241,18 @@ def host_round(
         granted.add(kernel_id)
         caps = {uuid_of[i]: grant.caps[i] for i in grant.devices if i in uuid_of}
         used = {uuid: n for uuid, n in kernel_used.get(kernel_id, {}).items() if uuid in caps}
-        kernels.append(_kernel_view(kernel_id, caps, used, heard.get(kernel_id), grant.user == viewer, now))
+        report = heard.get(kernel_id)
+        took = (taken or {}).get(kernel_id)
+        if (
+            report is not None
+            and report.report.state == "idle"
+            and took is not None
+            and sampled_at is not None
+            and sampled_at > took
+            and not any(n > 0 for n in used.values())
+        ):
+            report = replace(report, report=ParkReport("parked"))  # asked, and its memory has left the device
+        kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now))
     held = {r.kernel_id for r in reservations}
     return Round(
         devices=views,
@@ -345,10 +362,12 @@ class HostRoom:
 
     # --- the decisions ------------------------------------------------------------------------------
 
-    def view(self) -> Tuple[Dict[str, Heard], List[Waiting], List[Held]]:
-        """What a Round is built from (host_round)."""
+    def view(self) -> Tuple[Dict[str, Heard], List[Waiting], List[Held], Dict[str, float]]:
+        """What a Round is built from (host_round): reports, demands, reservations, and when each park request its
+        server took was taken."""
         with self._lock:
-            return dict(self._heard), list(self._waiting.values()), list(self._held.values())
+            taken = {k: a.delivered for k, a in self._asked.items() if a.delivered is not None}
+            return dict(self._heard), list(self._waiting.values()), list(self._held.values()), taken
 
     def answer(self, plan: Plan, user: str, server: str, owned: Sequence[Owned], now: float) -> Answer:
         """Apply one round's Plan, decided for a room call of `user`'s server `server`. Only the caller's demands are
