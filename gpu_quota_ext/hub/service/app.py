@@ -218,6 +218,7 @@ class GpuQuotaService(Application):
             self.default_cap, self.max_cap, (), self.overcommit, self.placement, self.on_full, self.on_over_max
         )
         self.limits = host_limits(self.max_kernels, self.user_budget)
+        self.broker_settings = self._broker_settings()
         self.caps = hub_caps(**self._caps_mapping(), property_key=self.property_key, extra_keys=HOST_KEYS)
         self.inventory = self.inventory_class(parent=self)
         self.devices = self.inventory.list_devices()
@@ -242,7 +243,6 @@ class GpuQuotaService(Application):
             self.unix_user_template,
             on_round=self._on_round,
         )
-        self.broker_settings = self._broker_settings()
         self.room = HostRoom()
         self.polls = LongPolls()
         self.history = UserHistory()
@@ -327,6 +327,16 @@ class GpuQuotaService(Application):
             taken,
         )
         answer = self.room.answer(decide(round_), user, server, owned, now)
+        for asked in answer.asked:
+            log.info(
+                "gpu-quota service: the host's broker asks %s's server %r to park idle kernel %s, to make room for "
+                "%s's kernel %s",
+                asked.user,
+                asked.server,
+                asked.kernel_id,
+                asked.for_user,
+                asked.for_kernel,
+            )
         for key in answer.wake:
             self.polls.wake(key)
         data = answer.json()

@@ -143,6 +143,7 @@ class Answer:
     waiting: Mapping[str, str] = field(default_factory=dict)
     told: Mapping[str, str] = field(default_factory=dict)
     wake: Tuple[Key, ...] = ()
+    asked: Tuple[Asked, ...] = ()  # the park requests this decision made (for the log)
 
     def json(self) -> dict:
         return {"go": list(self.go), "park": list(self.park), "waiting": dict(self.waiting), "told": dict(self.told)}
@@ -389,6 +390,7 @@ class HostRoom:
                 self._waiting.pop(kernel_id, None)
             park: List[str] = []
             wake: Set[Key] = set()
+            made: List[Asked] = []
             for victim, for_kernel in plan.park:
                 held = by_id.get(victim)
                 asking = self._waiting.get(for_kernel)
@@ -405,13 +407,14 @@ class HostRoom:
                 else:
                     self._asked[victim] = Asked(victim, there[0], there[1], for_kernel, for_user, now)
                     wake.add(there)
+                made.append(self._asked[victim])
             waiting = {k: r for k, r in plan.waiting.items() if k in mine and k not in go}
             told = {k: m for k, m in plan.told.items() if k in mine and k not in go}
             for kernel_id, reason in waiting.items():
                 self._waiting[kernel_id] = replace(
                     self._waiting[kernel_id], reason=reason, told=told.get(kernel_id, self._waiting[kernel_id].told)
                 )
-        return Answer(tuple(go), tuple(park), waiting, told, tuple(sorted(wake)))
+        return Answer(tuple(go), tuple(park), waiting, told, tuple(sorted(wake)), tuple(made))
 
     def take(self, user: str, server: str, owned: Sequence[Owned], now: float) -> List[str]:
         """The park requests for `user`'s server `server` not yet taken, of kernels it still holds (its lease's
