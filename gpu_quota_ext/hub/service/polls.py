@@ -4,7 +4,7 @@ in well under a second instead of at its next renewal. Event loop only.
 
 Each waiting renewal is one entry under its (user, server) until it answers: woken (park requests for it), at the
 end of its wait, or when its caller has gone. `count()` is how many wait now (the admin's status shows it: a
-number that only grows would be a leak).
+number that only grows would be a leak); it may be read from another thread (the sampler's, for the history).
 """
 
 from __future__ import annotations
@@ -18,20 +18,23 @@ Key = Tuple[str, str]  # (user, server)
 class LongPolls:
     def __init__(self) -> None:
         self._waiting: Dict[Key, Set[asyncio.Event]] = {}
+        self._count = 0  # an int: read whole from any thread
 
     def count(self) -> int:
-        return sum(len(events) for events in self._waiting.values())
+        return self._count
 
     async def wait(self, key: Key, seconds: float, event: asyncio.Event) -> bool:
         """Wait up to `seconds` for `event`: set by wake(key), or by the caller (its connection closed). True when
         it was set."""
         self._waiting.setdefault(key, set()).add(event)
+        self._count += 1
         try:
             await asyncio.wait_for(event.wait(), seconds)
             return True
         except asyncio.TimeoutError:
             return False
         finally:
+            self._count -= 1
             events = self._waiting.get(key)
             if events is not None:
                 events.discard(event)
