@@ -410,7 +410,7 @@ class RemoteLedger(HeldGrants):
                 log.warning("gpu-quota-ext: reading the kernels' park states for the lease failed: %r", error)
                 body["park"] = []
             if wait is not None:
-                body["wait"] = max(0.0, float(wait))
+                body["wait"] = min(max(0.0, float(wait)), float(LEASE_RENEW))  # the most the contract allows
         try:
             if body.get("wait"):
                 with self._connections.long_poll():
@@ -418,19 +418,18 @@ class RemoteLedger(HeldGrants):
             else:
                 answer = self._call("POST", LEASE_PATH, body)
             if answer.code == 400 and "park" in body:
-                # A service of an older version knows neither key: plain renewals from now on.
-                with self._lock:
-                    first, self._long_polls = self._long_polls, False
-                log.log(
-                    logging.INFO if first else logging.DEBUG,
-                    "gpu-quota-ext: the GPU quota service at %s does not broker device memory (%s): it hears no "
-                    "park states from this server",
-                    self.url,
-                    answer.message,
-                )
-                del body["park"]
-                body.pop("wait", None)
-                answer = self._call("POST", LEASE_PATH, body)
+                # A service of an older version knows neither key: asked again without them, it renews; then plain
+                # renewals from now on (a 400 for another reason stays a refusal, and the keys stay).
+                answer = self._call("POST", LEASE_PATH, {"server": body["server"], "kernels": body["kernels"]})
+                if answer.code == 200:
+                    with self._lock:
+                        first, self._long_polls = self._long_polls, False
+                    if first:
+                        log.info(
+                            "gpu-quota-ext: the GPU quota service at %s does not broker device memory (it refused a "
+                            "lease with park states): plain lease renewals from now on",
+                            self.url,
+                        )
         except _Unreachable as error:
             if self._stopped.is_set():
                 return False  # close() ended the call

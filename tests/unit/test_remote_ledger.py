@@ -56,6 +56,7 @@ class StandIn:
         self.answer_503 = 0  # the next this many grant requests get a proxy's 503
         self.raw_answer: Optional[bytes] = None  # the next grant answer, as is
         self.plain_leases = False  # answer a lease with "park" or "wait" 400, as a service of an older version
+        self.refuse_leases = False  # answer every lease 400
         self.park_next: List = []  # the next lease's answer asks this server to park these (at once: no wait)
         self.wake: Optional[asyncio.Event] = None  # ends a lease's wait early (on the stand-in's loop)
         self.rooms: List[dict] = []
@@ -204,7 +205,7 @@ class OneGrant(Base):
 class Lease(Base):
     async def post(self):
         s = self.standin
-        if s.plain_leases and set(self.body) - {"server", "kernels"}:
+        if s.refuse_leases or (s.plain_leases and set(self.body) - {"server", "kernels"}):
             return self.answer(400, {"message": "the body must be a JSON object {server, kernels}"})
         s.leases.append(self.body)
         if self.body.get("wait") and not s.park_next:  # the long poll, a quarter lease at most (as the service)
@@ -749,3 +750,15 @@ def test_a_service_without_the_host_broker_gets_plain_renewals(standin, make_led
         assert ledger.renew() is True
     assert [set(lease) for lease in standin.leases] == [{"server", "kernels"}] * 2
     assert len([r for r in caplog.records if "does not broker device memory" in r.getMessage()]) == 1
+
+
+def test_a_lease_refused_for_another_reason_keeps_the_park_states(standin, make_ledger):
+    ledger = make_ledger(renew_every=3600)
+    ledger.grant("k1", "alice", "python3", wide_open())
+    ledger.close()
+    standin.refuse_leases = True
+    assert ledger.renew() is False  # refused with park states, and without: not a service of an older version
+    standin.refuse_leases = False
+    standin.leases.clear()
+    assert ledger.renew() is True
+    assert "park" in standin.leases[-1]
