@@ -335,6 +335,8 @@ class Scenario:
         assert after_fds <= fds + 4, (fds, after_fds)  # the proxy's keep-alive connections
 
         # The servers stop: their grants go, and so do their long polls.
+        polls = await until(lambda: self.long_polls_now(), "the servers' leases waiting in their long polls")
+        renewals = hub.log_tail(4_000_000).count("/services/gpu-quota/api/lease")
         for user in self.users:
             await hub.api("DELETE", f"/hub/api/users/{user}/server")
 
@@ -345,7 +347,10 @@ class Scenario:
 
         status = await until(all_gone, "every grant and long poll gone with the servers")
         process = self.service_process()
-        assert process.num_threads() == threads, (threads, process.num_threads())
+        # Three servers stopping at once check three new tokens with the hub at once: asyncio's default executor
+        # (the hub's address looked up) may start a worker or two, which it keeps, a bounded few. A thread or an fd
+        # per long poll (some forty of them here) would show as many more.
+        assert process.num_threads() <= threads + 2, (threads, process.num_threads())
         assert process.num_fds() <= fds, (fds, process.num_fds())
         print(
             f"host broker: alice's cell -> bob's kernel's checkpoint call {park_at - started_wall:.2f} s (seen "
@@ -353,8 +358,12 @@ class Scenario:
             f"{resumed_after:.2f} s (free at the restore "
             f"{restore['free'][UUID] / GiB:.1f} GiB for {restore['need'][UUID] / GiB:.1f} GiB); long polls at most "
             f"{most[0]}; service fds {fds} -> {after_fds} -> {process.num_fds()}, threads {threads} -> "
-            f"{after_threads} -> {process.num_threads()}; grants 3 -> 3 -> 0; alice's cell said: {waited}"
+            f"{after_threads} -> {process.num_threads()}; grants 3 -> 3 -> 0; long polls {polls} -> 0 after "
+            f"{renewals} lease renewals; alice's cell said: {waited}"
         )
+
+    async def long_polls_now(self) -> int:
+        return (await self.status())["long_polls"]
 
     async def server_sees(self, user) -> bool:
         _, status = await self.hub.api("GET", f"/user/{user}/api/gpu-quota/status", token=self.tokens[user])
