@@ -13,7 +13,14 @@ CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
   grants shorter leases), listing every kernel it holds a grant for and their processes (`processes`, given
   by the server: usage.attribution finds them, as for the monitor; none until it is given): a service that
   restarted re-learns them, and the grants of a server that stopped renewing (it crashed) are released
-  by the service when the lease runs out. The thread never touches the event loop; `close()` stops it.
+  by the service when the lease runs out. The thread never touches the event loop; `close()` stops it, and
+  ends a renewal under way at once.
+- The host's broker (parking.HostRooms): `room(body)` asks the service's broker for this server's kernels
+  that wait for device memory. Each renewal carries the kernels' park states (`park_report()`, set by the
+  manager) and is a long poll: the service answers as soon as it wants some of this server's idle kernels
+  parked for another kernel of the host ("park", handed to `on_park_requests`, in this thread), else after
+  the renewal interval; an early answer is followed by the next renewal at once. A service that does not know
+  these keys (an older one answers 400) gets plain renewals from then on.
 - A kernel start while the service cannot be reached is retried START_RETRIES times, then refused with
   "the GPU quota service at <url> is unreachable: ...": never a kernel started without a cap silently.
   Whatever the service granted of it all the same (it answered just as this server gave up) is given back
@@ -23,6 +30,8 @@ CALL_TIMEOUT: the manager makes them off the event loop (manager.py).
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import logging
 import os
@@ -33,8 +42,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set
 
 from ..devices import Device
 from ..policy import CapSpec, PolicyDecision, PolicyError, shown
@@ -45,6 +55,7 @@ from ..shared.service_contract import (
     LEASE_PATH,
     LEASE_RENEW,
     LEASE_SECONDS,
+    ROOM_PATH,
     START_RETRIES,
     STATUS_PATH,
 )
@@ -84,6 +95,74 @@ class _Answer:
         return str(text) if text else f"HTTP {self.code}"
 
 
+class _Connections:
+    """The HTTP connections of long polls under way, so that close() can end them at once (their sockets shut
+    down: the call returns unreachable) instead of waiting out the service's answer. A long poll asked after
+    close() began ends as soon as it connects. Other calls are not tracked."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: "weakref.WeakSet[http.client.HTTPConnection]" = weakref.WeakSet()
+        self._ending = False
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def long_poll(self) -> Iterator[None]:
+        """The calls of this thread inside the block are long polls."""
+        self._local.long_poll = True
+        try:
+            yield
+        finally:
+            self._local.long_poll = False
+
+    def factory(self, http_class: Any) -> Callable[..., http.client.HTTPConnection]:
+        tracker = self
+
+        class Tracked(http_class):  # type: ignore[misc, valid-type]
+            def connect(self) -> None:
+                super().connect()
+                with tracker._lock:
+                    ending = tracker._ending
+                if ending:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+        def connection(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
+            if not getattr(self._local, "long_poll", False):
+                return http_class(*args, **kwargs)
+            made = Tracked(*args, **kwargs)
+            with self._lock:
+                self._open.add(made)
+            return made
+
+        return connection
+
+    def end_all(self) -> None:
+        with self._lock:
+            self._ending = True
+            connections = list(self._open)
+        for connection in connections:
+            sock = connection.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed meanwhile
+
+
+def _tracked_handlers(connections: _Connections, ssl_context: Optional[ssl.SSLContext]) -> list:
+    """urllib's HTTP and HTTPS handlers, their connections known to `connections`."""
+
+    class Http(urllib.request.HTTPHandler):
+        def do_open(self, http_class, req, **kwargs):  # type: ignore[override]
+            return super().do_open(connections.factory(http_class), req, **kwargs)
+
+    class Https(urllib.request.HTTPSHandler):
+        def do_open(self, http_class, req, **kwargs):  # type: ignore[override]
+            return super().do_open(connections.factory(http_class), req, **kwargs)
+
+    return [Http(), Https(context=ssl_context)]
+
+
 def _ssl_context(environ: Mapping[str, str]) -> Optional[ssl.SSLContext]:
     """The hub's internal TLS (c.JupyterHub.internal_ssl): its CA and this server's client certificate."""
     ca = environ.get("JUPYTERHUB_SSL_CLIENT_CA")
@@ -121,9 +200,8 @@ class RemoteLedger(HeldGrants):
         self.start_retries = start_retries
         self.retry_delay = retry_delay
         # No proxy from the environment: the service is the hub's, reached on the hub's own network.
-        handlers: list = [urllib.request.ProxyHandler({})]
-        if ssl_context is not None:
-            handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
+        self._connections = _Connections()
+        handlers: list = [urllib.request.ProxyHandler({}), *_tracked_handlers(self._connections, ssl_context)]
         self._opener = urllib.request.build_opener(*handlers)
         self._grants: Dict[str, Grant] = {}
         # Starts given up while the service did not answer: it may still take their queued requests (a hung
@@ -138,7 +216,13 @@ class RemoteLedger(HeldGrants):
         self._host_devices: Dict[str, dict] = {}  # uuid -> the service's row: the host's budget, every user's grants
         # kernel ids -> {kernel id: its processes' PIDs}; called from the renewer thread.
         self.processes: Callable[[Set[str]], Dict[str, List[int]]] = lambda kernel_ids: {}
-
+        # The host's broker (parking.HostRooms), both called from the renewer thread and set by the manager: this
+        # server's kernels' park states (KERNEL_PARK of the wire), and what to do with the kernels the service
+        # asks this server to park.
+        self.park_report: Callable[[], List[dict]] = lambda: []
+        self.on_park_requests: Callable[[List[str]], None] = lambda kernel_ids: None
+        self._long_polls = True  # False once the service refused a renewal with "park" and "wait" (an older one)
+        self._asked_to_park = False  # the last renewal's answer named kernels to park
     @classmethod
     def from_environment(
         cls, devices: Sequence[Device], environ: Mapping[str, str] = os.environ
@@ -287,11 +371,27 @@ class RemoteLedger(HeldGrants):
     def devices(self) -> List[Device]:
         return list(self._devices)
 
+    # --- the host's broker (parking.HostRooms) -------------------------------------------------------
+
+    def room(self, body: dict) -> dict:
+        """POST ROOM_PATH: the host's broker's answer for this server's kernels that wait. OSError when the
+        service cannot be reached or refuses the request (the waiting kernels say so and wait)."""
+        try:
+            answer = self._call("POST", ROOM_PATH, {**body, "server": self.server})
+        except _Unreachable as error:
+            raise OSError(f"unreachable: {error}") from None
+        if answer.code != 200:
+            raise OSError(f"HTTP {answer.code}: {answer.message}")
+        return answer.data
+
     # --- the lease ------------------------------------------------------------------------------
 
-    def renew(self) -> bool:
-        """One lease renewal: every kernel this server holds a grant for, with its processes. Kernels the
-        service says it released are forgotten here. False when the service could not be reached."""
+    def renew(self, wait: Optional[float] = None) -> bool:
+        """One lease renewal: every kernel this server holds a grant for, with its processes and park states.
+        Kernels the service says it released are forgotten here; kernels it asks this server to park are handed
+        to `on_park_requests`. `wait`: seconds the service may hold the answer back until it has kernels of this
+        server to park (a long poll). False when the service could not be reached."""
+        self._asked_to_park = False
         with self._lock:
             held = list(self._grants)
         try:
@@ -299,10 +399,40 @@ class RemoteLedger(HeldGrants):
         except Exception as error:  # the lease goes on without PIDs: the grants matter more
             log.warning("gpu-quota-ext: finding the kernels' processes for the lease failed: %r", error)
             pids = {}
-        body = {"server": self.server, "kernels": [{"kernel_id": k, "pids": pids.get(k, [])} for k in held]}
+        body: Dict[str, Any] = {
+            "server": self.server,
+            "kernels": [{"kernel_id": k, "pids": pids.get(k, [])} for k in held],
+        }
+        if self._long_polls:
+            try:
+                body["park"] = list(self.park_report())
+            except Exception as error:  # the lease goes on without park states: the service counts them running
+                log.warning("gpu-quota-ext: reading the kernels' park states for the lease failed: %r", error)
+                body["park"] = []
+            if wait is not None:
+                body["wait"] = min(max(0.0, float(wait)), float(LEASE_RENEW))  # the most the contract allows
         try:
-            answer = self._call("POST", LEASE_PATH, body)
+            if body.get("wait"):
+                with self._connections.long_poll():
+                    answer = self._call("POST", LEASE_PATH, body, self.call_timeout + float(body["wait"]))
+            else:
+                answer = self._call("POST", LEASE_PATH, body)
+            if answer.code == 400 and "park" in body:
+                # A service of an older version knows neither key: asked again without them, it renews; then plain
+                # renewals from now on (a 400 for another reason stays a refusal, and the keys stay).
+                answer = self._call("POST", LEASE_PATH, {"server": body["server"], "kernels": body["kernels"]})
+                if answer.code == 200:
+                    with self._lock:
+                        first, self._long_polls = self._long_polls, False
+                    if first:
+                        log.info(
+                            "gpu-quota-ext: the GPU quota service at %s does not broker device memory (it refused a "
+                            "lease with park states): plain lease renewals from now on",
+                            self.url,
+                        )
         except _Unreachable as error:
+            if self._stopped.is_set():
+                return False  # close() ended the call
             if self._reachable:
                 log.warning(
                     "gpu-quota-ext: the GPU quota service at %s is unreachable (%s): kernels keep their caps; "
@@ -331,9 +461,24 @@ class RemoteLedger(HeldGrants):
             dropped = [k for k in released if isinstance(k, str) and self._grants.pop(k, None) is not None]
         for kernel_id in dropped:
             log.warning("gpu-quota-ext: the GPU quota service released kernel %s's grant", kernel_id)
+        self._hand_park_requests(answer.data.get("park"))
         self._give_back_abandoned()
         self._learn_host_devices()
         return True
+
+    def _hand_park_requests(self, asked: Any) -> None:
+        """The kernels of this server the service asks to park (the lease's answer), those this server holds."""
+        if not isinstance(asked, list):
+            return
+        with self._lock:
+            kernel_ids = list(dict.fromkeys(k for k in asked if isinstance(k, str) and k in self._grants))
+        if not kernel_ids:
+            return
+        self._asked_to_park = True
+        try:
+            self.on_park_requests(kernel_ids)
+        except Exception as error:  # the next answer asks again if they are still wanted
+            log.warning("gpu-quota-ext: the host service's park requests for %s failed: %r", kernel_ids, error)
 
     def _give_back_abandoned(self) -> None:
         """DELETE what the service may have granted for starts given up while it did not answer (before the next
@@ -387,8 +532,9 @@ class RemoteLedger(HeldGrants):
         return f"the host's GPU quota service at {self.url}"
 
     def close(self) -> None:
-        """Stop renewing (the server is stopping). Idempotent."""
+        """Stop renewing (the server is stopping); a renewal under way (a long poll) ends at once. Idempotent."""
         self._stopped.set()
+        self._connections.end_all()
         renewer = self._renewer
         if renewer is not None and renewer is not threading.current_thread():
             renewer.join(self.call_timeout + 1)
@@ -402,9 +548,15 @@ class RemoteLedger(HeldGrants):
 
     def _renew_loop(self) -> None:
         while not self._stopped.is_set():
-            ok = self.renew()
-            # Unreachable: try again soon, so a restarted service re-learns this server's kernels at once.
-            self._stopped.wait(self._interval if ok else min(self._interval, self.retry_delay))
+            began = time.monotonic()
+            ok = self.renew(wait=self._interval)
+            if not ok:
+                # Unreachable: try again soon, so a restarted service re-learns this server's kernels at once.
+                self._stopped.wait(min(self._interval, self.retry_delay))
+            elif not self._asked_to_park:
+                # A long poll that waited its interval renews at once; an answer that came early for no park (a
+                # service without long polls) waits out the rest of the interval.
+                self._stopped.wait(max(0.0, self._interval - (time.monotonic() - began)))
 
     # --- the wire -------------------------------------------------------------------------------
 
@@ -494,7 +646,7 @@ class RemoteLedger(HeldGrants):
                 error = failure
         raise AdmissionRefused(f"the GPU quota service at {self.url} is unreachable: {error}", UNREACHABLE)
 
-    def _call(self, method: str, path: str, body: Optional[dict] = None) -> _Answer:
+    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> _Answer:
         request = urllib.request.Request(
             self.url + path,
             data=None if body is None else json.dumps(body).encode(),
@@ -506,7 +658,7 @@ class RemoteLedger(HeldGrants):
             },
         )
         try:
-            with self._opener.open(request, timeout=self.call_timeout) as response:
+            with self._opener.open(request, timeout=self.call_timeout if timeout is None else timeout) as response:
                 return _answer(response.status, response.read(MAX_ANSWER + 1))
         except urllib.error.HTTPError as error:
             with error:

@@ -6,11 +6,27 @@ states.py is a kernel's parking as a pure state machine; broker.py the broker's 
 the rules applied before the driver is asked (settings, parkable, host guard, idle timer); wording.py the words;
 parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
 this server's own; kernel_channel.py asks a kernel to empty its caches before it parks; host_room.py reads how
-much host memory there is; checkpoint.py is the driver, with its fake for tests beside it (fake_checkpoint.py).
+much host memory there is; checkpoint.py is the driver, with its fakes for tests beside it (fake_checkpoint.py;
+fake_file_checkpoint.py for servers in processes of their own, sharing a file with devices.FileFakeNvml).
 
     c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
+
+The host service's broker (hub/service/room.py) runs the same decisions over every user's kernels: the broker's
+types, `decide` and `host_room` are this package's surface for it.
 """
 
+from .broker import (
+    RUNNING_STATES,
+    BrokerSettings,
+    Demand,
+    DeviceView,
+    HostView,
+    KernelView,
+    Plan,
+    Reservation,
+    Round,
+    decide,
+)
 from .checkpoint import (
     CheckpointDriver,
     CheckpointError,
@@ -19,11 +35,13 @@ from .checkpoint import (
 )
 from .decisions import ParkSettings, build_park_settings
 from .host_broker import HostBroker, HostRooms
+from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .parker import OwnBroker, Parker, RoomBroker
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
     "ParkSettings", "build_park_settings", "Parker", "KernelChannel", "OwnBroker", "RoomBroker", "HostBroker",
-    "HostRooms",
+    "HostRooms", "RUNNING_STATES", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
+    "Reservation", "Round", "decide", "host_room",
 ]

@@ -41,6 +41,7 @@ def room_request(round_: Round, uuid_of: Mapping[Hashable, str]) -> dict:
         "demands": [
             {"kernel_id": d.kernel_id, "need": {uuid_of[i]: n for i, n in d.need.items() if i in uuid_of}}
             for d in round_.demands
+            if not d.running  # a resume's parked bytes only: the wire has no running kernel's demand
         ],
     }
 
@@ -71,6 +72,8 @@ def plan_from(answer: Any, mine: List[str]) -> Plan:
 class HostBroker:
     """A RoomBroker that asks the host service. When the service cannot be reached nothing is granted: the
     waiting kernels say so and wait (a resume without the host's word could take another user's room)."""
+
+    makes_room_for_running = False  # the service's wire carries resumes only (park_on_device_full is refused)
 
     def __init__(self, rooms: HostRooms, uuid_of: Mapping[int, str]):
         self.rooms = rooms

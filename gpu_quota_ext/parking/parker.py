@@ -104,6 +104,8 @@ class RoomBroker(Protocol):
 class OwnBroker:
     """This server's kernels are all the broker looks at (a server without a host service)."""
 
+    makes_room_for_running = True  # it decides for a running kernel that found the device full, too
+
     async def decide(self, round_: Round) -> Plan:
         return decide(round_)
 
@@ -451,6 +453,9 @@ class Parker:
         grant = self.ledger.get(kernel_id)
         if self.settings.on_device_full != "on":
             return False, self.kernel_json(kernel_id), "park_on_device_full is off on this server"
+        if not getattr(self.broker, "makes_room_for_running", False):
+            why = "on a hub host the host service's broker makes room for resumes only, not yet on a full device"
+            return False, self.kernel_json(kernel_id), why
         if grant is None or not grant.devices or (device is not None and device not in grant.devices):
             return False, self.kernel_json(kernel_id), "no such GPU among this kernel's"
         used = self.monitor.latest.kernels.get(kernel_id, {})

@@ -31,23 +31,33 @@ GRANTS_PATH = API + "grants"
 #   restart). Grants of kernels not listed, and of servers whose lease ran out, are released. The PIDs are
 #   checked by the service (a PID counts only while its real uid is the user's Unix user).
 #   -> {"lease_seconds": int, "released": [kernel id, ...]}
-#   The body may also carry "park": [KERNEL_PARK] (its kernels' park states, for the host's broker) and "wait":
-#   seconds (0 to LEASE_RENEW): the service records the lease at once, then answers as soon as it has kernels of
-#   this server for it to park, or after `wait` seconds (a long poll: a park for another user's kernel reaches
-#   this server in well under a second). The answer then has "park": [kernel id, ...] too.
+#   The body may also carry "park": [KERNEL_PARK] (its kernels' park states, for the host's broker; entries of
+#   kernels that are not the user's own on this server are ignored, as in "kernels") and "wait": seconds (0 to
+#   LEASE_RENEW, else 400): the service records the lease at once, then answers as soon as it has kernels of this
+#   server for it to park, or after `wait` seconds, a quarter of its lease at most (a long poll: a park for
+#   another user's kernel reaches this server in well under a second). The answer then has "park": [kernel id,
+#   ...] too: each asked once; the server renews again at once after an early answer. A service without the
+#   host's broker answers such a body 400: the server renews without them from then on.
 LEASE_PATH = API + "lease"
 # POST {"server": str, "park": [KERNEL_PARK], "demands": [{"kernel_id": str, "need": {uuid: bytes}}]}: the host's
 #   broker (one for every user of the host) decides for this server's kernels that wait for room: a server with
-#   a kernel waiting asks at every sample. Every kernel named must be the user's own and granted to this server
-#   (403 otherwise); a need above the kernel's cap there plus CONTEXT_ALLOWANCE is cut to that; a demand's age
-#   is the service's own (since it first saw it), not the server's word.
+#   a kernel waiting asks at every sample, naming all of its waiting kernels (one it no longer names has ended).
+#   Every kernel named must be the user's own and granted to this server (403 otherwise, nothing kept); every
+#   device a need names must be one of the host's (400); a need above the kernel's cap there plus
+#   CONTEXT_ALLOWANCE is cut to that; a demand's age is the service's own (since it first saw it), not the
+#   server's word; a kernel the service holds no grant for is answered in "waiting" (released). At most
+#   4096 entries in each list (400).
 #   -> 200 {"go": [kernel id], "park": [kernel id], "waiting": {kernel id: reason}, "told": {kernel id: message}}
-#   "go": room is reserved for its restore now; "park": this server's idle kernels to park (for its own demand
-#   or another user's); "told": the demand waited the host's park_wait_limit.
+#   "go": room is reserved for its restore now (until the service's sample shows its memory back, or a timeout;
+#   asked again meanwhile, it is "go" again on the same room); "park": this server's idle kernels to park (for
+#   its own demand or another user's); "told": the demand waited the host's park_wait_limit. Reasons name another
+#   user's kernel only as "of another user".
 # KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool}
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)
-STATUS_PATH = API + "status"  # GET: users, kernels, devices, caps, usage, unmanaged usage, last actions
+# GET: users, kernels (with their park states as last reported), devices, caps, usage, unmanaged usage, last
+# actions; the host's broker's waiting kernels, reservations and park requests (admins: and its long polls)
+STATUS_PATH = API + "status"
 METRICS_PATH = "metrics"  # Prometheus, per user and kernel (admin scope)
 ADMIN_PAGE = ""  # the admin's page, behind hub OAuth
 

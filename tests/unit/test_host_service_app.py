@@ -280,3 +280,32 @@ def test_a_body_over_the_limit_or_not_json_is_refused_and_nothing_granted(servic
 
     asyncio.run(scenario())
     assert service.book.owned() == []
+
+
+def test_the_host_brokers_settings_are_the_servers_rows_defaults_and_a_bad_one_is_one_line(tmp_path):
+    from gpu_quota_ext.parking import ParkSettings
+    from gpu_quota_ext.policy import PolicyError
+
+    def service(**settings):
+        config = Config()
+        config.GpuQuotaService.state_dir = str(tmp_path / "state")
+        config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+        config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
+        for name, value in settings.items():
+            setattr(config.GpuQuotaService, name, value)
+        app = GpuQuotaService(config=config)
+        try:
+            app.build()
+        finally:
+            store = getattr(app, "store", None)
+            if store is not None:
+                store.close()
+        return app
+
+    assert service().broker_settings == ParkSettings().broker
+    chosen = service(park_min_idle="5min", park_wait_limit="off", park_device_margin="2GiB", park_host_margin="0")
+    assert (chosen.broker_settings.min_idle, chosen.broker_settings.wait_limit) == (300.0, None)
+    assert (chosen.broker_settings.device_margin, chosen.broker_settings.host_margin) == (2 << 30, 0)
+    with pytest.raises(PolicyError) as refused:
+        service(park_device_margin="lots")
+    assert str(refused.value).startswith("c.GpuQuotaService.park_device_margin = 'lots': ")

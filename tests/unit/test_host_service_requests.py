@@ -4,10 +4,14 @@ import pytest
 from tornado import web
 
 from gpu_quota_ext.hub.service.handlers import (
+    MAX_KERNELS,
     parse_change_request,
     parse_grant_request,
     parse_lease_request,
+    parse_room_request,
 )
+from gpu_quota_ext.hub.service.room import ParkReport
+from gpu_quota_ext.shared.service_contract import LEASE_RENEW
 
 
 def status_of(call, body):
@@ -64,6 +68,8 @@ def test_lease_requests():
     assert parse_lease_request({"server": "", "kernels": [{"kernel_id": "k1", "pids": [1234]}]}) == (
         "",
         {"k1": (1234,)},
+        None,
+        None,
     )
     for kernels in (
         "all",
@@ -75,3 +81,60 @@ def test_lease_requests():
         [{"kernel_id": "k1"}] * 5000,
     ):
         assert status_of(parse_lease_request, {"server": "", "kernels": kernels}) == 400, str(kernels)[:80]
+
+
+PARK = {"kernel_id": "k1", "state": "idle", "idle_for": 12.5, "parkable": True}
+
+
+def test_a_lease_may_carry_its_kernels_park_states_and_a_bounded_wait():
+    body = {"server": "nb", "kernels": [], "park": [PARK], "wait": 15}
+    assert parse_lease_request(body) == ("nb", {}, {"k1": ParkReport("idle", 12.5, True)}, 15.0)
+    for wait in (-1, LEASE_RENEW + 0.1, True, "5", float("nan"), None):
+        assert status_of(parse_lease_request, {**body, "wait": wait}) == 400, wait
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {**PARK, "state": "asleep"},
+        {**PARK, "idle_for": -1},
+        {**PARK, "idle_for": "long"},
+        {**PARK, "idle_for": 1e12},
+        {**PARK, "parkable": 1},
+        {**PARK, "kernel_id": "../x"},
+        {**PARK, "extra": 1},
+        "k1",
+    ],
+)
+def test_bad_park_reports_are_400(entry):
+    assert status_of(parse_lease_request, {"server": "", "kernels": [], "park": [entry]}) == 400
+    assert status_of(parse_room_request, {"server": "", "park": [entry], "demands": []}) == 400
+
+
+def test_a_room_request_as_the_contract_writes_it():
+    body = {"server": "", "park": [PARK], "demands": [{"kernel_id": "k1", "need": {"GPU-a": 5 << 30}}]}
+    assert parse_room_request(body) == ("", {"k1": ParkReport("idle", 12.5, True)}, {"k1": {"GPU-a": 5 << 30}})
+    assert parse_room_request({"server": "x"}) == ("x", {}, {})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"user": "root"},  # the user is the token's
+        {"server": None},
+        {"demands": {"k1": {}}},
+        {"demands": [{"kernel_id": "k1"}]},
+        {"demands": [{"kernel_id": "k1", "need": {"GPU-a": -1}}]},
+        {"demands": [{"kernel_id": "k1", "need": {"GPU-a": 1.5}}]},
+        {"demands": [{"kernel_id": "k1", "need": {"GPU-a": True}}]},
+        {"demands": [{"kernel_id": "k1", "need": {"GPU-a": 1 << 62}}]},
+        {"demands": [{"kernel_id": "k1", "need": {f"GPU-{n}": 1 for n in range(65)}}]},
+        {"demands": [{"kernel_id": "k1", "need": {}}, {"kernel_id": "k1", "need": {}}]},
+        {"demands": [{"kernel_id": f"k{n}", "need": {}} for n in range(MAX_KERNELS + 1)]},
+        {"park": [PARK, PARK]},
+        {"park": [PARK] * (MAX_KERNELS + 1)},
+    ],
+)
+def test_bad_room_requests_are_400(change):
+    body = {"server": "", "park": [], "demands": [], **change}
+    assert status_of(parse_room_request, body) == 400

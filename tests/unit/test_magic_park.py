@@ -175,7 +175,13 @@ def test_state_words():
     )
     assert state_words(park("resuming")) == "resuming"
     assert state_words(park("waiting", reason="GPU 0 has 2.0 GiB free, 17.8 GiB needed")) == (
-        "waiting for device memory: GPU 0 has 2.0 GiB free, 17.8 GiB needed"
+        "waiting for device memory (limit 5 min): GPU 0 has 2.0 GiB free, 17.8 GiB needed"
+    )
+    assert state_words(park("waiting", reason="making room", waited=12, wait_limit=None)) == (
+        "waiting for device memory for 12 s: making room"
+    )
+    assert state_words(park("waiting", reason="making room", told=True)) == (
+        "waited past its limit (5 min): the cell did not run; the kernel stays parked with its grant"
     )
     assert [duration_words(s) for s in (40, 720, 7500, 7200, None)] == ["40 s", "12 min", "2 h 5 min", "2 h", ""]
 

@@ -90,3 +90,17 @@ def test_the_last_check_before_a_restore_reads_the_device_now():
     # Another restore granted and not run yet takes its bytes first.
     assert room_right_now({0: 56 * GiB}, totals, lambda i: 40 * GiB, {0: 50 * GiB}, GiB) is not None
     assert "cannot be read" in room_right_now({0: GiB}, totals, lambda i: None, {}, GiB)
+
+
+def test_on_a_hub_host_room_on_a_full_device_is_refused_plainly(monkeypatch):
+    import asyncio
+
+    from gpu_quota_ext.parking import HostBroker
+
+    sample = Sample(state="ok", time=1.0, devices={0: DeviceReading(0, GiB)}, kernels={"A": {0: GiB}}, pids={})
+    parker = parker_with({}, sample, {"A": "busy"})
+    parker.settings = ParkSettings(on_device_full="on")
+    parker.broker = HostBroker(SimpleNamespace(room=lambda body: {}), {0: "GPU-0"})
+    accepted, park, why = asyncio.run(parker.request_room("A"))
+    assert not accepted and "host service's broker makes room for resumes only" in why
+    assert "A" not in parker.records  # nothing asked, nothing kept

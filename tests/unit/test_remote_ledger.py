@@ -22,10 +22,12 @@ from gpu_quota_ext.devices import Device
 from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
 from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV, RemoteLedger
+from gpu_quota_ext.parking import HostRooms
 from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
 from gpu_quota_ext.shared.service_contract import (
     GRANTS_PATH,
     LEASE_PATH,
+    ROOM_PATH,
     START_RETRIES,
     STATUS_PATH,
 )
@@ -53,6 +55,12 @@ class StandIn:
         self.granted_at: Dict[str, float] = {}
         self.answer_503 = 0  # the next this many grant requests get a proxy's 503
         self.raw_answer: Optional[bytes] = None  # the next grant answer, as is
+        self.plain_leases = False  # answer a lease with "park" or "wait" 400, as a service of an older version
+        self.refuse_leases = False  # answer every lease 400
+        self.park_next: List = []  # the next lease's answer asks this server to park these (at once: no wait)
+        self.wake: Optional[asyncio.Event] = None  # ends a lease's wait early (on the stand-in's loop)
+        self.rooms: List[dict] = []
+        self.room_answer: tuple = (200, {"go": [], "park": [], "waiting": {}, "told": {}})
         self.loop = asyncio.new_event_loop()
         self.port = _free_port()
         self.server: Optional[httpserver.HTTPServer] = None
@@ -83,6 +91,7 @@ class StandIn:
                 (PREFIX + GRANTS_PATH + r"/(?P<kernel_id>[\w-]+)", OneGrant, {"standin": self}),
                 (PREFIX + LEASE_PATH, Lease, {"standin": self}),
                 (PREFIX + STATUS_PATH, Status, {"standin": self}),
+                (PREFIX + ROOM_PATH, Room, {"standin": self}),
             ])
             self.server = httpserver.HTTPServer(app)
             self.server.listen(self.port, "127.0.0.1")
@@ -194,9 +203,17 @@ class OneGrant(Base):
 
 
 class Lease(Base):
-    def post(self):
+    async def post(self):
         s = self.standin
+        if s.refuse_leases or (s.plain_leases and set(self.body) - {"server", "kernels"}):
+            return self.answer(400, {"message": "the body must be a JSON object {server, kernels}"})
         s.leases.append(self.body)
+        if self.body.get("wait") and not s.park_next:  # the long poll, a quarter lease at most (as the service)
+            s.wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(s.wake.wait(), min(self.body["wait"], s.lease_seconds / 4))
+            except asyncio.TimeoutError:
+                pass
         listed = {k["kernel_id"] for k in self.body["kernels"]}
         gone = [
             k
@@ -209,7 +226,16 @@ class Lease(Base):
         for kernel_id in gone:
             s.ledger.release(kernel_id)
             del s.owner[kernel_id]
-        self.answer(200, {"lease_seconds": s.lease_seconds, "released": gone})
+        answer = {"lease_seconds": s.lease_seconds, "released": gone}
+        if "park" in self.body or "wait" in self.body:
+            answer["park"], s.park_next = s.park_next, []
+        self.answer(200, answer)
+
+
+class Room(Base):
+    def post(self):
+        self.standin.rooms.append(self.body)
+        self.answer(*self.standin.room_answer)
 
 
 class Status(Base):
@@ -655,3 +681,84 @@ def test_a_service_url_that_is_no_url_stops_the_server_even_with_a_token(monkeyp
     )
     monkeypatch.setenv(SERVICE_URL_ENV, "https://[::1]:8443/services/gpu-quota/")
     assert _make_ledger(SERVER_DEVICES, build_policy("0.25", "1.0")).url == "https://[::1]:8443/services/gpu-quota/"
+
+
+# --- the host's broker: the room call, the lease's park report and long poll ------------------------------
+
+
+def test_the_ledger_offers_the_host_broker_and_the_room_call_names_this_server(standin, make_ledger):
+    ledger = make_ledger()
+    assert isinstance(ledger, HostRooms)
+    standin.room_answer = (200, {"go": ["k1"], "park": [], "waiting": {}, "told": {}})
+    body = {"park": [], "demands": [{"kernel_id": "k1", "need": {"GPU-aaaa": GiB}}]}
+    assert ledger.room(body) == {"go": ["k1"], "park": [], "waiting": {}, "told": {}}
+    assert standin.rooms == [{**body, "server": ""}]
+    standin.room_answer = (403, {"message": "kernel k1 is another user's"})
+    with pytest.raises(OSError, match="HTTP 403: kernel k1 is another user's"):
+        ledger.room(body)
+    standin.stop()
+    with pytest.raises(OSError, match="unreachable"):
+        ledger.room(body)
+
+
+def test_the_lease_carries_the_park_report_and_hands_over_the_kernels_the_service_asks_to_park(standin, make_ledger):
+    ledger = make_ledger(renew_every=3600)
+    ledger.grant("k1", "alice", "python3", wide_open())
+    ledger.close()  # its renewer is done: the renewals here are the test's own
+    report = [{"kernel_id": "k1", "state": "idle", "idle_for": 61.0, "parkable": True}]
+    ledger.park_report = lambda: report
+    asked = []
+    ledger.on_park_requests = asked.append
+    standin.park_next = ["k1", "not-mine", 7, ["k1"], "k1"]
+    assert ledger.renew() is True
+    assert standin.leases[-1]["park"] == report and "wait" not in standin.leases[-1]
+    assert asked == [["k1"]]  # only this server's kernels, once each
+    assert ledger.renew() is True and asked == [["k1"]]
+
+
+def test_the_renewer_waits_in_a_long_poll_renews_at_once_after_an_early_answer_and_close_ends_it(
+    standin, make_ledger
+):
+    standin.lease_seconds = 8  # renewals every 2 s: each a long poll of 2 s
+    ledger = make_ledger()
+    asked = threading.Event()
+    ledger.on_park_requests = lambda kernel_ids: asked.set()
+    ledger.grant("k1", "alice", "python3", wide_open())
+    wait_for(lambda: len(standin.leases) >= 2 and standin.wake is not None, "the renewer in its long poll")
+    assert standin.leases[-1]["wait"] == 2.0
+    count = len(standin.leases)
+    started = time.monotonic()
+    standin.park_next = ["k1"]
+    standin.loop.call_soon_threadsafe(standin.wake.set)  # the service has a kernel of this server to park
+    assert asked.wait(5)
+    wait_for(lambda: len(standin.leases) >= count + 1, "the next renewal, at once")
+    assert time.monotonic() - started < 1.5, "the renewal after an early answer waited out its interval"
+    closing = time.monotonic()
+    ledger.close()  # in the middle of its next long poll
+    assert time.monotonic() - closing < 1.0
+    assert not [t for t in threading.enumerate() if t.name == "gpu-quota-lease"]
+
+
+def test_a_service_without_the_host_broker_gets_plain_renewals(standin, make_ledger, caplog):
+    standin.plain_leases = True
+    ledger = make_ledger(renew_every=3600)
+    ledger.grant("k1", "alice", "python3", wide_open())
+    ledger.close()  # its renewer is done: the renewals here are the test's own
+    standin.leases.clear()
+    with caplog.at_level(logging.INFO, logger="gpu_quota_ext"):
+        assert ledger.renew() is True
+        assert ledger.renew() is True
+    assert [set(lease) for lease in standin.leases] == [{"server", "kernels"}] * 2
+    assert len([r for r in caplog.records if "does not broker device memory" in r.getMessage()]) == 1
+
+
+def test_a_lease_refused_for_another_reason_keeps_the_park_states(standin, make_ledger):
+    ledger = make_ledger(renew_every=3600)
+    ledger.grant("k1", "alice", "python3", wide_open())
+    ledger.close()
+    standin.refuse_leases = True
+    assert ledger.renew() is False  # refused with park states, and without: not a service of an older version
+    standin.refuse_leases = False
+    standin.leases.clear()
+    assert ledger.renew() is True
+    assert "park" in standin.leases[-1]

@@ -3,7 +3,8 @@
 Its wire contract is gpu_quota_ext.shared.service_contract (user servers' RemoteLedger speaks it);
 app.py wires the parts: book.py (every user's grants and the servers' leases, pure), store.py (SQLite),
 sampler.py + attribution.py (the host watchdog, and the check of every PID a lease registers), limits.py
-(one user's share of the host, pure), handlers.py (the HTTP API), page.py and status.py (the admin's page),
-hub_directory.py and user_policy.py (what the hub says of each user), spec.py and configure.py (what
-jupyterhub_config.py calls).
+(one user's share of the host, pure), room.py (the host's broker: one view of every user's kernels for
+parking's decisions, pure) and polls.py (the leases' long polls that carry its park requests), handlers.py
+(the HTTP API), page.py and status.py (the admin's page), hub_directory.py and user_policy.py (what the hub
+says of each user), spec.py and configure.py (what jupyterhub_config.py calls).
 """

@@ -8,7 +8,8 @@ for the admin's page). The caps mapping can come in the environment too, as JSON
 GPU_QUOTA_SERVICE_CAPS ({"users": ..., "groups": ..., "default": ...}): what `service_entry` (spec.py) puts
 there for the hub.
 
-This module wires the parts (book.py, store.py, sampler.py, history.py, handlers.py) and nothing else.
+This module wires the parts (book.py, store.py, sampler.py, history.py, room.py, polls.py, handlers.py) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from traitlets import Dict as DictTrait
 from traitlets import default as default_value
 from traitlets.config import Application
 
-from ... import __version__
+from ... import __version__, parking
 from ...devices import (
     DeviceInventory,
     NvmlBackend,
@@ -37,16 +38,19 @@ from ...devices import (
     PynvmlBackend,
     StaticInventory,
 )
-from ...policy import PolicyError, build_policy
-from ...settings import DEFAULTS, SETTINGS
+from ...parking import BrokerSettings, HostView, decide
+from ...policy import PolicyError, build_policy, shown
+from ...settings import DEFAULTS, SETTINGS, parse_value
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
 from ...shared.service_contract import (
     ADMIN_PAGE,
     ADMIN_SCOPE,
     GRANTS_PATH,
     LEASE_PATH,
+    LEASE_RENEW,
     LEASE_SECONDS,
     METRICS_PATH,
+    ROOM_PATH,
     SERVICE_NAME,
     STATUS_PATH,
 )
@@ -60,18 +64,31 @@ from .handlers import (
     MetricsHandler,
     OAuthCallbackHandler,
     PageHandler,
+    RoomHandler,
     StatusHandler,
     Who,
 )
 from .history import UserHistory, user_points
 from .hub_directory import HubDirectory, HubUnavailable
 from .metrics import registry_for
+from .polls import LongPolls
+from .room import HostRoom, ParkReport, check_request, host_round, own_reports
 from .sampler import HostSampler
 from .status import build_status
 from .store import StateDirError, Store
 from .user_policy import UserPolicy, host_limits, user_policy
 
 log = logging.getLogger("gpu_quota_ext")
+
+BROKER_ROWS = ("park_min_idle", "park_wait_limit", "park_device_margin", "park_host_margin")  # settings.py's rows
+
+
+def _broker_trait(name: str) -> Unicode:
+    """A trait of the host's broker: the server's setting of the same name, its default and meaning."""
+    return Unicode(
+        str(DEFAULTS[name]),
+        help=SETTINGS[name].help + " Here: for every user's kernels at once, on the host's broker.",
+    ).tag(config=True)
 
 
 def _access_log(handler: web.RequestHandler) -> None:
@@ -162,6 +179,10 @@ class GpuQuotaService(Application):
         config=True
     )
     sampler_enabled = Bool(True, help="Run the host watchdog.").tag(config=True)
+    park_min_idle = _broker_trait("park_min_idle")
+    park_wait_limit = _broker_trait("park_wait_limit")
+    park_device_margin = _broker_trait("park_device_margin")
+    park_host_margin = _broker_trait("park_host_margin")
 
     aliases = {"config": "GpuQuotaService.config_file", "state-dir": "GpuQuotaService.state_dir"}
     classes = [StaticInventory, NvmlInventory]
@@ -198,6 +219,7 @@ class GpuQuotaService(Application):
             self.default_cap, self.max_cap, (), self.overcommit, self.placement, self.on_full, self.on_over_max
         )
         self.limits = host_limits(self.max_kernels, self.user_budget)
+        self.broker_settings = self._broker_settings()
         self.caps = hub_caps(**self._caps_mapping(), property_key=self.property_key, extra_keys=HOST_KEYS)
         self.inventory = self.inventory_class(parent=self)
         self.devices = self.inventory.list_devices()
@@ -222,18 +244,32 @@ class GpuQuotaService(Application):
             self.unix_user_template,
             on_round=self._on_round,
         )
+        self.room = HostRoom()
+        self.polls = LongPolls()
         self.history = UserHistory()
         self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.registry = registry_for(lambda: self.status_now("metrics", True))
 
+    def _broker_settings(self) -> BrokerSettings:
+        values = {}
+        for name in BROKER_ROWS:
+            value = getattr(self, name)
+            try:
+                values[SETTINGS[name].attribute or name] = parse_value(name, value)
+            except PolicyError as error:
+                raise PolicyError(f"c.GpuQuotaService.{name} = {shown(value)}: {error}") from None
+        return BrokerSettings(**values)
+
     def _on_round(self, verified, now: float) -> None:
-        """After each host sample (the sampler's thread): the book hears which grants a live process holds,
-        then each user's usage and grants of this sample go into the admin page's history."""
+        """After each host sample (the sampler's thread): the book hears which grants a live process holds, the
+        host's broker which resumes the sample shows done, then each user's usage and grants of this sample go
+        into the admin page's history."""
         self.book.note_round(verified, now)
         sample = self.sampler.last
         if sample is None:
             return
+        self.room.note_sample(sample.taken_at, sample.attributed.kernel_used)
         sampled = any(used is not None for used in sample.device_used.values())
         try:
             self.history.record(user_points(self.status_now("history", True), sampled))
@@ -251,6 +287,72 @@ class GpuQuotaService(Application):
         return {
             o.grant.kernel_id: (o.grant.user, tuple(uuid_of[i] for i in o.grant.devices)) for o in self.book.owned()
         }
+
+    # --- the host's broker (room.py) ------------------------------------------------------------
+
+    def hear_lease(self, user: str, server: str, reports: Dict[str, ParkReport], now: float) -> None:
+        """A lease's park reports: only of the user's own kernels on that server."""
+        self.room.hear(user, server, own_reports(self.book.owned(), user, server, reports), now, lease=True)
+
+    def longest_wait(self) -> float:
+        """The longest a lease's long poll waits: a quarter lease, so an answer always comes well before it ends."""
+        return max(0.0, min(float(LEASE_RENEW), self.lease_seconds / 4))
+
+    def room_call(
+        self, user: str, server: str, reports: Dict[str, ParkReport], demands: Dict[str, Dict[str, int]]
+    ) -> dict:
+        """A room call of `user`'s server: checked (room.RoomRefused: nothing kept), then one decision of the host's
+        broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park."""
+        now = time.time()
+        owned = self.book.owned()
+        checked = check_request(owned, self.book.devices, user, server, reports, demands)
+        self.room.hear(user, server, checked.reports, now, lease=False)
+        self.room.ask(user, server, checked.demands, now)
+        self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)
+        heard, waiting, held, taken = self.room.view()
+        sample = self._recent_sample(now)
+        available, cgroup = parking.host_room()  # the host's memory (the function, parking's surface)
+        round_ = host_round(
+            self.book.devices,
+            owned,
+            sample.device_used if sample is not None else None,
+            sample.attributed.kernel_used if sample is not None else {},
+            heard,
+            waiting,
+            held,
+            HostView(available, cgroup),
+            self.broker_settings,
+            user,
+            now,
+            sample.taken_at if sample is not None else None,
+            taken,
+        )
+        answer = self.room.answer(decide(round_), user, server, owned, now)
+        for asked in answer.asked:
+            log.info(
+                "gpu-quota service: the host's broker asks %s's server %r to park idle kernel %s, to make room for "
+                "%s's kernel %s",
+                asked.user,
+                asked.server,
+                asked.kernel_id,
+                asked.for_user,
+                asked.for_kernel,
+            )
+        for key in answer.wake:
+            self.polls.wake(key)
+        data = answer.json()
+        for kernel_id in checked.unknown:
+            data["waiting"][kernel_id] = "the host's GPU quota service holds no grant for this kernel (released)"
+        return data
+
+    def _recent_sample(self, now: float):
+        """The last host sample, if recent enough to decide on (a stalled or missing one: nothing moves)."""
+        sample = self.sampler.last
+        if sample is None or self.sampler.state() in ("stalled", "no GPU"):
+            return None
+        if now - sample.taken_at > max(3 * self.poll_interval, self.stall_after):
+            return None
+        return sample
 
     # --- what the handlers ask ------------------------------------------------------------------
 
@@ -328,6 +430,10 @@ class GpuQuotaService(Application):
             pass  # the status shows no policy for this user rather than failing for everyone
 
     def status_now(self, name: str, admin: bool) -> dict:
+        now = time.time()
+        room = self.room.status(self.book.visible(name, admin), name, admin, now)
+        if admin:
+            room["long_polls"] = self.polls.count()
         return build_status(
             self.book,
             self.sampler.last,
@@ -336,7 +442,8 @@ class GpuQuotaService(Application):
             dict(self.policies),
             name,
             admin,
-            time.time(),
+            now,
+            room,
         )
 
     # --- running ---------------------------------------------------------------------------------
@@ -347,6 +454,7 @@ class GpuQuotaService(Application):
             (prefix + GRANTS_PATH, GrantsHandler),
             (prefix + GRANTS_PATH + "/" + kernel, GrantHandler),
             (prefix + LEASE_PATH, LeaseHandler),
+            (prefix + ROOM_PATH, RoomHandler),
             (prefix + STATUS_PATH, StatusHandler),
             (prefix + METRICS_PATH, MetricsHandler),
             (prefix + "oauth_callback", OAuthCallbackHandler),
@@ -419,6 +527,7 @@ class GpuQuotaService(Application):
                 silent,
             )
         gone = self.book.expire(now)
+        self.room.expire(now, {o.grant.kernel_id for o in self.book.owned()}, self.lease_seconds)
         if gone:
             log.info(
                 "gpu-quota service: released %d grant(s) of servers whose lease ran out: %s", len(gone), ", ".join(gone)

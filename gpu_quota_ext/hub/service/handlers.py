@@ -1,18 +1,22 @@
-"""The service's HTTP API (contract.py), thin: authenticate with the hub, parse, ask the book, answer.
+"""The service's HTTP API (contract.py), thin: authenticate with the hub, parse, ask the book (and the host's
+broker, room.py, through the app), answer.
 
 Every API call carries a hub token; the hub says whose it is (HubAuth, cached a short while) and what it may
 do: without access to this service it is a 403 (app.py, who_for_model). The user is that token's owner,
 never anything in the body. Bodies over 64 KiB: 413 (from Content-Length, or as a
 chunked body grows past it); bodies that are not what the contract says: 400; another user's kernel: 403;
 a kernel the service does not know: 404; a grant or cap change whose caller closed its connection before the
-service acted (it gave up waiting): nothing done, 499. Errors are JSON `{"message": ...}`. The admin's page is
-behind hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the service's own HubOAuth.
-Tokens are never logged: tornado's access log prints no headers.
+service acted (it gave up waiting): nothing done, 499. A lease with "wait" is a long poll (polls.py): answered
+when the broker wants some of its server's kernels parked, or after the wait. Errors are JSON `{"message": ...}`.
+The admin's page is behind hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the
+service's own HubOAuth. Tokens are never logged: tornado's access log prints no headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import socket
 import time
@@ -32,15 +36,20 @@ from tornado.httputil import responses
 from ...ledger import AdmissionRefused, UnknownKernel
 from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
+from ...shared.contract import PARK_STATES
 from ...shared.request_body import BodyRefused, BoundedBody
-from ...shared.service_contract import ADMIN_SCOPE
+from ...shared.service_contract import ADMIN_SCOPE, LEASE_RENEW
 from .book import Forbidden
 from .page import render_page
+from .room import ParkReport, RoomRefused
 
 KERNEL_ID = re.compile(r"^[\w-]{1,128}$")
 MAX_NAME = 255
 MAX_KERNELS = 4096
 MAX_PIDS = 1024
+MAX_DEVICES = 64  # devices one need names
+MAX_BYTES = 1 << 60  # a need larger than any device
+MAX_IDLE = 10 * 365 * 86400.0  # seconds: ten years idle is the most a report may say
 
 
 class Who:
@@ -194,10 +203,15 @@ def parse_change_request(body: Any):
         raise web.HTTPError(400, str(error)) from None
 
 
-def parse_lease_request(body: Any) -> Tuple[str, Dict[str, Tuple[int, ...]]]:
-    if not isinstance(body, dict) or set(body) - {"server", "kernels"}:
+def parse_lease_request(
+    body: Any,
+) -> Tuple[str, Dict[str, Tuple[int, ...]], Optional[Dict[str, ParkReport]], Optional[float]]:
+    """(server, kernel id -> PIDs, its kernels' park reports or None, seconds to wait or None)."""
+    if not isinstance(body, dict) or set(body) - {"server", "kernels", "park", "wait"}:
         raise web.HTTPError(
-            400, 'the body must be a JSON object {"server": str, "kernels": [{"kernel_id": str, "pids": [int]}]}'
+            400,
+            'the body must be a JSON object {"server": str, "kernels": [{"kernel_id": str, "pids": [int]}], '
+            '"park": [KERNEL_PARK] (optional), "wait": seconds (optional)}',
         )
     server = _string(body, "server")
     entries = body.get("kernels")
@@ -216,7 +230,75 @@ def parse_lease_request(body: Any) -> Tuple[str, Dict[str, Tuple[int, ...]]]:
         ):
             raise web.HTTPError(400, f'"pids" of kernel {kernel_id} must be a list of process ids')
         kernels[kernel_id] = tuple(pids)
-    return server, kernels
+    park = parse_park_reports(body["park"]) if "park" in body else None
+    wait = None
+    if "wait" in body:
+        wait = body["wait"]
+        if not _number(wait) or not 0 <= wait <= LEASE_RENEW:
+            raise web.HTTPError(400, f'"wait" must be a number of seconds from 0 to {LEASE_RENEW}, not {shown(wait)}')
+        wait = float(wait)
+    return server, kernels, park, wait
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_park_reports(entries: Any) -> Dict[str, ParkReport]:
+    """The "park" list of a lease or a room call: KERNEL_PARK entries, one per kernel."""
+    if not isinstance(entries, list) or len(entries) > MAX_KERNELS:
+        raise web.HTTPError(400, f'"park" must be a list of at most {MAX_KERNELS} KERNEL_PARK objects')
+    reports: Dict[str, ParkReport] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"kernel_id", "state", "idle_for", "parkable"}:
+            raise web.HTTPError(
+                400, 'each "park" entry must be {"kernel_id": str, "state": str, "idle_for": seconds | null, '
+                '"parkable": bool}'
+            )
+        kernel_id = _string(entry, "kernel_id", pattern=KERNEL_ID)
+        state, idle_for, parkable = entry.get("state"), entry.get("idle_for"), entry.get("parkable", False)
+        if state not in PARK_STATES:
+            raise web.HTTPError(400, f"the park state of kernel {kernel_id} must be one of {', '.join(PARK_STATES)}")
+        if idle_for is not None and (not _number(idle_for) or not 0 <= idle_for <= MAX_IDLE):
+            raise web.HTTPError(400, f'"idle_for" of kernel {kernel_id} must be null or seconds, not {shown(idle_for)}')
+        if not isinstance(parkable, bool):
+            raise web.HTTPError(400, f'"parkable" of kernel {kernel_id} must be true or false')
+        if kernel_id in reports:
+            raise web.HTTPError(400, f"kernel {kernel_id} is reported twice")
+        reports[kernel_id] = ParkReport(state, None if idle_for is None else float(idle_for), parkable)
+    return reports
+
+
+def parse_room_request(body: Any) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]]]:
+    """(server, its kernels' park reports, kernel id -> uuid -> bytes needed)."""
+    if not isinstance(body, dict) or set(body) - {"server", "park", "demands"}:
+        raise web.HTTPError(
+            400,
+            'the body must be a JSON object {"server": str, "park": [KERNEL_PARK], '
+            '"demands": [{"kernel_id": str, "need": {uuid: bytes}}]}',
+        )
+    server = _string(body, "server")
+    reports = parse_park_reports(body.get("park", []))
+    entries = body.get("demands", [])
+    if not isinstance(entries, list) or len(entries) > MAX_KERNELS:
+        raise web.HTTPError(400, f'"demands" must be a list of at most {MAX_KERNELS} {{"kernel_id", "need"}} objects')
+    demands: Dict[str, Dict[str, int]] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"kernel_id", "need"}:
+            raise web.HTTPError(400, 'each demand must be {"kernel_id": str, "need": {uuid: bytes}}')
+        kernel_id = _string(entry, "kernel_id", pattern=KERNEL_ID)
+        need = entry["need"]
+        if (
+            not isinstance(need, dict)
+            or len(need) > MAX_DEVICES
+            or not all(isinstance(u, str) and len(u) <= MAX_NAME for u in need)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_BYTES for n in need.values())
+        ):
+            raise web.HTTPError(400, f'"need" of kernel {kernel_id} must map device uuids to bytes')
+        if kernel_id in demands:
+            raise web.HTTPError(400, f"kernel {kernel_id} demands twice")
+        demands[kernel_id] = dict(need)
+    return server, reports, demands
 
 
 class GrantsHandler(ApiHandler):
@@ -279,11 +361,44 @@ class GrantHandler(ApiHandler):
 
 
 class LeaseHandler(ApiHandler):
+    _woken: Optional[asyncio.Event] = None
+    _gone = False
+
     async def post(self):
         self.who.require_user()
-        server, kernels = parse_lease_request(self.body())
-        released = self.service.book.lease(self.who.name, server, kernels, time.time())
-        self.answer(200, {"lease_seconds": int(self.service.book.lease_seconds), "released": released})
+        server, kernels, reports, wait = parse_lease_request(self.body())
+        service, user = self.service, self.who.name
+        now = time.time()
+        released = service.book.lease(user, server, kernels, now)
+        data: Dict[str, Any] = {"lease_seconds": int(service.book.lease_seconds), "released": released}
+        if reports is None and wait is None:
+            return self.answer(200, data)
+        service.hear_lease(user, server, reports or {}, now)
+        if wait and not service.room.pending(user, server):
+            # The long poll: recorded at once, answered when the broker wants some of this server's kernels parked.
+            self._woken = asyncio.Event()
+            await service.polls.wait((user, server), min(wait, service.longest_wait()), self._woken)
+            if self._gone:
+                return  # nobody to answer: what is asked of this server stays for its next renewal
+        data["park"] = service.room.take(user, server, service.book.owned(), time.time())
+        self.answer(200, data)
+
+    def on_connection_close(self):
+        self._gone = True
+        if self._woken is not None:
+            self._woken.set()
+
+
+class RoomHandler(ApiHandler):
+    async def post(self):
+        self.who.require_user()
+        server, reports, demands = parse_room_request(self.body())
+        self.give_up_if_caller_gone("the host's broker decided")
+        try:
+            answer = self.service.room_call(self.who.name, server, reports, demands)
+        except RoomRefused as refusal:
+            raise web.HTTPError(refusal.code, refusal.message) from None
+        self.answer(200, answer)
 
 
 class StatusHandler(ApiHandler):

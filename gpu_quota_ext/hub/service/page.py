@@ -25,6 +25,26 @@ def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) ->
     return f"<h2>{escape(title)}</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _park(park: Any) -> str:
+    """A kernel's park state as its server last reported it."""
+    if not park:
+        return "not reported"
+    words = park["state"]
+    if park.get("idle_for") is not None:
+        words += f" {park['idle_for']:.0f} s"
+    if not park.get("parkable") and park["state"] == "idle":
+        words += ", not parkable"
+    return words
+
+
+def _seconds(value: Any) -> str:
+    return "–" if value is None else f"{float(value):.0f} s"
+
+
+def _bytes_by_device(held: Mapping[str, int]) -> str:
+    return ", ".join(f"{format_bytes(int(n))} on {uuid}" for uuid, n in sorted(held.items())) or "–"
+
+
 def _charts(history: Mapping[str, List[dict]], interval: float) -> str:
     """One chart per user with points, in the status's order of users, under one key."""
     if not history:
@@ -86,7 +106,10 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
         _charts(history or {}, interval),
         _table(
             "Kernels",
-            ["user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "source"],
+            [
+                "user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "park",
+                "source",
+            ],
             (
                 (
                     k["user"],
@@ -99,11 +122,50 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
                     "yes" if d["used"] is not None and d["used"] > d["cap"] else "",
                     " ".join(str(p) for p in k["pids"]) or "–",
                     "idle-held" if k["idle_held"] else "by a live process" if k["pids"] else "",
+                    _park(k.get("park")),
                     k["source"],
                 )
                 for k in status["kernels"]
                 for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
             ),
+        ),
+        _table(
+            "Waiting for device memory (the host's broker)",
+            ["user", "kernel", "server", "needs", "waited", "why", "told"],
+            (
+                (
+                    w["user"], w["kernel_id"], w["server"] or "(default)", _bytes_by_device(w["need"]),
+                    _seconds(w["waited"]), w["reason"] or "–", w["told"] or "",
+                )
+                for w in status.get("waiting", [])
+            ),
+        ),
+        _table(
+            "Reservations (room held for a resume until the sample shows it back)",
+            ["user", "kernel", "server", "held", "for", "ends in"],
+            (
+                (
+                    r["user"], r["kernel_id"], r["server"] or "(default)", _bytes_by_device(r["held"]),
+                    _seconds(r["held_for"]), _seconds(r["ends_in"]),
+                )
+                for r in status.get("reservations", [])
+            ),
+        ),
+        _table(
+            "Park requests (idle kernels the broker parks to make room)",
+            ["user", "kernel", "server", "for kernel", "asked", "taken by its server"],
+            (
+                (
+                    a["user"], a["kernel_id"], a["server"] or "(default)", a["for_kernel"] or "another user's",
+                    f"{_seconds(a['asked'])} ago", "yes" if a["taken"] else "not yet",
+                )
+                for a in status.get("park_requests", [])
+            ),
+        ),
+        (
+            f"<p>Leases waiting for park requests (long polls): {int(status['long_polls'])}</p>"
+            if "long_polls" in status
+            else ""
         ),
         _table(
             "Unmanaged usage (GPU memory outside every grant)",

@@ -6,7 +6,9 @@ more than its cap (its own server's watchdog acts on it: interrupt and restart a
 kernel: the PIDs its server registered and those the last sample believed (`pids`, checked by uid), and
 `idle_held` when no verified live process held its grant for a lease period. `refused_pids`: registrations
 the sampler did not believe (a PID of another Unix user); a user sees those of their own leases, without
-whose the process is.
+whose the process is. The host's broker (room.py): each kernel's `park` state as its server last reported it,
+the kernels `waiting` for device memory (how long, why), the `reservations` of resumes under way and the
+`park_requests` for idle kernels; an admin also sees how many leases wait in a long poll (`long_polls`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def build_status(
     viewer: str,
     admin: bool,
     now: float,
+    room: Optional[Mapping] = None,
 ) -> dict:
+    """The status `viewer` may see; `room`: HostRoom.status() of the same viewer (none: nothing brokered yet)."""
+    room = room or {}
+    parks = room.get("park", {})
     devices = book.devices
     uuid_of = {i: d.uuid for i, d in devices.items()}
     leases = {(lease.user, lease.server): lease for lease in book.leases()}
@@ -66,6 +72,7 @@ def build_status(
             "idle_held": grant.kernel_id in idle,
             "lease_expires_in": round(lease.expires - now, 1) if lease else None,
             "over_cap": any(e["used"] is not None and e["used"] > e["cap"] for e in record["devices"]),
+            "park": parks.get(grant.kernel_id),
         })
     unmanaged = []
     if sample:
@@ -113,4 +120,8 @@ def build_status(
             for a in actions
             if mine(a.user)
         ][-50:],
+        "waiting": list(room.get("waiting", [])),
+        "reservations": list(room.get("reservations", [])),
+        "park_requests": list(room.get("park_requests", [])),
+        **({"long_polls": room["long_polls"]} if admin and "long_polls" in room else {}),
     }

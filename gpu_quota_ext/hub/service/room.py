@@ -1,0 +1,482 @@
+"""The host's broker: one view of every user's kernels for the broker's decisions (parking/broker.py), and what
+the service keeps between two of them. Pure: no I/O, no clock (callers pass `now`, wall-clock seconds), like
+book.py; the service (app.py) reads the sample and host memory, and wakes the servers' long polls.
+
+On a hub host the budget is one, so the view is one: a user server whose kernel waits for device memory asks
+here (the room call, shared.service_contract.ROOM_PATH) at every sample, and the broker decides over every
+user's kernels at once; idle kernels of other servers it chose to park reach their servers through their leases'
+answers. What the service believes of each:
+
+- devices: the book's, by uuid; their usage the service's own NVML sample (never a server's word).
+- kernels: every grant the book holds; their usage the sampler's verified usage (processes of the kernel's own
+  Unix user only, attribution.py); their park state, idle time and "parkable" the last report of their own
+  server (the lease's or the room call's "park"): a server's word about its own kernels, which decides only
+  whether they may be parked. A kernel never reported counts as running (its headroom claimed) and is never
+  parked. A report of "parked" while the sample still shows the kernel's memory (taken before the park ended)
+  counts as a park under way: its bytes are coming, no other kernel parks for them. A kernel its server took a
+  park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
+  server's report says so at its next renewal, and the resume it made room for need not wait for that.
+- demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
+  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A room call names all of its server's demands:
+  those it no longer names have ended; a lease report saying a kernel no longer waits ends its demand too.
+- reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
+  usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
+  bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
+  again while it holds one (its answer was lost, or its server found the room taken right before the call) is
+  answered "go" again, on the same reservation.
+- park requests: per (user, server), the idle kernels chosen to park, until that server's lease takes them; one
+  taken is not asked again before its server has reported it parking (or busy, or not parkable) since, or
+  REQUEST_TTL has passed.
+
+Words say which kernel waits or parks only to its own user: another user's kernel is "of another user".
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from ...devices import Device
+from ...parking import (
+    RUNNING_STATES,
+    BrokerSettings,
+    Demand,
+    DeviceView,
+    HostView,
+    KernelView,
+    Plan,
+    Reservation,
+    Round,
+)
+from ...shared.service_contract import CONTEXT_ALLOWANCE
+from .book import Owned
+
+RESTORE_RATE = 2e9  # bytes per second a restore is counted to take at the slowest (an H200 measured ~5.5 GB/s)
+RESERVATION_MARGIN = 30.0  # seconds a reservation is held beyond that
+REQUEST_TTL = 60.0  # seconds a park request waits for its server's lease, or for its server's next report
+OTHERS = "of another user"  # how the words name another user's kernel
+
+Key = Tuple[str, str]  # (user, server)
+
+
+class RoomRefused(Exception):
+    """A room call the service refuses, whole: nothing of it is kept."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class ParkReport:
+    """KERNEL_PARK of the wire: a kernel's park state as its server reported it."""
+
+    state: str
+    idle_for: Optional[float] = None
+    parkable: bool = False
+
+
+@dataclass(frozen=True)
+class Heard:
+    report: ParkReport
+    user: str
+    server: str
+    at: float  # when the service heard it
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A demand as the service keeps it."""
+
+    kernel_id: str
+    user: str
+    server: str
+    need: Mapping[str, int]  # uuid -> bytes, cut to cap + CONTEXT_ALLOWANCE
+    since: float  # when the service first heard of it
+    asked: float  # when its server last named it
+    reason: Optional[str] = None  # what its own user was last told it waits for
+    told: Optional[str] = None  # the message at the wait limit
+
+
+@dataclass(frozen=True)
+class Held:
+    """A reservation: the room a resume was given."""
+
+    kernel_id: str
+    user: str
+    server: str
+    held: Mapping[str, int]  # uuid -> bytes still held
+    since: float
+    until: float  # held no longer than this
+    running_seen: Optional[float] = None  # when a report first said the kernel runs again
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A park request: an idle kernel the broker chose, for another kernel's demand."""
+
+    kernel_id: str
+    user: str
+    server: str
+    for_kernel: str
+    for_user: str
+    at: float
+    delivered: Optional[float] = None  # when its server took it (its lease's answer, or its own room call)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A room call, checked against the book: the reports and demands of the caller's own kernels."""
+
+    reports: Mapping[str, ParkReport]
+    demands: Mapping[str, Mapping[str, int]]
+    unknown: Tuple[str, ...] = ()  # demands of kernels the service holds no grant for
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a room call answers (the wire's dict: `json()`), and the servers whose long polls wake."""
+
+    go: Tuple[str, ...] = ()
+    park: Tuple[str, ...] = ()
+    waiting: Mapping[str, str] = field(default_factory=dict)
+    told: Mapping[str, str] = field(default_factory=dict)
+    wake: Tuple[Key, ...] = ()
+    asked: Tuple[Asked, ...] = ()  # the park requests this decision made (for the log)
+
+    def json(self) -> dict:
+        return {"go": list(self.go), "park": list(self.park), "waiting": dict(self.waiting), "told": dict(self.told)}
+
+
+def reservation_timeout(held: Mapping[str, int]) -> float:
+    """Seconds a reservation is held at most: its bytes at RESTORE_RATE, plus RESERVATION_MARGIN."""
+    return sum(held.values()) / RESTORE_RATE + RESERVATION_MARGIN
+
+
+def check_request(
+    owned: Iterable[Owned],
+    devices: Mapping[int, Device],
+    user: str,
+    server: str,
+    reports: Mapping[str, ParkReport],
+    demands: Mapping[str, Mapping[str, int]],
+) -> Checked:
+    """The room call of `user`'s server `server`, checked: every kernel it names must be the user's own (RoomRefused
+    403 otherwise) and granted to that server (403 naming the server that holds it); every device a need names
+    must be one of this host's (400). A kernel the service holds no grant for is left out (reports) or answered
+    as such (demands): its server may not have heard of its release yet. Needs are cut to the kernel's cap there
+    plus CONTEXT_ALLOWANCE (a device its grant does not hold: CONTEXT_ALLOWANCE)."""
+    by_id = {o.grant.kernel_id: o for o in owned}
+    uuids = {d.uuid: index for index, d in devices.items()}
+    for kernel_id in list(reports) + list(demands):
+        held = by_id.get(kernel_id)
+        if held is None:
+            continue
+        if held.grant.user != user:
+            raise RoomRefused(403, f"kernel {kernel_id} is another user's")
+        if held.server != server:
+            raise RoomRefused(
+                403, f"kernel {kernel_id} is held by your server {held.server or '(default)'!r}, not by {server!r}"
+            )
+    strange = sorted({uuid for need in demands.values() for uuid in need if uuid not in uuids})
+    if strange:
+        raise RoomRefused(
+            400, f"device {', '.join(strange)} is not one of this host's GPUs ({', '.join(sorted(uuids)) or 'none'})"
+        )
+    cut: Dict[str, Dict[str, int]] = {}
+    unknown = []
+    for kernel_id, need in demands.items():
+        held = by_id.get(kernel_id)
+        if held is None:
+            unknown.append(kernel_id)
+            continue
+        caps = held.grant.caps
+        cut[kernel_id] = {
+            uuid: min(int(n), caps.get(uuids[uuid], 0) + CONTEXT_ALLOWANCE) for uuid, n in need.items() if n > 0
+        }
+    return Checked({k: r for k, r in reports.items() if k in by_id}, cut, tuple(unknown))
+
+
+def own_reports(
+    owned: Iterable[Owned], user: str, server: str, reports: Mapping[str, ParkReport]
+) -> Dict[str, ParkReport]:
+    """The reports of a lease that are of the user's own kernels granted to that server; the rest is ignored, as the
+    lease ignores other users' kernels (one bad entry does not cost a server its renewal)."""
+    mine = {o.grant.kernel_id for o in owned if o.grant.user == user and o.server == server}
+    return {k: r for k, r in reports.items() if k in mine}
+
+
+def host_round(
+    devices: Mapping[int, Device],
+    owned: Sequence[Owned],
+    device_used: Optional[Mapping[str, Optional[int]]],
+    kernel_used: Mapping[str, Mapping[str, int]],
+    heard: Mapping[str, Heard],
+    demands: Sequence[Waiting],
+    reservations: Sequence[Held],
+    host: HostView,
+    settings: BrokerSettings,
+    viewer: str,
+    now: float,
+    sampled_at: Optional[float] = None,
+    taken: Optional[Mapping[str, float]] = None,
+) -> Round:
+    """The broker's Round for the whole host. `device_used`: the last sample's NVML usage per uuid (None: no
+    sample recent enough, nothing moves); `kernel_used`: its verified usage per kernel and uuid; `sampled_at`: when
+    that sample was taken; `taken`: kernel id -> when its server took a park request for it (HostRoom.view);
+    `viewer`: the user the words are for. Demands of kernels that hold a reservation are answered by it, not
+    decided again."""
+    uuid_of = {index: d.uuid for index, d in devices.items()}
+    views = tuple(
+        DeviceView(d.uuid, d.uuid, d.total, None if device_used is None else device_used.get(d.uuid))
+        for _, d in sorted(devices.items())
+    )
+    kernels: List[KernelView] = []
+    granted: Set[str] = set()
+    for item in owned:
+        grant = item.grant
+        if not grant.devices:
+            continue
+        kernel_id = grant.kernel_id
+        granted.add(kernel_id)
+        caps = {uuid_of[i]: grant.caps[i] for i in grant.devices if i in uuid_of}
+        used = {uuid: n for uuid, n in kernel_used.get(kernel_id, {}).items() if uuid in caps}
+        report = heard.get(kernel_id)
+        took = (taken or {}).get(kernel_id)
+        if (
+            report is not None
+            and report.report.state == "idle"
+            and took is not None
+            and sampled_at is not None
+            and sampled_at > took
+            and not any(n > 0 for n in used.values())
+        ):
+            report = replace(report, report=ParkReport("parked"))  # asked, and its memory has left the device
+        kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now))
+    held = {r.kernel_id for r in reservations}
+    return Round(
+        devices=views,
+        kernels=tuple(kernels),
+        demands=tuple(
+            Demand(w.kernel_id, dict(w.need), w.since)
+            for w in demands
+            if w.kernel_id in granted and w.kernel_id not in held
+        ),
+        reservations=tuple(Reservation(r.kernel_id, dict(r.held)) for r in reservations if r.held),
+        host=host,
+        settings=settings,
+        now=now,
+    )
+
+
+def _kernel_view(
+    kernel_id: str, caps: Mapping[str, int], used: Mapping[str, int], heard: Optional[Heard], own: bool, now: float
+) -> KernelView:
+    label = kernel_id[:8] if own else OTHERS
+    if heard is None:
+        return KernelView(kernel_id, "busy", used, caps, None, False, label)  # never reported: running, kept
+    report = heard.report
+    state = report.state
+    if state == "parked" and any(n > 0 for n in used.values()):
+        state = "parking"  # the sample predates the park's end: its bytes are leaving
+    idle_for = None
+    if state == "idle" and report.idle_for is not None:
+        idle_for = report.idle_for + max(0.0, now - heard.at)
+    return KernelView(kernel_id, state, used, caps, idle_for, report.parkable and state == "idle", label)
+
+
+class HostRoom:
+    """What the service keeps between two decisions; every method takes the lock (the sampler's thread notes each
+    sample, the API runs on the event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._heard: Dict[str, Heard] = {}
+        self._waiting: Dict[str, Waiting] = {}
+        self._held: Dict[str, Held] = {}
+        self._asked: Dict[str, Asked] = {}
+
+    # --- what the servers say -----------------------------------------------------------------------
+
+    def hear(self, user: str, server: str, reports: Mapping[str, ParkReport], now: float, lease: bool) -> None:
+        """Reports of the server's own kernels (checked by the caller). A lease's report of a kernel that no longer
+        waits ends its demand (a room call names every demand of its server: ask() ends the others)."""
+        with self._lock:
+            for kernel_id, report in reports.items():
+                self._heard[kernel_id] = Heard(report, user, server, now)
+                asked = self._asked.get(kernel_id)
+                acted = not (report.state == "idle" and report.parkable)  # parks, or cannot now
+                if asked is not None and asked.delivered is not None and asked.delivered < now and acted:
+                    del self._asked[kernel_id]  # its server has acted on it since: it may be asked again
+                held = self._held.get(kernel_id)
+                if held is not None and held.running_seen is None and report.state in RUNNING_STATES:
+                    self._held[kernel_id] = replace(held, running_seen=now)
+                if lease and report.state != "waiting":
+                    self._waiting.pop(kernel_id, None)
+
+    def ask(self, user: str, server: str, demands: Mapping[str, Mapping[str, int]], now: float) -> None:
+        """A room call's demands: every demand of that server (the others it had have ended)."""
+        with self._lock:
+            for kernel_id in [k for k, w in self._waiting.items() if (w.user, w.server) == (user, server)]:
+                if kernel_id not in demands:
+                    del self._waiting[kernel_id]
+            for kernel_id, need in demands.items():
+                old = self._waiting.get(kernel_id)
+                since = old.since if old is not None else now
+                self._waiting[kernel_id] = Waiting(
+                    kernel_id, user, server, dict(need), since, now,
+                    old.reason if old else None, old.told if old else None,
+                )
+
+    # --- what the sampler sees ----------------------------------------------------------------------
+
+    def note_sample(self, taken_at: float, kernel_used: Mapping[str, Mapping[str, int]]) -> None:
+        """One host sample: a reservation ends where it shows the kernel's verified usage back, or once it was
+        taken after a report of the kernel running again."""
+        with self._lock:
+            for kernel_id, held in list(self._held.items()):
+                if taken_at <= held.since:
+                    continue
+                if held.running_seen is not None and taken_at > held.running_seen:
+                    del self._held[kernel_id]
+                    continue
+                used = kernel_used.get(kernel_id, {})
+                left = {uuid: n for uuid, n in held.held.items() if used.get(uuid, 0) < n}
+                if not left:
+                    del self._held[kernel_id]
+                elif left != dict(held.held):
+                    self._held[kernel_id] = replace(held, held=left)
+
+    def expire(self, now: float, granted: Set[str], stale_after: float) -> None:
+        """Forget what concerns kernels without a grant now, reservations past their time, demands not named for
+        `stale_after` seconds (their server went silent), park requests not taken within REQUEST_TTL."""
+        with self._lock:
+            self._heard = {k: h for k, h in self._heard.items() if k in granted}
+            self._held = {k: h for k, h in self._held.items() if k in granted and h.until > now}
+            self._waiting = {k: w for k, w in self._waiting.items() if k in granted and now - w.asked < stale_after}
+            self._asked = {
+                k: a
+                for k, a in self._asked.items()
+                if k in granted and now - (a.delivered if a.delivered is not None else a.at) < REQUEST_TTL
+            }
+
+    # --- the decisions ------------------------------------------------------------------------------
+
+    def view(self) -> Tuple[Dict[str, Heard], List[Waiting], List[Held], Dict[str, float]]:
+        """What a Round is built from (host_round): reports, demands, reservations, and when each park request its
+        server took was taken."""
+        with self._lock:
+            taken = {k: a.delivered for k, a in self._asked.items() if a.delivered is not None}
+            return dict(self._heard), list(self._waiting.values()), list(self._held.values()), taken
+
+    def answer(self, plan: Plan, user: str, server: str, owned: Sequence[Owned], now: float) -> Answer:
+        """Apply one round's Plan, decided for a room call of `user`'s server `server`. Only the caller's demands are
+        answered ("go" reserves their room now; another server's demand is decided at its own call). Park requests
+        for the caller's kernels are in its answer; those for other servers wait for their leases (`wake`)."""
+        by_id = {o.grant.kernel_id: o for o in owned}
+        key = (user, server)
+        with self._lock:
+            mine = {k for k, w in self._waiting.items() if (w.user, w.server) == key}
+            go = [k for k in sorted(mine) if k in self._held]  # asked again while its room is held
+            for kernel_id in plan.go:
+                waiting = self._waiting.get(kernel_id)
+                if kernel_id not in mine or waiting is None or kernel_id in go:
+                    continue
+                need = {uuid: n for uuid, n in waiting.need.items() if n > 0}
+                self._held[kernel_id] = Held(kernel_id, user, server, need, now, now + reservation_timeout(need))
+                go.append(kernel_id)
+            for kernel_id in go:
+                self._waiting.pop(kernel_id, None)
+            park: List[str] = []
+            wake: Set[Key] = set()
+            made: List[Asked] = []
+            for victim, for_kernel in plan.park:
+                held = by_id.get(victim)
+                asking = self._waiting.get(for_kernel)
+                if held is None:
+                    continue
+                there = (held.grant.user, held.server)
+                old = self._asked.get(victim)
+                if old is not None and (old.delivered is not None or there != key):
+                    continue  # asked already: taken and not reported on since, or waiting for its lease
+                for_user = asking.user if asking is not None else user
+                if there == key:
+                    park.append(victim)
+                    self._asked[victim] = Asked(victim, user, server, for_kernel, for_user, now, now)
+                else:
+                    self._asked[victim] = Asked(victim, there[0], there[1], for_kernel, for_user, now)
+                    wake.add(there)
+                made.append(self._asked[victim])
+            waiting = {k: r for k, r in plan.waiting.items() if k in mine and k not in go}
+            told = {k: m for k, m in plan.told.items() if k in mine and k not in go}
+            for kernel_id, reason in waiting.items():
+                self._waiting[kernel_id] = replace(
+                    self._waiting[kernel_id], reason=reason, told=told.get(kernel_id, self._waiting[kernel_id].told)
+                )
+        return Answer(tuple(go), tuple(park), waiting, told, tuple(sorted(wake)), tuple(made))
+
+    def take(self, user: str, server: str, owned: Sequence[Owned], now: float) -> List[str]:
+        """The park requests for `user`'s server `server` not yet taken, of kernels it still holds (its lease's
+        answer): taken now."""
+        mine = {o.grant.kernel_id for o in owned if (o.grant.user, o.server) == (user, server)}
+        with self._lock:
+            key = (user, server)
+            taken = [k for k, a in sorted(self._asked.items()) if a.delivered is None and (a.user, a.server) == key]
+            for kernel_id in taken:
+                self._asked[kernel_id] = replace(self._asked[kernel_id], delivered=now)
+            return [k for k in taken if k in mine]
+
+    def pending(self, user: str, server: str) -> bool:
+        """Park requests wait for this server's lease."""
+        with self._lock:
+            return any((a.user, a.server) == (user, server) and a.delivered is None for a in self._asked.values())
+
+    # --- what the status shows ------------------------------------------------------------------------
+
+    def status(self, visible: Sequence[Owned], viewer: str, admin: bool, now: float) -> dict:
+        """Each visible kernel's last park report, the kernels waiting (how long, why), the reservations and the
+        park requests, for the status and the admin's page. A user sees their own kernels; of a park request for
+        their kernel, not whose kernel it made room for."""
+        ids = {o.grant.kernel_id for o in visible}
+        with self._lock:
+            heard = {k: h for k, h in self._heard.items() if k in ids}
+            waiting = [w for w in self._waiting.values() if w.kernel_id in ids]
+            held = [h for h in self._held.values() if h.kernel_id in ids]
+            asked = [a for a in self._asked.values() if a.kernel_id in ids]
+        park = {}
+        for kernel_id, h in heard.items():
+            idle_for = h.report.idle_for
+            if h.report.state == "idle" and idle_for is not None:
+                idle_for = round(idle_for + max(0.0, now - h.at), 1)  # idle since the report, as far as anyone knows
+            park[kernel_id] = {
+                "state": h.report.state,
+                "idle_for": idle_for if h.report.state == "idle" else None,
+                "parkable": h.report.parkable,
+                "reported": round(now - h.at, 1),  # seconds ago
+            }
+        return {
+            "park": park,
+            "waiting": [
+                {
+                    "kernel_id": w.kernel_id, "user": w.user, "server": w.server, "need": dict(w.need),
+                    "waited": round(now - w.since, 1), "reason": w.reason, "told": w.told,
+                }
+                for w in sorted(waiting, key=lambda w: w.since)
+            ],
+            "reservations": [
+                {
+                    "kernel_id": h.kernel_id, "user": h.user, "server": h.server, "held": dict(h.held),
+                    "held_for": round(now - h.since, 1), "ends_in": round(h.until - now, 1),
+                }
+                for h in sorted(held, key=lambda h: h.since)
+            ],
+            "park_requests": [
+                {
+                    "kernel_id": a.kernel_id, "user": a.user, "server": a.server,
+                    "for_kernel": a.for_kernel if admin or a.for_user == viewer else None,
+                    "asked": round(now - a.at, 1), "taken": a.delivered is not None,
+                }
+                for a in sorted(asked, key=lambda a: a.at)
+            ],
+        }

@@ -1,0 +1,302 @@
+"""The host's broker as the service keeps it (hub/service/room.py): pure, fed by hand. One GPU of 12 GiB, three
+users each with a kernel of 5 GiB; the broker's own rules are tested in test_broker.py: here, what the service
+believes of whom, what it keeps between decisions, and what each user's server is told."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.hub.service.book import Owned
+from gpu_quota_ext.hub.service.room import (
+    OTHERS,
+    RESERVATION_MARGIN,
+    HostRoom,
+    ParkReport,
+    RoomRefused,
+    check_request,
+    host_round,
+    own_reports,
+    reservation_timeout,
+)
+from gpu_quota_ext.ledger import Grant
+from gpu_quota_ext.parking import BrokerSettings, HostView, decide
+from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE
+
+UUID = "GPU-room-0"
+DEVICES = {0: Device(0, "Test GPU", UUID, 12 * GiB)}
+CAP = int(5.4 * GiB)
+SETTINGS = BrokerSettings(device_margin=GiB, host_margin=2 * GiB, min_idle=2.0, wait_limit=300.0)
+HOST = HostView(available=64 * GiB)
+
+
+def owned(kernel_id: str, user: str, server: str = "", cap: int = CAP) -> Owned:
+    grant = Grant(kernel_id, user, "python3", (0,), {0: cap}, {0: cap}, {0: cap}, "default", True)
+    return Owned(grant, server, 0.0)
+
+
+HELD = [owned("ka-alice", "alice"), owned("kb-bob", "bob"), owned("kc-carol", "carol")]
+IDLE = lambda seconds: ParkReport("idle", seconds, True)  # noqa: E731
+
+
+class Host:
+    """The service's part around the room, by hand: its sample, its reports, one room call at a time."""
+
+    def __init__(self, used=None):
+        self.room = HostRoom()
+        self.kernel_used = dict({"kb-bob": {UUID: 5 * GiB}, "kc-carol": {UUID: 5 * GiB}} if used is None else used)
+        self.now = 1000.0
+        self.sampled_at = 999.9  # the last sample: a moment ago
+
+    @property
+    def device_used(self):
+        return {UUID: sum(per.get(UUID, 0) for per in self.kernel_used.values())}
+
+    def lease(self, user, reports, server=""):
+        self.room.hear(user, server, own_reports(HELD, user, server, reports), self.now, lease=True)
+
+    def call(self, user, reports, demands, server="", owned_=HELD):
+        checked = check_request(owned_, DEVICES, user, server, reports, demands)
+        self.room.hear(user, server, checked.reports, self.now, lease=False)
+        self.room.ask(user, server, checked.demands, self.now)
+        heard, waiting, held, taken = self.room.view()
+        round_ = host_round(
+            DEVICES, owned_, self.device_used, self.kernel_used, heard, waiting, held, HOST, SETTINGS, user, self.now,
+            self.sampled_at, taken,
+        )
+        return self.room.answer(decide(round_), user, server, owned_, self.now)
+
+
+def parked_others() -> Host:
+    """Bob's and carol's kernels are parked: the device is empty."""
+    host = Host({})
+    host.lease("bob", {"kb-bob": ParkReport("parked")})
+    host.lease("carol", {"kc-carol": ParkReport("parked")})
+    return host
+
+
+def alice_waits(host: Host):
+    """Alice's kernel is parked (its 5 GiB on the host) and her cell asks for it back."""
+    return host.call("alice", {"ka-alice": ParkReport("waiting")}, {"ka-alice": {UUID: 5 * GiB}})
+
+
+def test_a_resume_parks_another_users_least_recently_active_idle_kernel_through_its_lease():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    answer = alice_waits(host)
+    # Room: 12 - 10 used - 0.8 headroom - 1 margin < 5: one park is enough, bob's (idle the longest).
+    assert answer.go == () and answer.park == ()  # nothing of alice's server parks
+    assert answer.wake == (("bob", ""),)
+    assert "making room: idle kernel of another user parks now" in answer.waiting["ka-alice"]
+    assert "bob" not in str(answer.json()) and "kb-bob" not in str(answer.json())
+    assert host.room.pending("bob", "") and not host.room.pending("carol", "")
+    assert host.room.take("bob", "", HELD, host.now) == ["kb-bob"]
+    assert host.room.take("bob", "", HELD, host.now) == []  # taken once
+    # Asked again at alice's next sample, before bob's server has said anything since: not asked twice.
+    host.now += 0.5
+    assert alice_waits(host).wake == ()
+    # Bob's server parks it: the sample shows its memory gone, its report says parked. Alice's next call: go.
+    host.now += 0.5
+    host.lease("bob", {"kb-bob": ParkReport("parked")})
+    host.kernel_used["kb-bob"] = {}
+    answer = alice_waits(host)
+    assert answer.go == ("ka-alice",) and answer.waiting == {}
+    status = host.room.status(HELD, "alice", False, host.now)
+    assert status["reservations"][0]["held"] == {UUID: 5 * GiB} and status["waiting"] == []
+
+
+def test_a_park_reported_before_the_sample_shows_it_is_waited_for_not_added_to():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    alice_waits(host)
+    host.room.take("bob", "", HELD, host.now)
+    host.now += 1
+    # Bob's server says parked; the service's last sample was taken before (it still shows bob's 5 GiB).
+    host.lease("bob", {"kb-bob": ParkReport("parked")})
+    answer = alice_waits(host)
+    assert answer.go == () and answer.wake == ()  # carol is not parked for the bytes already leaving
+    assert "parking" in answer.waiting["ka-alice"]
+    assert not host.room.pending("carol", "")
+
+
+def test_a_kernel_taken_to_park_whose_memory_a_later_sample_shows_gone_counts_as_parked():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    alice_waits(host)
+    host.now += 0.2
+    taken = host.now
+    assert host.room.take("bob", "", HELD, taken) == ["kb-bob"]
+    host.lease("bob", {"kb-bob": IDLE(100.2)})  # its renewal right after the answer: not parked yet
+    host.now += 0.5
+    assert alice_waits(host).go == ()  # the last sample is from before the request: bob's memory is there
+    assert not host.room.pending("carol", "")  # bob's park is waited for, carol is not asked
+    host.kernel_used["kb-bob"] = {}
+    host.sampled_at = taken + 0.3  # a sample taken since: bob's memory has left the device
+    assert alice_waits(host).go == ("ka-alice",)
+
+
+def test_a_kernel_never_reported_is_running_and_never_parked():
+    host = Host()
+    host.lease("carol", {"kc-carol": IDLE(50.0)})  # bob's server never reported: his kernel counts as busy
+    answer = alice_waits(host)
+    assert answer.wake == (("carol", ""),)
+    assert not host.room.pending("bob", "")
+
+
+def test_a_kernel_idle_less_than_park_min_idle_is_not_parked_and_the_reason_says_why():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(1.0)})
+    host.lease("carol", {"kc-carol": ParkReport("busy")})
+    answer = alice_waits(host)
+    assert answer.wake == () and "idle for 2 s or more" in answer.waiting["ka-alice"]
+    host.now += 1.5  # the service ages the report: bob's kernel is now idle 2.5 s
+    assert alice_waits(host).wake == (("bob", ""),)
+
+
+def test_a_report_of_idle_but_not_parkable_is_never_a_victim():
+    host = Host()
+    host.lease("bob", {"kb-bob": ParkReport("idle", 500.0, False)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    assert alice_waits(host).wake == (("carol", ""),)
+
+
+def test_a_victim_of_the_callers_own_server_is_in_its_answer():
+    both = [owned("ka-alice", "alice"), owned("ka2-alice", "alice"), owned("kb-bob", "bob")]
+    host = Host({"ka2-alice": {UUID: 5 * GiB}, "kb-bob": {UUID: 5 * GiB}})
+    host.lease("bob", {"kb-bob": IDLE(10.0)})
+    reports = {"ka-alice": ParkReport("waiting"), "ka2-alice": IDLE(100.0)}
+    answer = host.call("alice", reports, {"ka-alice": {UUID: 5 * GiB}}, owned_=both)
+    assert answer.park == ("ka2-alice",) and answer.wake == ()
+    assert "idle kernel ka2-alic parks now" in answer.waiting["ka-alice"]
+
+
+def test_the_wait_is_the_services_own_and_ends_with_the_message_at_the_limit():
+    host = Host()
+    host.lease("bob", {"kb-bob": ParkReport("busy")})
+    host.lease("carol", {"kc-carol": ParkReport("busy")})
+    first = host.now
+    assert alice_waits(host).told == {}
+    host.now = first + 299
+    assert alice_waits(host).told == {}
+    host.now = first + 300
+    told = alice_waits(host).told["ka-alice"]
+    assert told.startswith("waited 300 s (the park_wait_limit) for device memory")
+    (waiting,) = host.room.status(HELD, "alice", False, host.now)["waiting"]
+    assert waiting["waited"] == 300 and waiting["told"] == told
+
+
+def test_a_demand_its_server_no_longer_names_has_ended():
+    host = Host()
+    alice_waits(host)
+    host.call("alice", {"ka-alice": ParkReport("parked")}, {})
+    assert host.room.status(HELD, "alice", False, host.now)["waiting"] == []
+    alice_waits(host)
+    host.lease("alice", {"ka-alice": ParkReport("parked")})  # a lease saying it no longer waits ends it too
+    assert host.room.view()[1] == []
+
+
+def test_a_reservation_holds_until_the_sample_shows_the_memory_back_and_blocks_others_meanwhile():
+    host = parked_others()
+    answer = alice_waits(host)
+    assert answer.go == ("ka-alice",)
+    # Bob's parked kernel asks for 5 GiB too: 12 - 5 reserved - 1 margin leaves 6: fits; a third would not.
+    assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: 5 * GiB}}).go == ("kb-bob",)
+    carol = host.call("carol", {"kc-carol": ParkReport("waiting")}, {"kc-carol": {UUID: 5 * GiB}})
+    assert carol.go == () and "kc-carol" in carol.waiting
+    # A sample taken before alice's go does not end her reservation; one after it, showing her usage, does.
+    host.room.note_sample(host.now - 1, {"ka-alice": {UUID: 5 * GiB}})
+    assert {h.kernel_id for h in host.room.view()[2]} == {"ka-alice", "kb-bob"}
+    host.room.note_sample(host.now + 1, {"ka-alice": {UUID: 5 * GiB}})
+    assert {h.kernel_id for h in host.room.view()[2]} == {"kb-bob"}
+
+
+def test_a_reservation_ends_on_a_sample_after_a_report_of_the_kernel_running_or_at_its_timeout():
+    host = parked_others()
+    alice_waits(host)
+    assert reservation_timeout({UUID: 5 * GiB}) == pytest.approx(5 * GiB / 2e9 + RESERVATION_MARGIN)
+    host.now += 1
+    host.lease("alice", {"ka-alice": ParkReport("idle", 0.0, True)})  # it ran and freed its memory at once
+    host.room.note_sample(host.now - 0.5, {})
+    assert host.room.view()[2]
+    host.room.note_sample(host.now + 0.5, {})
+    assert host.room.view()[2] == []
+    alice_waits(host)
+    (held,) = host.room.view()[2]
+    host.room.expire(held.until - 0.1, {"ka-alice"}, 60)
+    assert host.room.view()[2]
+    host.room.expire(held.until, {"ka-alice"}, 60)
+    assert host.room.view()[2] == []
+
+
+def test_asked_again_while_its_room_is_held_it_goes_again_on_the_same_reservation():
+    host = parked_others()
+    alice_waits(host)
+    (held,) = host.room.view()[2]
+    host.now += 2
+    host.kernel_used["kb-bob"] = {UUID: 6 * GiB}  # memory taken since (a process outside the quota)
+    assert alice_waits(host).go == ("ka-alice",)
+    assert host.room.view()[2] == [held]  # the same room, its time not renewed
+
+
+def test_the_room_call_is_checked_whole_and_nothing_is_kept_on_a_refusal():
+    host = Host()
+    before = host.room.view()
+    with pytest.raises(RoomRefused) as refused:
+        host.call("alice", {"ka-alice": ParkReport("waiting")}, {"kb-bob": {UUID: GiB}})
+    assert (refused.value.code, refused.value.message) == (403, "kernel kb-bob is another user's")
+    with pytest.raises(RoomRefused) as refused:
+        host.call("alice", {"kb-bob": IDLE(500.0)}, {})  # a report of another user's kernel
+    assert refused.value.code == 403
+    with pytest.raises(RoomRefused) as refused:
+        host.call("alice", {}, {"ka-alice": {UUID: GiB}}, server="other")
+    assert refused.value.code == 403 and "held by your server '(default)', not by 'other'" in refused.value.message
+    with pytest.raises(RoomRefused) as refused:
+        host.call("alice", {}, {"ka-alice": {UUID: GiB, "GPU-nowhere": GiB, "GPU-else": 1}})
+    assert refused.value.code == 400
+    assert refused.value.message == f"device GPU-else, GPU-nowhere is not one of this host's GPUs ({UUID})"
+    assert host.room.view() == before
+
+
+def test_a_need_is_cut_to_the_cap_plus_the_context_allowance_and_an_unknown_kernel_is_answered():
+    checked = check_request(HELD, DEVICES, "alice", "", {}, {"ka-alice": {UUID: 100 * GiB}, "gone": {UUID: GiB}})
+    assert checked.demands == {"ka-alice": {UUID: CAP + CONTEXT_ALLOWANCE}}
+    assert checked.unknown == ("gone",)
+
+
+def test_a_lease_reports_only_its_users_own_kernels_on_that_server():
+    reports = {"ka-alice": IDLE(9.0), "kb-bob": IDLE(999.0), "nobody": IDLE(1.0)}
+    assert own_reports(HELD, "alice", "", reports) == {"ka-alice": IDLE(9.0)}
+    assert own_reports(HELD, "alice", "other", reports) == {}
+
+
+def test_status_shows_each_user_their_own_and_the_admin_all():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    alice_waits(host)
+    admin = host.room.status(HELD, "root", True, host.now + 2)
+    assert admin["park"]["kb-bob"] == {"state": "idle", "idle_for": 102.0, "parkable": True, "reported": 2.0}
+    assert [w["kernel_id"] for w in admin["waiting"]] == ["ka-alice"]
+    (request,) = admin["park_requests"]
+    assert (request["kernel_id"], request["for_kernel"], request["taken"]) == ("kb-bob", "ka-alice", False)
+    bobs = host.room.status([o for o in HELD if o.grant.user == "bob"], "bob", False, host.now)
+    assert bobs["waiting"] == [] and bobs["park_requests"][0]["for_kernel"] is None
+    assert set(bobs["park"]) == {"kb-bob"}
+
+
+def test_a_grant_gone_takes_everything_of_its_kernel_with_it():
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100.0)})
+    alice_waits(host)
+    host.room.expire(host.now, {"kc-carol"}, 60)
+    heard, waiting, held, taken = host.room.view()
+    assert heard == {} and waiting == [] and held == [] and taken == {}
+    assert not host.room.pending("bob", "")
+
+
+def test_words_name_another_users_kernel_without_its_id():
+    assert OTHERS == "of another user"

@@ -1,0 +1,227 @@
+"""The host service's broker over HTTP, without a hub: the real service (its web app, book, sampler and room) on a
+real socket, NVML the file-driven fake (devices.fake_nvml.FileFakeNvml, the file the test writes), and three users'
+servers as real RemoteLedgers asking through parking.HostBroker, their lease threads running their long polls. The
+hub's part (who owns a token) is a table here; the same scenario with a real hub, real Unix users and real kernels
+is tests/hub/test_host_broker_e2e.py.
+
+Every process is this test's: a `sleep` stands for each user's kernel, and every hub user is this Unix user to the
+service (unix_user_template), so that the sampler verifies their PIDs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import subprocess
+import threading
+import time
+
+import pytest
+from traitlets.config import Config
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.hub.service.app import GpuQuotaService
+from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.user_policy import user_policy
+from gpu_quota_ext.ledger.remote import RemoteLedger
+from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, HostView, KernelView, Round
+from gpu_quota_ext.parking.broker import BrokerSettings
+from gpu_quota_ext.policy import GiB
+from tests.hub.hubtools import free_port
+
+UUID = "GPU-room-0"
+TOTAL = 12 * GiB
+TOKENS = {"alice-token": "alice", "bob-token": "bob", "carol-token": "carol"}
+PREFIX = "/services/gpu-quota/"
+LEASE = 8.0  # seconds: renewals (and long polls) every 2 s
+DEADLINE = 20.0  # seconds an event may take on a busy 2-core machine (a deadline, not a measurement)
+
+
+def write_usage(path, usage):
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump({str(pid): {UUID: n} for pid, n in usage.items() if n}, handle)
+    os.replace(temporary, path)  # the sampler never reads half a file
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    nvml_file = tmp_path / "nvml.json"
+    monkeypatch.setenv("GPU_QUOTA_FAKE_NVML_FILE", str(nvml_file))
+    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{free_port()}/hub/api")
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
+    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
+    config = Config()
+    service = config.GpuQuotaService
+    service.state_dir = str(tmp_path / "state")
+    service.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+    service.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
+    service.default = {"default_cap": "0.45", "max_cap": "0.5"}
+    service.overcommit = 2.0
+    service.lease_seconds = LEASE
+    service.unix_user_template = pwd.getpwuid(os.getuid()).pw_name  # every user's kernel is one of this test's
+    service.park_min_idle = "2s"
+    config.StaticInventory.devices = [{"total": "12GiB", "uuid": UUID}]
+    app = GpuQuotaService(config=config)
+    app.build()
+    app.connect_hub()
+
+    async def identify(handler):
+        header = handler.request.headers.get("Authorization", "")
+        name = TOKENS[header[len("token "):]]
+        return Who(name, False, {"kind": "user", "name": name})
+
+    async def policy_for(name):
+        return user_policy(app.caps, app.host_policy, name, [], app.limits)
+
+    monkeypatch.setattr(app, "identify", identify)
+    monkeypatch.setattr(app, "policy_for", policy_for)
+    app.nvml_file = nvml_file
+    yield app
+    app.store.close()
+
+
+class Server:
+    """One user's server as the service sees it: a RemoteLedger, its kernel (a `sleep`), its park reports."""
+
+    def __init__(self, url: str, token: str, kernel_id: str):
+        self.ledger = RemoteLedger([Device(0, "Test GPU", UUID, TOTAL)], url, token, call_timeout=5.0)
+        self.kernel_id = kernel_id
+        self.process = subprocess.Popen(["sleep", "600"])
+        self.report = {"kernel_id": kernel_id, "state": "busy", "idle_for": None, "parkable": False}
+        self.asked = []  # the park requests its lease's answers handed over, with when they came
+        self.asked_event = threading.Event()
+        self.ledger.processes = lambda kernel_ids: {k: [self.process.pid] for k in kernel_ids}
+        self.ledger.park_report = lambda: [dict(self.report)]
+        self.ledger.on_park_requests = self.on_park_requests
+
+    def on_park_requests(self, kernel_ids):
+        self.asked.append((time.monotonic(), list(kernel_ids)))
+        self.asked_event.set()
+
+    def reports(self, state, idle_for=None, parkable=False):
+        self.report = {"kernel_id": self.kernel_id, "state": state, "idle_for": idle_for, "parkable": parkable}
+
+    def close(self):
+        self.ledger.close()
+        self.process.kill()
+        self.process.wait()
+
+
+def alices_round(now: float, since: float) -> Round:
+    """Alice's server's view: her kernel parked with 5 GiB on the host, its cell waiting for it."""
+    kernel = KernelView("ka", "waiting", {}, {0: int(0.45 * TOTAL)}, None, False, "kernel ka")
+    return Round(
+        devices=(DeviceView(0, "GPU 0", TOTAL, 0),),
+        kernels=(kernel,),
+        demands=(Demand("ka", {0: 5 * GiB}, since),),
+        reservations=(),
+        host=HostView(),
+        settings=BrokerSettings(),
+        now=now,
+    )
+
+
+async def until(check, what: str, timeout: float = DEADLINE):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_is_left_behind(service):
+    async def scenario():
+        port = free_port()
+        http = service.web_app(PREFIX).listen(port, "127.0.0.1")
+        url = f"http://127.0.0.1:{port}{PREFIX}"
+        servers = {
+            user: Server(url, token, f"k{user[0]}") for token, user in TOKENS.items()
+        }
+        alice, bob, carol = servers["alice"], servers["bob"], servers["carol"]
+        try:
+            assert isinstance(alice.ledger, HostRooms)
+            for user, server in servers.items():
+                grant = await asyncio.to_thread(server.ledger.grant, server.kernel_id, user, "python3", None)
+                assert grant.caps == {0: int(0.45 * TOTAL)}
+            # Each lease registers its kernel's PID (its renewer's first renewal, or this one).
+            for server in servers.values():
+                assert await asyncio.to_thread(server.ledger.renew)
+            write_usage(service.nvml_file, {bob.process.pid: 5 * GiB, carol.process.pid: 5 * GiB})
+            service.sampler._tick()
+            used = service.sampler.last.attributed.kernel_used
+            assert used == {"kb": {UUID: 5 * GiB}, "kc": {UUID: 5 * GiB}}, used
+            # Bob's kernel idle longest, carol's less; both parkable; alice's parked. Their leases say so.
+            alice.reports("parked")
+            bob.reports("idle", 300.0, True)
+            carol.reports("idle", 60.0, True)
+            for server in servers.values():
+                assert await asyncio.to_thread(server.ledger.renew)
+            # Their renewers' long polls wait now.
+            await until(lambda: service.polls.count() == 3, "three leases waiting in their long polls")
+            fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+
+            # Alice's cell: her server asks the host's broker.
+            broker = HostBroker(alice.ledger, {0: UUID})
+            asked_at = time.monotonic()
+            plan = await broker.decide(alices_round(time.time(), time.time()))
+            assert plan.go == () and "idle kernel of another user parks now" in plan.waiting["ka"], plan
+            await until(bob.asked_event.is_set, "bob's lease answered with his kernel to park")
+            (at, kernel_ids), = bob.asked
+            assert kernel_ids == ["kb"] and carol.asked == [] and alice.asked == []
+            to_bob = at - asked_at
+            status = service.status_now("root", True)
+            (request,) = status["park_requests"]
+            assert (request["kernel_id"], request["for_kernel"], request["taken"]) == ("kb", "ka", True)
+            assert [w["kernel_id"] for w in status["waiting"]] == ["ka"]
+
+            # Bob's server parks it: its memory leaves the device, its next renewal (at once) says so.
+            bob.reports("parked")
+            write_usage(service.nvml_file, {carol.process.pid: 5 * GiB})
+            service.sampler._tick()
+            await until(lambda: service.status_now("root", True)["kernels"][1]["park"]["state"] == "parked",
+                        "bob's renewal after the early answer reporting his kernel parked")
+            plan = await broker.decide(alices_round(time.time(), time.time()))
+            assert plan.go == ("ka",), plan
+            (held,) = service.status_now("root", True)["reservations"]
+            assert held["held"] == {UUID: 5 * GiB}
+            # Carol's parked kernel asks too: the reserved room is not hers (12 - 5 - 5 - 1 < 5).
+            carol.reports("waiting")
+            carols = await asyncio.to_thread(
+                carol.ledger.room, {"park": [carol.report], "demands": [{"kernel_id": "kc", "need": {UUID: 5 * GiB}}]}
+            )
+            assert carols["go"] == [] and "kc" in carols["waiting"]
+            # Alice's restore: the next sample shows her memory back, and the reservation ends.
+            write_usage(service.nvml_file, {carol.process.pid: 5 * GiB, alice.process.pid: 5 * GiB})
+            service.sampler._tick()
+            assert service.status_now("root", True)["reservations"] == []
+
+            # What the others may not do: bob naming alice's kernel, a device this host does not have.
+            with pytest.raises(OSError, match="HTTP 403: kernel ka is another user's"):
+                await asyncio.to_thread(bob.ledger.room, {"demands": [{"kernel_id": "ka", "need": {UUID: 1}}]})
+            with pytest.raises(OSError, match="HTTP 400: device GPU-elsewhere is not one of this host's GPUs"):
+                await asyncio.to_thread(
+                    bob.ledger.room, {"demands": [{"kernel_id": "kb", "need": {"GPU-elsewhere": 1}}]}
+                )
+            assert [w["kernel_id"] for w in service.status_now("root", True)["waiting"]] == ["kc"]
+
+            assert len(os.listdir("/proc/self/fd")) <= fds + 3 and threading.active_count() == threads
+            started = time.monotonic()
+            for server in servers.values():
+                await asyncio.to_thread(server.close)
+            closing = time.monotonic() - started
+            await until(lambda: service.polls.count() == 0, "every long poll ended with its server")
+            assert not [t for t in threading.enumerate() if t.name == "gpu-quota-lease"]
+            print(f"park request to bob's server {to_bob * 1000:.0f} ms after alice's room call; "
+                  f"three servers closed in {closing:.2f} s")
+            assert closing < LEASE / 4, "close() waited out the long polls"
+        finally:
+            for server in servers.values():
+                server.close()
+            http.stop()
+
+    asyncio.run(scenario())
