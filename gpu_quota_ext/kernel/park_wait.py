@@ -8,8 +8,9 @@ channel to empty its allocators' caches (shared.contract.KERNEL_REQUEST, answere
 thread, while the kernel is idle): only what the kernel really holds then moves to the host. From then on,
 until a cell finds it running again, the kernel may be parked. At the next cell an AST transformer (IPython's
 hook that runs before any of the cell's code) asks the server for the kernel's park state and, while it is
-parked or waiting for room, prints what it waits for (once per new reason) and asks again every half second.
-When the kernel runs again the cell runs. At the wait limit (the server says `told`), on an interrupt, or when
+parked or waiting for room, asks again (every 0.1 s at first, every half second after a second) and, once the
+wait has lasted a second, prints what it waits for, once per new reason. When the kernel runs again the cell
+runs. At the wait limit (the server says `told`), on an interrupt, or when
 the restore failed (`lost`), the cell ends with one clear error instead (IPython's InputRejected: none of its
 code runs) and the kernel keeps its grant. A cell that is only `%gpucap ...` lines never waits: the user can
 always look, and ask for a park or resume.
@@ -29,7 +30,8 @@ from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
 from .park import clock, duration_words
 
-POLL_S = 0.5  # seconds between two questions to the server while the cell waits
+POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
+FIRST_POLL_S = 0.1  # ... starting at this, 1.5 times longer each time: a 2 GiB kernel is back in ~0.7 s
 NOTICE_AFTER_S = 1.0  # a wait shorter than this says nothing (a 2 GiB kernel comes back in ~0.7 s)
 PREFIX = "gpu-quota:"
 WAITING_STATES = ("parking", "parked", "waiting", "resuming")  # "pending" runs: it parks after the cell
@@ -90,6 +92,7 @@ class ParkWatch:
             return
         began = time.monotonic()
         said: Optional[str] = None
+        poll = FIRST_POLL_S
         while True:
             park = self.park_state()
             if park is None:  # no answer: the cell runs (if the kernel is parked, the driver holds its CUDA calls)
@@ -112,7 +115,8 @@ class ParkWatch:
                 self.out(line)
                 said = line
             try:
-                time.sleep(POLL_S)
+                time.sleep(poll)
+                poll = min(POLL_S, poll * 1.5)
             except KeyboardInterrupt:
                 raise CellNotRun(
                     f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
