@@ -62,14 +62,20 @@ def watch_parking(state: state_module.KernelCapState) -> None:
         shell = get_ipython()
         if shell is None:
             return
-        from .client import QuotaClient
         from .park_wait import ParkWatch, install
 
-        client = QuotaClient.from_environment()
-        if client is not None:
-            install(shell, ParkWatch(client.park_state))
+        install(shell, ParkWatch(park_state_of_this_kernel))
     except Exception as error:
         state.problems.append(f"parking's cell wait not installed: {error!r}")
+
+
+def park_state_of_this_kernel():
+    """This kernel's park state from its server; the REST client is loaded at the first question (only after a
+    park: kernel start stays cheap). None when the kernel cannot reach its server."""
+    from .client import QuotaClient
+
+    client = QuotaClient.from_environment()
+    return client.park_state() if client is not None else None
 
 
 def chain_user_startup(user_namespace: dict, state: state_module.KernelCapState) -> None:

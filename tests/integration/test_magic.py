@@ -220,7 +220,7 @@ async def test_kernel_start_loads_only_a_stand_in_until_first_use(jp_fetch, jp_s
     kernel_id = await start_kernel(jp_fetch)
     loaded = (
         "import sys; print(sorted(m for m in ('gpu_quota_ext.kernel.magic', 'gpu_quota_ext.kernel.client', "
-        "'urllib.request') if m in sys.modules))"
+        "'gpu_quota_ext.kernel.panel', 'urllib.request') if m in sys.modules))"
     )
     assert (await execute(jp_serverapp, kernel_id, loaded)).strip() == "[]"
     table = await execute(jp_serverapp, kernel_id, "%gpucap")
