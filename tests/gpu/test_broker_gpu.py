@@ -11,6 +11,8 @@ driver, in the scenarios that lost a kernel before it existed.
   limit and ends with the reason; A stays parked, its tensor intact, and resumes once B is gone.
 - Move only what must move: a kernel that freed most of its tensors (torch keeps them cached) parks its live
   bytes only, against the raw driver calls on the same state without the cache emptied.
+- Two GPUs (nvidia-h200-x2 only): a resume that needs room on the second GPU parks idle kernels there, not on
+  the first.
 Prints `FIGURE` lines (conftest.record).
 """
 
@@ -25,7 +27,7 @@ from gpu_quota_ext.parking.checkpoint import CudaCheckpointDriver
 
 from ..integration.fake_gpu import status
 from ..integration.kernels import execute, run_cell, shutdown_kernel, start_kernel
-from .conftest import kernel_pid, nvml_used_by_pid, record
+from .conftest import gpu_count, kernel_pid, nvml_used_by_pid, record
 from .test_park_gpu import CHECK, HOLD, last_line, park
 
 pytestmark = pytest.mark.gpu
@@ -226,3 +228,49 @@ class TestMoveOnlyWhatMustMove:
             for kernel_id in (trimmed, raw):
                 await shutdown_kernel(jp_fetch, kernel_id)
 
+
+
+# --- two GPUs: room is made where it is needed -----------------------------------------------------------------
+
+needs_two = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+
+
+@needs_two
+class TestRoomOnTheSecondGpu:
+    """Issue 23: a resume that needs room on the second GPU parks idle kernels there, not on the first, even when
+    the first GPU's idle kernels have been idle longer (least recently active first applies per device)."""
+
+    @pytest.fixture
+    def jp_server_config(self):
+        config = broker_config(0.45, "4min")
+        config.GpuQuota.placement = "spread"  # starts alternate: GPU 0, GPU 1, GPU 0, ...
+        return config
+
+    async def test_a_resume_on_gpu_1_parks_gpu_1s_idle_kernel_and_leaves_gpu_0_alone(self, jp_fetch, jp_serverapp):
+        from ..integration.fake_gpu import manager_of
+
+        size = int(0.4 * device_total())
+        names = ("D", "A", "E", "B")  # spread: D and E on GPU 0, A and B on GPU 1 (C below, on GPU 1 too)
+        kernels = {name: await start_kernel(jp_fetch) for name in names}
+        kernels["F"] = await start_kernel(jp_fetch)  # GPU 0, holds nothing: keeps the alternation
+        kernels["C"] = await start_kernel(jp_fetch)
+        ledger = manager_of(jp_serverapp).ledger
+        where = {name: ledger.get(k).devices for name, k in kernels.items()}
+        assert where["D"] == where["E"] == (0,) and where["A"] == where["B"] == where["C"] == (1,), where
+        try:
+            for name in ("D", "E"):  # idle longest: a broker that ignored devices would park these
+                await hold(jp_serverapp, kernels[name], size)
+            sums = {"A": await hold(jp_serverapp, kernels["A"], size)}
+            await park(jp_fetch, kernels["A"])
+            for name in ("B", "C"):
+                await hold(jp_serverapp, kernels[name], size)
+            seconds, ran = await timed_cell(jp_serverapp, kernels["A"], CHECK)
+            record("two GPUs: A's cell on GPU 1, s (B parked for it on GPU 1)", round(seconds, 1))
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["A"], ran
+            states = {name: (await park_state(jp_fetch, kernels[name]))["state"] for name in ("B", "C", "D", "E")}
+            record("two GPUs: park states after A's cell", states)
+            assert states["B"] == "parked" and states["C"] != "parked", states
+            assert states["D"] != "parked" and states["E"] != "parked", states  # GPU 0 left alone
+        finally:
+            for kernel_id in kernels.values():
+                await shutdown_kernel(jp_fetch, kernel_id)

@@ -390,6 +390,27 @@ async def test_a_parked_kernels_cell_parks_the_least_recently_active_idle_kernel
     assert calls("cuCheckpointProcessRestore") == [a_pid, b_pid]  # one restore each, never retried
 
 
+@pytest.mark.parametrize("park", [{**BROKER, "placement": "spread"}])
+async def test_on_two_gpus_room_is_made_on_the_gpu_that_needs_it(jp_fetch, jp_serverapp, full_devices):
+    # spread: starts alternate GPU 0, GPU 1. D (GPU 0) is idle longest, but A waits for GPU 1: B parks, D stays.
+    d, a, e, b = [await start_kernel(jp_fetch) for _ in range(4)]
+    ledger = manager_of(jp_serverapp).ledger
+    assert [ledger.get(k).devices for k in (d, a, e, b)] == [(0,), (1,), (0,), (1,)]
+    await holding_gpu(jp_serverapp, d, 6 * GiB)
+    await holding_gpu(jp_serverapp, e, 6 * GiB)
+    await execute(jp_serverapp, a, "x = 41")
+    await holding_gpu(jp_serverapp, a, 6 * GiB)
+    await post(jp_fetch, a, "park")
+    await wait_state(jp_fetch, a, "parked")
+    await holding_gpu(jp_serverapp, b, 6 * GiB)
+    FakeNvml.other_used = {"static-1": 6 * GiB}  # GPU 1: B's 6 GiB and 6 GiB outside the quota
+    ran = await run_cell(jp_serverapp, a, "print(x + 1)")
+    assert ran["status"] == "ok" and ran["stdout"].splitlines()[-1] == "42", ran
+    assert (await park_state(jp_fetch, b))["state"] == "parked"
+    assert {(await park_state(jp_fetch, k))["state"] for k in (d, e)} <= {"idle", "busy"}  # GPU 0 left alone
+    assert FakeCheckpoint.broken == set()
+
+
 @pytest.mark.parametrize("park", [{**BROKER, "park_wait_limit": "2s"}])
 async def test_a_cell_that_cannot_get_room_waits_the_limit_and_ends_with_why_the_kernel_still_parked(
     jp_fetch, jp_serverapp, full_devices
