@@ -304,7 +304,12 @@ def _wait_or_tell(
 ) -> None:
     waiting[demand.kernel_id] = reason
     if overdue and settings.wait_limit is not None:
-        told[demand.kernel_id] = f"waited {settings.wait_limit:g} s (the park_wait_limit) for device memory: {reason}"
+        told[demand.kernel_id] = told_words(settings.wait_limit, reason)
+
+
+def told_words(limit: float, reason: str) -> str:
+    """What a kernel whose wait passed the limit is told."""
+    return f"waited {limit:g} s (the park_wait_limit) for device memory: {reason}"
 
 
 def _where(need: Mapping[Hashable, int], devices: Mapping[Hashable, DeviceView]) -> str:

@@ -10,10 +10,11 @@ it runs off the event loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Hashable, List, Mapping, Protocol, runtime_checkable
 
 from ..threads import off_loop
-from .broker import Plan, Round
+from .broker import Plan, Round, told_words
 
 
 @runtime_checkable
@@ -87,5 +88,21 @@ class HostBroker:
             answer = await off_loop(self.rooms.room, room_request(round_, self.uuid_of), name="gpu-quota-room")
         except Exception as error:
             reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
-            return Plan(waiting={d.kernel_id: reason for d in round_.demands})
-        return plan_from(answer, mine)
+            return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
+        return told_at_limit(plan_from(answer, mine), round_)
+
+
+def told_at_limit(plan: Plan, round_: Round) -> Plan:
+    """The wait limit is this server's promise to its user: a demand past it that the service did not tell (it does
+    not answer, or its own clock for the demand began later) is told here, with what it waits for. Telling changes
+    nothing of the demand: a "go" may still come."""
+    limit = round_.settings.wait_limit
+    if limit is None:
+        return plan
+    told = dict(plan.told)
+    for demand in round_.demands:
+        kernel_id = demand.kernel_id
+        if kernel_id in told or kernel_id in plan.go or round_.now - demand.since < limit:
+            continue
+        told[kernel_id] = told_words(limit, plan.waiting.get(kernel_id) or "the host's GPU quota service did not say")
+    return plan if told == dict(plan.told) else replace(plan, told=told)

@@ -104,3 +104,40 @@ def test_on_a_hub_host_room_on_a_full_device_is_refused_plainly(monkeypatch):
     accepted, park, why = asyncio.run(parker.request_room("A"))
     assert not accepted and "host service's broker makes room for resumes only" in why
     assert "A" not in parker.records  # nothing asked, nothing kept
+
+
+def test_on_a_hub_host_a_wait_past_the_limit_is_told_even_when_the_service_does_not_tell_it():
+    # The limit is this server's promise to its user ("at park_wait_limit the cell ends, not a hang"). A service that
+    # does not answer (down, or an older one without the room route: 404), or whose own clock for the demand began
+    # later (it answered "go" and the restore was deferred: named again, it is a new demand there), must not turn
+    # the wait into a hang.
+    import asyncio
+
+    from gpu_quota_ext.parking import BrokerSettings, Demand, DeviceView, HostBroker, HostView, KernelView, Round
+
+    def round_at(now):
+        return Round(
+            devices=(DeviceView(0, "GPU 0", 140 * GiB, 100 * GiB),),
+            kernels=(KernelView("A", "waiting", {}, {0: 40 * GiB}, None, False, "kernel A"),),
+            demands=(Demand("A", {0: 20 * GiB}, 1000.0),),
+            reservations=(),
+            host=HostView(),
+            settings=BrokerSettings(wait_limit=300.0),
+            now=now,
+        )
+
+    def unreachable(body):
+        raise OSError("HTTP 404: Not Found")
+
+    down = HostBroker(SimpleNamespace(room=unreachable), {0: "GPU-0"})
+    early = asyncio.run(down.decide(round_at(1200.0)))
+    assert "A" in early.waiting and not early.told
+    late = asyncio.run(down.decide(round_at(1300.0)))
+    assert "park_wait_limit" in late.told["A"] and "does not answer" in late.told["A"]
+
+    silent = {"go": [], "park": [], "waiting": {"A": "needs 20.0 GiB on GPU-0; making room"}, "told": {}}
+    quiet = HostBroker(SimpleNamespace(room=lambda body: silent), {0: "GPU-0"})
+    plan = asyncio.run(quiet.decide(round_at(1300.0)))
+    assert plan.told["A"].endswith("needs 20.0 GiB on GPU-0; making room")
+    granted = HostBroker(SimpleNamespace(room=lambda body: {**silent, "go": ["A"]}), {0: "GPU-0"})
+    assert not asyncio.run(granted.decide(round_at(1300.0))).told  # a go is a go, whenever it comes
