@@ -251,6 +251,10 @@ class Parker:
         self.bootstrapped = bootstrapped  # the kernel runs gpu_quota_ext's bootstrap: it answers on control
         self.driver_problem: Optional[str] = "the checkpoint driver has not been opened yet"
         self.records: Dict[str, ParkRecord] = {}
+        # The highest op any record has had: a record made afresh (after forget(), or after a plain record was
+        # dropped) starts from it, so that an outcome of a driver call still out for the kernel's old processes
+        # (a restart while it was being parked) never matches an op of the new ones.
+        self._last_op = 0
         self.transitions = 0  # state changes logged (tests wait on it)
         self.decisions = 0  # broker rounds applied (tests wait on it)
         self._sampled: Optional[asyncio.Event] = None  # set by each sample: a park waits for a fresh one
@@ -363,8 +367,9 @@ class Parker:
     def _handle(self, kernel_id: str, event: Event) -> ParkRecord:
         """Apply one event to the kernel's record, log a change of state, carry out the effects."""
         now = time.time()
-        old = self.records.get(kernel_id) or ParkRecord(state=RUNNING, since=now)
+        old = self.records.get(kernel_id) or ParkRecord(state=RUNNING, since=now, op=self._last_op)
         new, effects = transition(old, event, now)
+        self._last_op = max(self._last_op, new.op)
         if new is not old:
             self._store(kernel_id, old, new)
         for effect in effects:

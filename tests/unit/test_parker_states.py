@@ -221,3 +221,42 @@ def test_a_round_parking_cannot_finish_is_logged_and_never_reaches_the_monitor(c
     parker.driver_problem = None
     parker.on_sample(Sample(state="ok", time=1.0))  # the watchdog runs after this: it must not raise
     assert "parking skipped one sample" in caplog.text and "jupyter_server changed under us" in caplog.text
+
+
+def test_a_driver_call_from_before_a_restart_does_not_count_for_the_restarted_kernel():
+    # The old kernel's checkpoint call is still out (a slow or stuck driver call) when the kernel is restarted and
+    # its new process parks: the old call's outcome must not be taken for the new park's (the op numbers of the new
+    # record must not start again from where the old one's did), or the new kernel is checkpointed while the
+    # parker believes it runs: nothing would ever restore it.
+    import time
+
+    machine = ParkerMachine()
+    try:
+        old_lock = FakeCheckpoint.hang("cuCheckpointProcessLock")
+        accepted, _ = machine.run(machine.parker.request_park(KERNEL))
+        assert accepted and machine.parker.records[KERNEL].pids  # its lock call is out, held by the gate
+        machine.parker.forget(KERNEL)  # restarted: the provisioner's cleanup (the old call stays out)
+        with FakeCheckpoint._lock:
+            del FakeCheckpoint.gates["cuCheckpointProcessLock"]  # the old call still waits on its own gate
+        new_checkpoint = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")
+        machine.run(machine.parker.request_park(KERNEL))
+        assert machine.parker.records[KERNEL].state == "parking"
+
+        async def old_call_returns():
+            old_lock.set()  # it fails: its process is gone (here: the new park holds the lock)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and ("cuCheckpointProcessLock", PIDS[0]) not in FakeCheckpoint.calls[2:]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # its outcome reaches the loop
+
+        machine.run(old_call_returns())
+        assert machine.parker.records[KERNEL].state == "parking"
+        new_checkpoint.set()
+        machine.settle()
+        assert machine.parker.records[KERNEL].state == "parked"
+        assert set(FakeCheckpoint.states.values()) == {CHECKPOINTED}
+    finally:
+        old_lock.set()
+        for gate in list(FakeCheckpoint.gates.values()):
+            gate.set()
+        machine.teardown()
