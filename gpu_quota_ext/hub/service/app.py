@@ -91,6 +91,11 @@ def _broker_trait(name: str) -> Unicode:
     ).tag(config=True)
 
 
+def _read_at(sample) -> float:
+    """When a host sample's reading began (the broker's "a sample taken after"), for a sample that says so."""
+    return sample.read_at if sample.read_at is not None else sample.taken_at
+
+
 def _access_log(handler: web.RequestHandler) -> None:
     # The path without its query: a "?token=" must never reach a log.
     request = handler.request
@@ -269,7 +274,7 @@ class GpuQuotaService(Application):
         sample = self.sampler.last
         if sample is None:
             return
-        self.room.note_sample(sample.taken_at, sample.attributed.kernel_used)
+        self.room.note_sample(_read_at(sample), sample.attributed.kernel_used)
         sampled = any(used is not None for used in sample.device_used.values())
         try:
             self.history.record(user_points(self.status_now("history", True), sampled))
@@ -324,7 +329,7 @@ class GpuQuotaService(Application):
             self.broker_settings,
             user,
             now,
-            sample.taken_at if sample is not None else None,
+            _read_at(sample) if sample is not None else None,
             taken,
         )
         answer = self.room.answer(decide(round_), user, server, owned, now)
