@@ -194,7 +194,9 @@ def plan(
     later_room: Dict[Hashable, Optional[int]] = {
         key: None if value is None else value + coming[key] for key, value in now_room.items()
     }
-    pool = candidates(kernels, settings.min_idle)
+    # A kernel that waits for room itself (a running one that found the device full) is never parked to make it.
+    asking = {d.kernel_id for d in demands}
+    pool = [k for k in candidates(kernels, settings.min_idle) if k.kernel_id not in asking]
     chosen: List[str] = []
     host_room = host_left(host, kernels)
     go: List[str] = []
