@@ -228,35 +228,44 @@ def test_a_driver_call_from_before_a_restart_does_not_count_for_the_restarted_ke
     # its new process parks: the old call's outcome must not be taken for the new park's (the op numbers of the new
     # record must not start again from where the old one's did), or the new kernel is checkpointed while the
     # parker believes it runs: nothing would ever restore it.
-    import time
+    import threading
+
+    from gpu_quota_ext.parking.checkpoint import CUDA_ERROR_NOT_FOUND, CheckpointError
+
+    entered, release = threading.Event(), threading.Event()
+
+    class OldCallOut(FakeCheckpoint):
+        first = True
+
+        def lock(self, pid, timeout_ms):
+            if OldCallOut.first:
+                OldCallOut.first = False
+                entered.set()
+                release.wait(10)
+                raise CheckpointError("cuCheckpointProcessLock", pid, CUDA_ERROR_NOT_FOUND)  # its process is gone
+            super().lock(pid, timeout_ms)
 
     machine = ParkerMachine()
+    machine.parker.driver = OldCallOut()
     try:
-        old_lock = FakeCheckpoint.hang("cuCheckpointProcessLock")
         accepted, _ = machine.run(machine.parker.request_park(KERNEL))
-        assert accepted and machine.parker.records[KERNEL].pids  # its lock call is out, held by the gate
+        assert accepted
+        machine.run(asyncio.to_thread(entered.wait, 5))  # the old park's lock call is out
         machine.parker.forget(KERNEL)  # restarted: the provisioner's cleanup (the old call stays out)
-        with FakeCheckpoint._lock:
-            del FakeCheckpoint.gates["cuCheckpointProcessLock"]  # the old call still waits on its own gate
         new_checkpoint = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")
         machine.run(machine.parker.request_park(KERNEL))
         assert machine.parker.records[KERNEL].state == "parking"
 
         async def old_call_returns():
-            old_lock.set()  # it fails: its process is gone (here: the new park holds the lock)
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and ("cuCheckpointProcessLock", PIDS[0]) not in FakeCheckpoint.calls[2:]:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # its outcome reaches the loop
+            release.set()
+            await asyncio.sleep(0.3)  # its outcome reaches the loop
 
         machine.run(old_call_returns())
-        assert machine.parker.records[KERNEL].state == "parking"
+        assert machine.parker.records[KERNEL].state == "parking", machine.parker.records[KERNEL]
         new_checkpoint.set()
         machine.settle()
         assert machine.parker.records[KERNEL].state == "parked"
         assert set(FakeCheckpoint.states.values()) == {CHECKPOINTED}
     finally:
-        old_lock.set()
-        for gate in list(FakeCheckpoint.gates.values()):
-            gate.set()
+        release.set()
         machine.teardown()
