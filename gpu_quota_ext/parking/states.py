@@ -4,6 +4,7 @@ returns the next record and the effects the parker (parker.py) carries out. No I
     running --park (idle)--> parking --checked--> parking --done--> parked
     running --its allocation found the device full (ask room)--> running, asking --room made or told--> running
     running --park (busy)--> pending --idle--> parking
+    parking --a cell began (or a resume was asked) before the driver was asked--> running (called off)
     parking --refused, failed--> running (with the reason; no automatic park until it is busy again)
     parked --a cell (busy) or a resume request--> waiting --room granted--> resuming --done--> running
     waiting --the cell ended--> parked            waiting --the wait limit--> told (a request ends: parked)
@@ -305,6 +306,9 @@ def _parking(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
     if isinstance(event, ParkChecked) and event.op == record.op:
         if event.refused is not None:
             return running(record, now, reason=event.refused, refused=True), (Decide(),)
+        if record.resume_wanted is not None:
+            # A cell began (or a resume was asked) before the driver was asked: a busy kernel is not parked.
+            return running(record, now), (Decide(),)
         return replace(record, pids=event.pids, parked=dict(event.parked)), (Checkpoint(record.op, event.pids),)
     if isinstance(event, ParkDone) and event.op == record.op:
         if event.error is not None:
