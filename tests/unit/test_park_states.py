@@ -272,6 +272,13 @@ def test_a_cell_that_begins_before_the_driver_is_asked_calls_the_park_off():
     record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
     assert record.state == RUNNING and effects == (Decide(),)
     assert not record.refused  # it parks again when it is idle again and chosen
+    # A user's park request waits for the cell instead, as one asked while the cell ran.
+    record, _ = step(ParkRecord(op=2), PARK)
+    record, _ = step(record, Busy())
+    record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
+    assert record.state == "pending" and effects == ()
+    record, effects = step(record, Idle())
+    assert record.state == "parking" and effects == (StartPark(record.op),)
     # A resume asked in that moment calls it off too; a cell that already ended does not.
     record, _ = step(ParkRecord(op=4), PARK)
     record, _ = step(record, AskResume())
