@@ -736,8 +736,6 @@ class Parker:
         await self._fresh_sample()
         if not self._current(kernel_id, op):
             return  # forgotten or changed meanwhile
-        if self._activity(kernel_id) == "busy":
-            self._handle(kernel_id, Busy())  # a cell began meanwhile, its iopub status not seen yet: called off
         sample = self.monitor.latest
         pids = tuple(sample.pids.get(kernel_id, ()))
         parked = {i: n for i, n in sample.kernels.get(kernel_id, {}).items() if n > 0}
