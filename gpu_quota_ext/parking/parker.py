@@ -266,6 +266,7 @@ class Parker:
         self._checks: Dict[Tuple[str, int], asyncio.Future] = {}  # (kernel, op) -> its park's check has run
         self._decide_again = False
         self._stopped = False
+        self._reported_at: Optional[float] = None  # when the last lease report read the kernels' activity
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -476,12 +477,18 @@ class Parker:
 
     def park_for_host(self, kernel_ids: List[str]) -> None:
         """The host service chose these kernels of ours to park, to make room for another kernel of the host.
-        Each is parked only if it is still idle and parkable here (the service's view may be a moment old)."""
+        Each is parked only if it is still idle here, has not been active since the lease's report the service
+        decided on (up to a lease period old: idle long enough then, it may have run a cell since), and is
+        parkable."""
+        reported = self._reported_at
         for kernel_id in kernel_ids:
             if kernel_id not in self._kernel_ids() or kernel_id in self.records and self.records[kernel_id].shows_park:
                 continue
-            if self._activity(kernel_id) != "idle":
+            execution_state, last = kernel_activity(self.kernels, kernel_id)
+            if activity_state(execution_state) != "idle":
                 continue
+            if reported is not None and last is not None and last > reported:
+                continue  # active since: the service's park_min_idle no longer holds; its next report says so
             self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True)
 
     # --- the kernel's activity -------------------------------------------------------------------
@@ -647,10 +654,12 @@ class Parker:
 
     def host_report(self) -> List[dict]:
         """Each kernel's park state for the host's broker (the lease's "park"). Called from the lease's thread:
-        it only reads."""
+        it only reads (and notes when it read: park_for_host)."""
+        at = time.time()
         report = []
         for kernel in self.round().kernels:
             report.append(kernel_park(kernel.kernel_id, kernel.state, kernel.idle_for, kernel.parkable))
+        self._reported_at = at
         return report
 
     def apply(self, plan: Plan) -> None:

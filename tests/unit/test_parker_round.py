@@ -2,6 +2,7 @@
 from the monitor's last sample, its records and the ledger, and `room_right_now`."""
 
 import datetime
+import os
 from types import SimpleNamespace
 
 from gpu_quota_ext.devices import Device
@@ -141,3 +142,33 @@ def test_on_a_hub_host_a_wait_past_the_limit_is_told_even_when_the_service_does_
     assert plan.told["A"].endswith("needs 20.0 GiB on GPU-0; making room")
     granted = HostBroker(SimpleNamespace(room=lambda body: {**silent, "go": ["A"]}), {0: "GPU-0"})
     assert not asyncio.run(granted.decide(round_at(1300.0))).told  # a go is a go, whenever it comes
+
+
+def test_a_park_the_host_asks_for_is_made_only_of_a_kernel_still_idle_long_enough_here():
+    # The host decided on a report up to a lease period old (idle 600 s then); the kernel ran a cell since and has
+    # been idle a moment: parking it now would park a kernel its user is working in (park_min_idle). Still idle since
+    # the report, it parks.
+    import asyncio
+
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}},
+        pids={"B": (os.getpid(),)},
+    )
+    parker = parker_with({}, sample, {"B": "idle"})
+    parker.host_report()  # the lease's report: B idle for 600 s
+    parker.kernels.activity = lambda kernel_id: ("idle", datetime.datetime.now(datetime.timezone.utc))
+
+    async def asked():
+        parker.park_for_host(["B"])
+
+    asyncio.run(asked())
+    assert "B" not in parker.records  # not parked, nothing asked of the driver
+    parker.kernels.activity = lambda kernel_id: ("idle", NOW - datetime.timedelta(seconds=600))
+
+    async def asked_again():
+        parker.park_for_host(["B"])
+        state = parker.records["B"].state
+        await parker.stop()
+        return state
+
+    assert asyncio.run(asked_again()) == "parking"
