@@ -475,12 +475,18 @@ class Parker:
         self._handle(kernel_id, AskRoom(need))
         return True, self.kernel_json(kernel_id), ""
 
-    def park_for_host(self, kernel_ids: List[str]) -> None:
+    @property
+    def reported_at(self) -> Optional[float]:
+        """When the last lease report (host_report) read the kernels' activity."""
+        return self._reported_at
+
+    def park_for_host(self, kernel_ids: List[str], reported_at: Optional[float] = None) -> None:
         """The host service chose these kernels of ours to park, to make room for another kernel of the host.
         Each is parked only if it is still idle here, has not been active since the lease's report the service
         decided on (up to a lease period old: idle long enough then, it may have run a cell since), and is
-        parkable."""
-        reported = self._reported_at
+        parkable. `reported_at`: when the report of the lease that brought the request was read (taken in the
+        lease's thread as the answer came: the next renewal's report may be read before this runs)."""
+        reported = reported_at if reported_at is not None else self._reported_at
         for kernel_id in kernel_ids:
             if kernel_id not in self._kernel_ids() or kernel_id in self.records and self.records[kernel_id].shows_park:
                 continue
