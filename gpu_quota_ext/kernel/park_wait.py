@@ -35,6 +35,7 @@ FIRST_POLL_S = 0.1  # ... starting at this, 1.5 times longer each time: a 2 GiB 
 NOTICE_AFTER_S = 1.0  # a wait shorter than this says nothing (a 2 GiB kernel comes back in ~0.7 s)
 PREFIX = "gpu-quota:"
 WAITING_STATES = ("parking", "parked", "waiting", "resuming")  # "pending" runs: it parks after the cell
+INTERRUPTED = f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
 
 
 # --- the trim: the server's request before it parks this kernel (control thread) ---------------------------
@@ -118,9 +119,7 @@ class ParkWatch:
                 time.sleep(poll)
                 poll = min(POLL_S, poll * 1.5)
             except KeyboardInterrupt:
-                raise CellNotRun(
-                    f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
-                ) from None
+                raise CellNotRun(INTERRUPTED) from None
 
 
 def waiting_line(park: dict) -> str:
@@ -190,6 +189,12 @@ class WaitWhileParked(ast.NodeTransformer):
                 self.watch.before_cell()
             except CellNotRun as error:
                 raise _rejected(str(error)) from None
+            except KeyboardInterrupt:  # while asking the server, not while sleeping
+                raise _rejected(INTERRUPTED) from None
+            except Exception:
+                # The question failed in a way of its own (an answer cut short): the cell runs, as with no answer.
+                # Raising would make IPython unregister this transformer for good.
+                pass
         return node
 
 

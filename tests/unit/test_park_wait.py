@@ -1,0 +1,63 @@
+"""The kernel side of a parked kernel's next cell (kernel/park_wait.py) in a real IPython shell: its AST transformer
+waits while the server says the kernel is parked, ends the cell cleanly when told or interrupted, and never lets a
+failure of its own question unregister it (IPython drops a transformer that raises anything but InputRejected, and
+from then on every later cell of a parked kernel would wait in the driver, silent and uninterruptible)."""
+
+import http.client
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from gpu_quota_ext.kernel.park_wait import ParkWatch, WaitWhileParked
+
+
+@pytest.fixture
+def shell():
+    shell = InteractiveShell.instance()
+    before = list(shell.ast_transformers)
+    yield shell
+    shell.ast_transformers[:] = before
+
+
+def answers(*replies):
+    """park_state: each reply in turn (an exception is raised), then running."""
+    queue = list(replies)
+
+    def park_state():
+        reply = queue.pop(0) if queue else {"state": "idle"}
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    return park_state
+
+
+def watching(shell, park_state, lines):
+    watch = ParkWatch(park_state, lines.append)
+    watch.maybe_parked.set()
+    transformer = WaitWhileParked(watch)
+    shell.ast_transformers.append(transformer)
+    return watch, transformer
+
+
+def test_a_question_that_fails_lets_the_cell_run_and_the_wait_stays_installed(shell):
+    lines = []
+    watch, transformer = watching(shell, answers(http.client.IncompleteRead(b"")), lines)
+    result = shell.run_cell("ran = 1")
+    assert result.error_before_exec is None and shell.user_ns["ran"] == 1
+    assert transformer in shell.ast_transformers  # the next park's cell still waits in Python
+    watch.maybe_parked.set()
+    watch.park_state = answers({"state": "waiting", "told": True, "reason": "waited 300 s (the park_wait_limit)"})
+    result = shell.run_cell("ran = 2")
+    assert result.error_before_exec is not None and shell.user_ns["ran"] == 1
+
+
+def test_an_interrupt_while_asking_the_server_ends_the_cell_cleanly(shell):
+    lines = []
+    watching(shell, answers({"state": "parked"}, KeyboardInterrupt()), lines)
+    result = shell.run_cell("ran = 3")
+    assert result.error_before_exec is not None and "interrupted while waiting for the GPU" in str(
+        result.error_before_exec
+    )
+    assert shell.user_ns.get("ran") != 3
+
