@@ -106,7 +106,8 @@ class ParkWatch:
                 if said is not None:
                     self.out(f"{PREFIX} back on the GPU after {time.monotonic() - began:.1f} s; the cell runs now")
                 return
-            if park.get("told"):
+            if park.get("told") and state == "waiting":  # a parked kernel's told is its last wait's, said until
+                # this cell's wait begins (the server may answer before it has seen the cell's busy)
                 raise CellNotRun(
                     f"{PREFIX} the cell did not run: {park.get('reason')}. Nothing is lost: the kernel stays "
                     "parked with its grant; run the cell again to ask again"

@@ -61,3 +61,13 @@ def test_an_interrupt_while_asking_the_server_ends_the_cell_cleanly(shell):
     )
     assert shell.user_ns.get("ran") != 3
 
+
+def test_a_told_left_from_the_last_wait_does_not_end_the_next_cell(shell):
+    # The last wait passed the limit: "told" stays said on the parked kernel until its next wait begins, which the
+    # server sees from the kernel's iopub busy. The cell's first question can reach the server before that busy:
+    # the cell must wait for room, not end at once with the last wait's words.
+    lines = []
+    stale = {"state": "parked", "told": True, "reason": "waited 300 s (the park_wait_limit) for device memory"}
+    watching(shell, answers(stale, {"state": "waiting", "told": False, "reason": "making room"}), lines)
+    result = shell.run_cell("ran = 4")
+    assert result.error_before_exec is None and shell.user_ns["ran"] == 4
