@@ -300,3 +300,19 @@ def test_a_grant_gone_takes_everything_of_its_kernel_with_it():
 
 def test_words_name_another_users_kernel_without_its_id():
     assert OTHERS == "of another user"
+
+
+def test_a_demand_of_a_kernel_the_sample_shows_on_the_device_parks_nobody():
+    # Bob's server names his running kernel (5 GiB on the device, as the service's own sample shows) as waiting for
+    # 5.4 GiB: a resume only comes from a parked kernel, which the sample shows holding nothing there. Believed, it
+    # would make the service park carol's idle kernel (and reserve room) for a kernel that is not parked.
+    host = Host({"ka-alice": {UUID: 5 * GiB}, "kb-bob": {UUID: 5 * GiB}, "kc-carol": {UUID: GiB}})
+    host.lease("alice", {"ka-alice": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    answer = host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}})
+    assert answer.go == () and answer.wake == () and not host.room.pending("alice", "")
+    # Once a sample taken after its park shows it off the device, its demand is decided as any other.
+    host.kernel_used["kb-bob"] = {}
+    host.now += 1
+    assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}}).wake == (("alice", ""),)
+

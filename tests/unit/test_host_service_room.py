@@ -189,14 +189,18 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             assert plan.go == ("ka",), plan
             (held,) = service.status_now("root", True)["reservations"]
             assert held["held"] == {UUID: 5 * GiB}
-            # Carol's parked kernel asks too: the reserved room is not hers (12 - 5 - 5 - 1 < 5).
+            # Carol's kernel asks while the sample still shows it on the device: not decided, and said so.
             carol.reports("waiting")
-            carols = await asyncio.to_thread(
-                carol.ledger.room, {"park": [carol.report], "demands": [{"kernel_id": "kc", "need": {UUID: 5 * GiB}}]}
-            )
+            demand = {"park": [carol.report], "demands": [{"kernel_id": "kc", "need": {UUID: 7 * GiB}}]}
+            carols = await asyncio.to_thread(carol.ledger.room, demand)
+            assert carols["go"] == [] and "still shows this kernel's memory" in carols["waiting"]["kc"]
+            # Parked: the reserved room is not hers (12 - 5 reserved - 1 < 7).
+            write_usage(service.nvml_file, {})
+            service.sampler._tick()
+            carols = await asyncio.to_thread(carol.ledger.room, demand)
             assert carols["go"] == [] and "kc" in carols["waiting"]
             # Alice's restore: the next sample shows her memory back, and the reservation ends.
-            write_usage(service.nvml_file, {carol.process.pid: 5 * GiB, alice.process.pid: 5 * GiB})
+            write_usage(service.nvml_file, {alice.process.pid: 5 * GiB})
             service.sampler._tick()
             assert service.status_now("root", True)["reservations"] == []
 

@@ -348,6 +348,13 @@ class GpuQuotaService(Application):
         data = answer.json()
         for kernel_id in checked.unknown:
             data["waiting"][kernel_id] = "the host's GPU quota service holds no grant for this kernel (released)"
+        for kernel_id in checked.demands:
+            if kernel_id not in data["go"] and kernel_id not in data["waiting"] and kernel_id not in data["told"]:
+                # Not decided (room.host_round): the service's sample still shows the kernel's memory on the GPU.
+                data["waiting"][kernel_id] = (
+                    "the host's last GPU sample still shows this kernel's memory on the device; waiting for one that "
+                    "shows it parked"
+                )
         return data
 
     def _recent_sample(self, now: float):

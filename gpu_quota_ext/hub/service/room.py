@@ -17,7 +17,8 @@ answers. What the service believes of each:
   park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
   server's report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
-  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A room call names all of its server's demands:
+  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A demand of a kernel the sample shows holding
+  memory (not parked, whatever its server says) is not decided until a sample shows it off the device. A room call names all of its server's demands:
   those it no longer names have ended; a lease report saying a kernel no longer waits ends its demand too.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
@@ -255,13 +256,17 @@ def host_round(
             report = replace(report, report=ParkReport("parked"))  # asked, and its memory has left the device
         kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now))
     held = {r.kernel_id for r in reservations}
+    # A resume is a parked kernel's, which holds nothing on a device: a demand of a kernel the sample shows there
+    # (a server's word against the service's own reading, or a sample taken before its park ended) waits for one
+    # that shows it gone, and neither goes nor makes anyone park meanwhile.
+    on_device = {k for k, per in kernel_used.items() if any(n > 0 for n in per.values())}
     return Round(
         devices=views,
         kernels=tuple(kernels),
         demands=tuple(
             Demand(w.kernel_id, dict(w.need), w.since)
             for w in demands
-            if w.kernel_id in granted and w.kernel_id not in held
+            if w.kernel_id in granted and w.kernel_id not in held and w.kernel_id not in on_device
         ),
         reservations=tuple(Reservation(r.kernel_id, dict(r.held)) for r in reservations if r.held),
         host=host,
