@@ -316,3 +316,17 @@ def test_a_demand_of_a_kernel_the_sample_shows_on_the_device_parks_nobody():
     host.now += 1
     assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}}).wake == (("alice", ""),)
 
+
+@pytest.mark.xfail(strict=True, reason="review finding, not fixed: a server's 'parking' report is believed for good")
+def test_a_report_of_parking_that_never_ends_does_not_hold_up_another_users_resume_for_good():
+    # Bob's server reports his running kernel (5 GiB on the device) as parking, at every renewal, for ten minutes. The
+    # broker counts those bytes as coming and waits for them rather than park carol's idle kernel: alice's resume is
+    # held up to her wait limit, and past it, for as long as bob's server says so.
+    host = Host()
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    for _ in range(20):
+        host.lease("bob", {"kb-bob": ParkReport("parking")})
+        answer = alice_waits(host)
+        host.now += 30
+        host.lease("carol", {"kc-carol": IDLE(100.0)})
+    assert host.room.pending("carol", "") or answer.wake == (("carol", ""),)
