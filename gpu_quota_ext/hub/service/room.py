@@ -18,8 +18,9 @@ answers. What the service believes of each:
   server's report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
   a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A demand of a kernel the sample shows holding
-  memory (not parked, whatever its server says) is not decided until a sample shows it off the device. A room call names all of its server's demands:
-  those it no longer names have ended; a lease report saying a kernel no longer waits ends its demand too.
+  memory (not parked, whatever its server says) is not decided until a sample shows it off the device. A room call
+  names all of its server's demands: those it no longer names have ended; a lease report saying a kernel no longer
+  waits ends its demand too.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
   bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
