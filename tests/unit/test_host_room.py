@@ -57,7 +57,7 @@ class Host:
         self.room.hear(user, server, own_reports(HELD, user, server, reports), self.now, lease=True)
 
     def call(self, user, reports, demands, server="", owned_=HELD):
-        checked = check_request(owned_, DEVICES, user, server, reports, demands)
+        checked = check_request(owned_, DEVICES, user, server, reports, demands, self.room.seen())
         self.room.hear(user, server, checked.reports, self.now, lease=False)
         self.room.ask(user, server, checked.demands, self.now)
         heard, waiting, held, taken = self.room.view()
@@ -330,3 +330,23 @@ def test_a_report_of_parking_that_never_ends_does_not_hold_up_another_users_resu
         host.now += 30
         host.lease("carol", {"kc-carol": IDLE(100.0)})
     assert host.room.pending("carol", "") or answer.wake == (("carol", ""),)
+
+
+def test_a_need_beyond_the_cap_is_reserved_whole_when_the_service_saw_the_kernel_hold_it():
+    # Alice's kernel held 9 GiB (torch up to its 5.4 GiB cap, a CuPy pool and its context beside it) before it
+    # parked. Cut to cap + CONTEXT_ALLOWANCE (7.4 GiB), the reservation would be short of what its restore takes, and
+    # another server's restore granted beside it, its own fresh check passing at the same moment, could leave the
+    # device too full for one of them: a failed restore, the kernel lost.
+    host = Host({"ka-alice": {UUID: 9 * GiB}})
+    host.room.note_sample(host.now - 5, host.kernel_used)
+    host.kernel_used = {}  # parked: the service's samples show it off the device
+    answer = host.call("alice", {"ka-alice": ParkReport("waiting")}, {"ka-alice": {UUID: 9 * GiB}})
+    assert answer.go == ("ka-alice",)
+    (held,) = host.room.view()[2]
+    assert held.held == {UUID: 9 * GiB}
+    # Bob's parked kernel (3.5 GiB) does not fit beside it: 12 - 9 - 1 < 3.5.
+    bob = host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: int(3.5 * GiB)}})
+    assert bob.go == ()
+    # A claim beyond what the service ever saw the kernel hold is still cut.
+    checked = check_request(HELD, DEVICES, "carol", "", {}, {"kc-carol": {UUID: 100 * GiB}}, host.room.seen())
+    assert checked.demands == {"kc-carol": {UUID: CAP + CONTEXT_ALLOWANCE}}

@@ -310,7 +310,7 @@ class GpuQuotaService(Application):
         broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park."""
         now = time.time()
         owned = self.book.owned()
-        checked = check_request(owned, self.book.devices, user, server, reports, demands)
+        checked = check_request(owned, self.book.devices, user, server, reports, demands, self.room.seen())
         self.room.hear(user, server, checked.reports, now, lease=False)
         self.room.ask(user, server, checked.demands, now)
         self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)

@@ -17,10 +17,10 @@ answers. What the service believes of each:
   park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
   server's report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
-  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A demand of a kernel the sample shows holding
-  memory (not parked, whatever its server says) is not decided until a sample shows it off the device. A room call
-  names all of its server's demands: those it no longer names have ended; a lease report saying a kernel no longer
-  waits ends its demand too.
+  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE, or to the most its samples saw it hold there. A
+  demand of a kernel the sample shows holding memory (not parked, whatever its server says) is not decided until a
+  sample shows it off the device. A room call names all of its server's demands: those it no longer names have
+  ended; a lease report saying a kernel no longer waits ends its demand too.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
   bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
@@ -163,12 +163,15 @@ def check_request(
     server: str,
     reports: Mapping[str, ParkReport],
     demands: Mapping[str, Mapping[str, int]],
+    seen: Optional[Mapping[str, Mapping[str, int]]] = None,
 ) -> Checked:
     """The room call of `user`'s server `server`, checked: every kernel it names must be the user's own (RoomRefused
     403 otherwise) and granted to that server (403 naming the server that holds it); every device a need names
     must be one of this host's (400). A kernel the service holds no grant for is left out (reports) or answered
     as such (demands): its server may not have heard of its release yet. Needs are cut to the kernel's cap there
-    plus CONTEXT_ALLOWANCE (a device its grant does not hold: CONTEXT_ALLOWANCE)."""
+    plus CONTEXT_ALLOWANCE (a device its grant does not hold: CONTEXT_ALLOWANCE), or to the most the service's
+    samples saw it hold there (`seen`, HostRoom.seen) where that is more: a reservation short of what the restore
+    takes could let another server's restore, granted beside it, leave too little for it."""
     by_id = {o.grant.kernel_id: o for o in owned}
     uuids = {d.uuid: index for index, d in devices.items()}
     for kernel_id in list(reports) + list(demands):
@@ -194,8 +197,11 @@ def check_request(
             unknown.append(kernel_id)
             continue
         caps = held.grant.caps
+        most = (seen or {}).get(kernel_id, {})
         cut[kernel_id] = {
-            uuid: min(int(n), caps.get(uuids[uuid], 0) + CONTEXT_ALLOWANCE) for uuid, n in need.items() if n > 0
+            uuid: min(int(n), max(caps.get(uuids[uuid], 0) + CONTEXT_ALLOWANCE, most.get(uuid, 0)))
+            for uuid, n in need.items()
+            if n > 0
         }
     return Checked({k: r for k, r in reports.items() if k in by_id}, cut, tuple(unknown))
 
@@ -302,6 +308,7 @@ class HostRoom:
         self._waiting: Dict[str, Waiting] = {}
         self._held: Dict[str, Held] = {}
         self._asked: Dict[str, Asked] = {}
+        self._seen: Dict[str, Dict[str, int]] = {}  # kernel -> uuid -> the most a sample saw it hold there
 
     # --- what the servers say -----------------------------------------------------------------------
 
@@ -341,6 +348,11 @@ class HostRoom:
         """One host sample: a reservation ends where it shows the kernel's verified usage back, or once it was
         taken after a report of the kernel running again."""
         with self._lock:
+            for kernel_id, per in kernel_used.items():
+                most = self._seen.setdefault(kernel_id, {})
+                for uuid, n in per.items():
+                    if n > most.get(uuid, 0):
+                        most[uuid] = n
             for kernel_id, held in list(self._held.items()):
                 if taken_at <= held.since:
                     continue
@@ -359,6 +371,7 @@ class HostRoom:
         `stale_after` seconds (their server went silent), park requests not taken within REQUEST_TTL."""
         with self._lock:
             self._heard = {k: h for k, h in self._heard.items() if k in granted}
+            self._seen = {k: m for k, m in self._seen.items() if k in granted}
             self._held = {k: h for k, h in self._held.items() if k in granted and h.until > now}
             self._waiting = {k: w for k, w in self._waiting.items() if k in granted and now - w.asked < stale_after}
             self._asked = {
@@ -366,6 +379,11 @@ class HostRoom:
                 for k, a in self._asked.items()
                 if k in granted and now - (a.delivered if a.delivered is not None else a.at) < REQUEST_TTL
             }
+
+    def seen(self) -> Dict[str, Dict[str, int]]:
+        """Per kernel and device, the most the service's samples saw it hold (check_request's bound on a need)."""
+        with self._lock:
+            return {k: dict(m) for k, m in self._seen.items()}
 
     # --- the decisions ------------------------------------------------------------------------------
 
