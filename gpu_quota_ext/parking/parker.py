@@ -675,7 +675,9 @@ class Parker:
             record = self.records.get(victim)
             if (record is not None and record.shows_park) or self._activity(victim) != "idle":
                 continue
-            self._ask_park(victim, f"to make room for kernel {for_kernel[:8]}", automatic=True)
+            # A kernel id of this server's own broker, or the host service's words ("another kernel of this host").
+            whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
+            self._ask_park(victim, f"to make room for {whom}", automatic=True)
         for kernel_id in plan.go:
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())

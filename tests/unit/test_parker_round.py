@@ -172,3 +172,23 @@ def test_a_park_the_host_asks_for_is_made_only_of_a_kernel_still_idle_long_enoug
         return state
 
     assert asyncio.run(asked_again()) == "parking"
+
+
+def test_a_park_of_this_servers_kernel_the_host_answers_a_room_call_with_says_why_in_whole_words():
+    import asyncio
+
+    from gpu_quota_ext.parking.host_broker import plan_from
+
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}},
+        pids={"B": (os.getpid(),)},
+    )
+    parker = parker_with({}, sample, {"B": "idle"})
+
+    async def applied():
+        parker.apply(plan_from({"park": ["B"]}, ["B"]))
+        reason = parker.records["B"].reason
+        await parker.stop()
+        return reason
+
+    assert asyncio.run(applied()) == "to make room for another kernel of this host"
