@@ -723,17 +723,22 @@ class Parker:
             self._handle(kernel_id, event)
 
     async def _fresh_sample(self) -> None:
-        """Wait for the next sample (one taken after now), at most `fresh_sample_wait` seconds."""
+        """Wait for a sample whose reading began after now, at most `fresh_sample_wait` seconds. (The sample out
+        when asked was read before: the monitor takes one at a time, and asks for the next one then.)"""
         wait = self.settings.fresh_sample_wait
         if wait <= 0:
             return
-        if self._sampled is None or self._sampled.is_set():
-            self._sampled = asyncio.Event()
-        self.monitor.sample_soon()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._sampled.wait()), wait)
-        except asyncio.TimeoutError:
-            log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
+        asked = time.time()
+        deadline = time.monotonic() + wait
+        while (getattr(self.monitor.latest, "time", None) or 0.0) <= asked:
+            if self._sampled is None or self._sampled.is_set():
+                self._sampled = asyncio.Event()
+            self.monitor.sample_soon()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._sampled.wait()), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
+                return
 
     async def _park(self, kernel_id: str, op: int) -> None:
         """Before the driver: the kernel empties its caches, then a fresh sample says what it holds now."""

@@ -192,3 +192,44 @@ def test_a_park_of_this_servers_kernel_the_host_answers_a_room_call_with_says_wh
         return reason
 
     assert asyncio.run(applied()) == "to make room for another kernel of this host"
+
+
+def test_a_park_asked_right_after_a_cell_is_decided_on_a_sample_whose_reading_began_after_it():
+    # The sample out when the park is asked was read before the cell's tensor existed: it says the kernel holds
+    # nothing. The park must wait for the next one (issue 21: "a park requested right after a cell decides on a
+    # fresh sample").
+    import asyncio
+    import time
+
+    empty = Sample(state="ok", time=0.0, devices={0: DeviceReading(0, 0)}, kernels={}, pids={})
+    parker = parker_with({}, empty, {"B": "idle"})
+    parker.settings = ParkSettings(fresh_sample_wait=5.0)
+    loop_samples = []
+
+    def sample_soon():
+        loop = asyncio.get_running_loop()
+        if not loop_samples:  # the sample already out: its reading began before the request
+            taken = time.time() - 0.05
+            loop_samples.append(Sample(state="ok", time=taken, devices={0: DeviceReading(0, 0)}, kernels={}, pids={}))
+        else:
+            loop_samples.append(Sample(
+                state="ok", time=time.time(), devices={0: DeviceReading(0, 20 * GiB)}, kernels={"B": {0: 20 * GiB}},
+                pids={"B": (os.getpid(),)},
+            ))
+        sample = loop_samples[-1]
+
+        def arrive():
+            parker.monitor.latest = sample
+            parker.on_sample(sample)
+
+        loop.call_later(0.01, arrive)
+
+    parker.monitor.sample_soon = sample_soon
+
+    async def asked():
+        accepted, park = await parker.request_park("B")
+        await parker.stop()
+        return accepted, park
+
+    accepted, park = asyncio.run(asked())
+    assert accepted, park
