@@ -71,3 +71,16 @@ def test_a_told_left_from_the_last_wait_does_not_end_the_next_cell(shell):
     watching(shell, answers(stale, {"state": "waiting", "told": False, "reason": "making room"}), lines)
     result = shell.run_cell("ran = 4")
     assert result.error_before_exec is None and shell.user_ns["ran"] == 4
+
+
+def test_a_wait_the_server_says_is_past_its_limit_ends_even_when_nobody_tells_it(shell):
+    # The broker tells a wait at the limit in a round, and rounds follow the GPU samples: a monitor whose NVML call
+    # hangs takes none, and nothing would end the cell. The kernel ends it itself a little after the limit, by the
+    # server's own count of the wait.
+    lines = []
+    past = {"state": "waiting", "told": False, "waited": 312.0, "wait_limit": 300, "reason": "needs 20.0 GiB on GPU 0"}
+    watching(shell, answers(past), lines)
+    result = shell.run_cell("ran = 5")
+    message = str(result.error_before_exec)
+    assert "waited 300 s (the park_wait_limit) for device memory: needs 20.0 GiB on GPU 0" in message
+    assert shell.user_ns.get("ran") != 5
