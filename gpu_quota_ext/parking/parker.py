@@ -142,10 +142,12 @@ class Sampling(Protocol):
 
 
 def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout_ms: int) -> None:
-    """Lock every process, then checkpoint every process. On a failure, what was done is undone (restored,
-    unlocked) and the error raised: the kernel is left running as before. (Restoring what this call has just
-    checkpointed is safe: its memory was on the device a moment ago and nothing took it meanwhile but the
-    other processes of this park, which are undone in the same way.)"""
+    """Lock every process, then checkpoint every process. A failure before any process is checkpointed is undone
+    (unlocked) and raised: the kernel is left running as before. A failure after one was checkpointed is not undone:
+    that process's memory has been free since, and may have been taken (a running kernel's allocation, another
+    restore), so restoring it would be a restore without reserved room, which the driver answers by losing the
+    process for good. The kernel then stays parked as far as the driver has it, every process locked, and comes
+    back through the broker like any park (resume_processes restores what is checkpointed, unlocks the rest)."""
     locked, parked = [], []
     try:
         for pid in pids:
@@ -154,9 +156,13 @@ def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout
         for pid in pids:
             driver.checkpoint(pid)
             parked.append(pid)
-    except CheckpointError:
-        for pid in parked:
-            _quietly(driver.restore, pid)
+    except CheckpointError as error:
+        if parked:
+            log.warning(
+                "gpu-quota-ext: a park checkpointed process %s, then %s; it stays parked as far as it got (a restore "
+                "now would not have reserved room)", ", ".join(map(str, parked)), error,
+            )
+            return
         for pid in locked:
             _quietly(driver.unlock, pid)
         raise
