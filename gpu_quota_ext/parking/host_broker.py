@@ -79,16 +79,21 @@ class HostBroker:
     def __init__(self, rooms: HostRooms, uuid_of: Mapping[int, str]):
         self.rooms = rooms
         self.uuid_of: Dict[Hashable, str] = {index: uuid for index, uuid in uuid_of.items()}
+        self._named = False  # the service last heard of demands of this server
 
     async def decide(self, round_: Round) -> Plan:
         mine = [k.kernel_id for k in round_.kernels]
-        if not round_.demands:
+        body = room_request(round_, self.uuid_of)
+        if not body["demands"] and not self._named:
             return Plan()  # only the lease reports this server's kernels when none of them waits
+        # (A call naming none ends at once the demands the service has of this server: a wait that ended unserved
+        # must not make it park another user's kernel until this server's next lease report.)
         try:
-            answer = await off_loop(self.rooms.room, room_request(round_, self.uuid_of), name="gpu-quota-room")
+            answer = await off_loop(self.rooms.room, body, name="gpu-quota-room")
         except Exception as error:
             reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
             return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
+        self._named = bool(body["demands"])
         return told_at_limit(plan_from(answer, mine), round_)
 
 

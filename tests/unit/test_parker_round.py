@@ -233,3 +233,23 @@ def test_a_park_asked_right_after_a_cell_is_decided_on_a_sample_whose_reading_be
 
     accepted, park = asyncio.run(asked())
     assert accepted, park
+
+
+def test_on_a_hub_host_a_wait_that_ends_unserved_is_ended_at_the_service_at_once():
+    # Alice interrupts her waiting cell (or it is told and ends): her server has no demand now. Unless it says so,
+    # the service keeps deciding for that demand until her lease's next report (up to 15 s), and may ask another
+    # user's server to park an idle kernel for a cell that no longer waits.
+    import asyncio
+
+    from gpu_quota_ext.parking import BrokerSettings, Demand, DeviceView, HostBroker, HostView, Round
+
+    calls = []
+    broker = HostBroker(SimpleNamespace(room=lambda body: calls.append(body) or {}), {0: "GPU-0"})
+
+    def round_with(*demands):
+        return Round((DeviceView(0, "GPU 0", 140 * GiB, 0),), (), demands, (), HostView(), BrokerSettings(), 10.0)
+
+    asyncio.run(broker.decide(round_with(Demand("A", {0: GiB}, 1.0))))
+    asyncio.run(broker.decide(round_with()))
+    asyncio.run(broker.decide(round_with()))
+    assert [body["demands"] for body in calls] == [[{"kernel_id": "A", "need": {"GPU-0": GiB}}], []]
