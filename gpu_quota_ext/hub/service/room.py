@@ -10,12 +10,14 @@ answers. What the service believes of each:
 - devices: the book's, by uuid; their usage the service's own NVML sample (never a server's word).
 - kernels: every grant the book holds; their usage the sampler's verified usage (processes of the kernel's own
   Unix user only, attribution.py); their park state, idle time and "parkable" the last report of their own
-  server (the lease's or the room call's "park"): a server's word about its own kernels, which decides only
-  whether they may be parked. A kernel never reported counts as running (its headroom claimed) and is never
-  parked. A report of "parked" while the sample still shows the kernel's memory (taken before the park ended)
-  counts as a park under way: its bytes are coming, no other kernel parks for them. A kernel its server took a
-  park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
-  server's report says so at its next renewal, and the resume it made room for need not wait for that.
+  server (the lease's or the room call's "park"): a server's word about its own kernels, which decides whether
+  they may be parked and whether a park of theirs is under way. A kernel never reported counts as running (its
+  headroom claimed) and is never parked. A report of "parked" while the sample still shows the kernel's memory
+  (taken before the park ended) counts as a park under way: its bytes are coming, no other kernel parks for them.
+  A park said to be under way while the sample shows the memory is believed no longer than a park can take (its
+  bytes at PARK_RATE, plus PARK_MARGIN): then the kernel counts as running. A kernel its server took a park
+  request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its server's
+  report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
   a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE, or to the most its samples saw it hold there. A
   demand of a kernel the sample shows holding memory (not parked, whatever its server says) is not decided until a
@@ -57,6 +59,9 @@ from .book import Owned
 RESTORE_RATE = 2e9  # bytes per second a restore is counted to take at the slowest (an H200 measured ~5.5 GB/s)
 RESERVATION_MARGIN = 30.0  # seconds a reservation is held beyond that
 REQUEST_TTL = 60.0  # seconds a park request waits for its server's lease, or for its server's next report
+PARK_RATE = 0.5e9  # bytes per second a park is counted to take at the slowest (an H200 measured 1.1 to 2.2 GB/s) ...
+PARK_MARGIN = 60.0  # ... plus this: a park said to be under way for longer is not believed (its bytes not waited for)
+PARKING = ("parking", "parked")  # reports of one park, under way or done
 OTHERS = "of another user"  # how the words name another user's kernel
 
 Key = Tuple[str, str]  # (user, server)
@@ -85,6 +90,7 @@ class Heard:
     user: str
     server: str
     at: float  # when the service heard it
+    since: float = 0.0  # when the service first heard this state (parking and parked: one park) without a break
 
 
 @dataclass(frozen=True)
@@ -292,6 +298,11 @@ def _kernel_view(
     state = report.state
     if state == "parked" and any(n > 0 for n in used.values()):
         state = "parking"  # the sample predates the park's end: its bytes are leaving
+    if state == "parking" and now - heard.since > PARK_MARGIN + sum(used.values()) / PARK_RATE:
+        # Said to be parking for longer than a park takes while the sample shows its memory: a server's word that
+        # would hold up everyone else's resume (its bytes waited for, not another kernel parked) for as long as it
+        # is said. Counted as running: its memory and what its cap still allows are claimed.
+        state = "busy"
     idle_for = None
     if state == "idle" and report.idle_for is not None:
         idle_for = report.idle_for + max(0.0, now - heard.at)
@@ -317,7 +328,11 @@ class HostRoom:
         waits ends its demand (a room call names every demand of its server: ask() ends the others)."""
         with self._lock:
             for kernel_id, report in reports.items():
-                self._heard[kernel_id] = Heard(report, user, server, now)
+                old = self._heard.get(kernel_id)
+                same = old is not None and (
+                    old.report.state == report.state or (old.report.state in PARKING and report.state in PARKING)
+                )
+                self._heard[kernel_id] = Heard(report, user, server, now, old.since if same and old else now)
                 asked = self._asked.get(kernel_id)
                 acted = not (report.state == "idle" and report.parkable)  # parks, or cannot now
                 if asked is not None and asked.delivered is not None and asked.delivered < now and acted:
