@@ -634,6 +634,8 @@ class Parker:
                 # Parked after this sample was taken: its bytes are in the reading, and leaving. The broker counts
                 # them as a park under way, not as memory someone holds (or it would park another kernel).
                 shown = "parking"
+            if shown == "parking" and record is not None and record.stuck:
+                shown = "busy"  # its driver call has not returned: its bytes may never leave, nobody waits for them
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,

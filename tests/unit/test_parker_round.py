@@ -253,3 +253,14 @@ def test_on_a_hub_host_a_wait_that_ends_unserved_is_ended_at_the_service_at_once
     asyncio.run(broker.decide(round_with()))
     asyncio.run(broker.decide(round_with()))
     assert [body["demands"] for body in calls] == [[{"kernel_id": "A", "need": {"GPU-0": GiB}}], []]
+
+
+def test_a_park_whose_driver_call_has_not_returned_is_not_counted_as_memory_coming():
+    # Its checkpoint call is stuck (park_call_timeout passed): the broker must not wait for its bytes, which may never
+    # leave, rather than park another idle kernel for a waiting cell.
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}}, pids={}
+    )
+    stuck = ParkRecord(state="parking", since=1.0, op=1, pids=(7,), parked={0: 56 * GiB}, stuck="has not returned")
+    (b,) = parker_with({"B": stuck}, sample, {"B": "idle"}).round().kernels
+    assert b.state != "parking" and not b.parkable
