@@ -256,7 +256,7 @@ class GpuQuotaManager:
         lease's answer, in the lease's thread): the parker decides on the event loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self.parker.park_for_host, list(kernel_ids))
+            loop.call_soon_threadsafe(self.parker.park_for_host, list(kernel_ids), self.parker.reported_at)
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) the kernel's GPU state: its processes cannot run CUDA now."""

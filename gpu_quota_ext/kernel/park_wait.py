@@ -10,7 +10,8 @@ until a cell finds it running again, the kernel may be parked. At the next cell 
 hook that runs before any of the cell's code) asks the server for the kernel's park state and, while it is
 parked or waiting for room, asks again (every 0.1 s at first, every half second after a second) and, once the
 wait has lasted a second, prints what it waits for, once per new reason. When the kernel runs again the cell
-runs. At the wait limit (the server says `told`), on an interrupt, or when
+runs. At the wait limit (the server says `told`; or its count of the wait is past the limit and nothing told
+it: no broker round ran), on an interrupt, or when
 the restore failed (`lost`), the cell ends with one clear error instead (IPython's InputRejected: none of its
 code runs) and the kernel keeps its grant. A cell that is only `%gpucap ...` lines never waits: the user can
 always look, and ask for a park or resume.
@@ -35,6 +36,8 @@ FIRST_POLL_S = 0.1  # ... starting at this, 1.5 times longer each time: a 2 GiB 
 NOTICE_AFTER_S = 1.0  # a wait shorter than this says nothing (a 2 GiB kernel comes back in ~0.7 s)
 PREFIX = "gpu-quota:"
 WAITING_STATES = ("parking", "parked", "waiting", "resuming")  # "pending" runs: it parks after the cell
+TOLD_LATE_S = 10.0  # a wait this far past the server's limit that nobody told (no broker round ran) ends here
+INTERRUPTED = f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
 
 
 # --- the trim: the server's request before it parks this kernel (control thread) ---------------------------
@@ -105,10 +108,17 @@ class ParkWatch:
                 if said is not None:
                     self.out(f"{PREFIX} back on the GPU after {time.monotonic() - began:.1f} s; the cell runs now")
                 return
-            if park.get("told"):
+            if park.get("told") and state == "waiting":  # a parked kernel's told is its last wait's, said until
+                # this cell's wait begins (the server may answer before it has seen the cell's busy)
                 raise CellNotRun(
                     f"{PREFIX} the cell did not run: {park.get('reason')}. Nothing is lost: the kernel stays "
                     "parked with its grant; run the cell again to ask again"
+                )
+            if state == "waiting" and _past_limit(park):  # the broker's rounds follow the samples: none came
+                raise CellNotRun(
+                    f"{PREFIX} the cell did not run: waited {park['wait_limit']:g} s (the park_wait_limit) for device "
+                    f"memory: {park.get('reason') or 'no room'}. Nothing is lost: the kernel stays parked with its "
+                    "grant; run the cell again to ask again"
                 )
             line = waiting_line(park)
             if line != said and (said is not None or time.monotonic() - began >= NOTICE_AFTER_S):
@@ -118,9 +128,13 @@ class ParkWatch:
                 time.sleep(poll)
                 poll = min(POLL_S, poll * 1.5)
             except KeyboardInterrupt:
-                raise CellNotRun(
-                    f"{PREFIX} interrupted while waiting for the GPU; the kernel stays parked, the next cell asks again"
-                ) from None
+                raise CellNotRun(INTERRUPTED) from None
+
+
+def _past_limit(park: dict) -> bool:
+    waited, limit = park.get("waited"), park.get("wait_limit")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (waited, limit))
+    return numbers and waited >= limit + TOLD_LATE_S  # type: ignore[operator]
 
 
 def waiting_line(park: dict) -> str:
@@ -190,6 +204,12 @@ class WaitWhileParked(ast.NodeTransformer):
                 self.watch.before_cell()
             except CellNotRun as error:
                 raise _rejected(str(error)) from None
+            except KeyboardInterrupt:  # while asking the server, not while sleeping
+                raise _rejected(INTERRUPTED) from None
+            except Exception:
+                # The question failed in a way of its own (an answer cut short): the cell runs, as with no answer.
+                # Raising would make IPython unregister this transformer for good.
+                pass
         return node
 
 

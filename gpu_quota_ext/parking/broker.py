@@ -194,7 +194,9 @@ def plan(
     later_room: Dict[Hashable, Optional[int]] = {
         key: None if value is None else value + coming[key] for key, value in now_room.items()
     }
-    pool = candidates(kernels, settings.min_idle)
+    # A kernel that waits for room itself (a running one that found the device full) is never parked to make it.
+    asking = {d.kernel_id for d in demands}
+    pool = [k for k in candidates(kernels, settings.min_idle) if k.kernel_id not in asking]
     chosen: List[str] = []
     host_room = host_left(host, kernels)
     go: List[str] = []
@@ -304,7 +306,12 @@ def _wait_or_tell(
 ) -> None:
     waiting[demand.kernel_id] = reason
     if overdue and settings.wait_limit is not None:
-        told[demand.kernel_id] = f"waited {settings.wait_limit:g} s (the park_wait_limit) for device memory: {reason}"
+        told[demand.kernel_id] = told_words(settings.wait_limit, reason)
+
+
+def told_words(limit: float, reason: str) -> str:
+    """What a kernel whose wait passed the limit is told."""
+    return f"waited {limit:g} s (the park_wait_limit) for device memory: {reason}"
 
 
 def _where(need: Mapping[Hashable, int], devices: Mapping[Hashable, DeviceView]) -> str:

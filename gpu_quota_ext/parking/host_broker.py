@@ -10,10 +10,11 @@ it runs off the event loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Hashable, List, Mapping, Protocol, runtime_checkable
 
 from ..threads import off_loop
-from .broker import Plan, Round
+from .broker import Plan, Round, told_words
 
 
 @runtime_checkable
@@ -78,14 +79,35 @@ class HostBroker:
     def __init__(self, rooms: HostRooms, uuid_of: Mapping[int, str]):
         self.rooms = rooms
         self.uuid_of: Dict[Hashable, str] = {index: uuid for index, uuid in uuid_of.items()}
+        self._named = False  # the service last heard of demands of this server
 
     async def decide(self, round_: Round) -> Plan:
         mine = [k.kernel_id for k in round_.kernels]
-        if not round_.demands:
+        body = room_request(round_, self.uuid_of)
+        if not body["demands"] and not self._named:
             return Plan()  # only the lease reports this server's kernels when none of them waits
+        # (A call naming none ends at once the demands the service has of this server: a wait that ended unserved
+        # must not make it park another user's kernel until this server's next lease report.)
         try:
-            answer = await off_loop(self.rooms.room, room_request(round_, self.uuid_of), name="gpu-quota-room")
+            answer = await off_loop(self.rooms.room, body, name="gpu-quota-room")
         except Exception as error:
             reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
-            return Plan(waiting={d.kernel_id: reason for d in round_.demands})
-        return plan_from(answer, mine)
+            return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
+        self._named = bool(body["demands"])
+        return told_at_limit(plan_from(answer, mine), round_)
+
+
+def told_at_limit(plan: Plan, round_: Round) -> Plan:
+    """The wait limit is this server's promise to its user: a demand past it that the service did not tell (it does
+    not answer, or its own clock for the demand began later) is told here, with what it waits for. Telling changes
+    nothing of the demand: a "go" may still come."""
+    limit = round_.settings.wait_limit
+    if limit is None:
+        return plan
+    told = dict(plan.told)
+    for demand in round_.demands:
+        kernel_id = demand.kernel_id
+        if kernel_id in told or kernel_id in plan.go or round_.now - demand.since < limit:
+            continue
+        told[kernel_id] = told_words(limit, plan.waiting.get(kernel_id) or "the host's GPU quota service did not say")
+    return plan if told == dict(plan.told) else replace(plan, told=told)

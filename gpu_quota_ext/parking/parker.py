@@ -142,10 +142,12 @@ class Sampling(Protocol):
 
 
 def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout_ms: int) -> None:
-    """Lock every process, then checkpoint every process. On a failure, what was done is undone (restored,
-    unlocked) and the error raised: the kernel is left running as before. (Restoring what this call has just
-    checkpointed is safe: its memory was on the device a moment ago and nothing took it meanwhile but the
-    other processes of this park, which are undone in the same way.)"""
+    """Lock every process, then checkpoint every process. A failure before any process is checkpointed is undone
+    (unlocked) and raised: the kernel is left running as before. A failure after one was checkpointed is not undone:
+    that process's memory has been free since, and may have been taken (a running kernel's allocation, another
+    restore), so restoring it would be a restore without reserved room, which the driver answers by losing the
+    process for good. The kernel then stays parked as far as the driver has it, every process locked, and comes
+    back through the broker like any park (resume_processes restores what is checkpointed, unlocks the rest)."""
     locked, parked = [], []
     try:
         for pid in pids:
@@ -154,9 +156,13 @@ def park_processes(driver: CheckpointDriver, pids: Tuple[int, ...], lock_timeout
         for pid in pids:
             driver.checkpoint(pid)
             parked.append(pid)
-    except CheckpointError:
-        for pid in parked:
-            _quietly(driver.restore, pid)
+    except CheckpointError as error:
+        if parked:
+            log.warning(
+                "gpu-quota-ext: a park checkpointed process %s, then %s; it stays parked as far as it got (a restore "
+                "now would not have reserved room)", ", ".join(map(str, parked)), error,
+            )
+            return
         for pid in locked:
             _quietly(driver.unlock, pid)
         raise
@@ -251,6 +257,10 @@ class Parker:
         self.bootstrapped = bootstrapped  # the kernel runs gpu_quota_ext's bootstrap: it answers on control
         self.driver_problem: Optional[str] = "the checkpoint driver has not been opened yet"
         self.records: Dict[str, ParkRecord] = {}
+        # The highest op any record has had: a record made afresh (after forget(), or after a plain record was
+        # dropped) starts from it, so that an outcome of a driver call still out for the kernel's old processes
+        # (a restart while it was being parked) never matches an op of the new ones.
+        self._last_op = 0
         self.transitions = 0  # state changes logged (tests wait on it)
         self.decisions = 0  # broker rounds applied (tests wait on it)
         self._sampled: Optional[asyncio.Event] = None  # set by each sample: a park waits for a fresh one
@@ -262,6 +272,7 @@ class Parker:
         self._checks: Dict[Tuple[str, int], asyncio.Future] = {}  # (kernel, op) -> its park's check has run
         self._decide_again = False
         self._stopped = False
+        self._reported_at: Optional[float] = None  # when the last lease report read the kernels' activity
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -363,8 +374,9 @@ class Parker:
     def _handle(self, kernel_id: str, event: Event) -> ParkRecord:
         """Apply one event to the kernel's record, log a change of state, carry out the effects."""
         now = time.time()
-        old = self.records.get(kernel_id) or ParkRecord(state=RUNNING, since=now)
+        old = self.records.get(kernel_id) or ParkRecord(state=RUNNING, since=now, op=self._last_op)
         new, effects = transition(old, event, now)
+        self._last_op = max(self._last_op, new.op)
         if new is not old:
             self._store(kernel_id, old, new)
         for effect in effects:
@@ -469,14 +481,26 @@ class Parker:
         self._handle(kernel_id, AskRoom(need))
         return True, self.kernel_json(kernel_id), ""
 
-    def park_for_host(self, kernel_ids: List[str]) -> None:
+    @property
+    def reported_at(self) -> Optional[float]:
+        """When the last lease report (host_report) read the kernels' activity."""
+        return self._reported_at
+
+    def park_for_host(self, kernel_ids: List[str], reported_at: Optional[float] = None) -> None:
         """The host service chose these kernels of ours to park, to make room for another kernel of the host.
-        Each is parked only if it is still idle and parkable here (the service's view may be a moment old)."""
+        Each is parked only if it is still idle here, has not been active since the lease's report the service
+        decided on (up to a lease period old: idle long enough then, it may have run a cell since), and is
+        parkable. `reported_at`: when the report of the lease that brought the request was read (taken in the
+        lease's thread as the answer came: the next renewal's report may be read before this runs)."""
+        reported = reported_at if reported_at is not None else self._reported_at
         for kernel_id in kernel_ids:
             if kernel_id not in self._kernel_ids() or kernel_id in self.records and self.records[kernel_id].shows_park:
                 continue
-            if self._activity(kernel_id) != "idle":
+            execution_state, last = kernel_activity(self.kernels, kernel_id)
+            if activity_state(execution_state) != "idle":
                 continue
+            if reported is not None and last is not None and last > reported:
+                continue  # active since: the service's park_min_idle no longer holds; its next report says so
             self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True)
 
     # --- the kernel's activity -------------------------------------------------------------------
@@ -610,6 +634,8 @@ class Parker:
                 # Parked after this sample was taken: its bytes are in the reading, and leaving. The broker counts
                 # them as a park under way, not as memory someone holds (or it would park another kernel).
                 shown = "parking"
+            if shown == "parking" and record is not None and record.stuck:
+                shown = "busy"  # its driver call has not returned: its bytes may never leave, nobody waits for them
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,
@@ -642,10 +668,12 @@ class Parker:
 
     def host_report(self) -> List[dict]:
         """Each kernel's park state for the host's broker (the lease's "park"). Called from the lease's thread:
-        it only reads."""
+        it only reads (and notes when it read: park_for_host)."""
+        at = time.time()
         report = []
         for kernel in self.round().kernels:
             report.append(kernel_park(kernel.kernel_id, kernel.state, kernel.idle_for, kernel.parkable))
+        self._reported_at = at
         return report
 
     def apply(self, plan: Plan) -> None:
@@ -655,7 +683,9 @@ class Parker:
             record = self.records.get(victim)
             if (record is not None and record.shows_park) or self._activity(victim) != "idle":
                 continue
-            self._ask_park(victim, f"to make room for kernel {for_kernel[:8]}", automatic=True)
+            # A kernel id of this server's own broker, or the host service's words ("another kernel of this host").
+            whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
+            self._ask_park(victim, f"to make room for {whom}", automatic=True)
         for kernel_id in plan.go:
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
@@ -701,17 +731,22 @@ class Parker:
             self._handle(kernel_id, event)
 
     async def _fresh_sample(self) -> None:
-        """Wait for the next sample (one taken after now), at most `fresh_sample_wait` seconds."""
+        """Wait for a sample whose reading began after now, at most `fresh_sample_wait` seconds. (The sample out
+        when asked was read before: the monitor takes one at a time, and asks for the next one then.)"""
         wait = self.settings.fresh_sample_wait
         if wait <= 0:
             return
-        if self._sampled is None or self._sampled.is_set():
-            self._sampled = asyncio.Event()
-        self.monitor.sample_soon()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._sampled.wait()), wait)
-        except asyncio.TimeoutError:
-            log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
+        asked = time.time()
+        deadline = time.monotonic() + wait
+        while (getattr(self.monitor.latest, "time", None) or 0.0) <= asked:
+            if self._sampled is None or self._sampled.is_set():
+                self._sampled = asyncio.Event()
+            self.monitor.sample_soon()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._sampled.wait()), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.info("gpu-quota-ext: parking: no new GPU sample within %.0f s; the last one says what moves", wait)
+                return
 
     async def _park(self, kernel_id: str, op: int) -> None:
         """Before the driver: the kernel empties its caches, then a fresh sample says what it holds now."""

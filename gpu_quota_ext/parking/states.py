@@ -4,6 +4,8 @@ returns the next record and the effects the parker (parker.py) carries out. No I
     running --park (idle)--> parking --checked--> parking --done--> parked
     running --its allocation found the device full (ask room)--> running, asking --room made or told--> running
     running --park (busy)--> pending --idle--> parking
+    parking --a cell began before the driver was asked--> pending (a user's park) or running (called off)
+    parking --a resume was asked before the driver was asked--> running (called off)
     parking --refused, failed--> running (with the reason; no automatic park until it is busy again)
     parked --a cell (busy) or a resume request--> waiting --room granted--> resuming --done--> running
     waiting --the cell ended--> parked            waiting --the wait limit--> told (a request ends: parked)
@@ -43,6 +45,7 @@ class ParkRecord:
     reason: Optional[str] = None  # what it waits for, why its last park did not happen, what was lost
     refused: bool = False  # its last park did not happen: no automatic park until it has been busy again
     resume_wanted: Optional[str] = None  # CELL or REQUEST: turned busy or was asked to resume while parking
+    automatic: bool = False  # the park under way was not a user's request (the idle timer, a broker)
     demand: Optional[str] = None  # CELL or REQUEST: why it waits for room (waiting)
     waiting_since: Optional[float] = None
     told: bool = False  # its wait passed the limit and it was told so
@@ -255,11 +258,11 @@ def transition(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord
     return record, ()  # lost: nothing brings it back; a restart or shutdown forgets it
 
 
-def _begin_park(record: ParkRecord, now: float, why: Optional[str]) -> Tuple[ParkRecord, Effects]:
+def _begin_park(record: ParkRecord, now: float, why: Optional[str], automatic: bool) -> Tuple[ParkRecord, Effects]:
     op = record.op + 1
     parking = moved(
         record, "parking", now, op=op, reason=why, refused=False, resume_wanted=None, pids=(), parked={},
-        room_need={}, room_asked=None, room_outcome=None,
+        room_need={}, room_asked=None, room_outcome=None, automatic=automatic,
     )
     return parking, (StartPark(op),)
 
@@ -289,13 +292,13 @@ def _running(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
         if event.busy:
             reason = f"parks when its current cell has finished ({event.why})"
             return moved(record, "pending", now, reason=reason, refused=False), ()
-        return _begin_park(record, now, event.why if event.automatic else None)
+        return _begin_park(record, now, event.why if event.automatic else None, event.automatic)
     return record, ()
 
 
 def _pending(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, Effects]:
     if isinstance(event, Idle):
-        return _begin_park(record, now, None)
+        return _begin_park(record, now, None, False)
     if isinstance(event, AskResume):
         return running(record, now), ()
     return record, ()
@@ -305,6 +308,13 @@ def _parking(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
     if isinstance(event, ParkChecked) and event.op == record.op:
         if event.refused is not None:
             return running(record, now, reason=event.refused, refused=True), (Decide(),)
+        if record.resume_wanted == CELL and not record.automatic:
+            # A cell began before the driver was asked: a user's park waits for it to finish, as asked while busy.
+            reason = "parks when its current cell has finished (user request)"
+            return moved(record, "pending", now, reason=reason, resume_wanted=None), ()
+        if record.resume_wanted is not None:
+            # A cell began (or a resume was asked) before the driver was asked: a busy kernel is not parked.
+            return running(record, now), (Decide(),)
         return replace(record, pids=event.pids, parked=dict(event.parked)), (Checkpoint(record.op, event.pids),)
     if isinstance(event, ParkDone) and event.op == record.op:
         if event.error is not None:

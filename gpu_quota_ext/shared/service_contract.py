@@ -44,8 +44,10 @@ LEASE_PATH = API + "lease"
 #   a kernel waiting asks at every sample, naming all of its waiting kernels (one it no longer names has ended).
 #   Every kernel named must be the user's own and granted to this server (403 otherwise, nothing kept); every
 #   device a need names must be one of the host's (400); a need above the kernel's cap there plus
-#   CONTEXT_ALLOWANCE is cut to that; a demand's age is the service's own (since it first saw it), not the
-#   server's word; a kernel the service holds no grant for is answered in "waiting" (released). At most
+#   CONTEXT_ALLOWANCE, and above the most the service's samples saw it hold there, is cut to the larger; a
+#   demand of a kernel the service's sample shows on the device waits (a resume is a parked kernel's); a demand's
+#   age is the service's own (since it first saw it), not the server's word; a kernel the service holds no grant
+#   for is answered in "waiting" (released). At most
 #   4096 entries in each list (400).
 #   -> 200 {"go": [kernel id], "park": [kernel id], "waiting": {kernel id: reason}, "told": {kernel id: message}}
 #   "go": room is reserved for its restore now (until the service's sample shows its memory back, or a timeout;

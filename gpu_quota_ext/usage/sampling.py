@@ -70,7 +70,7 @@ class Sample:
     # "starting", "ok", "degraded" (some devices unreadable), "no-gpu", "error"; the API adds "stalled"
     state: str
     message: Optional[str] = None
-    time: Optional[float] = None  # wall clock of the sample
+    time: Optional[float] = None  # wall clock when its reading began
     devices: Mapping[int, DeviceReading] = field(default_factory=dict)
     kernels: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # kernel -> device -> used
     # The part of `kernels` used by the kernel's own process tree (the rest was found by environment).
@@ -280,6 +280,9 @@ class Monitor:
             self._opened = True
             self._solved("open")
 
+        # The sample's time is when its reading began: what is decided on a sample taken after a moment (a
+        # restore's reservation ends on one that shows its memory back) needs the reading itself to be later.
+        began = time.time()
         readings: Dict[int, DeviceReading] = {}
         processes: Dict[int, List[Tuple[int, int]]] = {}
         for index, device in self.devices.items():
@@ -325,7 +328,7 @@ class Monitor:
         return Sample(
             state=state,
             message=message,
-            time=time.time(),
+            time=began,
             devices=readings,
             kernels=usage,
             in_tree=in_tree,

@@ -342,3 +342,17 @@ def test_a_kernel_that_holds_nothing_on_a_device_claims_nothing_there():
     kernels = [kernel("A", "waiting")] + idle_cpu
     decided = plan([device(0)], kernels, [Demand("A", {0: 56 * GiB}, 0.0)], [], HostView(None), SETTINGS, 1.0)
     assert decided.go == ("A",)
+
+
+def test_a_kernel_that_asked_for_room_is_never_parked_to_make_it():
+    # X's allocation found the device full (park_on_device_full); its cell ended, and making room takes a while (the
+    # only other idle kernel is too young to park). Idle past min_idle, X must not be chosen to park for itself.
+    kernels = [
+        kernel("X", "idle", used=20 * GiB, idle_for=120),
+        kernel("Y", "idle", used=56 * GiB, idle_for=10),
+        kernel("Z", "busy", used=56 * GiB, cap=56 * GiB),
+    ]
+    demand = Demand("X", {0: 43 * GiB}, since=1000.0, running=True)
+    decided = plan([device(132 * GiB)], kernels, [demand], [], HostView(), SETTINGS, now=1130.0)
+    assert decided.park == () and decided.go == ()
+    assert "X" in decided.waiting

@@ -57,7 +57,7 @@ class Host:
         self.room.hear(user, server, own_reports(HELD, user, server, reports), self.now, lease=True)
 
     def call(self, user, reports, demands, server="", owned_=HELD):
-        checked = check_request(owned_, DEVICES, user, server, reports, demands)
+        checked = check_request(owned_, DEVICES, user, server, reports, demands, self.room.seen())
         self.room.hear(user, server, checked.reports, self.now, lease=False)
         self.room.ask(user, server, checked.demands, self.now)
         heard, waiting, held, taken = self.room.view()
@@ -300,3 +300,56 @@ def test_a_grant_gone_takes_everything_of_its_kernel_with_it():
 
 def test_words_name_another_users_kernel_without_its_id():
     assert OTHERS == "of another user"
+
+
+def test_a_demand_of_a_kernel_the_sample_shows_on_the_device_parks_nobody():
+    # Bob's server names his running kernel (5 GiB on the device, as the service's own sample shows) as waiting for
+    # 5.4 GiB: a resume only comes from a parked kernel, which the sample shows holding nothing there. Believed, it
+    # would make the service park carol's idle kernel (and reserve room) for a kernel that is not parked.
+    host = Host({"ka-alice": {UUID: 5 * GiB}, "kb-bob": {UUID: 5 * GiB}, "kc-carol": {UUID: GiB}})
+    host.lease("alice", {"ka-alice": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    answer = host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}})
+    assert answer.go == () and answer.wake == () and not host.room.pending("alice", "")
+    # Once a sample taken after its park shows it off the device, its demand is decided as any other.
+    host.kernel_used["kb-bob"] = {}
+    host.now += 1
+    assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}}).wake == (("alice", ""),)
+
+
+def test_a_report_of_parking_that_never_ends_does_not_hold_up_another_users_resume_for_good():
+    # Bob's server reports his running kernel (5 GiB on the device) as parking, or parked, at every renewal. The
+    # broker counts those bytes as coming and waits for them rather than park carol's idle kernel: believed for
+    # good, alice's resume would be held up to her wait limit, and past it, for as long as bob's server says so.
+    host = Host()
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    waited = []
+    for step in range(10):
+        host.lease("bob", {"kb-bob": ParkReport("parking" if step % 2 else "parked")})
+        answer = alice_waits(host)
+        if answer.wake:
+            break
+        waited.append(step)
+        host.now += 10
+    assert answer.wake == (("carol", ""),)
+    assert 60 <= 10 * len(waited) <= 80  # a park of 5 GiB is believed for 60 s plus 5 GiB at 0.5 GB/s
+
+
+def test_a_need_beyond_the_cap_is_reserved_whole_when_the_service_saw_the_kernel_hold_it():
+    # Alice's kernel held 9 GiB (torch up to its 5.4 GiB cap, a CuPy pool and its context beside it) before it
+    # parked. Cut to cap + CONTEXT_ALLOWANCE (7.4 GiB), the reservation would be short of what its restore takes, and
+    # another server's restore granted beside it, its own fresh check passing at the same moment, could leave the
+    # device too full for one of them: a failed restore, the kernel lost.
+    host = Host({"ka-alice": {UUID: 9 * GiB}})
+    host.room.note_sample(host.now - 5, host.kernel_used)
+    host.kernel_used = {}  # parked: the service's samples show it off the device
+    answer = host.call("alice", {"ka-alice": ParkReport("waiting")}, {"ka-alice": {UUID: 9 * GiB}})
+    assert answer.go == ("ka-alice",)
+    (held,) = host.room.view()[2]
+    assert held.held == {UUID: 9 * GiB}
+    # Bob's parked kernel (3.5 GiB) does not fit beside it: 12 - 9 - 1 < 3.5.
+    bob = host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: int(3.5 * GiB)}})
+    assert bob.go == ()
+    # A claim beyond what the service ever saw the kernel hold is still cut.
+    checked = check_request(HELD, DEVICES, "carol", "", {}, {"kc-carol": {UUID: 100 * GiB}}, host.room.seen())
+    assert checked.demands == {"kc-carol": {UUID: CAP + CONTEXT_ALLOWANCE}}

@@ -261,3 +261,31 @@ def test_a_running_kernel_that_found_the_device_full_asks_for_room_and_is_told_h
     record, _ = step(record, AskRoom({0: GiB}))
     assert record.room_outcome is None and record.room_need == {0: GiB}
 
+
+
+def test_a_cell_that_begins_before_the_driver_is_asked_calls_the_park_off():
+    # A busy kernel is never parked: a cell that began while the kernel emptied its caches and a fresh sample was
+    # read (nothing asked of the driver yet) calls the park off, rather than parking it under its cell and making the
+    # cell wait for a restore (and, under a broker, for room).
+    record, _ = step(ParkRecord(), AskPark("to make room for kernel A", None, busy=False, automatic=True))
+    record, _ = step(record, Busy())
+    record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
+    assert record.state == RUNNING and effects == (Decide(),)
+    assert not record.refused  # it parks again when it is idle again and chosen
+    # A user's park request waits for the cell instead, as one asked while the cell ran.
+    record, _ = step(ParkRecord(op=2), PARK)
+    record, _ = step(record, Busy())
+    record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
+    assert record.state == "pending" and effects == ()
+    record, effects = step(record, Idle())
+    assert record.state == "parking" and effects == (StartPark(record.op),)
+    # A resume asked in that moment calls it off too; a cell that already ended does not.
+    record, _ = step(ParkRecord(op=4), PARK)
+    record, _ = step(record, AskResume())
+    record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
+    assert record.state == RUNNING and effects == (Decide(),)
+    record, _ = step(ParkRecord(op=6), PARK)
+    record, _ = step(record, Busy())
+    record, _ = step(record, Idle())
+    record, effects = step(record, ParkChecked(record.op, (7,), {0: 2 * GiB}, None))
+    assert record.state == "parking" and effects == (Checkpoint(record.op, (7,)),)

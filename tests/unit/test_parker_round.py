@@ -2,6 +2,7 @@
 from the monitor's last sample, its records and the ledger, and `room_right_now`."""
 
 import datetime
+import os
 from types import SimpleNamespace
 
 from gpu_quota_ext.devices import Device
@@ -104,3 +105,162 @@ def test_on_a_hub_host_room_on_a_full_device_is_refused_plainly(monkeypatch):
     accepted, park, why = asyncio.run(parker.request_room("A"))
     assert not accepted and "host service's broker makes room for resumes only" in why
     assert "A" not in parker.records  # nothing asked, nothing kept
+
+
+def test_on_a_hub_host_a_wait_past_the_limit_is_told_even_when_the_service_does_not_tell_it():
+    # The limit is this server's promise to its user ("at park_wait_limit the cell ends, not a hang"). A service that
+    # does not answer (down, or an older one without the room route: 404), or whose own clock for the demand began
+    # later (it answered "go" and the restore was deferred: named again, it is a new demand there), must not turn
+    # the wait into a hang.
+    import asyncio
+
+    from gpu_quota_ext.parking import BrokerSettings, Demand, DeviceView, HostBroker, HostView, KernelView, Round
+
+    def round_at(now):
+        return Round(
+            devices=(DeviceView(0, "GPU 0", 140 * GiB, 100 * GiB),),
+            kernels=(KernelView("A", "waiting", {}, {0: 40 * GiB}, None, False, "kernel A"),),
+            demands=(Demand("A", {0: 20 * GiB}, 1000.0),),
+            reservations=(),
+            host=HostView(),
+            settings=BrokerSettings(wait_limit=300.0),
+            now=now,
+        )
+
+    def unreachable(body):
+        raise OSError("HTTP 404: Not Found")
+
+    down = HostBroker(SimpleNamespace(room=unreachable), {0: "GPU-0"})
+    early = asyncio.run(down.decide(round_at(1200.0)))
+    assert "A" in early.waiting and not early.told
+    late = asyncio.run(down.decide(round_at(1300.0)))
+    assert "park_wait_limit" in late.told["A"] and "does not answer" in late.told["A"]
+
+    silent = {"go": [], "park": [], "waiting": {"A": "needs 20.0 GiB on GPU-0; making room"}, "told": {}}
+    quiet = HostBroker(SimpleNamespace(room=lambda body: silent), {0: "GPU-0"})
+    plan = asyncio.run(quiet.decide(round_at(1300.0)))
+    assert plan.told["A"].endswith("needs 20.0 GiB on GPU-0; making room")
+    granted = HostBroker(SimpleNamespace(room=lambda body: {**silent, "go": ["A"]}), {0: "GPU-0"})
+    assert not asyncio.run(granted.decide(round_at(1300.0))).told  # a go is a go, whenever it comes
+
+
+def test_a_park_the_host_asks_for_is_made_only_of_a_kernel_still_idle_long_enough_here():
+    # The host decided on a report up to a lease period old (idle 600 s then); the kernel ran a cell since and has
+    # been idle a moment: parking it now would park a kernel its user is working in (park_min_idle). Still idle since
+    # the report, it parks.
+    import asyncio
+
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}},
+        pids={"B": (os.getpid(),)},
+    )
+    parker = parker_with({}, sample, {"B": "idle"})
+    parker.host_report()  # the lease's report: B idle for 600 s
+    parker.kernels.activity = lambda kernel_id: ("idle", datetime.datetime.now(datetime.timezone.utc))
+
+    async def asked():
+        parker.park_for_host(["B"])
+
+    asyncio.run(asked())
+    assert "B" not in parker.records  # not parked, nothing asked of the driver
+    parker.kernels.activity = lambda kernel_id: ("idle", NOW - datetime.timedelta(seconds=600))
+
+    async def asked_again():
+        parker.park_for_host(["B"])
+        state = parker.records["B"].state
+        await parker.stop()
+        return state
+
+    assert asyncio.run(asked_again()) == "parking"
+
+
+def test_a_park_of_this_servers_kernel_the_host_answers_a_room_call_with_says_why_in_whole_words():
+    import asyncio
+
+    from gpu_quota_ext.parking.host_broker import plan_from
+
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}},
+        pids={"B": (os.getpid(),)},
+    )
+    parker = parker_with({}, sample, {"B": "idle"})
+
+    async def applied():
+        parker.apply(plan_from({"park": ["B"]}, ["B"]))
+        reason = parker.records["B"].reason
+        await parker.stop()
+        return reason
+
+    assert asyncio.run(applied()) == "to make room for another kernel of this host"
+
+
+def test_a_park_asked_right_after_a_cell_is_decided_on_a_sample_whose_reading_began_after_it():
+    # The sample out when the park is asked was read before the cell's tensor existed: it says the kernel holds
+    # nothing. The park must wait for the next one (issue 21: "a park requested right after a cell decides on a
+    # fresh sample").
+    import asyncio
+    import time
+
+    empty = Sample(state="ok", time=0.0, devices={0: DeviceReading(0, 0)}, kernels={}, pids={})
+    parker = parker_with({}, empty, {"B": "idle"})
+    parker.settings = ParkSettings(fresh_sample_wait=5.0)
+    loop_samples = []
+
+    def sample_soon():
+        loop = asyncio.get_running_loop()
+        if not loop_samples:  # the sample already out: its reading began before the request
+            taken = time.time() - 0.05
+            loop_samples.append(Sample(state="ok", time=taken, devices={0: DeviceReading(0, 0)}, kernels={}, pids={}))
+        else:
+            loop_samples.append(Sample(
+                state="ok", time=time.time(), devices={0: DeviceReading(0, 20 * GiB)}, kernels={"B": {0: 20 * GiB}},
+                pids={"B": (os.getpid(),)},
+            ))
+        sample = loop_samples[-1]
+
+        def arrive():
+            parker.monitor.latest = sample
+            parker.on_sample(sample)
+
+        loop.call_later(0.01, arrive)
+
+    parker.monitor.sample_soon = sample_soon
+
+    async def asked():
+        accepted, park = await parker.request_park("B")
+        await parker.stop()
+        return accepted, park
+
+    accepted, park = asyncio.run(asked())
+    assert accepted, park
+
+
+def test_on_a_hub_host_a_wait_that_ends_unserved_is_ended_at_the_service_at_once():
+    # Alice interrupts her waiting cell (or it is told and ends): her server has no demand now. Unless it says so,
+    # the service keeps deciding for that demand until her lease's next report (up to 15 s), and may ask another
+    # user's server to park an idle kernel for a cell that no longer waits.
+    import asyncio
+
+    from gpu_quota_ext.parking import BrokerSettings, Demand, DeviceView, HostBroker, HostView, Round
+
+    calls = []
+    broker = HostBroker(SimpleNamespace(room=lambda body: calls.append(body) or {}), {0: "GPU-0"})
+
+    def round_with(*demands):
+        return Round((DeviceView(0, "GPU 0", 140 * GiB, 0),), (), demands, (), HostView(), BrokerSettings(), 10.0)
+
+    asyncio.run(broker.decide(round_with(Demand("A", {0: GiB}, 1.0))))
+    asyncio.run(broker.decide(round_with()))
+    asyncio.run(broker.decide(round_with()))
+    assert [body["demands"] for body in calls] == [[{"kernel_id": "A", "need": {"GPU-0": GiB}}], []]
+
+
+def test_a_park_whose_driver_call_has_not_returned_is_not_counted_as_memory_coming():
+    # Its checkpoint call is stuck (park_call_timeout passed): the broker must not wait for its bytes, which may never
+    # leave, rather than park another idle kernel for a waiting cell.
+    sample = Sample(
+        state="ok", time=1000.0, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"B": {0: 56 * GiB}}, pids={}
+    )
+    stuck = ParkRecord(state="parking", since=1.0, op=1, pids=(7,), parked={0: 56 * GiB}, stuck="has not returned")
+    (b,) = parker_with({"B": stuck}, sample, {"B": "idle"}).round().kernels
+    assert b.state != "parking" and not b.parkable

@@ -221,3 +221,51 @@ def test_a_round_parking_cannot_finish_is_logged_and_never_reaches_the_monitor(c
     parker.driver_problem = None
     parker.on_sample(Sample(state="ok", time=1.0))  # the watchdog runs after this: it must not raise
     assert "parking skipped one sample" in caplog.text and "jupyter_server changed under us" in caplog.text
+
+
+def test_a_driver_call_from_before_a_restart_does_not_count_for_the_restarted_kernel():
+    # The old kernel's checkpoint call is still out (a slow or stuck driver call) when the kernel is restarted and
+    # its new process parks: the old call's outcome must not be taken for the new park's (the op numbers of the new
+    # record must not start again from where the old one's did), or the new kernel is checkpointed while the
+    # parker believes it runs: nothing would ever restore it.
+    import threading
+
+    from gpu_quota_ext.parking.checkpoint import CUDA_ERROR_NOT_FOUND, CheckpointError
+
+    entered, release = threading.Event(), threading.Event()
+
+    class OldCallOut(FakeCheckpoint):
+        first = True
+
+        def lock(self, pid, timeout_ms):
+            if OldCallOut.first:
+                OldCallOut.first = False
+                entered.set()
+                release.wait(10)
+                raise CheckpointError("cuCheckpointProcessLock", pid, CUDA_ERROR_NOT_FOUND)  # its process is gone
+            super().lock(pid, timeout_ms)
+
+    machine = ParkerMachine()
+    machine.parker.driver = OldCallOut()
+    try:
+        accepted, _ = machine.run(machine.parker.request_park(KERNEL))
+        assert accepted
+        machine.run(asyncio.to_thread(entered.wait, 5))  # the old park's lock call is out
+        machine.parker.forget(KERNEL)  # restarted: the provisioner's cleanup (the old call stays out)
+        new_checkpoint = FakeCheckpoint.hang("cuCheckpointProcessCheckpoint")
+        machine.run(machine.parker.request_park(KERNEL))
+        assert machine.parker.records[KERNEL].state == "parking"
+
+        async def old_call_returns():
+            release.set()
+            await asyncio.sleep(0.3)  # its outcome reaches the loop
+
+        machine.run(old_call_returns())
+        assert machine.parker.records[KERNEL].state == "parking", machine.parker.records[KERNEL]
+        new_checkpoint.set()
+        machine.settle()
+        assert machine.parker.records[KERNEL].state == "parked"
+        assert set(FakeCheckpoint.states.values()) == {CHECKPOINTED}
+    finally:
+        release.set()
+        machine.teardown()

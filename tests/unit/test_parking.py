@@ -18,6 +18,7 @@ from gpu_quota_ext.parking.checkpoint import (
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
+    LOCKED,
     RUNNING,
     CheckpointError,
     CheckpointUnavailable,
@@ -274,3 +275,31 @@ def test_usage_nvml_cannot_read_is_unknown_not_nothing():
 
     assert short_reason(reason) == "its usage on GPU 1 is unknown"
     assert not_parkable(None, False, True, 0, (7,)) == "this kernel holds no GPU memory"
+
+
+def test_a_later_processes_failed_checkpoint_never_restores_an_earlier_one_blind(fake, children):
+    # The first process's checkpoint freed its memory; while the second one's ran (seconds, for a large one), another
+    # process took that memory; then the second one failed. Restoring the first to undo the park would be a restore
+    # into a device without room: the driver would lose it for good. The kernel stays parked as far as the driver has
+    # it (every process locked), and comes back through the broker like any park.
+    FakeNvml.totals = {"GPU-0": 4 * GiB}
+    for pid in children:
+        FakeNvml.set_usage(pid, "GPU-0", GiB)
+
+    class SecondFails(FakeCheckpoint):
+        def checkpoint(self, pid):
+            if pid == children[1]:
+                FakeNvml.set_usage(os.getpid(), "GPU-0", int(2.5 * GiB))  # the first one's memory, taken meanwhile
+                raise CheckpointError("cuCheckpointProcessCheckpoint", pid, CUDA_ERROR_OPERATING_SYSTEM)
+            super().checkpoint(pid)
+
+    driver = SecondFails()
+    try:
+        park_processes(driver, children, 1000)
+    except CheckpointError:
+        pass
+    assert FakeCheckpoint.broken == set()
+    assert fake.state(children[0]) == CHECKPOINTED and fake.state(children[1]) == LOCKED
+    FakeNvml.clear_usage(os.getpid())  # room again (the broker reserves it before it asks)
+    assert resume_processes(driver, children) is True
+    assert all(fake.state(pid) == RUNNING for pid in children)

@@ -91,6 +91,11 @@ def _broker_trait(name: str) -> Unicode:
     ).tag(config=True)
 
 
+def _read_at(sample) -> float:
+    """When a host sample's reading began (the broker's "a sample taken after"), for a sample that says so."""
+    return sample.read_at if sample.read_at is not None else sample.taken_at
+
+
 def _access_log(handler: web.RequestHandler) -> None:
     # The path without its query: a "?token=" must never reach a log.
     request = handler.request
@@ -269,7 +274,7 @@ class GpuQuotaService(Application):
         sample = self.sampler.last
         if sample is None:
             return
-        self.room.note_sample(sample.taken_at, sample.attributed.kernel_used)
+        self.room.note_sample(_read_at(sample), sample.attributed.kernel_used)
         sampled = any(used is not None for used in sample.device_used.values())
         try:
             self.history.record(user_points(self.status_now("history", True), sampled))
@@ -305,7 +310,7 @@ class GpuQuotaService(Application):
         broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park."""
         now = time.time()
         owned = self.book.owned()
-        checked = check_request(owned, self.book.devices, user, server, reports, demands)
+        checked = check_request(owned, self.book.devices, user, server, reports, demands, self.room.seen())
         self.room.hear(user, server, checked.reports, now, lease=False)
         self.room.ask(user, server, checked.demands, now)
         self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)
@@ -324,7 +329,7 @@ class GpuQuotaService(Application):
             self.broker_settings,
             user,
             now,
-            sample.taken_at if sample is not None else None,
+            _read_at(sample) if sample is not None else None,
             taken,
         )
         answer = self.room.answer(decide(round_), user, server, owned, now)
@@ -343,6 +348,13 @@ class GpuQuotaService(Application):
         data = answer.json()
         for kernel_id in checked.unknown:
             data["waiting"][kernel_id] = "the host's GPU quota service holds no grant for this kernel (released)"
+        for kernel_id in checked.demands:
+            if kernel_id not in data["go"] and kernel_id not in data["waiting"] and kernel_id not in data["told"]:
+                # Not decided (room.host_round): the service's sample still shows the kernel's memory on the GPU.
+                data["waiting"][kernel_id] = (
+                    "the host's last GPU sample still shows this kernel's memory on the device; waiting for one that "
+                    "shows it parked"
+                )
         return data
 
     def _recent_sample(self, now: float):

@@ -10,15 +10,19 @@ answers. What the service believes of each:
 - devices: the book's, by uuid; their usage the service's own NVML sample (never a server's word).
 - kernels: every grant the book holds; their usage the sampler's verified usage (processes of the kernel's own
   Unix user only, attribution.py); their park state, idle time and "parkable" the last report of their own
-  server (the lease's or the room call's "park"): a server's word about its own kernels, which decides only
-  whether they may be parked. A kernel never reported counts as running (its headroom claimed) and is never
-  parked. A report of "parked" while the sample still shows the kernel's memory (taken before the park ended)
-  counts as a park under way: its bytes are coming, no other kernel parks for them. A kernel its server took a
-  park request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its
-  server's report says so at its next renewal, and the resume it made room for need not wait for that.
+  server (the lease's or the room call's "park"): a server's word about its own kernels, which decides whether
+  they may be parked and whether a park of theirs is under way. A kernel never reported counts as running (its
+  headroom claimed) and is never parked. A report of "parked" while the sample still shows the kernel's memory
+  (taken before the park ended) counts as a park under way: its bytes are coming, no other kernel parks for them.
+  A park said to be under way while the sample shows the memory is believed no longer than a park can take (its
+  bytes at PARK_RATE, plus PARK_MARGIN): then the kernel counts as running. A kernel its server took a park
+  request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its server's
+  report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
-  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE. A room call names all of its server's demands:
-  those it no longer names have ended; a lease report saying a kernel no longer waits ends its demand too.
+  a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE, or to the most its samples saw it hold there. A
+  demand of a kernel the sample shows holding memory (not parked, whatever its server says) is not decided until a
+  sample shows it off the device. A room call names all of its server's demands: those it no longer names have
+  ended; a lease report saying a kernel no longer waits ends its demand too.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
   bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
@@ -55,6 +59,9 @@ from .book import Owned
 RESTORE_RATE = 2e9  # bytes per second a restore is counted to take at the slowest (an H200 measured ~5.5 GB/s)
 RESERVATION_MARGIN = 30.0  # seconds a reservation is held beyond that
 REQUEST_TTL = 60.0  # seconds a park request waits for its server's lease, or for its server's next report
+PARK_RATE = 0.5e9  # bytes per second a park is counted to take at the slowest (an H200 measured 1.1 to 2.2 GB/s) ...
+PARK_MARGIN = 60.0  # ... plus this: a park said to be under way for longer is not believed (its bytes not waited for)
+PARKING = ("parking", "parked")  # reports of one park, under way or done
 OTHERS = "of another user"  # how the words name another user's kernel
 
 Key = Tuple[str, str]  # (user, server)
@@ -83,6 +90,7 @@ class Heard:
     user: str
     server: str
     at: float  # when the service heard it
+    since: float = 0.0  # when the service first heard this state (parking and parked: one park) without a break
 
 
 @dataclass(frozen=True)
@@ -161,12 +169,15 @@ def check_request(
     server: str,
     reports: Mapping[str, ParkReport],
     demands: Mapping[str, Mapping[str, int]],
+    seen: Optional[Mapping[str, Mapping[str, int]]] = None,
 ) -> Checked:
     """The room call of `user`'s server `server`, checked: every kernel it names must be the user's own (RoomRefused
     403 otherwise) and granted to that server (403 naming the server that holds it); every device a need names
     must be one of this host's (400). A kernel the service holds no grant for is left out (reports) or answered
     as such (demands): its server may not have heard of its release yet. Needs are cut to the kernel's cap there
-    plus CONTEXT_ALLOWANCE (a device its grant does not hold: CONTEXT_ALLOWANCE)."""
+    plus CONTEXT_ALLOWANCE (a device its grant does not hold: CONTEXT_ALLOWANCE), or to the most the service's
+    samples saw it hold there (`seen`, HostRoom.seen) where that is more: a reservation short of what the restore
+    takes could let another server's restore, granted beside it, leave too little for it."""
     by_id = {o.grant.kernel_id: o for o in owned}
     uuids = {d.uuid: index for index, d in devices.items()}
     for kernel_id in list(reports) + list(demands):
@@ -192,8 +203,11 @@ def check_request(
             unknown.append(kernel_id)
             continue
         caps = held.grant.caps
+        most = (seen or {}).get(kernel_id, {})
         cut[kernel_id] = {
-            uuid: min(int(n), caps.get(uuids[uuid], 0) + CONTEXT_ALLOWANCE) for uuid, n in need.items() if n > 0
+            uuid: min(int(n), max(caps.get(uuids[uuid], 0) + CONTEXT_ALLOWANCE, most.get(uuid, 0)))
+            for uuid, n in need.items()
+            if n > 0
         }
     return Checked({k: r for k, r in reports.items() if k in by_id}, cut, tuple(unknown))
 
@@ -255,13 +269,17 @@ def host_round(
             report = replace(report, report=ParkReport("parked"))  # asked, and its memory has left the device
         kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now))
     held = {r.kernel_id for r in reservations}
+    # A resume is a parked kernel's, which holds nothing on a device: a demand of a kernel the sample shows there
+    # (a server's word against the service's own reading, or a sample taken before its park ended) waits for one
+    # that shows it gone, and neither goes nor makes anyone park meanwhile.
+    on_device = {k for k, per in kernel_used.items() if any(n > 0 for n in per.values())}
     return Round(
         devices=views,
         kernels=tuple(kernels),
         demands=tuple(
             Demand(w.kernel_id, dict(w.need), w.since)
             for w in demands
-            if w.kernel_id in granted and w.kernel_id not in held
+            if w.kernel_id in granted and w.kernel_id not in held and w.kernel_id not in on_device
         ),
         reservations=tuple(Reservation(r.kernel_id, dict(r.held)) for r in reservations if r.held),
         host=host,
@@ -280,6 +298,11 @@ def _kernel_view(
     state = report.state
     if state == "parked" and any(n > 0 for n in used.values()):
         state = "parking"  # the sample predates the park's end: its bytes are leaving
+    if state == "parking" and now - heard.since > PARK_MARGIN + sum(used.values()) / PARK_RATE:
+        # Said to be parking for longer than a park takes while the sample shows its memory: a server's word that
+        # would hold up everyone else's resume (its bytes waited for, not another kernel parked) for as long as it
+        # is said. Counted as running: its memory and what its cap still allows are claimed.
+        state = "busy"
     idle_for = None
     if state == "idle" and report.idle_for is not None:
         idle_for = report.idle_for + max(0.0, now - heard.at)
@@ -296,6 +319,7 @@ class HostRoom:
         self._waiting: Dict[str, Waiting] = {}
         self._held: Dict[str, Held] = {}
         self._asked: Dict[str, Asked] = {}
+        self._seen: Dict[str, Dict[str, int]] = {}  # kernel -> uuid -> the most a sample saw it hold there
 
     # --- what the servers say -----------------------------------------------------------------------
 
@@ -304,7 +328,11 @@ class HostRoom:
         waits ends its demand (a room call names every demand of its server: ask() ends the others)."""
         with self._lock:
             for kernel_id, report in reports.items():
-                self._heard[kernel_id] = Heard(report, user, server, now)
+                old = self._heard.get(kernel_id)
+                same = old is not None and (
+                    old.report.state == report.state or (old.report.state in PARKING and report.state in PARKING)
+                )
+                self._heard[kernel_id] = Heard(report, user, server, now, old.since if same and old else now)
                 asked = self._asked.get(kernel_id)
                 acted = not (report.state == "idle" and report.parkable)  # parks, or cannot now
                 if asked is not None and asked.delivered is not None and asked.delivered < now and acted:
@@ -335,6 +363,11 @@ class HostRoom:
         """One host sample: a reservation ends where it shows the kernel's verified usage back, or once it was
         taken after a report of the kernel running again."""
         with self._lock:
+            for kernel_id, per in kernel_used.items():
+                most = self._seen.setdefault(kernel_id, {})
+                for uuid, n in per.items():
+                    if n > most.get(uuid, 0):
+                        most[uuid] = n
             for kernel_id, held in list(self._held.items()):
                 if taken_at <= held.since:
                     continue
@@ -353,6 +386,7 @@ class HostRoom:
         `stale_after` seconds (their server went silent), park requests not taken within REQUEST_TTL."""
         with self._lock:
             self._heard = {k: h for k, h in self._heard.items() if k in granted}
+            self._seen = {k: m for k, m in self._seen.items() if k in granted}
             self._held = {k: h for k, h in self._held.items() if k in granted and h.until > now}
             self._waiting = {k: w for k, w in self._waiting.items() if k in granted and now - w.asked < stale_after}
             self._asked = {
@@ -360,6 +394,11 @@ class HostRoom:
                 for k, a in self._asked.items()
                 if k in granted and now - (a.delivered if a.delivered is not None else a.at) < REQUEST_TTL
             }
+
+    def seen(self) -> Dict[str, Dict[str, int]]:
+        """Per kernel and device, the most the service's samples saw it hold (check_request's bound on a need)."""
+        with self._lock:
+            return {k: dict(m) for k, m in self._seen.items()}
 
     # --- the decisions ------------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ class Sample:
     attributed: Attributed
     problem: Optional[str] = None
     verified: Verified = field(default_factory=Verified)  # the registered PIDs believed (per kernel) and those refused
+    read_at: Optional[float] = None  # time.time() when its reading began (what "a sample taken after" means)
 
 
 @dataclass
@@ -205,6 +206,7 @@ class HostSampler:
 
     def _tick(self) -> None:
         verified, user_uid = self._verify()
+        read_at = time.time()
         used: Dict[str, Optional[int]] = {}
         listed: List[Tuple[int, str, int]] = []
         problems = []
@@ -236,7 +238,7 @@ class HostSampler:
             self._act(decision, now)
             if decision.action == "kill":
                 self._killed.add(decision.item.pid)
-        self.last = Sample(now, used, tuple(processes), attributed, "; ".join(problems) or None, verified)
+        self.last = Sample(now, used, tuple(processes), attributed, "; ".join(problems) or None, verified, read_at)
         self.samples += 1
         if self.on_round is not None:
             self.on_round(verified.pids_of(), now)
