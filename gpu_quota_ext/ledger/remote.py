@@ -373,6 +373,12 @@ class RemoteLedger(HeldGrants):
 
     # --- the host's broker (parking.HostRooms) -------------------------------------------------------
 
+    @property
+    def brokers(self) -> bool:
+        """The host service brokers device memory (room calls, park requests): False for a service of an older
+        version, found out at the first lease it refused with the new keys."""
+        return self._long_polls
+
     def room(self, body: dict) -> dict:
         """POST ROOM_PATH: the host's broker's answer for this server's kernels that wait. OSError when the
         service cannot be reached or refuses the request (the waiting kernels say so and wait)."""

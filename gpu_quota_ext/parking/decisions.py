@@ -81,12 +81,15 @@ def not_parkable(
     foreign: Tuple[int, ...] = (),
     stuck: Optional[str] = None,
     unreadable: Tuple[int, ...] = (),
+    broker_problem: Optional[str] = None,
 ) -> Optional[str]:
     """Why parking cannot work for this kernel now, or None. The first reason that applies, most basic first.
     `unreadable`: the kernel's GPUs NVML could not read in the last sample (what it holds there is unknown,
-    which is not nothing)."""
+    which is not nothing); `broker_problem`: why nothing could give a parked kernel room to come back to."""
     if driver_problem:
         return f"no checkpoint driver: {driver_problem}"
+    if broker_problem:
+        return broker_problem
     if mps_client:
         return MPS_REASON
     if not has_devices:

@@ -11,7 +11,7 @@ it runs off the event loop.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Hashable, List, Mapping, Protocol, runtime_checkable
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Protocol, runtime_checkable
 
 from ..threads import off_loop
 from .broker import Plan, Round, told_words
@@ -20,6 +20,10 @@ from .broker import Plan, Round, told_words
 @runtime_checkable
 class HostRooms(Protocol):
     """What a ledger offers when its host service also brokers device memory (ledger/remote.py)."""
+
+    @property
+    def brokers(self) -> bool:
+        """False for a service that cannot broker (an older version without the room route)."""
 
     def room(self, body: dict) -> dict:
         """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
@@ -80,6 +84,17 @@ class HostBroker:
         self.rooms = rooms
         self.uuid_of: Dict[Hashable, str] = {index: uuid for index, uuid in uuid_of.items()}
         self._named = False  # the service last heard of demands of this server
+
+    @property
+    def problem(self) -> Optional[str]:
+        """Why this server must not park now, or None: a host service that does not broker could never give a
+        parked kernel room to come back to (other users' kernels are not this server's to count)."""
+        if getattr(self.rooms, "brokers", True):
+            return None
+        return (
+            "the host's GPU quota service is of an older version that does not broker device memory: a parked kernel "
+            "could not come back"
+        )
 
     async def decide(self, round_: Round) -> Plan:
         mine = [k.kernel_id for k in round_.kernels]

@@ -358,6 +358,7 @@ class Parker:
             foreign=tuple(sample.foreign.get(kernel_id, ())),
             stuck=record.stuck if record is not None else None,
             unreadable=unreadable,
+            broker_problem=getattr(self.broker, "problem", None),
         )
 
     def _kernel_ids(self) -> set:

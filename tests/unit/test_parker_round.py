@@ -264,3 +264,16 @@ def test_a_park_whose_driver_call_has_not_returned_is_not_counted_as_memory_comi
     stuck = ParkRecord(state="parking", since=1.0, op=1, pids=(7,), parked={0: 56 * GiB}, stuck="has not returned")
     (b,) = parker_with({"B": stuck}, sample, {"B": "idle"}).round().kernels
     assert b.state != "parking" and not b.parkable
+
+
+def test_under_a_host_service_that_does_not_broker_nothing_parks():
+    # An older service: a parked kernel would wait for room nobody could give it.
+    from gpu_quota_ext.parking import HostBroker
+
+    sample = Sample(state="ok", time=1.0, devices={0: DeviceReading(0, GiB)}, kernels={"A": {0: GiB}}, pids={"A": (7,)})
+    parker = parker_with({}, sample, {"A": "idle"})
+    rooms = SimpleNamespace(room=lambda body: {}, brokers=True)
+    parker.broker = HostBroker(rooms, {0: "GPU-0"})
+    assert parker.problem("A") is None
+    rooms.brokers = False
+    assert "older version that does not broker device memory" in parker.problem("A")
