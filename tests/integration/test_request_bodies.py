@@ -32,7 +32,9 @@ def raw_request(port, method, path, headers, body=b""):
     closed the connection without an answer."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        connection.putrequest(method, path, skip_accept_encoding=True)
+        # skip_host: the headers given are all that is sent (http.client's own Host beside the test's made every
+        # request "Multiple host headers not allowed", whatever its Content-Length said).
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
         for name, value in headers.items():
             connection.putheader(name, value)
         connection.endheaders(body)
@@ -70,14 +72,21 @@ async def test_a_malformed_content_length_is_a_400_on_every_route(
             for who in credentials:
                 for length in BAD_LENGTHS:
                     headers = {**host, **who, "Content-Length": length}
-                    status, _ = await asyncio.to_thread(raw_request, jp_http_port, method, path, headers, b"{}")
+                    # No bytes after the headers, as in the request to jupyter_server's own route above: tornado
+                    # answers a malformed length with 400 and closes, and a close with bytes still unread sends
+                    # a TCP reset that may destroy the 400 before this client reads it (1 run in 3).
+                    status, _ = await asyncio.to_thread(raw_request, jp_http_port, method, path, headers)
                     assert status == 400, (method, path, who.keys(), length, status)
                     asked += 1
     assert asked == 5 * 3 * 3 * len(BAD_LENGTHS)
     assert server_log.tracebacks() == []
     assert not [r for r in server_log.records if r.levelno >= 40], [r.getMessage() for r in server_log.records][:5]
-    # A line of log per request at most (tornado's "Malformed HTTP message"), as for jupyter_server's routes.
-    assert len(server_log.records) <= asked, [r.getMessage() for r in server_log.records][:5]
+    # A line of log per request at most (tornado's "Malformed HTTP message"), as for jupyter_server's routes, and
+    # none of ours (the kernel started above may still log its own activity meanwhile: not the requests').
+    malformed = [r for r in server_log.records if "Malformed HTTP message" in r.getMessage()]
+    assert len(malformed) <= asked
+    ours = [r.getMessage() for r in server_log.records if "gpu-quota" in r.getMessage() or "gpu_quota" in r.name]
+    assert ours == [], ours[:5]
     assert manager.ledger.get(kernel_id) == grant_before and manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
 
