@@ -37,7 +37,7 @@ from gpu_quota_ext.parking.checkpoint import CHECKPOINTED
 from gpu_quota_ext.parking.fake_file_checkpoint import read_state, set_usage, write_totals
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
-from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
 
 from . import unix_users
 from .hubtools import Hub
@@ -325,6 +325,23 @@ class Scenario:
         assert ka not in json.dumps(bobs) and self.alice not in json.dumps(bobs)
         _, page = await hub.api("GET", self.service.prefix)
         assert "Waiting for device memory" in page and "Leases waiting for park requests" in page
+
+        # Carol, with her own token, names alice's kernel: as a demand of hers (room for it), and in her lease's park
+        # report as idle and parkable. The service refuses the one (403) and ignores the other: nothing of alice's
+        # changes, nothing is asked of anyone.
+        carol = self.tokens[self.carol]
+        demand = {"server": "", "park": [], "demands": [{"kernel_id": ka, "need": {UUID: 5 * GiB}}]}
+        _, refused = await hub.api("POST", self.service.path(ROOM_PATH), demand, token=carol, ok=(403,))
+        assert self.alice not in json.dumps(refused), refused  # the id it names is carol's own words, said back
+        report = {"kernel_id": ka, "state": "idle", "idle_for": 9999.0, "parkable": True}
+        lease = {"server": "", "kernels": [{"kernel_id": kc, "pids": [self.pids[self.carol]]}], "park": [report]}
+        await hub.api("POST", self.service.path(LEASE_PATH), lease, token=carol)
+        after_attack = await self.status()  # answered after the lease: the service has taken the report in
+        assert after_attack["waiting"] == [] and after_attack["reservations"] == [], after_attack
+        alices = next(k for k in after_attack["kernels"] if k["kernel_id"] == ka).get("park") or {}
+        assert (alices.get("idle_for") or 0) < 9999.0, alices  # what alice's own server reported, not carol's
+        assert f"park idle kernel {ka}" not in hub.log_tail(4_000_000)
+        assert read_state(self.nvml_file)["states"].get(str(self.pids[self.alice])) != CHECKPOINTED
 
         # Counted after: the same grants, no more long polls than servers, the service's fds and threads.
         assert len(status["kernels"]) == 3
