@@ -53,6 +53,13 @@ async def test_a_kernel_under_mps_is_not_parkable_and_says_why(jp_fetch, jp_serv
         ),
         (["--GpuQuota.park_host_margin=lots"], None, "c.GpuQuota.park_host_margin = 'lots'"),
         (["--GpuQuota.checkpoint_class=os.path"], None, "checkpoint_class"),
+        (["--GpuQuota.park_min_idle=-1min"], None, "c.GpuQuota.park_min_idle = '-1min'"),
+        (["--GpuQuota.park_wait_limit=forever"], None, "c.GpuQuota.park_wait_limit = 'forever'"),
+        (
+            [],
+            {"GPU_QUOTA_PARK_ON_DEVICE_FULL": "maybe"},
+            "c.GpuQuota.park_on_device_full = 'maybe' (from the environment variable GPU_QUOTA_PARK_ON_DEVICE_FULL)",
+        ),
     ],
 )
 def test_invalid_park_settings_stop_the_server_with_one_clear_line(tmp_path, args, env_extra, expected):
