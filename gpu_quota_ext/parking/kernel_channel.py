@@ -30,9 +30,17 @@ class KernelChannel:
         """The kernel's reply content, or None (no such kernel, no answer in time, a channel that fails)."""
         try:
             client = self.kernels.client(kernel_id)
-            client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
         except Exception as error:
+            log.debug("gpu-quota-ext: kernel %s: no client: %r", kernel_id, error)
+            return None
+        try:
+            client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        except Exception as error:  # a channel half started is stopped, not left open
             log.debug("gpu-quota-ext: kernel %s: no control channel: %r", kernel_id, error)
+            try:
+                client.stop_channels()
+            except Exception:
+                pass
             return None
         try:
             request = client.session.msg(KERNEL_REQUEST, content)

@@ -277,3 +277,22 @@ def test_under_a_host_service_that_does_not_broker_nothing_parks():
     assert parker.problem("A") is None
     rooms.brokers = False
     assert "older version that does not broker device memory" in parker.problem("A")
+
+
+def test_a_control_channel_that_fails_to_start_is_stopped_not_left_open():
+    import asyncio
+
+    from gpu_quota_ext.parking import KernelChannel
+
+    stopped = []
+
+    class Client:
+        def start_channels(self, **channels):
+            raise OSError("no such port")
+
+        def stop_channels(self):
+            stopped.append(True)
+
+    channel = KernelChannel(SimpleNamespace(client=lambda kernel_id: Client()))
+    assert asyncio.run(channel.ask("k", {"action": "trim"}, 1.0)) is None
+    assert stopped == [True]
