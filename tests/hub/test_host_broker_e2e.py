@@ -22,6 +22,7 @@ Install what it needs with `bash tests/hub/setup.sh`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -39,6 +40,7 @@ from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
 
+from .. import waiting
 from . import unix_users
 from .hubtools import Hub
 from .quota_service import quota_service_config
@@ -135,16 +137,8 @@ def test_a_resume_parks_another_users_least_recently_active_idle_kernel_through_
         shared.rmdir()
 
 
-async def until(check, what: str, timeout: float = DEADLINE):
-    """Poll `check` (async) until it returns a true value, with a deadline: no sleep stands for an event."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s: {what}; last: {str(last)[:3000]}")
+# This file's events: a deadline for a busy 2-core machine, checks that ask a server no faster than this.
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, step=0.1)
 
 
 def kernel_process(kernel_id: str) -> psutil.Process:
@@ -191,7 +185,7 @@ class Scenario:
     async def run(self):
         hub = self.hub
         await hub.wait_until_up()
-        await until(self.answers, "the quota service answering through the hub's proxy")
+        await wait_for(self.answers, "the quota service answering through the hub's proxy")
         await hub.api("POST", "/hub/api/users", {"usernames": self.users})
         await asyncio.gather(*(hub.start_server(u) for u in self.users))
         await asyncio.gather(*(hub.wait_for_server(u, timeout=120) for u in self.users))
@@ -207,14 +201,14 @@ class Scenario:
             rows = await self.service_rows()
             return all(rows.get(self.kernels[u], {}).get("pids") == [self.pids[u]] for u in self.users) and rows
 
-        await until(registered, "each server's lease registering its kernel's PID, verified by its uid")
+        await wait_for(registered, "each server's lease registering its kernel's PID, verified by its uid")
 
         # Alice's kernel holds 5 GiB and runs a cell; then it is parked by her own server (her park route).
         ka, kb, kc = (self.kernels[u] for u in self.users)
         ran = await hub.execute(self.alice, self.tokens[self.alice], ka, "x = 41")
         assert ran["status"] == "ok", ran
         set_usage(self.pids[self.alice], UUID, HELD, self.nvml_file)
-        await until(lambda: self.server_sees(self.alice), "alice's server seeing her kernel's 5 GiB")
+        await wait_for(lambda: self.server_sees(self.alice), "alice's server seeing her kernel's 5 GiB")
         _, answer = await hub.api(
             "POST", f"/user/{self.alice}/api/gpu-quota/kernels/{ka}/park", {}, token=self.tokens[self.alice]
         )
@@ -223,13 +217,13 @@ class Scenario:
         async def alice_parked():
             return (await self.server_park(self.alice))["state"] == "parked"
 
-        await until(alice_parked, "alice's kernel parked")
+        await wait_for(alice_parked, "alice's kernel parked")
         assert str(self.pids[self.alice]) not in read_state(self.nvml_file)["usage"]
 
         # Bob's and carol's kernels hold 5 GiB each and run a cell each, bob's first: his is the less recently active.
         for user in (self.bob, self.carol):
             set_usage(self.pids[user], UUID, HELD, self.nvml_file)
-            await until(lambda user=user: self.server_sees(user), f"{user}'s server seeing the kernel's 5 GiB")
+            await wait_for(lambda user=user: self.server_sees(user), f"{user}'s server seeing the kernel's 5 GiB")
             ran = await hub.execute(user, self.tokens[user], self.kernels[user], "y = 1")
             assert ran["status"] == "ok", ran
 
@@ -245,7 +239,7 @@ class Scenario:
             )
             return ready and park
 
-        park = await until(the_services_view, "the service hearing alice's kernel parked, bob's and carol's idle")
+        park = await wait_for(the_services_view, "the service hearing alice's kernel parked, bob's and carol's idle")
         assert park[self.bob]["idle_for"] > park[self.carol]["idle_for"]
 
         # What could leak, counted before: grants, the leases' long polls, the service's fds and threads.
@@ -271,7 +265,7 @@ class Scenario:
             return None
 
         most = [0]
-        await until(lambda: self.either(bob_parked, long_polls, cell), "bob's kernel parked for alice's cell")
+        await wait_for(lambda: self.either(bob_parked, long_polls, cell), "bob's kernel parked for alice's cell")
         parked_after = time.monotonic() - started
         ran = await cell
         resumed_after = time.monotonic() - started
@@ -316,7 +310,7 @@ class Scenario:
             return done and status
 
         try:
-            status = await until(settled, "the service's view settled: alice's memory back, nothing reserved")
+            status = await wait_for(settled, "the service's view settled: alice's memory back, nothing reserved")
         except AssertionError as error:
             raise AssertionError(f"{error}\nthe service's status: {json.dumps(seen.get('status'))[:6000]}") from None
         # Each user sees their own: bob sees his kernel's park state, not whose resume it made room for.
@@ -352,7 +346,7 @@ class Scenario:
         assert after_fds <= fds + 4, (fds, after_fds)  # the proxy's keep-alive connections
 
         # The servers stop: their grants go, and so do their long polls.
-        polls = await until(lambda: self.long_polls_now(), "the servers' leases waiting in their long polls")
+        polls = await wait_for(lambda: self.long_polls_now(), "the servers' leases waiting in their long polls")
         renewals = hub.log_tail(4_000_000).count("/services/gpu-quota/api/lease")
         for user in self.users:
             await hub.api("DELETE", f"/hub/api/users/{user}/server")
@@ -362,7 +356,7 @@ class Scenario:
             _, grants = await hub.api("GET", self.service.path(GRANTS_PATH))
             return not grants["grants"] and status["long_polls"] == 0 and status
 
-        status = await until(all_gone, "every grant and long poll gone with the servers")
+        status = await wait_for(all_gone, "every grant and long poll gone with the servers")
         process = self.service_process()
         # Three servers stopping at once check three new tokens with the hub at once: asyncio's default executor
         # (the hub's address looked up) may start a worker or two, which it keeps, a bounded few. A thread or an fd

@@ -24,6 +24,7 @@ Install what it needs with `bash tests/hub/setup.sh`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, METRICS_PATH, STATUS_PATH
 
+from .. import waiting
 from . import unix_users
 from .hubtools import Hub
 from .quota_service import quota_service_config
@@ -156,16 +158,8 @@ def _clean(shared: Path) -> None:
     shared.rmdir()
 
 
-async def until(check, what: str, timeout: float = 60.0):
-    """Poll `check` (async) until it returns a true value, with a deadline: no sleep stands for an event."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}; last: {last!r}")
+# This file's events: a deadline for a busy 2-core machine, checks that ask a server no faster than this.
+wait_for = functools.partial(waiting.wait_for, timeout=60.0, step=0.2)
 
 
 def write_usage(path: Path, usage: dict) -> None:
@@ -242,7 +236,7 @@ class Attack:
     async def run(self):
         hub, alice, bob = self.hub, self.alice, self.bob
         await hub.wait_until_up()
-        await until(self.answers, "the quota service answering through the hub's proxy")
+        await wait_for(self.answers, "the quota service answering through the hub's proxy")
         await hub.api("POST", "/hub/api/users", {"usernames": [alice, bob]})
         await asyncio.gather(*(hub.start_server(u) for u in (alice, bob)))
         await asyncio.gather(*(hub.wait_for_server(u) for u in (alice, bob)))
@@ -263,14 +257,14 @@ class Attack:
 
         # Her server registers the kernel's PID at its next lease renewal; the memory comes once it is known
         # (a kernel using the GPU before its server's first renewal would be an unmanaged process that long).
-        await until(lambda: alices_row(None), "alice's server registering her kernel's PID, verified")
+        await wait_for(lambda: alices_row(None), "alice's server registering her kernel's PID, verified")
         write_usage(self.nvml_file, {victim.pid: {"GPU-trust-0": 10 * GiB}})
 
         async def alices_usage_is_hers():
             return await alices_row(10 * GiB)
 
         try:
-            row = await until(alices_usage_is_hers, "alice's kernel's PID verified and her usage counted")
+            row = await wait_for(alices_usage_is_hers, "alice's kernel's PID verified and her usage counted")
         except AssertionError as error:
             raise AssertionError(f"{error}\nthe service's last status: {json.dumps(seen)[:4000]}") from None
         assert row["devices"][0]["uuid"] == "GPU-trust-0"
@@ -297,7 +291,7 @@ class Attack:
             # Several samples after the kill would have come (the issue's came 1.4 s after the lease).
             return status if status["sampled_at"] > first + GRACE + 6 * POLL else None
 
-        status = await until(refused_and_past_the_grace, "bob's registration of alice's PID refused, then samples")
+        status = await wait_for(refused_and_past_the_grace, "bob's registration of alice's PID refused, then samples")
         (refused,) = [r for r in status["refused_pids"] if r["pid"] == victim.pid]
         assert refused["kernel_id"] == "x" and refused["uid"] == self.accounts.uid(alice)
         assert victim.is_running() and victim.create_time() == born, "alice's kernel was killed"
@@ -332,7 +326,7 @@ class Attack:
             except psutil.NoSuchProcess:
                 return True
 
-        await until(stray_killed, "bob's stray process on a GPU his grant does not hold killed", timeout=30)
+        await wait_for(stray_killed, "bob's stray process on a GPU his grant does not hold killed", timeout=30)
         status = await self.status()
         kills = [a for a in status["actions"] if a["action"] == "kill"]
         assert [(a["user"], a["pid"]) for a in kills] == [(bob, stray.pid)], kills
@@ -402,7 +396,7 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
         except AssertionError:
             return None
 
-    await until(answers, "the quota service answering")
+    await wait_for(answers, "the quota service answering")
     # Alice runs a server of her own, as her Unix user; bob and carol have none.
     await hub.start_server(alice)
     await hub.wait_for_server(alice)
@@ -474,7 +468,7 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
         _, left = await hub.api("GET", grants)  # the admin's view: every user's
         return {g["user"] for g in left["grants"]} == {alice} and left["grants"]
 
-    left = await until(idle_released, "carol's and bob's idle grants released", timeout=BURST_LEASE * 3)
+    left = await wait_for(idle_released, "carol's and bob's idle grants released", timeout=BURST_LEASE * 3)
     assert [g["kernel_id"] for g in left] == [alices_kernel]
     status = (await hub.api("GET", service.path(STATUS_PATH)))[1]
     assert {k["kernel_id"]: k["pids"] for k in status["kernels"]} == {alices_kernel: [victim.pid]}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import pytest
 from traitlets.config import Config
@@ -12,6 +10,7 @@ from traitlets.config import Config
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.manager import SETTINGS_KEY
 
+from ..waiting import wait_for
 from .kernels import execute, static_devices_config
 
 POLL = 0.2  # seconds between samples in these tests
@@ -53,20 +52,6 @@ async def status(jp_fetch) -> dict:
 
 def kernel_entry(state: dict, kernel_id: str) -> dict:
     return next(k for k in state["kernels"] if k["id"] == kernel_id)
-
-
-async def wait_for(predicate, timeout: float = 10.0, step: float = 0.05):
-    """Poll `predicate` (sync or async) until it returns something truthy; return it, or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(step)
 
 
 async def next_samples(serverapp, count: int = 2) -> None:

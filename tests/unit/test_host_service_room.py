@@ -10,6 +10,7 @@ service (unix_user_template), so that the sampler verifies their PIDs."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pwd
@@ -28,6 +29,7 @@ from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, HostView, KernelView, Round
 from gpu_quota_ext.parking.broker import BrokerSettings
 from gpu_quota_ext.policy import GiB
+from tests import waiting
 from tests.hub.hubtools import free_port
 
 UUID = "GPU-room-0"
@@ -129,15 +131,8 @@ def ours() -> int:
     return sum(1 for thread in threading.enumerate() if not thread.name.startswith("asyncio_"))
 
 
-async def until(check, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.02)
+# This file's events: a deadline for a busy 2-core machine, checks that ask a server no faster than this.
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, step=0.02)
 
 
 def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_is_left_behind(service):
@@ -168,7 +163,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             for server in servers.values():
                 assert await asyncio.to_thread(server.ledger.renew)
             # Their renewers' long polls wait now.
-            await until(lambda: service.polls.count() == 3, "three leases waiting in their long polls")
+            await wait_for(lambda: service.polls.count() == 3, "three leases waiting in their long polls")
             fds, threads = len(os.listdir("/proc/self/fd")), ours()
 
             # Alice's cell: her server asks the host's broker.
@@ -176,7 +171,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             asked_at = time.monotonic()
             plan = await broker.decide(alices_round(time.time(), time.time()))
             assert plan.go == () and "idle kernel of another user parks now" in plan.waiting["ka"], plan
-            await until(bob.asked_event.is_set, "bob's lease answered with his kernel to park")
+            await wait_for(bob.asked_event.is_set, "bob's lease answered with his kernel to park")
             (at, kernel_ids), = bob.asked
             assert kernel_ids == ["kb"] and carol.asked == [] and alice.asked == []
             to_bob = at - asked_at
@@ -189,7 +184,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             bob.reports("parked")
             write_usage(service.nvml_file, {carol.process.pid: 5 * GiB})
             service.sampler._tick()
-            await until(lambda: service.status_now("root", True)["kernels"][1]["park"]["state"] == "parked",
+            await wait_for(lambda: service.status_now("root", True)["kernels"][1]["park"]["state"] == "parked",
                         "bob's renewal after the early answer reporting his kernel parked")
             plan = await broker.decide(alices_round(time.time(), time.time()))
             assert plan.go == ("ka",), plan
@@ -220,12 +215,12 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             assert [w["kernel_id"] for w in service.status_now("root", True)["waiting"]] == ["kc"]
 
             assert len(os.listdir("/proc/self/fd")) <= fds + 3
-            await until(lambda: ours() == threads, "no thread of this test's servers or service left behind")
+            await wait_for(lambda: ours() == threads, "no thread of this test's servers or service left behind")
             started = time.monotonic()
             for server in servers.values():
                 await asyncio.to_thread(server.close)
             closing = time.monotonic() - started
-            await until(lambda: service.polls.count() == 0, "every long poll ended with its server")
+            await wait_for(lambda: service.polls.count() == 0, "every long poll ended with its server")
             assert not [t for t in threading.enumerate() if t.name == "gpu-quota-lease"]
             print(f"park request to bob's server {to_bob * 1000:.0f} ms after alice's room call; "
                   f"three servers closed in {closing:.2f} s")
