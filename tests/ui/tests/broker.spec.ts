@@ -12,9 +12,7 @@ import type { Locator } from '@playwright/test';
 
 import {
   GiB,
-  grantOf,
-  kernelPid,
-  newNotebook,
+  newNotebookKernel,
   openPanel,
   PANEL,
   row,
@@ -23,21 +21,6 @@ import {
   SIDEBAR_WIDTHS,
   transitionsDone
 } from './helpers';
-
-interface IKernel {
-  name: string;
-  id: string;
-  pid: number;
-  index: number;
-  uuid: string;
-}
-
-async function notebook(page: IJupyterLabPageFixture, tmpPath: string, name: string): Promise<IKernel> {
-  const id = await newNotebook(page, tmpPath, name);
-  const pid = await kernelPid(page, name);
-  const grant = await grantOf(page, id);
-  return { name, id, pid, index: grant.index, uuid: grant.uuid };
-}
 
 /** The colour a CSS variable of the theme gives text, as the browser computes it. */
 async function themeColour(page: IJupyterLabPageFixture, variable: string): Promise<string> {
@@ -70,8 +53,8 @@ test.describe('the broker in the sidebar', () => {
     await openPanel(page);
     expect(await page.evaluate(() => document.body.dataset.jpThemeLight)).toBe('true');
     expect(Math.round((await page.locator(PANEL).boundingBox())!.width)).toBe(SIDEBAR_WIDTHS.default);
-    const waits = await notebook(page, tmpPath, 'waits.ipynb');
-    const lost = await notebook(page, tmpPath, 'lost.ipynb');
+    const waits = await newNotebookKernel(page, tmpPath, 'waits.ipynb');
+    const lost = await newNotebookKernel(page, tmpPath, 'lost.ipynb');
     const usage = { [waits.pid]: { [waits.uuid]: 4 * GiB }, [lost.pid]: { [lost.uuid]: 6 * GiB } };
     await setScenario(page, { usage });
 

@@ -99,6 +99,27 @@ export async function grantOf(page: Page, kernelId: string): Promise<{ index: nu
   return { index: device.index, uuid, cap: device.cap };
 }
 
+/** A notebook's kernel as the tests need it: its id and PID, and its grant's device. */
+export interface IKernel {
+  name: string;
+  id: string;
+  pid: number;
+  index: number;
+  uuid: string;
+}
+
+/** A new notebook (and its kernel) named `name`, with what the scenario and the checks address it by. */
+export async function newNotebookKernel(
+  page: IJupyterLabPageFixture,
+  tmpPath: string,
+  name: string
+): Promise<IKernel> {
+  const id = await newNotebook(page, tmpPath, name);
+  const pid = await kernelPid(page, name);
+  const grant = await grantOf(page, id);
+  return { name, id, pid, index: grant.index, uuid: grant.uuid };
+}
+
 export interface IScenario {
   /** pid -> device uuid -> bytes NVML sees it hold. */
   usage?: Record<string, Record<string, number>>;

@@ -16,9 +16,7 @@ import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 
 import {
   GiB,
-  grantOf,
-  kernelPid,
-  newNotebook,
+  newNotebookKernel,
   openPanel,
   PANEL,
   reportAllocator,
@@ -30,6 +28,7 @@ import {
   STATUS,
   transitionsDone
 } from './helpers';
+import type { IKernel } from './helpers';
 
 test.use({ viewport: { width: 1280, height: 1200 } });
 
@@ -56,23 +55,13 @@ const TRAINING_CELL = [
   '        optimizer.zero_grad()'
 ].join('\n');
 
-interface IKernel {
-  name: string;
-  id: string;
-  pid: number;
-  index: number;
-  uuid: string;
-}
-
 test('the pictures of docs/images', async ({ page, tmpPath }) => {
   await openPanel(page);
   // Started one after the other, "spread" placement puts them on GPU 0, 1, 0, 1, 0 (the least granted).
   const names = ['train.ipynb', 'finetune.ipynb', 'explore.ipynb', 'notes.ipynb', 'eval.ipynb'];
   const kernels: Record<string, IKernel> = {};
   for (const name of names) {
-    const id = await newNotebook(page, tmpPath, name);
-    const grant = await grantOf(page, id);
-    kernels[name] = { name, id, pid: await kernelPid(page, name), index: grant.index, uuid: grant.uuid };
+    kernels[name] = await newNotebookKernel(page, tmpPath, name);
   }
   expect(names.map(n => kernels[n].index)).toEqual([0, 1, 0, 1, 0]);
   expect(new Set(names.map(n => kernels[n].pid)).size).toBe(names.length);
