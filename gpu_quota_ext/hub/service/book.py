@@ -159,7 +159,6 @@ class HostBook:
         self._limits: Dict[str, UserLimits] = {}
         self.check_gap = check_gap
         self._held_at: Dict[str, float] = {}
-        self._verified: Dict[str, Tuple[int, ...]] = {}
         self._checked_since: Optional[float] = None
         self._last_check: Optional[float] = None
 
@@ -346,15 +345,10 @@ class HostBook:
             if self._last_check is None or now - self._last_check > self.check_gap:
                 self._checked_since = now  # checks (re)started: every grant gets a full period from here
             self._last_check = now
-            self._verified = {kid: tuple(pids) for kid, pids in verified.items() if kid in self._owned and pids}
-            for kid in self._verified:
-                self._held_at[kid] = now
+            for kid, pids in verified.items():
+                if kid in self._owned and pids:
+                    self._held_at[kid] = now
             self._held_at = {kid: at for kid, at in self._held_at.items() if kid in self._owned}
-
-    def verified_pids(self, kernel_id: str) -> Tuple[int, ...]:
-        """The kernel's PIDs the last round believed."""
-        with self._lock:
-            return self._verified.get(kernel_id, ())
 
     def idle(self, now: float) -> List[str]:
         """Grants no verified live process of their user held for a lease period."""
@@ -495,4 +489,3 @@ class HostBook:
             self.ledger.release(kid)
             self._owned.pop(kid, None)
             self._held_at.pop(kid, None)
-            self._verified.pop(kid, None)
