@@ -118,16 +118,6 @@ print(json.dumps({"victim": victim, "codes": codes}))
 """
 
 
-def _require_unix_users() -> str:
-    try:
-        return unix_users.users_python()
-    except unix_users.NotProvided as missing:
-        message = f"THE REAL-UNIX-USERS TEST DID NOT RUN: {missing}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 def _hub(tmp_path: Path, settings: dict, spawner_lines: str, after: str = "", on_full: str = "refuse", devices=GPUS):
     shared = Path(tempfile.mkdtemp(prefix="gq-trust-"))  # readable by the servers' users
     shared.chmod(0o755)
@@ -190,7 +180,7 @@ def service_process(service) -> psutil.Process:
 
 @pytest.mark.timeout(600)
 def test_another_users_pid_in_a_lease_is_never_counted_nor_killed(setup_ok, tmp_path):
-    python = _require_unix_users()
+    python = unix_users.users_python_or_end_the_test()
     suffix = secrets.token_hex(3)
     alice, bob = f"gqta{suffix}", f"gqtb{suffix}"
     spawner = f"""
@@ -357,7 +347,7 @@ class Attack:
 
 @pytest.mark.timeout(420)
 def test_one_users_burst_of_grants_leaves_the_host_to_the_others_and_tokens_need_access(setup_ok, tmp_path):
-    python = _require_unix_users()
+    python = unix_users.users_python_or_end_the_test()
     suffix = secrets.token_hex(3)
     users = {name: f"gqt{name[0]}{suffix}" for name in ("alice", "bob", "carol")}
     spawner = f"""
