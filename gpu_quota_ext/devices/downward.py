@@ -23,7 +23,10 @@ ANNOTATIONS_FILE = POD_INFO_DIR + "/" + ANNOTATIONS_ITEM
 RECORD_ANNOTATION = "gpu-quota-ext/pod-gpu"
 MOST_RECORD_CHARS = 4096  # the hub writes a few hundred characters; more is not the hub's record
 
-_LINE = re.compile(r'^([^=\s]+)="(.*)"$')
+# key="value" with the escapes Go's strconv.Quote writes (and no bare quote): a subset of Python's string literals.
+_LINE = re.compile(
+    r'^([^=\s]+)="((?:[^"\\]|\\(?:[abfnrtv\\"]|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{3}))*)"$'
+)
 
 
 def parse_annotations(text: str) -> Dict[str, str]:
@@ -34,8 +37,8 @@ def parse_annotations(text: str) -> Dict[str, str]:
         if not match:
             continue
         try:
-            value = ast.literal_eval('"' + match.group(2) + '"')  # Go's quoting is a subset of Python's
-        except (ValueError, SyntaxError):
+            value = ast.literal_eval('"' + match.group(2) + '"')  # checked above: only Go's escapes
+        except (ValueError, SyntaxError):  # e.g. a \U beyond Unicode
             continue
         if isinstance(value, str):
             found[match.group(1)] = value
