@@ -137,7 +137,7 @@ def describe_share(share: PodShare) -> str:
     scope = "each process's limit" if share.scope == PROCESS else "the pod's total"
     if share.enforced:
         enforcer = (
-            f"{share.enforcer} enforces {scope} (at it, {share.at_limit}); this extension splits it among kernels"
+            f"{share.enforcer} enforces {scope}; at the limit {share.at_limit}; this extension splits it among kernels"
         )
     else:
         why = share.off_reason or f"{share.enforcer or 'no enforcing layer'} is not there"
