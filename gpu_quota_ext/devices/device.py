@@ -7,7 +7,10 @@ Pure: no NVML, no environment of its own (callers pass the variable's value).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
+
+if TYPE_CHECKING:  # only the type: share.py is where a pod's share is read
+    from .share import DeviceShare
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,9 @@ class Device:
     index: int
     name: str
     uuid: str
-    total: int  # bytes, as NVML (or the static config) reports
+    total: int  # bytes, as NVML (or the static config) reports; inside a pod with a share of the GPU, the share
     nvml_index: Optional[int] = None
+    share: Optional["DeviceShare"] = None  # set when `total` is a pod's share: where it came from, who enforces it
 
     @property
     def nvml_number(self) -> int:

@@ -1,4 +1,5 @@
-"""HAMi inside a container: the pod's share of each GPU, read from the environment HAMi gives it.
+"""HAMi inside a container: the pod's share of each GPU, read from the environment HAMi gives it (through its
+device plugin, or through its DRA driver's CDI edits: the same variables).
 
 Pure: reads a mapping (the server's environment), returns sizes and devices; no I/O.
 
@@ -29,50 +30,38 @@ server's NVML may already show the share; with CUDA_DISABLE_CONTROL=true (or the
 shows the whole GPU. Either way the share is min(NVML's total, the variable), and that is what this
 module makes each device's total. It is also what torch sees as `total_memory` under HAMi-core, so a
 fraction cap written against the share means the same bytes inside the kernel.
+
+HAMi's DRA driver (Project-HAMi/k8s-dra-driver, `hami-core-gpu.project-hami.io`: cmd/hami-kubelet-plugin/
+hami_core.go) gives a container that holds a claim the same HAMi-core through CDI: `CUDA_DEVICE_MEMORY_LIMIT_<i>`
+= the claim's consumed `memory` capacity in MiB ("<MiB>m"), `CUDA_DEVICE_SM_LIMIT_<i>` = its `cores`, and a
+`CUDA_DEVICE_MEMORY_SHARED_CACHE` under `<hook path>/vgpu/claims/<claim uid>/`. Either sign says the share came
+through a DRA claim; the reading is the same.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
 
-from ..shared.sizes import GiB, KiB, MiB, PolicyError, format_bytes
+from ..shared.sizes import GiB, KiB, MiB, PolicyError
+from .share import HAMI, HAMI_DRA, PodShare, describe_share, share_devices
 
-if TYPE_CHECKING:  # only the type: device.py is the one place Device is defined
-    from .device import Device
+__all__ = [
+    "LIMIT_VARIABLE", "SM_LIMIT_VARIABLE", "DISABLE_VARIABLE", "CACHE_VARIABLE", "MAX_DEVICES", "SHARE_MARK",
+    "PodShare", "parse_hami_size", "read_pod_share", "share_devices", "describe_share",
+]
 
 LIMIT_VARIABLE = "CUDA_DEVICE_MEMORY_LIMIT"
 SM_LIMIT_VARIABLE = "CUDA_DEVICE_SM_LIMIT"
 DISABLE_VARIABLE = "CUDA_DISABLE_CONTROL"
+CACHE_VARIABLE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 # HAMi-core keeps limits for this many CUDA devices (CUDA_DEVICE_MAX_COUNT).
 MAX_DEVICES = 16
 SHARE_MARK = "HAMi share"
+DRA_CACHE_FOLDER = "/vgpu/claims/"  # where HAMi's DRA driver puts a claim's shared cache file
 
 _HAMI_SIZE_RE = re.compile(r"^([0-9]+)([gGmMkK]?)$")
 _SCALE = {"": 1, "k": KiB, "m": MiB, "g": GiB}
-
-
-@dataclass(frozen=True)
-class PodShare:
-    """The GPU memory HAMi allows this container, per device index (in bytes), and where it was read."""
-
-    per_device: Mapping[int, int] = field(default_factory=dict)  # CUDA_DEVICE_MEMORY_LIMIT_<i>
-    every_device: Optional[int] = None  # CUDA_DEVICE_MEMORY_LIMIT
-    sources: Mapping[int, str] = field(default_factory=dict)  # index -> "NAME=value" it came from
-    fallback_source: Optional[str] = None
-    sm_limit: Optional[str] = None  # percent, as written; informative only
-    enforced: bool = True  # False: CUDA_DISABLE_CONTROL=true, HAMi-core is not loaded
-
-    def limit_for(self, index: int) -> Optional[int]:
-        """Bytes HAMi-core allows on device `index`, or None (no limit on that device)."""
-        if index in self.per_device:
-            return self.per_device[index]
-        return self.every_device
-
-    def source_for(self, index: int) -> Optional[str]:
-        return self.sources.get(index, self.fallback_source if self.every_device is not None else None)
 
 
 def parse_hami_size(text: str, name: str) -> int:
@@ -94,6 +83,16 @@ def parse_hami_size(text: str, name: str) -> int:
     return nbytes
 
 
+def _per_device(name: str, prefix: str) -> Optional[int]:
+    """The device index of `PREFIX_<i>`, or None when `name` is not HAMi-core's variable for a device."""
+    if not name.startswith(prefix + "_"):
+        return None
+    suffix = name[len(prefix) + 1:]
+    if not suffix.isdigit() or int(suffix) >= MAX_DEVICES:
+        return None  # HAMi-core reads indexes 0..15 only; anything else is not its variable
+    return int(suffix)
+
+
 def read_pod_share(env: Mapping[str, str]) -> Optional[PodShare]:
     """The HAMi limits in `env` (the server's environment), or None when HAMi set none.
 
@@ -103,70 +102,41 @@ def read_pod_share(env: Mapping[str, str]) -> Optional[PodShare]:
     sources: Dict[int, str] = {}
     every_device: Optional[int] = None
     fallback_source: Optional[str] = None
+    per_device_sm: Dict[int, str] = {}
     for name in sorted(env):
         if name == LIMIT_VARIABLE:
             nbytes = parse_hami_size(env[name], name)
             if nbytes:
                 every_device, fallback_source = nbytes, f"{name}={env[name].strip()}"
             continue
-        if not name.startswith(LIMIT_VARIABLE + "_"):
+        sm_index = _per_device(name, SM_LIMIT_VARIABLE)
+        if sm_index is not None:
+            per_device_sm[sm_index] = env[name].strip()
             continue
-        suffix = name[len(LIMIT_VARIABLE) + 1:]
-        if not suffix.isdigit() or int(suffix) >= MAX_DEVICES:
-            continue  # HAMi-core reads indexes 0..15 only; anything else is not its variable
+        index = _per_device(name, LIMIT_VARIABLE)
+        if index is None:
+            continue
         nbytes = parse_hami_size(env[name], name)
         if nbytes:  # 0: HAMi-core falls back to CUDA_DEVICE_MEMORY_LIMIT for that device
-            per_device[int(suffix)] = nbytes
-            sources[int(suffix)] = f"{name}={env[name].strip()}"
+            per_device[index] = nbytes
+            sources[index] = f"{name}={env[name].strip()}"
     if not per_device and every_device is None:
         return None
     disabled = str(env.get(DISABLE_VARIABLE, "")).strip().lower() in ("1", "t", "true", "yes", "on")
+    through_dra = bool(per_device_sm) or DRA_CACHE_FOLDER in str(env.get(CACHE_VARIABLE, ""))
+    sm_name, sm_limit = SM_LIMIT_VARIABLE, env.get(SM_LIMIT_VARIABLE)
+    if sm_limit is None and per_device_sm:
+        first = min(per_device_sm)
+        sm_name, sm_limit = f"{SM_LIMIT_VARIABLE}_{first}", per_device_sm[first]
     return PodShare(
         per_device=per_device,
         every_device=every_device,
         sources=sources,
         fallback_source=fallback_source,
-        sm_limit=env.get(SM_LIMIT_VARIABLE),
+        sm_limit=sm_limit,
+        sm_name=sm_name,
         enforced=not disabled,
+        off_reason=f"{DISABLE_VARIABLE}=true: HAMi-core is off in this container" if disabled else None,
+        way=HAMI_DRA if through_dra else HAMI,
+        enforcer="HAMi-core",
     )
-
-
-def share_devices(devices: List["Device"], share: PodShare) -> Tuple[List["Device"], List[str]]:
-    """Each device with the pod's share as its total (never more than NVML's total), and one line per device.
-
-    Indexes are positions in the server's device list, which is what CUDA numbers them in the server
-    and what HAMi-core's `_<i>` suffixes mean for a process with the same CUDA_VISIBLE_DEVICES.
-    A device already marked (an inventory wrapping one that applied the share) is left as it is.
-    """
-    shared: List["Device"] = []
-    lines: List[str] = []
-    for device in devices:
-        limit = share.limit_for(device.index)
-        if limit is None or SHARE_MARK in device.name:
-            shared.append(device)
-            if limit is None:
-                lines.append(f"{device.index}: {device.name}, no HAMi limit: the whole {format_bytes(device.total)}")
-            continue
-        total = min(limit, device.total)
-        if device.total > limit:
-            seen = f"the GPU has {format_bytes(device.total)} (this process's NVML is not HAMi's)"
-        elif device.total == limit:
-            seen = "NVML already reports the share (HAMi-core is loaded in this process)"
-        else:
-            seen = f"the GPU has only {format_bytes(device.total)}: that is the budget"
-        lines.append(f"{device.index}: {device.name}, budget {format_bytes(total)} from "
-            f"{share.source_for(device.index)}; {seen}")
-        shared.append(dataclasses.replace(device, name=f"{device.name} ({SHARE_MARK})", total=total))
-    return shared, lines
-
-
-def describe_share(share: PodShare) -> str:
-    """One line for the server log: where the share comes from and who enforces it."""
-    enforcer = (
-        "HAMi-core enforces the pod's total; this extension splits it among kernels"
-        if share.enforced
-        else f"{DISABLE_VARIABLE}=true: HAMi-core is off in this container, nothing below this extension "
-        "enforces the pod's total"
-    )
-    sm = f", {SM_LIMIT_VARIABLE}={share.sm_limit}" if share.sm_limit not in (None, "", "0") else ""
-    return f"HAMi pod share{sm}: {enforcer}"

@@ -2,8 +2,10 @@
 
 Two backends behind one small interface: NVML (the real machine) and a static list from config (tests,
 demos on machines without a GPU). `CUDA_VISIBLE_DEVICES` of the server narrows what NVML reports, the
-way CUDA itself would. Inside a HAMi-limited container a device's size is the pod's share of it
-(gpu_quota_ext.devices.hami reads it): NVML's inventory applies it by default, `HamiInventory` on any other.
+way CUDA itself would. Inside a pod that the cluster gave a share of its GPUs (HAMi, HAMi-DRA, KAI fractions,
+NVIDIA's DRA driver with MPS: gpu_quota_ext.devices.pod_share decides which and reads it) a device's size is the
+pod's share of it: NVML's inventory applies it by default, `HamiInventory` on any other. The pod's annotations,
+which some ways need, come from the downward API file the hub's pod spec mounts (devices/downward.py).
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Mapping, Optional, Union
 
-from traitlets import Bool, Type
+from traitlets import Bool, Type, Unicode
 from traitlets import List as ListTrait
 from traitlets.config import LoggingConfigurable
 
 from ..shared.sizes import PolicyError, parse_cap, shown
 from .device import Device, parse_cuda_visible_devices, select_visible
-from .hami import describe_share, read_pod_share, share_devices
+from .downward import ANNOTATIONS_FILE, parse_annotations
+from .pod_share import read_share
+from .share import describe_share, share_devices
 
 
 class DeviceInventory(LoggingConfigurable):
@@ -88,15 +92,27 @@ def parse_static_devices(entries: Any) -> List[Device]:  # as the admin's config
     return devices
 
 
+def _annotations_trait() -> Unicode:
+    return Unicode(
+        ANNOTATIONS_FILE,
+        help="""The pod's annotations as the downward API writes them (the hub's pod spec mounts them here:
+        gpu_quota_ext.hub.kube). Read once, when present: KAI's fraction annotations and the hub's record of the
+        pod's GPU claim are there. Empty: read no file.""",
+    ).tag(config=True)
+
+
 class NvmlInventory(DeviceInventory):
     """The machine's GPUs through NVML (nvidia-ml-py). No library, no driver: no devices, said once."""
 
     pod_share = Bool(
         True,
-        help="""Inside a HAMi-limited container (HAMi's CUDA_DEVICE_MEMORY_LIMIT variables in the server's
-        environment) each GPU's size is the pod's share: caps are fractions of it, admission splits it among
-        the kernels, the sidebar shows it as the device's total. False: the whole GPU as NVML reports it.""",
+        help="""Inside a pod the cluster gave a share of its GPUs (HAMi's CUDA_DEVICE_MEMORY_LIMIT variables, a
+        HAMi DRA claim, KAI's fraction annotations or NVIDIA_GPU_MEMORY_LIMITS, an NVIDIA DRA claim's MPS limit)
+        each GPU's size is the pod's share: caps are fractions of it, admission splits it among the kernels, the
+        sidebar and the status show it as the device's total with where it came from. False: the whole GPU as
+        NVML reports it.""",
     ).tag(config=True)
+    pod_annotations = _annotations_trait()
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -115,7 +131,8 @@ class NvmlInventory(DeviceInventory):
             visible = parse_cuda_visible_devices(_server_env("CUDA_VISIBLE_DEVICES"))
             self._devices = select_visible(found, visible)
             if self.pod_share and self._devices:
-                self._devices = apply_pod_share(self._devices, _server_environ(), self.log)
+                annotations = read_pod_annotations(self.pod_annotations, self.log)
+                self._devices = apply_pod_share(self._devices, _server_environ(), self.log, annotations=annotations)
             if self._problem:
                 self.log.warning("gpu-quota-ext: %s; kernels start without GPU caps", self._problem)
             elif not self._devices:
@@ -173,37 +190,56 @@ def read_nvml_devices():
         return [], f"no GPU: NVML failed listing devices ({error})"
 
 
+def read_pod_annotations(path: str, log: Union[logging.Logger, logging.LoggerAdapter]) -> Optional[dict]:
+    """The downward API's annotations file at `path`, parsed; None when there is none (not in such a pod)."""
+    import os
+
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read(1024 * 1024)  # the API server caps a pod's annotations at 256 KiB
+    except OSError as error:
+        log.warning("gpu-quota-ext: could not read the pod's annotations at %s: %s", path, error)
+        return None
+    return parse_annotations(text)
+
+
 def apply_pod_share(
     devices: List[Device],
     env: Mapping[str, str],
     log: Union[logging.Logger, logging.LoggerAdapter],
     *,
     expected: bool = False,
+    annotations: Optional[Mapping[str, str]] = None,
 ) -> List[Device]:
-    """`devices` with HAMi's per-container limits in `env` as their totals, said in the log.
+    """`devices` with the pod's share (from `env` and the pod's `annotations`) as their totals, said in the log.
 
-    Raises PolicyError naming the variable when a HAMi value cannot be read as HAMi-core reads it.
+    Raises PolicyError naming the variable or annotation when a value cannot be read as its writer means it.
     """
-    share = read_pod_share(env)
+    share, warning = read_share(env, annotations)
     if share is None:
-        if expected:
+        if warning:
+            log.warning("gpu-quota-ext: %s", warning)
+        elif expected:
             log.warning(
-                "gpu-quota-ext: no CUDA_DEVICE_MEMORY_LIMIT variables in the server's environment: "
-                "each GPU's whole memory is the budget"
+                "gpu-quota-ext: no CUDA_DEVICE_MEMORY_LIMIT variables in the server's environment (nor another "
+                "pod share): each GPU's whole memory is the budget"
             )
         return devices
     shared, lines = share_devices(devices, share)
     log.info("gpu-quota-ext: %s; %s", describe_share(share), "; ".join(lines))
     if not share.enforced:
         log.warning(
-            "gpu-quota-ext: CUDA_DISABLE_CONTROL is set: caps split the pod's share, but no driver-side "
-            "limit holds the pod to it"
+            "gpu-quota-ext: %s: caps split the pod's share, but no driver-side limit holds the pod to it",
+            share.off_reason or "the share is not enforced",
         )
     return shared
 
 
 class HamiInventory(DeviceInventory):
-    """The GPUs of a HAMi-limited container, from any inventory: each device's size is the pod's share.
+    """The GPUs of a container with a pod share (HAMi, HAMi-DRA, KAI, NVIDIA DRA), from any inventory: each
+    device's size is the pod's share.
 
         c.GpuQuota.inventory_class = "gpu_quota_ext.devices.HamiInventory"
         c.HamiInventory.physical_class = "gpu_quota_ext.devices.StaticInventory"   # or NVML (the default)
@@ -218,6 +254,7 @@ class HamiInventory(DeviceInventory):
         klass=DeviceInventory,
         help="Where the physical GPUs come from: NVML (default) or gpu_quota_ext.devices.StaticInventory.",
     ).tag(config=True)
+    pod_annotations = _annotations_trait()
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -228,7 +265,13 @@ class HamiInventory(DeviceInventory):
 
     def list_devices(self) -> List[Device]:
         if self._devices is None:
-            self._devices = apply_pod_share(self._physical.list_devices(), _server_environ(), self.log, expected=True)
+            self._devices = apply_pod_share(
+                self._physical.list_devices(),
+                _server_environ(),
+                self.log,
+                expected=True,
+                annotations=read_pod_annotations(self.pod_annotations, self.log),
+            )
         return list(self._devices)
 
     @property

@@ -1,9 +1,9 @@
 """The hub side: what JupyterHub's config calls to give every user's server its caps.
 
 caps.py: per-user and per-group caps carried to each user's server through its environment
-(`configure_hub_caps`); kube.py: the same mapping as KubeSpawner/HAMi pod limits
-(`configure_kubespawner_gpu`); service/: the host service, one ledger for every user of a hub host
-(`configure_host_service`). Nothing here imports jupyterhub or kubespawner at import time.
+(`configure_hub_caps`); kube/: the same mapping as each KubeSpawner pod's GPU share, through HAMi, HAMi-DRA,
+KAI's fractions or NVIDIA's DRA driver (`configure_kubespawner_gpu`); service/: the host service, one ledger
+for every user of a hub host (`configure_host_service`). Nothing here imports jupyterhub or kubespawner at import time.
 
     from gpu_quota_ext.hub import configure_hub_caps
 """

@@ -26,7 +26,12 @@ USAGE_FIELDS = ("allocated", "reserved", "peak")  # per device of a usage report
 
 # GET status: the answer's fields, at the top, per device, per kernel and per device of a kernel.
 STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap", "reasons")
-STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used")
+STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used", "share")
+# A device's "share": null for a whole GPU; inside a pod the cluster gave part of it, where that came from:
+# way ("hami", "hami-dra", "kai", "nvidia-dra"), bytes (= the device's total), source (the variable or annotation
+# read), enforced_by (the layer that holds the pod to it, or null: nothing does), scope ("pod": all its processes
+# together; "process": each process alone, as an MPS limit).
+DEVICE_SHARE_FIELDS = ("way", "bytes", "source", "enforced_by", "scope")
 KERNEL_FIELDS = (
     "id", "user", "kernelspec", "source", "placed", "cpu_only_reason", "devices", "path", "last_action", "layers",
     "park",  # PARK_FIELDS below (the parker's, through the status view's add_kernel_field)

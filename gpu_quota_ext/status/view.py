@@ -88,8 +88,11 @@ class StatusView:
     def answer(self, paths: Mapping[str, Optional[str]]) -> dict:
         """GET /api/gpu-quota/status. `paths`: kernel id -> notebook path (the session manager's)."""
         devices = self.ledger.device_grants()
+        # A device whose total is a pod's share (devices.share.DeviceShare) says where the share came from.
+        shares = {d.index: d.share.to_json() if d.share is not None else None for d in self.ledger.devices}
         for device in devices:
             device["used"] = self.monitor.device_used(device["index"])
+            device["share"] = shares.get(device["index"])
         # Under the host's quota service this server's own policy settings are ignored: say who decides instead.
         decided_by = self.ledger.decided_by()
         policy = self.policy.describe() if decided_by is None else {"decided_by": decided_by}

@@ -17,6 +17,21 @@ export interface IDeviceStatus {
   kernels: number;
   /** NVML: memory used on the device by every process. */
   used?: number | null;
+  /** Inside a pod given part of this GPU: where the pod's share (the total) came from; null: the whole GPU. */
+  share?: IDeviceShare | null;
+}
+
+/** A pod's share of one device (HAMi, HAMi-DRA, KAI fractions, NVIDIA's DRA driver). */
+export interface IDeviceShare {
+  /** "hami", "hami-dra", "kai" or "nvidia-dra". */
+  way: string;
+  bytes: number;
+  /** The variable or annotation read, e.g. "CUDA_DEVICE_MEMORY_LIMIT_0=20480m". */
+  source: string;
+  /** The layer that holds the pod to it; null: nothing below the extension does. */
+  enforced_by: string | null;
+  /** "pod": all the pod's processes together; "process": each process alone (an MPS limit). */
+  scope: string;
 }
 
 export interface IKernelDevice {

@@ -1,105 +1,24 @@
-"""Issue 15, the hub side: real KubeSpawner objects build each user's pod from the policy.
-
-KubeSpawner (jupyterhub-kubespawner, PyPI) builds its pod manifest without talking to Kubernetes; it
-only loads a client configuration when it is created. No cluster runs here: the kubeconfig names an
-API server that nothing calls. Each pod is built the way JupyterHub and KubeSpawner build it before
-sending it (User.spawn: user_options, pre_spawn_hook; KubeSpawner._start: load_user_options, which
-applies the chosen profile, get_pod_manifest, modify_pod_hook), and we read the manifest: the
-notebook container's limits and requests, the pod's annotations and environment.
+"""Issue 15, the hub side, the HAMi way (the default): real KubeSpawner objects build each user's pod from the
+policy (tests/hub/kube_tools.py: how, and the schema check every pod passes), and we read the manifest: the
+notebook container's limits and requests, the pod's annotations and environment. The other ways:
+tests/hub/test_kube_ways.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from unittest.mock import Mock
 
 import pytest
-from jupyterhub import orm
-from jupyterhub.objects import Hub, Server
-from jupyterhub.utils import maybe_future
-from kubernetes_asyncio.config import kube_config
-from kubespawner import KubeSpawner
 from traitlets.config import Config
 
 from gpu_quota_ext.hub.kube import configure_kubespawner_gpu
 from gpu_quota_ext.policy import PolicyError
 
+from .kube_tools import build_pod, container, group, no_cluster, record_of, spawner_for  # noqa: F401
+
 GPU, MEM, PCT, CORES = "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores"
 GPU_TYPE, GPU_POLICY = "nvidia.com/use-gputype", "hami.io/gpu-scheduler-policy"
 HAMI_RESOURCES = (GPU, MEM, PCT, CORES)
-
-KUBECONFIG = """\
-apiVersion: v1
-kind: Config
-clusters: [{name: none, cluster: {server: "https://127.0.0.1:9"}}]
-contexts: [{name: none, context: {cluster: none, user: none}}]
-current-context: none
-users: [{name: none, user: {token: unused}}]
-"""
-
-
-@pytest.fixture(autouse=True)
-def no_cluster(tmp_path, monkeypatch, jp_asyncio_loop):
-    path = tmp_path / "kubeconfig"
-    path.write_text(KUBECONFIG)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: the kubeconfig is read
-    # The client library reads $KUBECONFIG once, when imported: point its default there.
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
-    yield
-    # KubeSpawner's shared API client waits in a task to close itself with the loop: end it here.
-    pending = [task for task in asyncio.all_tasks(jp_asyncio_loop) if not task.done()]
-    for task in pending:
-        task.cancel()
-    jp_asyncio_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-
-
-class HubUser(Mock):
-    """What KubeSpawner and the hook read of a jupyterhub.user.User: name, url, server, groups
-    (real jupyterhub.orm.Group objects, with their properties)."""
-
-    server = Server()
-
-    def __init__(self, name: str, groups=()):
-        super().__init__()
-        self.name = name
-        self.groups = list(groups)
-
-    def _get_child_mock(self, **kwargs):
-        return Mock(**kwargs)  # any other attribute: a plain Mock, not another HubUser
-
-    @property
-    def escaped_name(self):
-        return self.name
-
-    @property
-    def url(self):
-        return self.server.url
-
-
-def group(name: str, **properties) -> orm.Group:
-    return orm.Group(name=name, properties=properties)
-
-
-def spawner_for(config: Config, name: str, groups=()) -> KubeSpawner:
-    return KubeSpawner(config=config, user=HubUser(name, groups), hub=Hub(), _mock=True)
-
-
-async def build_pod(spawner: KubeSpawner, profile: str | None = None):
-    """JupyterHub's and KubeSpawner's own steps up to the pod they would create."""
-    spawner.user_options = {"profile": profile} if profile else {}
-    if hasattr(spawner, "apply_group_overrides"):  # JupyterHub >= 5.3: c.Spawner.group_overrides
-        await spawner.apply_group_overrides()
-    await maybe_future(spawner.run_pre_spawn_hook())
-    await spawner.load_user_options()
-    pod = await spawner.get_pod_manifest()
-    if spawner.modify_pod_hook:
-        pod = await maybe_future(spawner.modify_pod_hook(spawner, pod))
-    return pod
-
-
-def container(pod):
-    return next(c for c in pod.spec.containers if c.name == "notebook")
 
 
 def gpu_limits(pod) -> dict:
@@ -360,3 +279,22 @@ async def test_memory_without_a_count_asks_for_one_gpu_and_renamed_resources():
         "example.com/vgpu": "1",
         "example.com/vgpu-memory-percentage": "50",
     }
+
+
+async def test_the_pod_keeps_kubespawners_own_limits_and_gets_the_file_its_server_reads(config):
+    config.KubeSpawner.cpu_limit = 2.0
+    config.KubeSpawner.mem_limit = "8G"
+    config.KubeSpawner.cpu_guarantee = 1.0
+    config.KubeSpawner.mem_guarantee = "4G"
+    pod = await build_pod(spawner_for(config, "dave"))
+    resources = container(pod).resources
+    assert (resources.limits["cpu"], resources.limits["memory"]) == (2.0, 8 * 2**30)  # KubeSpawner's G is GiB
+    assert (resources.requests["cpu"], resources.requests["memory"]) == (1.0, 4 * 2**30)
+    assert gpu_limits(pod) == {GPU: "1", MEM: "10240"}
+    # The server reads its share from HAMi's variables; the hub's record and the annotations file say what was asked.
+    assert record_of(pod) == {"way": "hami", "container": "notebook", "gpus": 1, "gpu_memory": "10240Mi"}
+    (volume,) = [v for v in pod.spec.volumes if v.name == "gpu-quota-pod-info"]
+    items = [(i.path, i.field_ref.field_path) for i in volume.downward_api.items]
+    assert items == [("annotations", "metadata.annotations")]
+    (mount,) = [m for m in container(pod).volume_mounts if m.name == "gpu-quota-pod-info"]
+    assert (mount.mount_path, mount.read_only) == ("/etc/gpu-quota-ext/pod", True)

@@ -15,6 +15,7 @@ CONTRACT_TS = Path(__file__).resolve().parents[2] / "labextension" / "src" / "co
 MIRRORS = {
     "IQuotaStatus": contract.STATUS_FIELDS,
     "IDeviceStatus": contract.STATUS_DEVICE_FIELDS,
+    "IDeviceShare": contract.DEVICE_SHARE_FIELDS,
     "IKernelStatus": contract.KERNEL_FIELDS,
     "IKernelDevice": contract.KERNEL_DEVICE_FIELDS,
     "IKernelPark": contract.PARK_FIELDS,
