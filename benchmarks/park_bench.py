@@ -56,7 +56,9 @@ def free_port() -> int:
 
 
 class BenchServer:
-    def __init__(self, workdir: Path):
+    DEFAULTS = ("--GpuQuota.default_cap=0.75", "--GpuQuota.max_cap=1.0", "--GpuQuota.poll_interval=0.25")
+
+    def __init__(self, workdir: Path, settings=DEFAULTS):
         self.port = free_port()
         self.runtime = workdir / "runtime"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_")}
@@ -64,8 +66,7 @@ class BenchServer:
         args = [
             sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={workdir}",
-            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}",
-            "--GpuQuota.default_cap=0.75", "--GpuQuota.max_cap=1.0", "--GpuQuota.poll_interval=0.25",
+            "--ServerApp.jpserver_extensions={'gpu_quota_ext': True}", *settings,
         ]
         if os.getuid() == 0:
             args.append("--allow-root")

@@ -408,9 +408,10 @@ OOM_CAP_TEXT = (
     "60.00 GiB is free. Of the allocated memory 18.00 GiB is allocated by PyTorch, and 1.00 GiB is reserved "
     "by PyTorch but unallocated. 19.80 GiB allowed; 19.00 GiB reserved"
 )
-OOM_DEVICE_TEXT = (
-    "CUDA out of memory. Tried to allocate 30.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-    "2.00 GiB is free. Process 4242 has 70.00 GiB memory in use."
+OOM_DEVICE_TEXT = (  # a request within the cap (torch still says "allowed;" once a fraction is set)
+    "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "2.00 GiB is free. Process 4242 has 70.00 GiB memory in use. 19.80 GiB allowed; Of the allocated memory "
+    "0 bytes is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated."
 )
 
 
@@ -422,7 +423,8 @@ def test_oom_at_the_cap_is_explained_after_the_unchanged_traceback(shared):
     assert OOM_CAP_TEXT in out.errors[0]["evalue"]  # the original exception, unchanged
     lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("gpu-quota: 20.0 GiB allowed by your GPU quota on cuda:0")
+    assert lines[0].startswith("gpu-quota: your GPU quota on cuda:0 was the limit: 20.0 GiB allowed")
+    assert "30.0 GiB more" in lines[0]
     assert "%gpucap" in lines[0] and "torch.cuda.empty_cache()" in lines[0]
     # The line comes after the traceback.
     order = [
@@ -438,8 +440,8 @@ def test_oom_of_a_full_device_says_so_and_other_errors_say_nothing(shared):
     out = server.cell(kernel_id, f"import torch\nraise torch.OutOfMemoryError({OOM_DEVICE_TEXT!r})")
     lines = [line for line in out.stderr.splitlines() if line.startswith("gpu-quota:")]
     assert len(lines) == 1, out.stderr
-    assert "cuda:0 itself is full: other processes hold the rest" in lines[0]
-    assert "your quota was not the limit" in lines[0]
+    assert "cuda:0 itself is full (2.0 GiB free for 3.0 GiB more): other processes hold the rest" in lines[0]
+    assert "the quota was not the limit" in lines[0]
     other = server.cell(kernel_id, "raise ValueError('not memory')")
     assert other.status == "error" and other.errors[0]["ename"] == "ValueError"
     assert "gpu-quota" not in other.stderr
