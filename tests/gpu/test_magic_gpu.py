@@ -77,7 +77,7 @@ async def test_lowered_cap_gives_an_explained_oom_and_raising_it_lets_the_alloca
     figure("oom_torch_text", oom.errors[0]["evalue"].replace("\n", " ")[:400])
     figure("oom_explanation", explanation)
     assert len(explanation) == 1
-    assert f"{format_bytes(cap_bytes)} allowed by your GPU quota on cuda:0" in explanation[0]
+    assert f"your GPU quota on cuda:0 was the limit: {format_bytes(cap_bytes)} allowed" in explanation[0]
 
     raised = await ok(jp_serverapp, kernel_id, "%gpucap 0.3")
     assert "gpu-quota: granted" in raised.stdout

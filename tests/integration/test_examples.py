@@ -131,7 +131,7 @@ async def test_tour_notebook_runs_top_to_bottom_in_demo_mode(jp_fetch, jp_server
     assert f"you may ask for up to {format_bytes(int(0.5 * total))}" in shown, shown
     panel = find_cell(nb, "%gpucap panel")
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in panel.outputs), panel.outputs
-    assert "allowed by your GPU quota on cuda:0" in cell_text(oom_cell(nb), "stdout")
+    assert "your GPU quota on cuda:0 was the limit" in cell_text(oom_cell(nb), "stdout")
     assert "granted" in cell_text(find_cell(nb, "%gpucap 0.4"), "stdout")
     assert "clamped" in cell_text(find_cell(nb, "%gpucap 0.9"), "stdout")
     assert format_bytes(device["cap"]) in cell_text(find_cell(nb, "%gpucap reset\n%gpucap"), "stdout")
@@ -147,7 +147,7 @@ async def test_tour_notebook_on_a_real_gpu(jp_fetch, jp_serverapp):
     errors = [(c, o) for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert [c for c, _ in errors] == [oom_cell(nb)], "\n".join("\n".join(o["traceback"]) for _, o in errors)
     assert errors[0][1]["ename"] == "OutOfMemoryError"
-    assert "allowed by your GPU quota on cuda:0" in cell_text(oom_cell(nb), "stderr")
+    assert "your GPU quota on cuda:0 was the limit" in cell_text(oom_cell(nb), "stderr")
     assert "allocated under the new cap" in "".join(cell_text(c, "stdout") for c in nb.cells if c.cell_type == "code")
     assert "granted" in cell_text(find_cell(nb, "%gpucap 0.4"), "stdout")
     assert "clamped" in cell_text(find_cell(nb, "%gpucap 0.9"), "stdout")
