@@ -57,6 +57,13 @@ sessions, so the parameters above are this script's assumption, chosen to match 
     python benchmarks/broker_day.py                # users 4..24, 5 seeds each, and the contrasts (2-3 minutes)
     python benchmarks/broker_day.py --quick        # 4, 8 and 12 users, one seed, a 4-hour day (seconds)
     python benchmarks/broker_day.py --save         # also writes benchmarks/results/broker_day-<date>-<host>.json
+    python benchmarks/broker_day.py --schedule sched.json   # replay benchmarks/device_day.py's schedule (below)
+
+Beside the device (`--schedule`): the seeded schedule of benchmarks/device_day.py (`--schedule-only` writes it)
+replayed here with the device day's settings (caps, overcommit, park_idle_after, park_min_idle, park_wait_limit),
+so that the simulation's cell-start delays and GPU-GiB-hours can be set beside the H200's. Each kernel is one
+user present for the whole day: its first cell makes its working set, then its cells follow the schedule's gaps
+(a wait shifts the user's later cells, as here everywhere; on the device the cells are sent at fixed times).
 """
 
 from __future__ import annotations
@@ -492,7 +499,9 @@ class DaySim:
             k.state, k.demand_since, k.cell_wanted = "waiting", now, False
 
     def start_restore(self, k: Kernel, now: float) -> None:
-        others = {0: sum(o.room for o in self.kernels.values() if o is not k and o.state == "resuming")}
+        # Restores granted and not yet seen: none here, where a restore's bytes are on the device (in every
+        # reading) from its start; the parker counts those its last NVML reading may not show yet.
+        others = {0: 0}
         short = room_right_now(
             {0: k.host}, {0: self.machine.total}, lambda index: self.device_used(), others, self.park.device_margin
         )
@@ -651,6 +660,80 @@ def run_day(
     return [DaySim(days, p, seed, behaviour, machine, timings).run() for p in policies]
 
 
+# --- the device day's schedule, replayed ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """benchmarks/device_day.py's settings, by default its own defaults."""
+
+    overcommit: float = 3.0
+    idle_after: float = 30.0  # park_idle_after, seconds
+    min_idle: float = 10.0  # park_min_idle, seconds
+    wait_limit: float = 300.0  # park_wait_limit, seconds
+    tail_s: float = 300.0  # the day runs this long past the schedule's last minute, for the last cells to end
+
+
+def schedule_days(schedule: dict, total: int = H200_TOTAL) -> Tuple[UserDay, ...]:
+    """device_day's schedule (its JSON: seed, minutes, cap, kernels with cells, work and working_set) as users'
+    days: one user per kernel, arriving at its first cell, its periods the cells' work and the gaps between."""
+    days = []
+    end = schedule["minutes"] * 60
+    for plan_ in schedule["kernels"]:
+        cells, work = plan_["cells"], plan_["work"]
+        periods = []
+        for index, (at, busy) in enumerate(zip(cells, work)):
+            following = cells[index + 1] if index + 1 < len(cells) else end + HOUR
+            periods.append((float(busy), max(0.0, following - at - busy)))
+        days.append(
+            UserDay(plan_["name"], float(cells[0]), end, end + HOUR, int(plan_["working_set"] * total), tuple(periods))
+        )
+    return tuple(days)
+
+
+def replay(
+    schedule: dict,
+    settings: ReplaySettings = ReplaySettings(),
+    timings: Timings = Timings(),
+    machine: Optional[Machine] = None,
+) -> dict:
+    """The device day's schedule through the simulation, in device_day's units: cell-start delay (a cell that
+    found its kernel on the device starts at once here: 0 s), GPU-GiB-hours held by idle kernels and returned,
+    host memory's lowest point, and what the simulation counts instead of lost kernels (violations, first-cell
+    OOMs: it cannot lose a process)."""
+    machine = machine or Machine(cap_fraction=float(schedule["cap"]))
+    days = schedule_days(schedule, machine.total)
+    behaviour = Behaviour(day_s=schedule["minutes"] * 60 + settings.tail_s)
+    policy = PolicySpec(
+        "device day replay", overcommit=settings.overcommit, parking=True, idle_after=settings.idle_after
+    )
+    park = ParkSettings(idle_after=settings.idle_after, min_idle=settings.min_idle, wait_limit=settings.wait_limit)
+    out = DaySim(days, policy, schedule["seed"], behaviour, machine, timings, park).run()
+    delays = list(out.waits) + [0.0] * max(0, out.cells - out.waited)
+    host_lowest = machine.host_total - machine.host_base - machine.host_per_kernel * len(days) - out.host_peak
+    return {
+        "device": f"simulated H200, figures from {FIGURES_FROM}",
+        "schedule_seed": schedule["seed"],
+        "settings": asdict(settings),
+        "timings": asdict(timings),
+        "cells": out.cells,
+        "cell_start_delay_s": {
+            "p50": round(percentile(delays, 0.50), 2),
+            "p95": round(percentile(delays, 0.95), 2),
+            "p99": round(percentile(delays, 0.99), 2),
+            "worst": round(max(delays), 2) if delays else None,
+        },
+        "cells_waited": out.waited,
+        "gpu_gib_hours_held_by_idle_kernels": round(out.idle_held_gib_h, 3),
+        "gpu_gib_hours_returned_by_parking": round(out.returned_gib_h, 3),
+        "host_available_lowest_gib": round(host_lowest / GiB, 2),
+        "first_cell_ooms": out.first_cell_ooms,
+        "parks": {"timer": out.timer_parks, "broker": out.broker_parks, "host_refused": out.host_refusals},
+        "restores": out.restores,
+        "violations": list(out.violations),
+    }
+
+
 # --- the sweep and its table ----------------------------------------------------------------------------------
 
 
@@ -773,8 +856,19 @@ def main() -> None:
     parser.add_argument("--contrast-users", default="6,8,12,16,24", help="users for the contrasts ('' for none)")
     parser.add_argument("--contrast-seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4, 8 and 12 users, one seed, a 4-hour day")
+    parser.add_argument("--schedule", help="replay this device_day schedule (JSON of device_day.py --schedule-only)")
     add_save_options(parser)
     options = parser.parse_args()
+    if options.schedule:
+        import json
+
+        report(
+            "broker_day_replay",
+            replay(json.loads(Path(options.schedule).read_text())),
+            save=options.save,
+            out=options.out,
+        )
+        return
     users = [int(u) for u in options.users.split(",")]
     seeds = list(range(1, options.seeds + 1))
     contrast_users = [int(u) for u in options.contrast_users.split(",") if u.strip()]

@@ -11,8 +11,14 @@ checkpointed, every later call answers 304; measured on the H200 too). So a rest
     room(device) = total - NVML used - headroom of the running kernels - reservations - margin
 
 where a running kernel's headroom is what its cap still lets it take (cap - used, at least 0) on a device where
-it holds memory: bytes it may claim at any moment, so no restore may count on them. (A kernel that holds
-nothing on a device claims nothing there: it could never be parked to give a claim back.) A resume granted
+it holds memory: bytes it may claim at any moment, so no restore may count on them. A busy kernel claims it; an
+idle one does not: it asks for its headroom when its next cell starts (the room check before a cell, and after
+an out-of-memory error where that check was too late), and the broker makes that room like a resume's. Claiming
+idle kernels' headroom too would, under overcommit, fill a device with promises (three idle kernels of cap 0.35
+claim more than the device while holding 40 % of it) while the host has no room left to park them: every
+resume then waits its whole limit with most of the device free (benchmarks/broker_day.py --schedule, on the
+device day's schedule). (A kernel that holds nothing on a device claims nothing there: it could never be parked
+to give a claim back.) A resume granted
 room reserves its parked bytes until a sample taken after its restore has ended shows them as used. Nothing the
 broker grants is held by anyone else: that is the invariant its property tests check ("never two holders of the
 same bytes").
@@ -33,6 +39,7 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 from ..shared.sizes import format_bytes
 
 RUNNING_STATES = ("busy", "idle", "pending")  # on the device, free to allocate up to their caps
+CLAIMING_STATES = ("busy", "pending")  # running a cell: their headroom is claimed (idle ones ask at their next cell)
 PARKED_STATES = ("parked", "waiting")  # their bytes are on the host
 
 
@@ -57,11 +64,12 @@ class KernelView:
     label: str = ""  # how the words name it ("kernel 1a2b…", "alice's kernel 1a2b…")
 
     def headroom(self, key: Hashable) -> int:
-        """What its cap still lets it take on `key` while it runs and holds memory there. A kernel that holds
-        none there (it never used that GPU) claims nothing: it could not be parked to give a claim back, and
-        most kernels never touch the GPU at all. When it does start, it allocates like any newcomer (a device
-        found full makes room for it where park_on_device_full is on)."""
-        if self.state not in RUNNING_STATES or self.used.get(key, 0) <= 0:
+        """What its cap still lets it take on `key` while it runs a cell and holds memory there. An idle kernel
+        claims nothing beyond what it holds: its next cell asks for its headroom first (see the module's
+        docstring). A kernel that holds none there (it never used that GPU) claims nothing: it could not be
+        parked to give a claim back, and most kernels never touch the GPU at all. When it does start, it
+        allocates like any newcomer (a device found full makes room for it where park_on_device_full is on)."""
+        if self.state not in CLAIMING_STATES or self.used.get(key, 0) <= 0:
             return 0
         return max(0, self.caps.get(key, 0) - self.used.get(key, 0))
 
