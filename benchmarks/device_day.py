@@ -60,8 +60,9 @@ class Schedule:
     kernels: List[KernelPlan]
 
 
-def schedule(seed: int = 28, kernels: int = 8, minutes: float = 10.0, cap: float = 0.35, cupy_every: int = 4
-             ) -> Schedule:
+def schedule(
+    seed: int = 28, kernels: int = 8, minutes: float = 10.0, cap: float = 0.35, cupy_every: int = 4
+) -> Schedule:
     """The day, drawn from `seed` alone: every `cupy_every`-th kernel is CuPy, working sets 0.09 to 0.21 of the
     device, the first cell within 20 s, then a cell every 20 to 120 s, each computing 1 to 5 s."""
     rng = random.Random(seed)
@@ -91,7 +92,12 @@ MAKE = {
     ),
     "cupy": (
         "import time, cupy as cp\n"
-        "x = cp.random.randint(0, 251, {n}, dtype=cp.uint8); cp.cuda.Device().synchronize()\n"
+        # Filled a chunk at a time: cp.random.randint on the whole array allocates several times its size
+        # (its int64 draw first), which a cap of 0.35 refuses for a working set of 0.15 (seen on the H200).
+        "x = cp.empty({n}, dtype=cp.uint8)\n"
+        "for _i in range(0, x.size, 1 << 28):\n"
+        "    x[_i:_i + (1 << 28)] = cp.random.randint(0, 251, min(1 << 28, x.size - _i), dtype=cp.uint8)\n"
+        "cp.cuda.Device().synchronize()\n"
         f"def _day_sum(): return sum(int(x[i:i + {CHUNK}].sum(dtype=cp.int64)) for i in range(0, x.size, {CHUNK}))\n"
         "def _day_work(s):\n"
         "    end = time.time() + s\n"
@@ -142,21 +148,25 @@ def run_cell(connection: Path, code: str, timeout: float) -> tuple:
 
 def drive(server, plan: KernelPlan, kernel_id: str, start: float, total: int, outcome: Outcome, stop: threading.Event):
     connection = server.runtime / f"kernel-{kernel_id}.json"
+    made = False  # its working set exists: from then on a variable gone is a kernel lost
     for index, (at, work) in enumerate(zip(plan.cells, plan.work)):
         delay = start + at - time.time()
         if delay > 0 and stop.wait(delay):
             return
-        code = MAKE[plan.framework].format(n=int(plan.working_set * total)) if index == 0 else CELL.format(work=work)
+        # The first cell makes the working set; where it failed (the device full), the next cell tries again.
+        making = not made
+        code = MAKE[plan.framework].format(n=int(plan.working_set * total)) if making else CELL.format(work=work)
         try:
             sent, out, error = run_cell(connection, code, timeout=900)
         except Exception as failure:  # a cell that never answered: counted, the day goes on
             outcome.cell_errors.append(f"cell {index}: {failure!r}"[:300])
             continue
         if error:
-            outcome.cell_errors.append(f"cell {index}: {error}")
-            if "NameError" in error:
+            outcome.cell_errors.append(f"cell {index}{' (making the working set)' if making else ''}: {error}")
+            if "NameError" in error and made:
                 outcome.lost.append(f"cell {index}: variables gone ({error})")
             continue
+        made = made or ("DAY-MADE" in out)
         for line in out.splitlines():
             if line.startswith("DAY-START "):
                 outcome.delays.append(float(line.split()[1]) - sent)
@@ -226,9 +236,13 @@ def day(options) -> dict:
     plan = schedule(options.seed, options.kernels, options.minutes, options.cap)
     workdir = Path(tempfile.mkdtemp(prefix="device-day-"))
     settings = [
-        f"--GpuQuota.default_cap={plan.cap}", f"--GpuQuota.max_cap={plan.cap}",
-        f"--GpuQuota.overcommit={options.overcommit}", "--GpuQuota.placement=pack", "--GpuQuota.poll_interval=1",
-        f"--GpuQuota.park_idle_after={options.idle_after}s", f"--GpuQuota.park_min_idle={options.min_idle}s",
+        f"--GpuQuota.default_cap={plan.cap}",
+        f"--GpuQuota.max_cap={plan.cap}",
+        f"--GpuQuota.overcommit={options.overcommit}",
+        "--GpuQuota.placement=pack",
+        "--GpuQuota.poll_interval=1",
+        f"--GpuQuota.park_idle_after={options.idle_after}s",
+        f"--GpuQuota.park_min_idle={options.min_idle}s",
         f"--GpuQuota.park_wait_limit={options.wait_limit}s",
     ]
     kills = oom_kills()
@@ -289,8 +303,10 @@ def day(options) -> dict:
         "elapsed_s": round(elapsed, 1),
         "cells": len(delays),
         "cell_start_delay_s": {
-            "p50": round(percentile(delays, 0.50), 2), "p95": round(percentile(delays, 0.95), 2),
-            "p99": round(percentile(delays, 0.99), 2), "worst": round(max(delays), 2) if delays else None,
+            "p50": round(percentile(delays, 0.50), 2),
+            "p95": round(percentile(delays, 0.95), 2),
+            "p99": round(percentile(delays, 0.99), 2),
+            "worst": round(max(delays), 2) if delays else None,
             "mean": round(statistics.mean(delays), 2) if delays else None,
         },
         "gpu_gib_hours_held_by_idle_kernels": round(sampler.idle_gib_s / 3600, 3) if sampler else None,
