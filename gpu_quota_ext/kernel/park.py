@@ -21,15 +21,18 @@ RESUME_NOTE = "rarely needed: your next cell resumes a parked kernel by itself"
 _REFUSAL_OPENINGS = ("cannot park", "cannot resume", "not parkable", "not parked", "did not park", "not resumed")
 
 
-def duration_words(seconds: Optional[float]) -> str:
-    """40 -> "40 s", 720 -> "12 min", 7500 -> "2 h 5 min"."""
+def duration_words(seconds: Optional[float], exact: bool = False) -> str:
+    """40 -> "40 s", 720 -> "12 min", 7500 -> "2 h 5 min". `exact` keeps the seconds below an hour (100 ->
+    "1 min 40 s"): a wait and its limit are said exactly, so that 100 s of a 100 s limit never reads "waited 1 min
+    of at most 1 min". The sidebar's formatDuration (labextension/src/format.ts) says the same."""
     if seconds is None or seconds < 0:
         return ""
     seconds = int(seconds)
     if seconds < 60:
         return f"{seconds} s"
     if seconds < 3600:
-        return f"{seconds // 60} min"
+        minutes, rest = divmod(seconds, 60)
+        return f"{minutes} min {rest} s" if exact and rest else f"{minutes} min"
     hours, minutes = divmod(seconds // 60, 60)
     return f"{hours} h {minutes} min" if minutes else f"{hours} h"
 
@@ -68,7 +71,8 @@ def state_words(park: dict) -> str:
         return "resuming"
     if state == "waiting":
         wait_limit = park.get("wait_limit")
-        limit = duration_words(wait_limit) if isinstance(wait_limit, (int, float)) and wait_limit > 0 else ""
+        limited = isinstance(wait_limit, (int, float)) and wait_limit > 0
+        limit = duration_words(wait_limit, exact=True) if limited else ""
         if park.get("told") is True:
             passed = f"waited past its limit ({limit})" if limit else "waited past its limit"
             return f"{passed}: the cell did not run; the kernel stays parked with its grant"
@@ -77,7 +81,7 @@ def state_words(park: dict) -> str:
         words = "waiting for device memory"
         waited = park.get("waited")
         if isinstance(waited, (int, float)) and waited >= 1:
-            words += f" for {duration_words(waited)}"
+            words += f" for {duration_words(waited, exact=True)}"
         if limit:
             words += f" (limit {limit})"
         return f"{words}: {reason}" if reason else words

@@ -147,8 +147,8 @@ def waiting_line(park: dict) -> str:
         return f"{PREFIX} this kernel is parked{where}; bringing its GPU memory back before the cell runs"
     if state == "resuming":
         return f"{PREFIX} its GPU memory is coming back from the host"
-    waited = duration_words(park.get("waited"))
-    limit = duration_words(park.get("wait_limit"))
+    waited = duration_words(park.get("waited"), exact=True)
+    limit = duration_words(park.get("wait_limit"), exact=True)
     timing = f" (waited {waited}" + (f" of at most {limit})" if limit else ")") if waited else ""
     return f"{PREFIX} waiting for device memory{timing}: {reason or 'asking for room'}"
 

@@ -91,14 +91,16 @@ export function formatAge(time: number | string | null | undefined, now: number)
   return `${Math.floor(seconds / 86400)} d ago`;
 }
 
-/** "40 s", "12 min", "2 h 5 min". */
-export function formatDuration(seconds: number): string {
+/** "40 s", "12 min", "2 h 5 min"; `exact` keeps the seconds below an hour ("1 min 40 s"), for a wait and its
+ * limit (the kernel's duration_words in kernel/park.py says the same). */
+export function formatDuration(seconds: number, exact = false): string {
   const s = Math.max(0, Math.floor(seconds));
   if (s < 60) {
     return `${s} s`;
   }
   if (s < 3600) {
-    return `${Math.floor(s / 60)} min`;
+    const minutes = Math.floor(s / 60);
+    return exact && s % 60 ? `${minutes} min ${s % 60} s` : `${minutes} min`;
   }
   const hours = Math.floor(s / 3600);
   const minutes = Math.floor((s % 3600) / 60);
@@ -241,7 +243,7 @@ export function parkWords(park: IKernelPark, reason?: string | null): string {
 
 /** "5 min" of the wait's limit, or "" when there is none (park_wait_limit "off") or it is unknown. */
 function limitWords(park: IKernelPark): string {
-  return isNumber(park.wait_limit) && park.wait_limit > 0 ? formatDuration(park.wait_limit) : '';
+  return isNumber(park.wait_limit) && park.wait_limit > 0 ? formatDuration(park.wait_limit, true) : '';
 }
 
 /** "waiting for device memory for 12 s (limit 5 min): <reason>": how long, the limit, what for. */
@@ -251,7 +253,7 @@ function waitingWords(park: IKernelPark, said: string): string {
   }
   let words = 'waiting for device memory';
   if (isNumber(park.waited) && park.waited >= 1) {
-    words += ` for ${formatDuration(park.waited)}`;
+    words += ` for ${formatDuration(park.waited, true)}`;
   }
   const limit = limitWords(park);
   if (limit) {

@@ -60,7 +60,7 @@ describe('a kernel waiting for device memory', () => {
     const waiting = park('waiting', { reason: MAKING_ROOM, waited: 12.4 });
     expect(parkWords(waiting)).toBe(`waiting for device memory for 12 s (limit 5 min): ${MAKING_ROOM}`);
     expect(parkWords({ ...waiting, waited: 75, wait_limit: 600 })).toBe(
-      `waiting for device memory for 1 min (limit 10 min): ${MAKING_ROOM}`
+      `waiting for device memory for 1 min 15 s (limit 10 min): ${MAKING_ROOM}`
     );
   });
 

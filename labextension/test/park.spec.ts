@@ -22,6 +22,10 @@ describe('parkWords', () => {
     expect(parkWords(park('busy'))).toBe('running');
     expect(parkWords(park('idle', { idle_seconds: 12 * 60 + 5 }))).toBe('idle for 12 min');
     expect(parkWords(park('idle', { idle_seconds: 7500 }))).toBe('idle for 2 h 5 min');
+    // A wait and its limit are said exactly: 100 s of a 100 s limit never reads "1 min (limit 1 min)".
+    expect(parkWords(park('waiting', { waited: 100, wait_limit: 100 }))).toBe(
+      'waiting for device memory for 1 min 40 s (limit 1 min 40 s)'
+    );
     expect(parkWords(park('parked', { since, host_bytes: Math.round(17.8 * GiB) }))).toBe(
       'parked since 14:02, 17.8 GiB on host'
     );

@@ -184,6 +184,12 @@ def test_state_words():
         "waited past its limit (5 min): the cell did not run; the kernel stays parked with its grant"
     )
     assert [duration_words(s) for s in (40, 720, 7500, 7200, None)] == ["40 s", "12 min", "2 h 5 min", "2 h", ""]
+    # A wait and its limit are said exactly: 100 s of a 100 s limit never reads "1 min of at most 1 min".
+    exact = [duration_words(s, exact=True) for s in (60, 61, 100, 3599, 7500)]
+    assert exact == ["1 min", "1 min 1 s", "1 min 40 s", "59 min 59 s", "2 h 5 min"]
+    assert state_words({"state": "waiting", "waited": 100, "wait_limit": 100}).startswith(
+        "waiting for device memory for 1 min 40 s (limit 1 min 40 s)"
+    )
 
 
 def test_table_line_says_parkable_or_why_not():
