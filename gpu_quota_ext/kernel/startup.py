@@ -24,6 +24,8 @@ def _gpu_quota_ext_startup():
             def gpucap(arguments=""):
                 print(line, file=sys.stderr)
 
+            gpucap._ipython_magic_no_var_expand = True  # IPython's @no_var_expand, as the real %gpucap
+
             def after_first_cell(result=None):
                 shell.events.unregister("post_run_cell", after_first_cell)
                 print(line, file=sys.stderr)

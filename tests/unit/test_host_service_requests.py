@@ -33,6 +33,9 @@ def test_a_grant_request_as_the_contract_writes_it():
         "x",
         {"server": "", "kernel_id": "../etc", "kernelspec": "p"},
         {"server": "", "kernel_id": "k" * 129, "kernelspec": "p"},
+        {"server": "", "kernel_id": "x\n", "kernelspec": "p"},  # "$" alone let a final newline through
+        {"server": "", "kernel_id": "kérnel", "kernelspec": "p"},  # ASCII only
+        {"server": "", "kernel_id": "", "kernelspec": "p"},
         {"server": 3, "kernel_id": "k", "kernelspec": "p"},
         {
             "server": "",

@@ -88,6 +88,19 @@ def test_no_second_controller_when_load_ext_already_loaded_the_magic(unmanaged, 
     assert registered.post_run_cell not in shell.events.callbacks["post_run_cell"]
 
 
+def test_gpucap_never_expands_its_argument(unmanaged):
+    # IPython expands $names and {expressions} in a line magic's argument unless the magic carries its
+    # no_var_expand mark; a 100,000-character argument took 80 s there. The stand-in and the full magic carry it.
+    from IPython.core.magic import MAGIC_NO_VAR_EXPAND_ATTR
+
+    shell = Shell()
+    registered = stub.register(shell)
+    assert getattr(registered.magic, MAGIC_NO_VAR_EXPAND_ATTR, False) is True
+    controller = registered.controller()
+    assert shell.magics["gpucap"] == controller.magic
+    assert getattr(controller.magic, MAGIC_NO_VAR_EXPAND_ATTR, False) is True
+
+
 def test_the_stand_ins_magic_runs_the_loaded_one_through_the_shell_when_already_loaded(unmanaged):
     shell = Shell()
     unmanaged.load(shell)

@@ -43,7 +43,9 @@ from .book import Forbidden
 from .page import render_page
 from .room import ParkReport, RoomRefused
 
-KERNEL_ID = re.compile(r"^[\w-]{1,128}$")
+# ASCII letters, digits, - and _ only, matched whole: "$" alone lets a final newline through ("x\n" was granted and
+# then answered 404), and \w lets every script's letters in; an id must be one its owner can fetch back.
+KERNEL_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 MAX_NAME = 255
 MAX_KERNELS = 4096
 MAX_PIDS = 1024
@@ -169,7 +171,7 @@ def _string(body: dict, key: str, required: bool = True, pattern: Optional[re.Pa
     value = body.get(key)
     if value is None and not required:
         return None
-    if not isinstance(value, str) or len(value) > MAX_NAME or (pattern is not None and not pattern.match(value)):
+    if not isinstance(value, str) or len(value) > MAX_NAME or (pattern is not None and not pattern.fullmatch(value)):
         raise web.HTTPError(
             400, f'"{key}" must be a string{" of letters, digits, - and _" if pattern else ""}, not {shown(value)}'
         )
