@@ -9,6 +9,7 @@ import pytest
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hub.service.book import Owned
 from gpu_quota_ext.hub.service.room import (
+    DECLINE_GRACE,
     OTHERS,
     RESERVATION_MARGIN,
     HostRoom,
@@ -279,7 +280,9 @@ def test_status_shows_each_user_their_own_and_the_admin_all():
     host.lease("carol", {"kc-carol": IDLE(50.0)})
     alice_waits(host)
     admin = host.room.status(HELD, "root", True, host.now + 2)
-    assert admin["park"]["kb-bob"] == {"state": "idle", "idle_for": 102.0, "parkable": True, "reported": 2.0}
+    assert admin["park"]["kb-bob"] == {
+        "state": "idle", "idle_for": 102.0, "parkable": True, "reported": 2.0, "declined_park": None
+    }
     assert [w["kernel_id"] for w in admin["waiting"]] == ["ka-alice"]
     (request,) = admin["park_requests"]
     assert (request["kernel_id"], request["for_kernel"], request["taken"]) == ("kb-bob", "ka-alice", False)
@@ -353,3 +356,50 @@ def test_a_need_beyond_the_cap_is_reserved_whole_when_the_service_saw_the_kernel
     # A claim beyond what the service ever saw the kernel hold is still cut.
     checked = check_request(HELD, DEVICES, "carol", "", {}, {"kc-carol": {UUID: 100 * GiB}}, host.room.seen())
     assert checked.demands == {"kc-carol": {UUID: CAP + CONTEXT_ALLOWANCE}}
+
+
+def test_a_server_that_takes_a_park_request_and_never_parks_stalls_nobody():
+    # Issue 30, item 2: bob's server reports his kernel idle for 100,000 s and parkable, takes the park request,
+    # and goes on reporting it idle and parkable. Once its report DECLINE_GRACE after taking it still says so, the
+    # broker chooses carol's honest idle kernel at once, and does not ask bob's again before his server reports
+    # a change.
+    host = Host()
+    host.lease("bob", {"kb-bob": IDLE(100_000.0)})
+    host.lease("carol", {"kc-carol": IDLE(50.0)})
+    assert alice_waits(host).wake == (("bob", ""),)
+    assert host.room.take("bob", "", HELD, host.now) == ["kb-bob"]
+    host.now += 1
+    host.lease("bob", {"kb-bob": IDLE(100_001.0)})  # too soon to say: a server acts on its lease's answer
+    assert alice_waits(host).wake == ()
+    host.now += DECLINE_GRACE
+    host.lease("bob", {"kb-bob": IDLE(100_006.0)})
+    assert alice_waits(host).wake == (("carol", ""),)
+    admin = host.room.status(HELD, "admin", True, host.now)
+    assert admin["park"]["kb-bob"]["declined_park"] == 0.0 and admin["park"]["kc-carol"]["declined_park"] is None
+    # Bob's kernel runs a cell, then idles again: a change, so it may be chosen again.
+    host.lease("bob", {"kb-bob": ParkReport("busy")})
+    host.lease("bob", {"kb-bob": IDLE(1.0)})
+    assert host.room.status(HELD, "admin", True, host.now)["park"]["kb-bob"]["declined_park"] is None
+
+
+def test_the_limit_on_believing_a_park_counts_from_its_first_report_whatever_blips_come_between():
+    # Issue 30, item 3: bob's server reports "parking" for good, with a "busy" report every 40 s. Counted from each
+    # new "parking", the limit (60 s + 5 GiB at 0.5 GB/s) would never pass and carol would never be asked.
+    host = Host()
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    waited = 0
+    for step in range(20):
+        state = "busy" if step % 4 == 3 else "parking"
+        host.lease("bob", {"kb-bob": ParkReport(state)})
+        host.lease("bob", {"kb-bob": ParkReport("parking")})
+        answer = alice_waits(host)
+        if answer.wake:
+            break
+        waited += 10
+        host.now += 10
+    assert answer.wake == (("carol", ""),)
+    assert 60 <= waited <= 80
+    # A sample showing bob's kernel off the device ends that park's claim: his next park is believed afresh.
+    host.kernel_used["kb-bob"] = {}
+    host.room.note_sample(host.now + 1, host.kernel_used)
+    assert "kb-bob" not in host.room._claimed

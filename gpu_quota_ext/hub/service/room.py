@@ -15,7 +15,11 @@ answers. What the service believes of each:
   headroom claimed) and is never parked. A report of "parked" while the sample still shows the kernel's memory
   (taken before the park ended) counts as a park under way: its bytes are coming, no other kernel parks for them.
   A park said to be under way while the sample shows the memory is believed no longer than a park can take (its
-  bytes at PARK_RATE, plus PARK_MARGIN): then the kernel counts as running. A kernel its server took a park
+  bytes at PARK_RATE, plus PARK_MARGIN), counted from the first report of a park not yet seen done: a blip of
+  "busy" between two "parking" reports does not start it again. Then the kernel counts as running. A kernel its
+  server took a park request for and, DECLINE_GRACE seconds later, still reports idle and parkable has declined
+  it: it counts as not parkable until its server reports another state, and the broker chooses the next idle
+  kernel at once (one server's word never stalls the others). A kernel its server took a park
   request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its server's
   report says so at its next renewal, and the resume it made room for need not wait for that.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
@@ -62,6 +66,7 @@ REQUEST_TTL = 60.0  # seconds a park request waits for its server's lease, or fo
 PARK_RATE = 0.5e9  # bytes per second a park is counted to take at the slowest (an H200 measured 1.1 to 2.2 GB/s) ...
 PARK_MARGIN = 60.0  # ... plus this: a park said to be under way for longer is not believed (its bytes not waited for)
 PARKING = ("parking", "parked")  # reports of one park, under way or done
+DECLINE_GRACE = 5.0  # seconds after its server took a park request before a report of "idle, parkable" declines it
 OTHERS = "of another user"  # how the words name another user's kernel
 
 Key = Tuple[str, str]  # (user, server)
@@ -320,6 +325,8 @@ class HostRoom:
         self._held: Dict[str, Held] = {}
         self._asked: Dict[str, Asked] = {}
         self._seen: Dict[str, Dict[str, int]] = {}  # kernel -> uuid -> the most a sample saw it hold there
+        self._claimed: Dict[str, float] = {}  # kernel -> first report of a park not yet seen done (not reset by blips)
+        self._declined: Dict[str, float] = {}  # kernel -> when its server was seen not to carry out a park it took
 
     # --- what the servers say -----------------------------------------------------------------------
 
@@ -333,10 +340,18 @@ class HostRoom:
                     old.report.state == report.state or (old.report.state in PARKING and report.state in PARKING)
                 )
                 self._heard[kernel_id] = Heard(report, user, server, now, old.since if same and old else now)
+                if report.state in PARKING:
+                    self._claimed.setdefault(kernel_id, now)
+                if report.state != "idle":
+                    self._declined.pop(kernel_id, None)  # a change: it may be asked again
                 asked = self._asked.get(kernel_id)
                 acted = not (report.state == "idle" and report.parkable)  # parks, or cannot now
                 if asked is not None and asked.delivered is not None and asked.delivered < now and acted:
                     del self._asked[kernel_id]  # its server has acted on it since: it may be asked again
+                elif asked is not None and asked.delivered is not None and now - asked.delivered >= DECLINE_GRACE:
+                    # Taken, and still idle and parkable since: not carried out. Not asked again before a change.
+                    del self._asked[kernel_id]
+                    self._declined[kernel_id] = now
                 held = self._held.get(kernel_id)
                 if held is not None and held.running_seen is None and report.state in RUNNING_STATES:
                     self._held[kernel_id] = replace(held, running_seen=now)
@@ -368,6 +383,8 @@ class HostRoom:
                 for uuid, n in per.items():
                     if n > most.get(uuid, 0):
                         most[uuid] = n
+            for kernel_id in [k for k in self._claimed if not any(n > 0 for n in kernel_used.get(k, {}).values())]:
+                del self._claimed[kernel_id]  # off the device: that park is done (or there was nothing to park)
             for kernel_id, held in list(self._held.items()):
                 if taken_at <= held.since:
                     continue
@@ -387,6 +404,8 @@ class HostRoom:
         with self._lock:
             self._heard = {k: h for k, h in self._heard.items() if k in granted}
             self._seen = {k: m for k, m in self._seen.items() if k in granted}
+            self._claimed = {k: t for k, t in self._claimed.items() if k in granted}
+            self._declined = {k: t for k, t in self._declined.items() if k in granted}
             self._held = {k: h for k, h in self._held.items() if k in granted and h.until > now}
             self._waiting = {k: w for k, w in self._waiting.items() if k in granted and now - w.asked < stale_after}
             self._asked = {
@@ -404,10 +423,17 @@ class HostRoom:
 
     def view(self) -> Tuple[Dict[str, Heard], List[Waiting], List[Held], Dict[str, float]]:
         """What a Round is built from (host_round): reports, demands, reservations, and when each park request its
-        server took was taken."""
+        server took was taken. A park claimed is dated from its first report not yet seen done; a kernel that
+        declined a park request is not parkable until its server reports a change."""
         with self._lock:
             taken = {k: a.delivered for k, a in self._asked.items() if a.delivered is not None}
-            return dict(self._heard), list(self._waiting.values()), list(self._held.values()), taken
+            heard = dict(self._heard)
+            for kernel_id, h in heard.items():
+                if h.report.state in PARKING and kernel_id in self._claimed:
+                    heard[kernel_id] = replace(h, since=min(h.since, self._claimed[kernel_id]))
+                if kernel_id in self._declined:
+                    heard[kernel_id] = replace(heard[kernel_id], report=replace(h.report, parkable=False))
+            return heard, list(self._waiting.values()), list(self._held.values()), taken
 
     def answer(self, plan: Plan, user: str, server: str, owned: Sequence[Owned], now: float) -> Answer:
         """Apply one round's Plan, decided for a room call of `user`'s server `server`. Only the caller's demands are
@@ -483,6 +509,7 @@ class HostRoom:
             waiting = [w for w in self._waiting.values() if w.kernel_id in ids]
             held = [h for h in self._held.values() if h.kernel_id in ids]
             asked = [a for a in self._asked.values() if a.kernel_id in ids]
+            declined = {k: t for k, t in self._declined.items() if k in ids}
         park = {}
         for kernel_id, h in heard.items():
             idle_for = h.report.idle_for
@@ -493,6 +520,8 @@ class HostRoom:
                 "idle_for": idle_for if h.report.state == "idle" else None,
                 "parkable": h.report.parkable,
                 "reported": round(now - h.at, 1),  # seconds ago
+                # seconds since its server was seen not to carry out a park request it took (None: not so)
+                "declined_park": round(now - declined[kernel_id], 1) if kernel_id in declined else None,
             }
         return {
             "park": park,
