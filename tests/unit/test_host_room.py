@@ -403,3 +403,29 @@ def test_the_limit_on_believing_a_park_counts_from_its_first_report_whatever_bli
     host.kernel_used["kb-bob"] = {}
     host.room.note_sample(host.now + 1, host.kernel_used)
     assert "kb-bob" not in host.room._claimed
+
+
+def test_a_restart_of_the_service_keeps_the_room_of_a_restore_in_flight(tmp_path):
+    # Issue 30, item 1: alice's resume got "go" (6 GiB reserved) and her restore is under way, the service's sample
+    # showing none of it back yet; the service is killed and the hub restarts it. Kept only in memory, that room went
+    # to carol's resume 0.3 s after the restart, and alice's restore then found too little: her GPU state lost.
+    from gpu_quota_ext.hub.service.store import Store
+
+    need = {UUID: 6 * GiB}  # two of them do not fit the 12 GiB device with its 1 GiB margin
+    store = Store(str(tmp_path / "state"), list(DEVICES.values()))
+    before = Host({})
+    answer = before.call("alice", {"ka-alice": ParkReport("waiting")}, {"ka-alice": need})
+    assert answer.go == ("ka-alice",)
+    store.save_reservations(before.room.reservations())  # what app.room_call does before answering "go"
+    store.close()
+
+    def carol_after_restart(restored: bool):
+        after = Host({})
+        after.now = before.now + 19  # the hub restarted the service 19 s later
+        if restored:
+            after.room.restore(Store(str(tmp_path / "state"), list(DEVICES.values())).load_reservations())
+        return after.call("carol", {"kc-carol": ParkReport("waiting")}, {"kc-carol": need})
+
+    assert carol_after_restart(restored=False).go == ("kc-carol",)  # what happened before: the room given away
+    answer = carol_after_restart(restored=True)
+    assert answer.go == () and "kc-carol" in answer.waiting

@@ -250,6 +250,10 @@ class GpuQuotaService(Application):
             on_round=self._on_round,
         )
         self.room = HostRoom()
+        held = self.store.load_reservations()
+        self.room.restore(held)
+        if held:
+            log.info("gpu-quota service: %d reservation(s) of resumes under way restored", len(held))
         self.polls = LongPolls()
         self.history = UserHistory()
         self._history_failed = False  # said once in the log, not every sample
@@ -333,6 +337,8 @@ class GpuQuotaService(Application):
             taken,
         )
         answer = self.room.answer(decide(round_), user, server, owned, now)
+        if answer.go:  # on disk before "go" is answered: a restart of the service keeps the restore's room
+            self.store.save_reservations(self.room.reservations())
         for asked in answer.asked:
             log.info(
                 "gpu-quota service: the host's broker asks %s's server %r to park idle kernel %s, to make room for "

@@ -372,6 +372,19 @@ class HostRoom:
                     old.reason if old else None, old.told if old else None,
                 )
 
+    # --- what outlives a restart (store.py keeps it) ---------------------------------------------------
+
+    def reservations(self) -> List[Held]:
+        with self._lock:
+            return list(self._held.values())
+
+    def restore(self, held: Sequence[Held]) -> None:
+        """The reservations a previous run of the service gave (store.load_reservations), before any decision: each
+        is held, as before the restart, until a sample shows its kernel's memory back or its time is up."""
+        with self._lock:
+            for h in held:
+                self._held[h.kernel_id] = h
+
     # --- what the sampler sees ----------------------------------------------------------------------
 
     def note_sample(self, taken_at: float, kernel_used: Mapping[str, Mapping[str, int]]) -> None:

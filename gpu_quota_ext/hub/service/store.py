@@ -1,4 +1,5 @@
-"""The host service's record on disk: grants and servers' leases in SQLite (WAL), all its SQL here.
+"""The host service's record on disk: grants, servers' leases and the broker's reservations in SQLite (WAL), all
+its SQL here.
 
 The book (book.py) writes every change through this store before it answers, so a restart of the
 service (the hub restarts it with itself) finds every grant it gave. The database lives in the service's
@@ -21,6 +22,7 @@ from typing import List, Mapping, Sequence, Tuple
 
 from ...devices import Device
 from .book import Lease, Owned, grant_from_record, grant_to_record
+from .room import Held
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -34,6 +36,14 @@ CREATE TABLE IF NOT EXISTS grants (
     server TEXT NOT NULL,
     granted_at REAL NOT NULL,
     record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reservations (
+    kernel_id TEXT PRIMARY KEY,
+    user TEXT NOT NULL,
+    server TEXT NOT NULL,
+    held TEXT NOT NULL,
+    since REAL NOT NULL,
+    until REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS leases (
     user TEXT NOT NULL,
@@ -113,6 +123,29 @@ class Store:
     def delete_lease(self, user: str, server: str) -> None:
         self.db.execute("DELETE FROM leases WHERE user = ? AND server = ?", (user, server))
 
+    # --- the broker's reservations (room.HostRoom) --------------------------------------------
+
+    def save_reservations(self, held: Sequence[Held]) -> None:
+        """Every reservation now, in one transaction, before the "go" that made one is answered: a restart of the
+        service (the hub restarts it) must not give the room of a restore in flight to another kernel."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM reservations")
+            self.db.executemany(
+                "INSERT INTO reservations (kernel_id, user, server, held, since, until) VALUES (?, ?, ?, ?, ?, ?)",
+                [(h.kernel_id, h.user, h.server, json.dumps(dict(h.held)), h.since, h.until) for h in held],
+            )
+
+    def load_reservations(self) -> List[Held]:
+        """The reservations on disk, on this host's devices (bytes on a device gone since are dropped)."""
+        rows = self.db.execute("SELECT kernel_id, user, server, held, since, until FROM reservations")
+        kept = []
+        for kernel_id, user, server, held, since, until in rows:
+            on_host = {uuid: int(n) for uuid, n in json.loads(held).items() if uuid in self._by_uuid and int(n) > 0}
+            if on_host:
+                kept.append(Held(kernel_id, user, server, on_host, since, until))
+        return kept
+
     # --- restart -----------------------------------------------------------------------------
 
     def load(self) -> Tuple[List[Owned], List[Lease]]:
@@ -132,5 +165,5 @@ class Store:
     def counts(self) -> Mapping[str, int]:
         return {
             table: self.db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608 (fixed names)
-            for table in ("grants", "leases")
+            for table in ("grants", "leases", "reservations")
         }
