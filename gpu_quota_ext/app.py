@@ -28,6 +28,7 @@ from traitlets import (
     Unicode,
 )
 from traitlets import Union as UnionTrait
+from traitlets.config import Config
 
 from .devices import Device, DeviceInventory
 from .handlers import HANDLERS
@@ -63,6 +64,7 @@ from .settings import (
     server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
+from .shared.spelling import is_section_key, unknown_settings
 from .usage import (
     KernelManagerView,
     WatchdogSettings,
@@ -249,6 +251,29 @@ class GpuQuota(ExtensionApp):
     park_on_device_full = setting_trait("park_on_device_full")
     park_call_timeout = setting_trait("park_call_timeout")
     checkpoint_class = setting_trait("checkpoint_class")
+
+    @classmethod
+    def unknown_settings(cls, config) -> list:
+        """One line per name under c.GpuQuota that is not a setting, with the closest one that is: what
+        `jupyter gpu-quota check` refuses and the server warns of (traitlets keeps such a name as config that
+        nobody reads, and the server runs on the default the admin meant to change)."""
+        section = config[cls.__name__] if cls.__name__ in config else {}
+        return unknown_settings(cls.__name__, section, cls.class_trait_names(config=True))
+
+    def _load_config(self, cfg, section_names=None, traits=None):
+        # traitlets warns of an unknown name at every load of the config (twice in a server's start), in
+        # words that guess between unrelated traits; the names go to it without them, and we say it once.
+        lines = self.unknown_settings(cfg)
+        if lines:
+            told = self.__dict__.setdefault("_told_unknown", set())
+            for line in lines:
+                if line not in told:
+                    told.add(line)
+                    self.log.warning("gpu-quota-ext: ignored: %s (jupyter gpu-quota check refuses it)", line)
+            known, name = self.class_trait_names(config=True), type(self).__name__
+            cfg = copy.copy(cfg)  # the section replaced below, not changed: self.config keeps what was given
+            cfg[name] = Config({key: value for key, value in cfg[name].items() if key in known or is_section_key(key)})
+        super()._load_config(cfg, section_names=section_names, traits=traits)
 
     def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         try:

@@ -5,7 +5,9 @@
     jupyter gpu-quota check [--config=FILE] [--GpuQuota.NAME=VALUE ...]
                                           load the configuration as the server would and validate it:
                                           the effective policy, the watchdog, parking, the hard limit,
-                                          the ledger and the GPUs seen (or why none)
+                                          the ledger and the GPUs seen (or why none); a name that is not
+                                          a setting (c.GpuQuota.default_caps) is refused, with the
+                                          closest one that is
 
 The settings are the rows of gpu_quota_ext.settings and the GpuQuota traits made from them: nothing here
 writes a setting, its help or its default a second time. `check` loads config files, the command line and the
@@ -27,10 +29,11 @@ from traitlets import TraitError
 from traitlets.utils.text import wrap_paragraphs
 
 from . import __version__
-from .app import GpuQuota, StartParts
+from .app import GpuQuota, StartParts, invalid_configuration
 from .devices import StaticInventory
 from .settings import DEFAULTS, POLICY, names_of, server_setting_names
 from .shared.sizes import format_bytes
+from .shared.spelling import unknown_settings
 
 
 def setting_names() -> List[str]:
@@ -113,6 +116,15 @@ def load_like_the_server(argv: List[str]):
     return server, extension
 
 
+def unknown_names(config) -> List[str]:
+    """A line for each name, in a config file or on the command line, under a section the extension reads
+    (c.GpuQuota, c.StaticInventory) that no setting of it has, with the closest name that is one."""
+    lines = GpuQuota.unknown_settings(config)
+    section = config["StaticInventory"] if "StaticInventory" in config else {}
+    lines += unknown_settings("StaticInventory", section, StaticInventory.class_trait_names(config=True))
+    return lines
+
+
 def setting_source(extension: GpuQuota, name: str) -> str:
     variable = extension.environment_source(name)
     if variable:
@@ -128,6 +140,10 @@ def check_report(argv: List[str]) -> str:
     if server.config_file and not os.path.isfile(server.config_file):
         # The server skips a missing --config file without a word; a check should not.
         raise SystemExit(f"gpu-quota-ext: --config={server.config_file}: no such file (a server would ignore it)")
+    unknown = unknown_names(extension.config)
+    if unknown:
+        # The server only warns (and runs on the defaults the admin meant to change): the check refuses.
+        raise SystemExit(invalid_configuration("; ".join(unknown)))
     package_log = logging.getLogger("gpu_quota_ext")
     level = package_log.level
     package_log.setLevel(logging.ERROR)  # what the parts would log, the report below says
@@ -207,9 +223,8 @@ def _report(server, extension: GpuQuota, parts: StartParts) -> str:
     lines.append(f"devices ({type(inventory).__name__}):")
     if devices:
         for device in devices:
-            budget = format_bytes(int(device.total * policy.overcommit)) if policy.overcommit else (
-                "no admission "
-                "control"
+            budget = (
+                format_bytes(int(device.total * policy.overcommit)) if policy.overcommit else ("no admission control")
             )
             lines.append(
                 f"  {device.index}: {device.name}, {format_bytes(device.total)} ({device.uuid}): a kernel's cap "

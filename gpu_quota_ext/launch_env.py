@@ -3,8 +3,12 @@
 What each framework reads (measured, see docs/measurements.md):
 - CUDA_VISIBLE_DEVICES: which GPUs the kernel sees (UUIDs, so the order cannot be misread);
 - CUPY_GPU_MEMORY_LIMIT: bytes, CuPy's memory pool limit per device;
-- XLA_PYTHON_CLIENT_MEM_FRACTION (or XLA_CLIENT_MEM_FRACTION, never both): JAX's limit;
+- XLA_PYTHON_CLIENT_MEM_FRACTION (or XLA_CLIENT_MEM_FRACTION, never both): JAX's limit, the size of its BFC
+  allocator's pool, with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the pool grows up to the limit as arrays
+  need it instead of being taken whole at the first JAX operation;
 - TF_FORCE_GPU_ALLOW_GROWTH: TensorFlow has no cap by environment; this stops it grabbing the GPU.
+A kernel holds what it uses, not its cap: under overcommit the room it does not use is another kernel's, and
+a park moves only what it holds (a JAX kernel with a 4 GiB array parked its whole 28 GiB cap, issue 31).
 torch is capped by the bootstrap inside the kernel (gpu_quota_ext/kernel), which knows the kernel's
 torch version; it reads GPU_QUOTA_DEVICES (shared/env_vars.py lists our own variables).
 
@@ -42,6 +46,7 @@ from .shared.env_vars import (
 
 STARTUP_FILE = Path(__file__).parent / "kernel" / "startup.py"
 JAX_FRACTION_NAMES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+JAX_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def launch_env(
@@ -98,6 +103,10 @@ def launch_env(
         # user already chose the newer one: then we tighten theirs and add nothing.
         for name in [n for n in JAX_FRACTION_NAMES if n in env] or [JAX_FRACTION_NAMES[0]]:
             out[name] = _tighter_fraction(env.get(name), fraction)
+        # Grow, never preallocate (JAX: the fraction above still bounds the pool, XLA's gpu_helpers sizes the
+        # BFC allocator total x fraction either way). A choice the kernelspec or the server's environment made
+        # is kept: preallocation trades held memory for speed, and it never lifts the cap.
+        out[JAX_PREALLOCATE] = env.get(JAX_PREALLOCATE, "false")
         out["TF_FORCE_GPU_ALLOW_GROWTH"] = env.get("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 
     if python_kernel:

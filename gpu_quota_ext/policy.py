@@ -33,6 +33,7 @@ from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports
     parse_cap,
     shown,
 )
+from .shared.spelling import did_you_mean
 
 RULE_KEYS = ("user", "kernelspec", "cap", "max_cap", "devices")
 
@@ -62,7 +63,8 @@ def parse_rule(entry: Any, position: int, where: Optional[str] = None) -> Rule:
         raise PolicyError(f"{where} must be a dict like {{'user': 'alice', 'cap': '0.5'}}, not {shown(entry)}")
     unknown = sorted(set(entry) - set(RULE_KEYS), key=str)
     if unknown:
-        raise PolicyError(f"{where} has unknown keys {shown(unknown)}; known keys are {list(RULE_KEYS)}")
+        guess = did_you_mean(unknown, RULE_KEYS)
+        raise PolicyError(f"{where} has unknown keys {shown(unknown)}; known keys are {list(RULE_KEYS)}{guess}")
     if "cap" not in entry:
         raise PolicyError(f"{where} needs a 'cap'")
     for key in ("user", "kernelspec"):

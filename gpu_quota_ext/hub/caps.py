@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..policy import PolicyError, build_policy, parse_value
 from ..settings import DEFAULTS, HOST, POLICY, SETTINGS, as_text, names_of
+from ..shared.spelling import did_you_mean
 
 # The keys of the mapping: setting name (as in c.GpuQuota) -> the environment variable the extension reads
 # it from. The table's rows marked per_user (gpu_quota_ext.settings).
@@ -97,7 +98,8 @@ def parse_settings(entry: Any, where: str, extra_keys: Optional[ExtraKeys] = Non
             "(configure_host_service takes the same mapping); a user's server alone does not read it"
         )
     if unknown:
-        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {list(SETTING_ENV) + list(extra_keys)}")
+        known = list(SETTING_ENV) + list(extra_keys)
+        raise PolicyError(f"{where} has unknown keys {unknown}; known keys are {known}{did_you_mean(unknown, known)}")
     settings: Settings = {}
     for key, value in entry.items():
         if value is None:

@@ -134,3 +134,47 @@ async def test_a_kernel_that_never_uses_cuda_holds_no_device_memory(jp_fetch, jp
     record("kernel holding one tiny CUDA tensor (context cost): NVML bytes", touched_bytes)
     assert touched_bytes > 100 * 2**20
     assert lazy_bytes == 0
+
+
+JAX_HOLDS = """
+import json, os, jax, jax.numpy as jnp
+NAMES = ["XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION"]
+x = jnp.ones(4 * 2**30 // 4, dtype=jnp.float32)  # 4 GiB
+x.block_until_ready()
+stats = jax.devices()[0].memory_stats() or {}
+try:
+    jnp.zeros(int(0.32 * stats.get("bytes_limit", 0) / 0.3), dtype=jnp.int8).block_until_ready()
+    over_cap = "ok"
+except Exception as error:  # XlaRuntimeError: RESOURCE_EXHAUSTED
+    over_cap = type(error).__name__ + ": " + str(error)[:120]
+print(json.dumps({"backend": jax.default_backend(), "bytes_limit": stats.get("bytes_limit"),
+                  "bytes_in_use": stats.get("bytes_in_use"), "over_cap": over_cap,
+                  "env": {k: os.environ.get(k) for k in NAMES}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "jp_server_config",
+    [Config({"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": {"default_cap": "0.3"}})],
+)
+async def test_a_jax_kernel_holds_what_it_uses_not_its_cap(jp_fetch, jp_serverapp, jp_server_config):
+    """Issue 31 item 11: a JAX kernel with cap 0.3 and one 4 GiB array holds about 4 GiB in NVML (it held, and
+    parked, its whole cap: 42 GiB of an H200), and its cap still stops an allocation past 0.3 of the device."""
+    pytest.importorskip("jax")
+    kernel_id = await start_kernel(jp_fetch)
+    found = json.loads((await execute(jp_serverapp, kernel_id, JAX_HOLDS, timeout=300)).strip().splitlines()[-1])
+    record("jax cap 0.3, 4 GiB array: kernel's view", found)
+    assert found["backend"] == "gpu", found
+    assert found["env"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3000"}
+    total = nvml_total()
+    assert 0.29 * total <= found["bytes_limit"] <= 0.3 * total, found  # the cap bounds the pool it grows in
+    assert found["over_cap"] != "ok", found
+
+    pid = kernel_pid(jp_serverapp, kernel_id)
+    deadline = time.monotonic() + 30  # NVML lists the process's bytes a moment after they are allocated
+    while nvml_used_by_pid().get(pid, 0) < 4 * 2**30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = nvml_used_by_pid().get(pid, 0)
+    record("jax cap 0.3, 4 GiB array: NVML bytes held (cap bytes)", f"{held} ({int(0.3 * total)})")
+    # 4 GiB plus the CUDA context and XLA's own buffers (about 0.6 + 0.5 GiB), far from the 42 GiB cap.
+    assert 4 * 2**30 <= held <= 6 * 2**30, held

@@ -208,3 +208,37 @@ def test_check_shows_the_hard_limit_and_stops_what_it_started(tmp_path):
     assert "on: NVIDIA MPS (managed daemon) answered" in out, out
     assert set(fake_processes()) <= before
     assert not list((tmp_path / "runtime").glob("gpu-quota-mps-*"))
+
+
+def test_a_misspelt_setting_fails_check_and_the_server_warns_of_it_once(tmp_path):
+    """Issue 31 item 1: c.GpuQuota.default_caps (for default_cap) in a config file, and another on the command
+    line. The check refuses both by name with the setting meant; the server, which runs on (its warning says
+    so), says it once per name in the same words instead of traitlets' two guesses between unrelated traits."""
+    (tmp_path / "config").mkdir()
+    config = tmp_path / "config" / "jupyter_server_config.py"
+    config.write_text(
+        "c.GpuQuota.inventory_class = 'gpu_quota_ext.devices.StaticInventory'\nc.GpuQuota.default_caps = 0.3\n"
+    )
+    result = gpu_quota(tmp_path, "check", "--GpuQuota.max_cab=0.5")
+    assert result.returncode == 1 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    file_words = "c.GpuQuota.default_caps is not a setting of GpuQuota; did you mean `default_cap`?"
+    cli_words = "c.GpuQuota.max_cab is not a setting of GpuQuota; did you mean `max_cap`?"
+    assert line.startswith("gpu-quota-ext: invalid configuration: ") and file_words in line and cli_words in line
+
+    config.write_text(config.read_text().replace("default_caps", "default_cap"))
+    assert gpu_quota(tmp_path, "check").returncode == 0  # the same file, spelt right, is valid
+
+    config.write_text(config.read_text().replace("default_cap", "default_caps"))
+    returncode, log = start_server(tmp_path, ["--GpuQuota.max_cab=0.5"])
+    assert returncode is None, log  # serving: a warning, not a refusal
+    assert "not recognized" not in log, log  # traitlets' own words, said twice, are gone
+    warned = [entry for entry in log.splitlines() if "is not a setting" in entry]
+    assert len(warned) == 2 and file_words in warned[0] + warned[1] and cli_words in warned[0] + warned[1], warned
+    assert all("ignored" in entry for entry in warned), warned
+
+
+def test_check_refuses_a_misspelt_static_inventory_setting(tmp_path):
+    result = gpu_quota(tmp_path, "check", STATIC, "--StaticInventory.device=[]")
+    assert result.returncode == 1
+    assert "c.StaticInventory.device is not a setting of StaticInventory; did you mean `devices`?" in result.stderr

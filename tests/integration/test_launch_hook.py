@@ -32,6 +32,7 @@ CAP_VARIABLES = [
     "CUPY_GPU_MEMORY_LIMIT",
     "XLA_PYTHON_CLIENT_MEM_FRACTION",
     "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
     "TF_FORCE_GPU_ALLOW_GROWTH",
     "PYTORCH_CUDA_ALLOC_CONF",
     "GPU_QUOTA_DEVICES",
@@ -62,6 +63,7 @@ async def test_kernel_environment_carries_the_cap_and_placement_spreads(jp_fetch
         assert env["GPU_QUOTA_KERNEL_ID"] == kernel_id
         assert env["CUPY_GPU_MEMORY_LIMIT"] == str(20 * GiB)
         assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500" and env["XLA_CLIENT_MEM_FRACTION"] is None
+        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # JAX grows to its cap, never takes it whole
         assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
         # torch 2.13 reads the fraction from the allocator config: the bootstrap wrote it.
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "per_process_memory_fraction:0.250000"

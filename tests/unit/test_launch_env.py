@@ -57,6 +57,22 @@ def test_user_limits_are_merged_never_loosened():
     assert launch_env(grant(), DEVICES, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"})["TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
 
 
+def test_jax_grows_to_its_cap_instead_of_taking_it_at_once():
+    """Issue 31 item 11: with its fraction alone JAX preallocates the whole cap (a 4 GiB array held and parked
+    28 GiB). Preallocation off, the fraction still bounds its pool; TF likewise grows (allow-growth)."""
+    env = launch_env(grant(), DEVICES, {})
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500"  # the limit stays: growth is up to the cap
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    newer = launch_env(grant(), DEVICES, {"XLA_CLIENT_MEM_FRACTION": "0.9"})
+    assert newer["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    # The kernelspec's (or the server environment's) own choice stands: preallocating never lifts the cap.
+    chosen = launch_env(grant(), DEVICES, {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+    assert chosen["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true" and chosen["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500"
+    # A kernel without a GPU gets no framework variable at all.
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in launch_env(grant(devices=(), placed=True, reason="full"), DEVICES, {})
+
+
 def test_user_pythonstartup_is_chained():
     env = launch_env(grant(), DEVICES, {"PYTHONSTARTUP": "/home/u/.startup.py"})
     assert env["GPU_QUOTA_USER_PYTHONSTARTUP"] == "/home/u/.startup.py"
