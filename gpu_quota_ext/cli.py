@@ -31,9 +31,10 @@ from traitlets.utils.text import wrap_paragraphs
 from . import __version__
 from .app import GpuQuota, StartParts, invalid_configuration
 from .devices import StaticInventory
-from .settings import DEFAULTS, POLICY, names_of, server_setting_names
+from .settings import DEFAULTS, POLICY, SETTINGS, names_of, server_setting_names
+from .shared.env_vars import KERNEL_SIDE, SERVICE_CAPS, SERVICE_URL
 from .shared.sizes import format_bytes
-from .shared.spelling import unknown_settings
+from .shared.spelling import unknown_settings, unknown_variables
 
 
 def setting_names() -> List[str]:
@@ -152,12 +153,20 @@ def check_report(argv: List[str]) -> str:
     finally:
         package_log.setLevel(level)
     try:
-        return _report(server, extension, parts)
+        return _report(server, extension, parts, environment_notes(os.environ))
     finally:
         parts.close()
 
 
-def _report(server, extension: GpuQuota, parts: StartParts) -> str:
+def environment_notes(environ) -> List[str]:
+    """A GPU_QUOTA_* variable that nothing reads and that looks like a setting's variable: said, not refused
+    (the environment is not only ours to judge: the check still passes)."""
+    settings_variables = [row.env for row in SETTINGS.values() if row.env]
+    known = [*settings_variables, *KERNEL_SIDE, SERVICE_URL, SERVICE_CAPS]
+    return unknown_variables(environ, "GPU_QUOTA_", known, settings_variables)
+
+
+def _report(server, extension: GpuQuota, parts: StartParts, notes: List[str] = ()) -> str:
     policy, enforcement, parking = parts.policy, parts.enforcement, parts.parking
     inventory, devices, problem = parts.inventory, parts.devices, parts.inventory.problem
 
@@ -236,6 +245,7 @@ def _report(server, extension: GpuQuota, parts: StartParts) -> str:
         hints = [hint for key, hint in NO_GPU_HINTS.items() if key in (problem or "")]
         lines += [f"  ({hint})" for hint in hints]
         lines.append("  a server with this configuration starts every kernel without a GPU cap (%gpucap says why)")
+    lines += [f"environment: {note}" for note in notes]
     lines.append("configuration valid")
     return "\n".join(lines)
 

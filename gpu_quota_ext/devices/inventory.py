@@ -11,7 +11,7 @@ which some ways need, come from the downward API file the hub's pod spec mounts 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from traitlets import Bool, Type, Unicode
 from traitlets import List as ListTrait
@@ -134,7 +134,7 @@ class NvmlInventory(DeviceInventory):
                 annotations = read_pod_annotations(self.pod_annotations, self.log)
                 self._devices = apply_pod_share(self._devices, _server_environ(), self.log, annotations=annotations)
             if self._problem:
-                self.log.warning("gpu-quota-ext: %s; kernels start without GPU caps", self._problem)
+                self.log.log(*no_gpu_line(self._problem))
             elif not self._devices:
                 self._problem = "no GPU: CUDA_VISIBLE_DEVICES of the server hides every device"
                 self.log.warning("gpu-quota-ext: %s", self._problem)
@@ -145,6 +145,15 @@ class NvmlInventory(DeviceInventory):
                     ", ".join(f"{d.index}: {d.name} ({d.total} bytes)" for d in self._devices),
                 )
         return list(self._devices)
+
+
+def no_gpu_line(problem: str) -> Tuple[int, str]:
+    """(level, line) the server logs when NVML lists no GPU. A machine without an NVIDIA driver at all (NVML's
+    library is not there) is a fact, said once at INFO in plain words: a CPU machine is an ordinary place to
+    run a server. A driver that is there and does not answer, or a missing nvidia-ml-py, is a warning."""
+    if "LibraryNotFound" in problem:
+        return logging.INFO, "gpu-quota-ext: no GPU on this machine (no NVIDIA driver): kernels start without GPU caps"
+    return logging.WARNING, f"gpu-quota-ext: {problem}; kernels start without GPU caps"
 
 
 def _server_env(name: str) -> Optional[str]:

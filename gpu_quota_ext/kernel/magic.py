@@ -144,6 +144,7 @@ class GpuCap:
         self.state = state if state is not None else state_module.STATE
         self.client = client if client is not None else (QuotaClient.from_environment() if self.state.managed else None)
         self.cells = CellReporter(self.state)
+        self._report_this_cell = True  # False for the cell that switched the per-cell report on or off
         self.panels: list = []
 
     # --- %gpucap --------------------------------------------------------------------------------
@@ -173,7 +174,10 @@ class GpuCap:
             print(format_table(self.state, readings, usage_unavailable_reason(), self.park_state()))
         elif command.action == "cells":
             self.cells.enabled = bool(command.cells)
-            print(f"{PREFIX} per-cell report {'on' if command.cells else 'off'}")
+            # The report starts with the next cell: this one began before it was on, and its report would
+            # only be a second line saying that the line that switched it on used no GPU memory.
+            self._report_this_cell = False
+            print(f"{PREFIX} per-cell report {'on, from the next cell' if command.cells else 'off'}")
         elif command.action == "panel":
             return self.open_panel()
         elif command.action in ("park", "resume"):
@@ -321,12 +325,14 @@ class GpuCap:
     # --- the cell cycle -------------------------------------------------------------------------
 
     def pre_run_cell(self, info=None) -> None:
+        self._report_this_cell = True
         self.cells.pre_run_cell(info)
 
     def post_run_cell(self, result=None) -> None:
         tell_once(self.state)
         explain_after_cell(result, self.state)
-        self.cells.post_run_cell(result)
+        if self._report_this_cell:
+            self.cells.post_run_cell(result)
         try:
             report_to_server(self.state, self.client)
         except Exception:

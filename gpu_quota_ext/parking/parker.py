@@ -293,7 +293,10 @@ class Parker:
         else:
             detail = str(error) if isinstance(error, CheckpointUnavailable) else repr(error)
             self.driver_problem = detail
-            log.info("gpu-quota-ext: parking is not possible on this server: %s", detail)
+            # Without a GPU the inventory has already said so, once; no driver for parking is no news there
+            # (the park state and the status still carry the reason).
+            level = logging.INFO if self.devices else logging.DEBUG
+            log.log(level, "gpu-quota-ext: parking is not possible on this server: %s", detail)
 
     async def ready(self) -> None:
         """Wait for the driver to be opened (or found missing)."""

@@ -54,3 +54,21 @@ def unknown_settings(section: str, given: Mapping[str, object], known: Iterable[
         for name in given
         if isinstance(name, str) and not is_section_key(name) and name not in known
     ]
+
+
+def unknown_variables(environ: Mapping[str, str], prefix: str, known: Iterable[str], meant: Iterable[str]) -> List[str]:
+    """One line per variable of the environment named like ours (`prefix`) that nothing reads and that looks
+    like one a setting reads (`meant`): "$GPU_QUOTA_DEFAULT_CAPS is set, but nothing reads it; did you mean
+    `GPU_QUOTA_DEFAULT_CAP`?". Only those close to a setting's variable: an environment carries variables of
+    other tools too, and a guess that is not close is no help. The prefix, shared by all, is left out of the
+    comparison, or every name would look close to every other."""
+    known, meant = set(known), list(meant)
+    stems = {name[len(prefix) :]: name for name in meant if name.startswith(prefix)}
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith(prefix) or name in known:
+            continue
+        guess = closest(name[len(prefix) :], stems)
+        if guess is not None:
+            lines.append(f"${name} is set, but nothing reads it; did you mean `{stems[guess]}`?")
+    return lines

@@ -176,5 +176,6 @@ async def test_a_jax_kernel_holds_what_it_uses_not_its_cap(jp_fetch, jp_serverap
         time.sleep(0.05)
     held = nvml_used_by_pid().get(pid, 0)
     record("jax cap 0.3, 4 GiB array: NVML bytes held (cap bytes)", f"{held} ({int(0.3 * total)})")
-    # 4 GiB plus the CUDA context and XLA's own buffers (about 0.6 + 0.5 GiB), far from the 42 GiB cap.
-    assert 4 * 2**30 <= held <= 6 * 2**30, held
+    # 4 GiB plus the CUDA context and XLA's own buffers; the growing BFC allocator adds regions that double in
+    # size, so one more region may come on top. Either way far from the 42 GiB cap it held before.
+    assert 4 * 2**30 <= held <= 10 * 2**30, held

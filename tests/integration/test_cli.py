@@ -242,3 +242,14 @@ def test_check_refuses_a_misspelt_static_inventory_setting(tmp_path):
     result = gpu_quota(tmp_path, "check", STATIC, "--StaticInventory.device=[]")
     assert result.returncode == 1
     assert "c.StaticInventory.device is not a setting of StaticInventory; did you mean `devices`?" in result.stderr
+
+
+def test_check_names_a_misspelt_variable_without_failing(tmp_path):
+    # The environment carries other tools' variables too: a note, not a refusal.
+    result = gpu_quota(tmp_path, "check", STATIC, GPU_QUOTA_DEFAULT_CAPS="0.3")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "environment: $GPU_QUOTA_DEFAULT_CAPS is set, but nothing reads it; did you mean `GPU_QUOTA_DEFAULT_CAP`?"
+        in result.stdout
+    ), result.stdout
+    assert re.search(r"default_cap\s+0\.25\s+\(default\)", result.stdout), result.stdout

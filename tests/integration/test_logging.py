@@ -102,3 +102,29 @@ async def test_info_from_the_package_reaches_the_servers_handlers(jp_serverapp):
     if jp_serverapp.log.isEnabledFor(logging.DEBUG):
         expected.append(("DEBUG", "gpu-quota-ext: debug probe"))
     assert seen == expected
+
+
+@pytest.mark.slow
+def test_a_machine_without_a_gpu_gets_one_plain_line_and_nothing_like_an_error(tmp_path):
+    """Issue 31 item 5: with no NVIDIA driver, the server's own inventory, monitor and parker say once, at
+    INFO, that there is no GPU; parking's missing libcuda (no news without a GPU) is said at DEBUG only."""
+    from gpu_quota_ext.devices.inventory import read_nvml_devices
+
+    devices, problem = read_nvml_devices()
+    if devices or "LibraryNotFound" not in (problem or ""):
+        pytest.skip(f"this machine has an NVIDIA driver ({problem or 'GPUs seen'})")
+    lines = server_log_until(
+        tmp_path,
+        "parking is not possible",  # the parker's driver check, the last of the start: said at DEBUG
+        "--debug",
+        "--GpuQuota.inventory_class=gpu_quota_ext.devices.NvmlInventory",
+        "--GpuQuota.nvml_class=gpu_quota_ext.devices.nvml.PynvmlBackend",
+    )
+    ours = [line for line in lines if "gpu-quota-ext" in line and not line.startswith("[D ")]
+    assert [line for line in ours if "no GPU" in line] == [
+        next(line for line in ours if "no GPU on this machine (no NVIDIA driver)" in line)
+    ], ours
+    assert all(line.startswith("[I ") for line in ours), ours
+    assert not [line for line in ours if "libcuda" in line or "Error" in line or "NVML" in line], ours
+    (parking,) = [line for line in lines if "parking is not possible" in line]
+    assert parking.startswith("[D "), parking

@@ -451,7 +451,12 @@ async def test_per_cell_report_is_opt_in(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     quiet = await run_cell(jp_serverapp, kernel_id, "x = 1")
     assert quiet.stdout == ""
-    assert "per-cell report on" in (await run_cell(jp_serverapp, kernel_id, "%gpucap --cells on")).stdout
+    # One line, and nothing before a mistyped switch's usage error (issue 31 item 5): the report starts with
+    # the next cell, so the cell that switches it on is not reported as "no GPU memory" too.
+    mistyped = await run_cell(jp_serverapp, kernel_id, "%gpucap --cells yes")
+    assert mistyped.stdout == "" and mistyped.stderr.startswith("UsageError: argument --cells: invalid choice: 'yes'")
+    switched = await run_cell(jp_serverapp, kernel_id, "%gpucap --cells on")
+    assert switched.stdout == "gpu-quota: per-cell report on, from the next cell\n" and switched.stderr == ""
     loud = await run_cell(jp_serverapp, kernel_id, "x = 2")
     assert loud.stdout.strip() == "gpu-quota: this cell used no GPU memory (CUDA not started)"
     await run_cell(jp_serverapp, kernel_id, "%gpucap --cells off")

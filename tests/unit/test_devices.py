@@ -86,3 +86,14 @@ def test_a_huge_static_entry_is_echoed_short():
     with pytest.raises(PolicyError) as error:
         parse_static_devices([{"total": "1" * 1_000_000 + "x"}])
     assert len(str(error.value)) < 250
+
+
+def test_no_driver_is_a_plain_fact_and_a_driver_that_fails_a_warning():
+    import logging
+
+    from gpu_quota_ext.devices.inventory import no_gpu_line
+
+    level, line = no_gpu_line("no GPU: NVML could not start (NVMLError_LibraryNotFound: NVML Shared Library Not Found)")
+    assert level == logging.INFO and "NVML" not in line and "no GPU on this machine (no NVIDIA driver)" in line
+    level, line = no_gpu_line("no GPU: NVML could not start (NVMLError_DriverNotLoaded: Driver Not Loaded)")
+    assert level == logging.WARNING and "DriverNotLoaded" in line

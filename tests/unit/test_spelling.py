@@ -75,3 +75,19 @@ def test_the_hubs_mapping_names_the_key_meant(mapping, words):
     meant = {"default_caps": "default_cap", "max_cpa": "max_cap", "placment": "placement"}
     (key,) = [key for key in meant if key in words]
     assert words in str(caught.value) and str(caught.value).endswith(f"did you mean `{meant[key]}`?")
+
+
+def test_a_misspelt_variable_is_named_with_the_one_meant_and_others_are_left_alone():
+    from gpu_quota_ext.shared.spelling import unknown_variables
+
+    meant = ["GPU_QUOTA_DEFAULT_CAP", "GPU_QUOTA_MAX_CAP", "GPU_QUOTA_ENFORCE"]
+    environ = {
+        "GPU_QUOTA_DEFAULT_CAPS": "0.3",  # misspelt
+        "GPU_QUOTA_MAX_CAP": "0.5",  # read
+        "GPU_QUOTA_KERNEL_ID": "k",  # read (by the kernel)
+        "GPU_QUOTA_FIGURES": "/tmp/f",  # another tool's (the GPU tests'): like nothing of ours
+        "DEFAULT_CAPS": "0.3",  # not ours at all
+    }
+    assert unknown_variables(environ, "GPU_QUOTA_", [*meant, "GPU_QUOTA_KERNEL_ID"], meant) == [
+        "$GPU_QUOTA_DEFAULT_CAPS is set, but nothing reads it; did you mean `GPU_QUOTA_DEFAULT_CAP`?"
+    ]
