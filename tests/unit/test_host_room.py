@@ -429,3 +429,47 @@ def test_a_restart_of_the_service_keeps_the_room_of_a_restore_in_flight(tmp_path
     assert carol_after_restart(restored=False).go == ("kc-carol",)  # what happened before: the room given away
     answer = carol_after_restart(restored=True)
     assert answer.go == () and "kc-carol" in answer.waiting
+
+
+def test_one_users_reservations_stay_within_that_users_budget_padding_included():
+    # Issue 30, item 5: dave holds 12 kernels of 512 MiB (6 GiB, his whole budget), all parked; each demand is
+    # padded up to cap + CONTEXT_ALLOWANCE. Unbounded, 10 GiB of the 12 GiB device were reserved for him with
+    # nothing restored while alice waited. With the bound, his reservations and use stay within his 6 GiB.
+    from gpu_quota_ext.hub.service.limits import reservation_over_budget
+    from gpu_quota_ext.hub.service.user_policy import host_limits
+
+    small = int(0.5 * GiB)
+    daves = [owned(f"kd-dave-{i:02d}", "dave", cap=small) for i in range(12)]
+    limits = host_limits(user_budget="6GiB")
+    by_uuid = {d.uuid: d for d in DEVICES.values()}
+    host = Host({})
+    reserved, bounded = 0, set()
+    for item in daves:
+        kernel_id = item.grant.kernel_id
+        reports, demands = {kernel_id: ParkReport("waiting")}, {kernel_id: {UUID: 3 * GiB}}
+        checked = check_request(daves, DEVICES, "dave", "", reports, demands)
+        host.room.hear("dave", "", checked.reports, host.now, lease=False)
+        host.room.ask("dave", "", {**{w.kernel_id: w.need for w in host.room.view()[1]}, **checked.demands}, host.now)
+        heard, waiting, held, taken = host.room.view()
+        round_ = host_round(
+            DEVICES, daves, host.device_used, {}, heard, waiting, held, HOST, SETTINGS, "dave", host.now, None, taken
+        )
+        bound = lambda claimed: reservation_over_budget({}, claimed, by_uuid, limits)  # noqa: E731
+        answer = host.room.answer(decide(round_), "dave", "", daves, host.now, bound)
+        reserved = sum(sum(h.held.values()) for h in host.room.reservations())
+        assert reserved <= 6 * GiB
+        bounded |= {k for k, why in answer.waiting.items() if "more than your 6.0 GiB (user_budget 6GiB)" in why}
+        host.now += 1
+    assert reserved > 0 and bounded  # some of his resumes were served, the rest held to his budget
+
+
+def test_the_bound_counts_what_the_users_kernels_use_beside_what_they_reserve():
+    from gpu_quota_ext.hub.service.limits import reservation_over_budget
+    from gpu_quota_ext.hub.service.user_policy import host_limits
+
+    by_uuid = {d.uuid: d for d in DEVICES.values()}
+    limits = host_limits(user_budget="6GiB")
+    assert reservation_over_budget({UUID: 2 * GiB}, {UUID: 4 * GiB}, by_uuid, limits) is None  # exactly 6 GiB
+    assert reservation_over_budget({UUID: 2 * GiB + 1}, {UUID: 4 * GiB}, by_uuid, limits) is not None
+    assert reservation_over_budget({}, {UUID: 100 * GiB}, by_uuid, host_limits(user_budget="none")) is None  # no bound
+    assert reservation_over_budget({}, {"GPU-elsewhere": 100 * GiB}, by_uuid, limits) is None  # not this host's

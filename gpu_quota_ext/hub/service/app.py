@@ -70,6 +70,7 @@ from .handlers import (
 )
 from .history import UserHistory, user_points
 from .hub_directory import HubDirectory, HubUnavailable
+from .limits import reservation_over_budget
 from .metrics import registry_for
 from .polls import LongPolls
 from .room import HostRoom, ParkReport, check_request, host_round, own_reports
@@ -336,7 +337,20 @@ class GpuQuotaService(Application):
             _read_at(sample) if sample is not None else None,
             taken,
         )
-        answer = self.room.answer(decide(round_), user, server, owned, now)
+        used: Dict[str, int] = {}  # what the user's kernels use on each device, in the service's sample
+        for item in owned:
+            if item.grant.user == user and sample is not None:
+                for uuid, n in sample.attributed.kernel_used.get(item.grant.kernel_id, {}).items():
+                    used[uuid] = used.get(uuid, 0) + n
+        limits, by_uuid = self.book.limits_of(user), {d.uuid: d for d in self.book.devices.values()}
+        answer = self.room.answer(
+            decide(round_),
+            user,
+            server,
+            owned,
+            now,
+            lambda claimed: reservation_over_budget(used, claimed, by_uuid, limits),
+        )
         if answer.go:  # on disk before "go" is answered: a restart of the service keeps the restore's room
             self.store.save_reservations(self.room.reservations())
         for asked in answer.asked:

@@ -50,6 +50,29 @@ def over_budget(
     return over
 
 
+def reservation_over_budget(
+    used: Mapping[str, int], claimed: Mapping[str, int], devices: Mapping[str, Device], limits: UserLimits
+) -> Optional[str]:
+    """Why a resume of one user may not be given room now, or None: on each device (by uuid) what the user's kernels
+    use there (the service's sample) plus what the user would have reserved there with it (`claimed`: their
+    reservations and this resume's need, its padding included) must stay within the user's budget. Without it,
+    padded needs let one user reserve most of a device with nothing restored (12 kernels of 512 MiB each, 10 GiB
+    of a 12 GiB device reserved)."""
+    for uuid, nbytes in sorted(claimed.items()):
+        device = devices.get(uuid)
+        limit = None if device is None else limits.budget_on(device)
+        if limit is None:
+            continue
+        total = used.get(uuid, 0) + nbytes
+        if total > limit:
+            return (
+                f"your kernels use {format_bytes(used.get(uuid, 0))} of GPU {uuid} and would have "
+                f"{format_bytes(nbytes)} reserved there with this resume: more than your {format_bytes(limit)} "
+                f"(user_budget {limits.user_budget}); it waits until your kernels there hold less"
+            )
+    return None
+
+
 def room_for(others: Mapping[int, int], device: Device, limits: UserLimits) -> Optional[int]:
     """The most one kernel may hold on `device` while the user's other kernels hold `others` (None: no limit)."""
     limit = limits.budget_on(device)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...devices import Device
 from ...parking import (
@@ -448,12 +448,24 @@ class HostRoom:
                     heard[kernel_id] = replace(heard[kernel_id], report=replace(h.report, parkable=False))
             return heard, list(self._waiting.values()), list(self._held.values()), taken
 
-    def answer(self, plan: Plan, user: str, server: str, owned: Sequence[Owned], now: float) -> Answer:
+    def answer(
+        self,
+        plan: Plan,
+        user: str,
+        server: str,
+        owned: Sequence[Owned],
+        now: float,
+        bound: Optional[Callable[[Mapping[str, int]], Optional[str]]] = None,
+    ) -> Answer:
         """Apply one round's Plan, decided for a room call of `user`'s server `server`. Only the caller's demands are
         answered ("go" reserves their room now; another server's demand is decided at its own call). Park requests
-        for the caller's kernels are in its answer; those for other servers wait for their leases (`wake`)."""
+        for the caller's kernels are in its answer; those for other servers wait for their leases (`wake`).
+        `bound`: given what the user would have reserved with a "go" (uuid -> bytes, its reservations and the new
+        need), why that passes the user's budget (limits.reservation_over_budget), or None: such a "go" is not
+        given, the kernel waits, told why."""
         by_id = {o.grant.kernel_id: o for o in owned}
         key = (user, server)
+        over: Dict[str, str] = {}
         with self._lock:
             mine = {k for k, w in self._waiting.items() if (w.user, w.server) == key}
             go = [k for k in sorted(mine) if k in self._held]  # asked again while its room is held
@@ -462,6 +474,16 @@ class HostRoom:
                 if kernel_id not in mine or waiting is None or kernel_id in go:
                     continue
                 need = {uuid: n for uuid, n in waiting.need.items() if n > 0}
+                if bound is not None:
+                    claimed = dict(need)
+                    for h in self._held.values():
+                        if h.user == user:
+                            for uuid, n in h.held.items():
+                                claimed[uuid] = claimed.get(uuid, 0) + n
+                    why = bound(claimed)
+                    if why is not None:
+                        over[kernel_id] = why
+                        continue
                 self._held[kernel_id] = Held(kernel_id, user, server, need, now, now + reservation_timeout(need))
                 go.append(kernel_id)
             for kernel_id in go:
@@ -487,6 +509,7 @@ class HostRoom:
                     wake.add(there)
                 made.append(self._asked[victim])
             waiting = {k: r for k, r in plan.waiting.items() if k in mine and k not in go}
+            waiting.update(over)
             told = {k: m for k, m in plan.told.items() if k in mine and k not in go}
             for kernel_id, reason in waiting.items():
                 self._waiting[kernel_id] = replace(
