@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
+from . import room_check
 from .park import clock, duration_words
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
@@ -86,7 +87,10 @@ class ParkWatch:
         action = content.get("action") if isinstance(content, dict) else None
         if action == "trim":
             self.maybe_parked.set()
+            room_check.clear()  # parked, its room comes back with its resume
             return trim()
+        if action == "room_flag":
+            return room_check.on_flag(content)
         return {"error": f"unknown action {action!r}"}
 
     def before_cell(self) -> None:
@@ -199,6 +203,9 @@ class WaitWhileParked(ast.NodeTransformer):
         self.watch = watch
 
     def visit(self, node: ast.AST) -> ast.AST:
+        if room_check.STOPPED is not None:  # the user stopped the wait for room at the cell's start
+            message, room_check.STOPPED = room_check.STOPPED, None
+            raise _rejected(message)
         if self.watch.maybe_parked.is_set() and not only_gpucap(node):
             try:
                 self.watch.before_cell()
@@ -230,7 +237,19 @@ def install(shell: Any, watch: ParkWatch) -> bool:
 
     handlers[KERNEL_REQUEST] = on_request
     shell.ast_transformers.append(WaitWhileParked(watch))
+    room_check.install(shell, room_check.RoomCheck(_ask_room, watch.park_state, _to_stderr, watch.maybe_parked.is_set))
     return True
+
+
+def _ask_room(device: Optional[int]) -> Any:
+    from .client import QuotaClient
+
+    client = QuotaClient.from_environment()
+    return client.ask_room(device) if client is not None else None
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 # --- room after an allocation found the GPU full (park_on_device_full) -------------------------------------
@@ -276,3 +295,61 @@ def follow_room(
         out(f"{PREFIX} stopped following; the broker goes on making room: run the cell again in a moment")
         return "waiting"
 
+
+# --- room before a cell needs it (room_check.py) -------------------------------------------------------------
+
+
+def room_before_cell(
+    ask: Callable[[], Any],
+    park_state: Callable[[], Optional[dict]],
+    out: Callable[[str], None] = print,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Optional[str]:
+    """Ask for room up to this kernel's cap before the cell's code runs, and wait while the broker makes it, as a
+    parked kernel's cell waits: silent under a second, then why (once per new reason), at most the
+    park_wait_limit. The cell runs afterwards in every case but an interrupt (KeyboardInterrupt is raised to the
+    caller); where no room was made it says so in one line. The outcome: "made", "told", "waiting" or None (the
+    server makes no room: off, nothing to give, no answer)."""
+    answer = ask()
+    if getattr(answer, "outcome", None) != "accepted":
+        return None
+    began = time.monotonic()
+    said: Optional[str] = None
+    limit: float = 300.0
+    poll = FIRST_POLL_S
+    while True:
+        park = park_state() or {}
+        room = park.get("room")
+        if isinstance(park.get("wait_limit"), (int, float)):
+            limit = float(park["wait_limit"])
+        waited = time.monotonic() - began
+        if room == "made":
+            if said is not None:
+                out(f"{PREFIX} room made after {waited:.1f} s; the cell runs now")
+            return "made"
+        if room != "asking":
+            out(
+                f"{PREFIX} no room made before the cell: {park.get('reason') or 'the broker gave up'}; the cell runs "
+                "anyway (it may find the GPU full)"
+            )
+            return "told"
+        if waited > limit + TOLD_LATE_S:
+            out(f"{PREFIX} room is still being made after {waited:.0f} s; the cell runs now (it may find the GPU full)")
+            return "waiting"
+        line = room_line(park)
+        if line != said and waited >= NOTICE_AFTER_S:
+            out(line)
+            said = line
+        sleep(poll)
+        poll = min(POLL_S, poll * 1.5)
+
+
+def room_line(park: dict) -> str:
+    """One line while a cell waits for room at its start: why, and what the broker does about it."""
+    reason = park.get("reason") or "the broker parks idle kernels to make room"
+    limit = duration_words(park.get("wait_limit"), exact=True)
+    most = f" (at most {limit})" if limit else ""
+    return (
+        f"{PREFIX} waiting for room before the cell runs{most}: idle kernels hold the GPU memory this kernel's cap "
+        f"promises; {reason}"
+    )
