@@ -19,9 +19,15 @@ measurable (benchmarks/cell_room_check_bench.py).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable, Optional
 
+from .park import duration_words
+
 PREFIX = "gpu-quota:"
+# The wait's pace and words are a parked kernel's (park_wait.py): asked every 0.1 s at first, every half second
+# after a second; silent under a second; past the limit by this much with nobody's word, it ends.
+FIRST_POLL_S, POLL_S, NOTICE_AFTER_S, TOLD_LATE_S = 0.1, 0.5, 1.0, 10.0
 
 # The server's last word (parking/headroom.py), set in ipykernel's control thread, read at a cell's start.
 SHORT = False
@@ -83,6 +89,7 @@ class RoomCheck:
         self.park_state = park_state  # QuotaClient.park_state
         self.out = out
         self.may_be_parked = may_be_parked  # a parked kernel's cell waits for its resume instead (park_wait.py)
+        self.sleep, self.clock = time.sleep, time.monotonic
 
     def pre_run_cell(self, info: Any = None) -> None:
         if not SHORT:  # the whole cost when the device has room: keep this first
@@ -100,11 +107,9 @@ class RoomCheck:
         global STOPPED
         if self.may_be_parked():
             return None
-        from .park_wait import room_before_cell
-
         device = DEVICE
         try:
-            return room_before_cell(lambda: self.ask_room(device), self.park_state, self.out)
+            return room_before_cell(lambda: self.ask_room(device), self.park_state, self.out, self.sleep, self.clock)
         except KeyboardInterrupt:
             if not interruptible:  # inside torch's CUDA start: never break it; the user's next stop interrupts
                 self.out(f"{PREFIX} stopped waiting for room; the code goes on")
@@ -131,3 +136,63 @@ def at_first_cuda() -> None:
     """torch_cap's lazy hook: the check, once, where the kernel installed one."""
     if SHORT and CHECK is not None:
         CHECK.at_first_cuda()
+
+
+# --- the wait -------------------------------------------------------------------------------------------------
+
+
+def room_before_cell(
+    ask: Callable[[], Any],
+    park_state: Callable[[], Optional[dict]],
+    out: Callable[[str], None] = print,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> Optional[str]:
+    """Ask for room up to this kernel's cap before the cell's code runs, and wait while the broker makes it, as a
+    parked kernel's cell waits: silent under a second, then why (once per new reason), at most the
+    park_wait_limit. The cell runs afterwards in every case but an interrupt (KeyboardInterrupt is raised to the
+    caller); where no room was made it says so in one line. The outcome: "made", "told", "waiting" or None (the
+    server makes no room: off, nothing to give, no answer)."""
+    answer = ask()
+    if getattr(answer, "outcome", None) != "accepted":
+        return None
+    began = clock()
+    said: Optional[str] = None
+    limit: float = 300.0
+    poll = FIRST_POLL_S
+    while True:
+        park = park_state() or {}
+        room = park.get("room")
+        if isinstance(park.get("wait_limit"), (int, float)):
+            limit = float(park["wait_limit"])
+        waited = clock() - began
+        if room == "made":
+            if said is not None:
+                out(f"{PREFIX} room made after {waited:.1f} s; the cell runs now")
+            return "made"
+        if room != "asking":
+            out(
+                f"{PREFIX} no room made before the cell: {park.get('reason') or 'the broker gave up'}; the cell runs "
+                "anyway (it may find the GPU full)"
+            )
+            return "told"
+        if waited > limit + TOLD_LATE_S:
+            out(f"{PREFIX} room is still being made after {waited:.0f} s; the cell runs now (it may find the GPU full)")
+            return "waiting"
+        line = room_line(park)
+        if line != said and waited >= NOTICE_AFTER_S:
+            out(line)
+            said = line
+        sleep(poll)
+        poll = min(POLL_S, poll * 1.5)
+
+
+def room_line(park: dict) -> str:
+    """One line while a cell waits for room at its start: why, and what the broker does about it."""
+    reason = park.get("reason") or "the broker parks idle kernels to make room"
+    limit = duration_words(park.get("wait_limit"), exact=True)
+    most = f" (at most {limit})" if limit else ""
+    return (
+        f"{PREFIX} waiting for room before the cell runs{most}: idle kernels hold the GPU memory this kernel's cap "
+        f"promises; {reason}"
+    )
