@@ -578,8 +578,8 @@ class Parker:
         round_ = self.round()
         used = {k.kernel_id: k.used for k in round_.kernels}
         for kernel_id, device in short_kernels(round_, [k for k in live if self.bootstrapped(k)]).items():
-            if device is not UNKNOWN and flags.needs_telling(kernel_id, device):
-                holding = device is not None and used[kernel_id].get(device, 0) > 0
+            holding = device is not None and device is not UNKNOWN and used[kernel_id].get(device, 0) > 0
+            if device is not UNKNOWN and flags.needs_telling(kernel_id, device, holding):
                 self._spawn(flags.tell(kernel_id, device, holding))
 
     def forget(self, kernel_id: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, Hashable, Optional, Set
+from typing import Dict, Hashable, Optional, Set, Tuple
 
 from .kernel_channel import KernelChannel
 
@@ -28,19 +28,21 @@ def flag_content(device: Optional[Hashable], holding: bool) -> dict:
 class RoomFlags:
     def __init__(self, channel: KernelChannel):
         self.channel = channel
-        self.told: Dict[str, Optional[Hashable]] = {}  # kernel -> the device it was last told it is short on
+        # kernel -> what it was last told: the device it is short on (or None) and whether it holds memory there
+        self.told: Dict[str, Tuple[Optional[Hashable], bool]] = {}
         self._out: Set[str] = set()
 
-    def needs_telling(self, kernel_id: str, device: Optional[Hashable]) -> bool:
+    def needs_telling(self, kernel_id: str, device: Optional[Hashable], holding: bool) -> bool:
         """A change since the kernel was last told (a kernel never told is not short, as it starts)."""
-        return kernel_id not in self._out and self.told.get(kernel_id) != device
+        word = (device, bool(holding and device is not None))
+        return kernel_id not in self._out and self.told.get(kernel_id, (None, False)) != word
 
     async def tell(self, kernel_id: str, device: Optional[Hashable], holding: bool) -> None:
         self._out.add(kernel_id)
         try:
             answer = await self.channel.ask(kernel_id, flag_content(device, holding), PUSH_TIMEOUT_S)
             if answer is not None and "error" not in answer:
-                self.told[kernel_id] = device
+                self.told[kernel_id] = (device, bool(holding and device is not None))
                 log.debug("gpu-quota-ext: kernel %s: short of room on %s", kernel_id, device)
         except asyncio.CancelledError:
             raise
