@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
+from . import room_check
 from .park import clock, duration_words
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
@@ -86,7 +87,10 @@ class ParkWatch:
         action = content.get("action") if isinstance(content, dict) else None
         if action == "trim":
             self.maybe_parked.set()
+            room_check.clear()  # parked, its room comes back with its resume
             return trim()
+        if action == "room_flag":
+            return room_check.on_flag(content)
         return {"error": f"unknown action {action!r}"}
 
     def before_cell(self) -> None:
@@ -199,6 +203,9 @@ class WaitWhileParked(ast.NodeTransformer):
         self.watch = watch
 
     def visit(self, node: ast.AST) -> ast.AST:
+        if room_check.STOPPED is not None:  # the user stopped the wait for room at the cell's start
+            message, room_check.STOPPED = room_check.STOPPED, None
+            raise _rejected(message)
         if self.watch.maybe_parked.is_set() and not only_gpucap(node):
             try:
                 self.watch.before_cell()
@@ -230,7 +237,19 @@ def install(shell: Any, watch: ParkWatch) -> bool:
 
     handlers[KERNEL_REQUEST] = on_request
     shell.ast_transformers.append(WaitWhileParked(watch))
+    room_check.install(shell, room_check.RoomCheck(_ask_room, watch.park_state, _to_stderr, watch.maybe_parked.is_set))
     return True
+
+
+def _ask_room(device: Optional[int]) -> Any:
+    from .client import QuotaClient
+
+    client = QuotaClient.from_environment()
+    return client.ask_room(device) if client is not None else None
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 # --- room after an allocation found the GPU full (park_on_device_full) -------------------------------------
@@ -275,4 +294,3 @@ def follow_room(
     except KeyboardInterrupt:
         out(f"{PREFIX} stopped following; the broker goes on making room: run the cell again in a moment")
         return "waiting"
-

@@ -270,6 +270,12 @@ def install_lazy_hook(state: "KernelCapState") -> None:
                 apply_current_caps(torch, state)
             except Exception as error:
                 state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
+            try:  # a kernel that held nothing yet: room for its cap before its first allocation (room_check.py)
+                from . import room_check
+
+                room_check.at_first_cuda()
+            except Exception:
+                pass
 
         if torch.cuda.is_initialized():
             apply()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
@@ -34,6 +35,10 @@ class KernelChannel:
             log.debug("gpu-quota-ext: kernel %s: no client: %r", kernel_id, error)
             return None
         try:
+            # A session id of its own: every client of the kernel manager gets a clone of one session, whose message
+            # ids count from 0 in each clone, so this request's id could be the same as a notebook client's (a
+            # test's run_cell, say) and the kernel's busy/idle for one would be taken for the other's.
+            client.session.session = uuid.uuid4().hex
             client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
         except Exception as error:  # a channel half started is stopped, not left open
             log.debug("gpu-quota-ext: kernel %s: no control channel: %r", kernel_id, error)

@@ -57,9 +57,11 @@ from .decisions import (
     idle_seconds,
     not_parkable,
 )
+from .headroom import UNKNOWN, short_kernels
 from .host_broker import kernel_park
 from .host_room import host_room
 from .kernel_channel import KernelChannel
+from .room_flags import RoomFlags
 from .states import (
     HELD,
     LOST,
@@ -255,6 +257,7 @@ class Parker:
         self.broker: RoomBroker = broker or OwnBroker()
         self.channel = channel
         self.bootstrapped = bootstrapped  # the kernel runs gpu_quota_ext's bootstrap: it answers on control
+        self.room_flags = RoomFlags(channel) if channel is not None else None  # who is short of room (headroom.py)
         self.driver_problem: Optional[str] = "the checkpoint driver has not been opened yet"
         self.records: Dict[str, ParkRecord] = {}
         # The highest op any record has had: a record made afresh (after forget(), or after a plain record was
@@ -566,6 +569,21 @@ class Parker:
                     self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
         if any(r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()):
             self.decide_soon()
+        self._tell_room_flags(live)
+
+    def _tell_room_flags(self, live: set) -> None:
+        """Tell each running kernel, when it changes, whether its headroom is free on its device (headroom.py), so
+        that its next cell asks for room before its code runs. Only where room is made for running kernels."""
+        flags = self.room_flags
+        makes_room = self.settings.on_device_full == "on" and getattr(self.broker, "makes_room_for_running", False)
+        if flags is None or not makes_room:
+            return
+        round_ = self.round()
+        used = {k.kernel_id: k.used for k in round_.kernels}
+        for kernel_id, device in short_kernels(round_, [k for k in live if self.bootstrapped(k)]).items():
+            holding = device is not None and device is not UNKNOWN and used[kernel_id].get(device, 0) > 0
+            if device is not UNKNOWN and flags.needs_telling(kernel_id, device, holding):
+                self._spawn(flags.tell(kernel_id, device, holding))
 
     def forget(self, kernel_id: str) -> None:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
@@ -577,6 +595,8 @@ class Parker:
                 record.state,
             )
         self._unwatch(kernel_id)
+        if self.room_flags is not None:
+            self.room_flags.forget(kernel_id)
         if record is not None and (record.state in ("waiting", "parking") or record.room):
             self.decide_soon()
 
