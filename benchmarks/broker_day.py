@@ -87,7 +87,8 @@ from gpu_quota_ext.devices import Device  # noqa: E402
 from gpu_quota_ext.ledger import AdmissionRefused  # noqa: E402
 from gpu_quota_ext.ledger.local import LocalLedger  # noqa: E402
 from gpu_quota_ext.parking.broker import Demand, DeviceView, HostView, KernelView, Reservation, plan  # noqa: E402
-from gpu_quota_ext.parking.decisions import ParkSettings, due_for_park, host_guard  # noqa: E402
+from gpu_quota_ext.parking.decisions import ParkSettings, due_for_park  # noqa: E402
+from gpu_quota_ext.parking.host_account import HostAccount, HostReading  # noqa: E402
 from gpu_quota_ext.parking.parker import room_right_now  # noqa: E402
 from gpu_quota_ext.policy import build_policy, resolve  # noqa: E402
 
@@ -479,8 +480,10 @@ class DaySim:
     # --- the driver ------------------------------------------------------------------------------------
 
     def start_park(self, k: Kernel, now: float, why: str) -> bool:
-        """The parker's park: the host guard on a fresh reading, then the checkpoint (done after park_s)."""
-        refused = host_guard(k.used, self.host_available(in_flight=True), None, self.park.host_margin)
+        """The parker's park: the host account on a fresh reading (parks under way counted whole: the simulation
+        lands a park's bytes all at once, at its end), then the checkpoint (done after park_s)."""
+        reading = HostReading(self.host_available(in_flight=True))
+        refused = HostAccount().refusal(k.kernel_id, k.used, reading, self.park.host_margin)
         if refused is not None:
             k.refused = True
             self.out.host_refusals += 1

@@ -3,7 +3,8 @@ and the broker that makes overcommit safe: which resume may run now (only into r
 idle kernels park to make room.
 
 states.py is a kernel's parking as a pure state machine; broker.py the broker's pure decisions; decisions.py
-the rules applied before the driver is asked (settings, parkable, host guard, idle timer); wording.py the words;
+the rules applied before the driver is asked (settings, parkable, idle timer); host_account.py the host's
+memory as one account for every park; wording.py the words;
 parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
 this server's own; kernel_channel.py asks a kernel to empty its caches before it parks; host_room.py reads how
 much host memory there is; checkpoint.py is the driver, with its fakes for tests beside it (fake_checkpoint.py;
@@ -33,7 +34,7 @@ from .checkpoint import (
     CheckpointUnavailable,
     CudaCheckpointDriver,
 )
-from .decisions import ParkSettings, build_park_settings
+from .decisions import ParkSettings, build_park_settings, on_device_full_for
 from .host_broker import HostBroker, HostRooms
 from .host_room import host_room
 from .kernel_channel import KernelChannel
@@ -41,7 +42,8 @@ from .parker import OwnBroker, Parker, RoomBroker
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
-    "ParkSettings", "build_park_settings", "Parker", "KernelChannel", "OwnBroker", "RoomBroker", "HostBroker",
+    "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
+    "RoomBroker", "HostBroker",
     "HostRooms", "RUNNING_STATES", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
     "Reservation", "Round", "decide", "host_room",
 ]

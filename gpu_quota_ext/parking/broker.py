@@ -91,6 +91,10 @@ class Demand:
     need: Mapping[Hashable, int]
     since: float  # when it began to wait
     running: bool = False
+    # A resume nobody waits for: host memory ran short with kernels parked (host_account.host_short), so parked
+    # kernels come back where the device has room now, largest first, after every demand someone waits for. It
+    # parks nobody and is told nothing.
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class HostView:
 
     available: Optional[int] = None
     cgroup_room: Optional[int] = None
+    promised: int = 0  # host memory the server's account promised to parks under way and not yet in `available`
+    promised_for: frozenset = frozenset()  # the kernels those parks are of (their bytes are not counted again)
 
 
 @dataclass(frozen=True)
@@ -150,11 +156,13 @@ def room(
 
 def host_left(host: HostView, kernels: Sequence[KernelView]) -> Optional[int]:
     """Host memory left for new parks: the least of available and cgroup room, less what parks under way will
-    still take (they may not have reached the host yet: counted whole)."""
+    still bring: what the account promised them (host_account.py), and the whole of any other park under way
+    (another server's, seen by the host service: how much of it has landed is not known here)."""
     limits = [x for x in (host.available, host.cgroup_room) if x is not None]
     if not limits:
         return None
-    return min(limits) - sum(k.host_bytes for k in kernels if k.state == "parking")
+    others = sum(k.host_bytes for k in kernels if k.state == "parking" and k.kernel_id not in host.promised_for)
+    return min(limits) - host.promised - others
 
 
 def candidates(kernels: Sequence[KernelView], min_idle: float) -> List[KernelView]:
@@ -215,12 +223,19 @@ def plan(
     def overdue(demand: Demand) -> bool:
         return settings.wait_limit is not None and now - demand.since >= settings.wait_limit
 
-    for demand in sorted(demands, key=lambda d: (overdue(d), d.since, d.kernel_id)):
+    def order(demand: Demand) -> tuple:
+        if demand.background:  # after every demand someone waits for; the largest first
+            return (True, False, -sum(demand.need.values()), demand.kernel_id)
+        return (False, overdue(demand), demand.since, demand.kernel_id)
+
+    for demand in sorted(demands, key=order):
         me = by_id.get(demand.kernel_id)
         need = {key: n for key, n in demand.need.items() if n > 0}
         own = {key: (me.headroom(key) if (me is not None and demand.running) else 0) for key in need}
         unknown = [key for key in need if key not in by_key or now_room.get(key) is None]
         if unknown:
+            if demand.background:
+                continue
             reason = "its GPU's usage is unknown this round; nothing moves until it is read again"
             _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
             continue
@@ -231,6 +246,8 @@ def plan(
                 now_room[key] = (now_room[key] or 0) - need[key] + own[key]
                 later_room[key] = (later_room[key] or 0) - need[key] + own[key]
             continue
+        if demand.background:
+            continue  # only where the device has room now: it parks nobody
         short_later = {key: need[key] - own[key] - (later_room[key] or 0) for key in need}
         if all(s <= 0 for s in short_later.values()):
             parking = [k.label or k.kernel_id for k in kernels if k.state == "parking" and _on(k, need)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from ..settings import PARK, validated
-from ..shared.sizes import GiB, format_bytes
+from ..shared.sizes import GiB
 from .broker import BrokerSettings
 
 LOCK_TIMEOUT_MS = 10_000  # how long the lock waits for a kernel's GPU work to finish before parking gives up
@@ -29,7 +29,7 @@ class ParkSettings:
     wait_limit: Optional[float] = 300.0  # seconds a cell waits for room before it is told; None: no limit
     device_margin: int = GiB  # device memory kept free beyond a restore's bytes
     call_timeout: float = 600.0  # seconds a driver call may take before the state says it has not returned
-    on_device_full: str = "off"  # "on": a kernel whose allocation found the device full gets room made
+    on_device_full: str = "auto"  # "on": a kernel short of room under its cap gets room made; "auto": see below
     lock_timeout_ms: int = LOCK_TIMEOUT_MS
     fresh_sample_wait: float = FRESH_SAMPLE_WAIT  # seconds a park waits for a sample taken after it was asked
     trim_timeout: float = TRIM_TIMEOUT
@@ -53,6 +53,16 @@ class ParkSettings:
             min_idle=self.min_idle,
             wait_limit=self.wait_limit,
         )
+
+
+def on_device_full_for(choice: str, overcommit: Optional[float]) -> str:
+    """park_on_device_full's "auto" (the default): "on" where caps may add up to more than a device (overcommit
+    above 1, or no admission control), because there idle kernels can hold the room a running kernel's cap
+    promises, and only parking them keeps that promise; "off" where every cap fits beside the others (a full
+    device there is memory taken outside the quota, which parking cannot give back)."""
+    if choice != "auto":
+        return choice
+    return "on" if overcommit is None or overcommit > 1 else "off"
 
 
 def build_park_settings(*args: Any, **given: Any) -> ParkSettings:
@@ -106,24 +116,6 @@ def not_parkable(
         return f"what it holds on {where} is unknown: NVML could not read {'it' if len(unreadable) == 1 else 'them'}"
     if not pids or gpu_bytes <= 0:
         return "this kernel holds no GPU memory"
-    return None
-
-
-def host_guard(gpu_bytes: int, available: Optional[int], cgroup_room: Optional[int], margin: int) -> Optional[str]:
-    """Why host memory cannot take `gpu_bytes` now (None: it can). `available`: the host's available memory;
-    `cgroup_room`: what the server's memory cgroup still allows (None: no limit). The GPU state goes to the
-    parked processes' own memory, so both must hold it plus the margin."""
-    needed = gpu_bytes + margin
-    if available is not None and available < needed:
-        return (
-            f"did not park: the host has {format_bytes(available)} of memory available and parking needs "
-            f"{format_bytes(gpu_bytes)} plus a margin of {format_bytes(margin)}"
-        )
-    if cgroup_room is not None and cgroup_room < needed:
-        return (
-            f"did not park: the server's memory cgroup has room for {format_bytes(cgroup_room)} more and parking "
-            f"needs {format_bytes(gpu_bytes)} plus a margin of {format_bytes(margin)}"
-        )
     return None
 
 

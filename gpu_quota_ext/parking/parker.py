@@ -53,11 +53,11 @@ from .decisions import (
     ParkSettings,
     activity_state,
     due_for_park,
-    host_guard,
     idle_seconds,
     not_parkable,
 )
 from .headroom import UNKNOWN, short_kernels
+from .host_account import HostAccount, HostReading, host_short, host_short_words
 from .host_broker import kernel_park
 from .host_room import host_room
 from .kernel_channel import KernelChannel
@@ -231,6 +231,17 @@ def kernel_activity(kernels: ParkedKernels, kernel_id: str) -> Tuple[Optional[st
 # --- the parker -------------------------------------------------------------------------------------
 
 
+def resident_bytes(pids: Tuple[int, ...]) -> int:
+    """The processes' resident memory now (those gone count 0): where a park's bytes land on the host."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except (psutil.Error, OSError):
+            pass  # ended: its bytes left the host with it
+    return total
+
+
 class Parker:
     def __init__(
         self,
@@ -276,6 +287,13 @@ class Parker:
         self._decide_again = False
         self._stopped = False
         self._reported_at: Optional[float] = None  # when the last lease report read the kernels' activity
+        # Host memory promised to parks under way (host_account.py), with each one's processes and their resident
+        # memory when it was promised (what has landed since is their growth).
+        self.host_account = HostAccount()
+        self._host_base: Dict[str, Tuple[Tuple[int, ...], int]] = {}
+        self.host_short_since: Optional[float] = None  # host memory ran short with kernels parked (an episode)
+        self.host_short_reason: Optional[str] = None
+        self.host_short_episodes = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -415,6 +433,7 @@ class Parker:
         if isinstance(effect, StartPark):
             self._spawn(self._park(kernel_id, effect.op))
         elif isinstance(effect, Checkpoint):
+            self._promise_host(kernel_id, effect.pids)
             self._spawn(self._checkpoint(kernel_id, effect.op, effect.pids))
         elif isinstance(effect, Restore):
             self._spawn(self._restore(kernel_id, effect.op, effect.pids))
@@ -542,6 +561,7 @@ class Parker:
         if self.driver_problem is not None:
             return
         now = time.time()
+        self._review_host(now)
         taken = getattr(sample, "time", None)
         for kernel_id in live:
             record = self.records.get(kernel_id)
@@ -567,7 +587,9 @@ class Parker:
             if due_for_park(self.settings, state, idle_seconds(execution_state, last, now)):
                 if self.problem(kernel_id) is None:
                     self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
-        if any(r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()):
+        if self.host_short_since is not None or any(
+            r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()
+        ):
             self.decide_soon()
         self._tell_room_flags(live)
 
@@ -588,6 +610,7 @@ class Parker:
     def forget(self, kernel_id: str) -> None:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
         record = self.records.pop(kernel_id, None)
+        self._release_host(kernel_id)
         if record is not None and record.state in HELD:
             log.info(
                 "gpu-quota-ext: kernel %s was %s; its processes ended, and its GPU state on the host with them",
@@ -679,13 +702,16 @@ class Parker:
                 reservations.append(Reservation(kernel_id, dict(record.room)))
             if record.room_need and record.state in (RUNNING, "pending"):
                 demands.append(BrokerDemand(kernel_id, dict(record.room_need), record.room_asked or now, running=True))
+            if self.host_short_since is not None and record.state == "parked":
+                demands.append(BrokerDemand(kernel_id, dict(record.parked), self.host_short_since, background=True))
         available, cgroup = self.host()
+        self._note_landing()
         return Round(
             devices=devices,
             kernels=tuple(kernels),
             demands=tuple(demands),
             reservations=tuple(reservations),
-            host=HostView(available, cgroup),
+            host=HostView(available, cgroup, self.host_account.outstanding(), self.host_account.kernels()),
             settings=self.settings.broker,
             now=now,
         )
@@ -711,6 +737,10 @@ class Parker:
             whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
             self._ask_park(victim, f"to make room for {whom}", automatic=True)
         for kernel_id in plan.go:
+            record = self.records.get(kernel_id)
+            if record is not None and record.state == "parked" and self.host_short_since is not None:
+                # A background resume (host memory short): asked as the server's own, then granted its room.
+                self._handle(kernel_id, AskResume("host memory is short"))
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
         for kernel_id, message in plan.told.items():
@@ -797,15 +827,84 @@ class Parker:
         if refused is not None:
             refused = f"did not park: {refused}"
         else:
-            refused = host_guard(sum(parked.values()), *self.host(), self.settings.host_margin)
+            refused = self._host_refusal(kernel_id, sum(parked.values()))
+        # No await from the host's check to the promise (_carry_out's Checkpoint): parks checked in the same
+        # second see each other's bytes.
         self._handle(kernel_id, ParkChecked(op, pids, parked, refused))
 
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
-        outcome = await self._drive(
-            kernel_id, op, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms
-        )
+        try:
+            outcome = await self._drive(
+                kernel_id, op, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms
+            )
+        finally:
+            self._release_host(kernel_id)  # returned (or cancelled): the host's reading holds what it moved
         error = failure_reason("park", outcome.code, str(outcome)) if isinstance(outcome, CheckpointError) else None
         self._handle_if_current(kernel_id, op, ParkDone(op, error))
+
+    # --- host memory: one account for every park (host_account.py) ----------------------------------
+
+    def host_reading(self) -> HostReading:
+        return HostReading(*self.host())
+
+    def _host_refusal(self, kernel_id: str, nbytes: int) -> Optional[str]:
+        if self.host_short_since is not None:
+            return f"did not park: {self.host_short_reason}"
+        self._note_landing()
+        return self.host_account.refusal(kernel_id, nbytes, self.host_reading(), self.settings.host_margin)
+
+    def _promise_host(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
+        record = self.records.get(kernel_id)
+        nbytes = sum(record.parked.values()) if record is not None else 0
+        self.host_account = self.host_account.promise(kernel_id, nbytes)
+        self._host_base[kernel_id] = (tuple(pids), resident_bytes(pids))
+
+    def _release_host(self, kernel_id: str) -> None:
+        self.host_account = self.host_account.release(kernel_id)
+        self._host_base.pop(kernel_id, None)
+
+    def _note_landing(self) -> None:
+        """What each park under way has brought to host memory so far: its processes' growth since its promise."""
+        if self._host_base:
+            landed = {k: resident_bytes(pids) - base for k, (pids, base) in self._host_base.items()}
+            self.host_account = self.host_account.landing(landed)
+
+    def _review_host(self, now: float) -> None:
+        """Host memory short with kernels parked (another program took it): stop parking, tell the admin once,
+        and bring parked kernels back where the device has room (the broker's background resumes, largest first)
+        rather than leave the OOM killer to choose a process. Ends once the margin is free again."""
+        reading = self.host_reading()
+        parked = sum(sum(r.parked.values()) for r in self.records.values() if r.state in ("parked", "waiting"))
+        was_short = self.host_short_since is not None
+        short = host_short(reading, parked, self.settings.host_margin, was_short)
+        if short and not was_short:
+            self.host_short_since = now
+            self.host_short_episodes += 1
+            self.host_short_reason = host_short_words(reading, parked)
+            log.warning("gpu-quota-ext: %s", self.host_short_reason)
+        elif was_short and not short:
+            log.warning(
+                "gpu-quota-ext: host memory is back (%s available): parking goes on",
+                format_bytes(reading.least() or 0),
+            )
+            self.host_short_since = None
+            self.host_short_reason = None
+
+    def host_json(self) -> dict:
+        """The status's "host_memory": what the host has, what parks under way will still bring, and whether it ran
+        short (then nothing parks and parked kernels come back where the device has room)."""
+        reading = self.host_reading()
+        return {
+            "available": reading.available,
+            "cgroup_room": reading.cgroup_room,
+            "promised": self.host_account.outstanding(),
+            "parked": sum(sum(r.parked.values()) for r in self.records.values() if r.state in ("parked", "waiting")),
+            "margin": self.settings.host_margin,
+            "short": self.host_short_since is not None,
+            "short_since": self.host_short_since,
+            "reason": self.host_short_reason,
+            "short_episodes": self.host_short_episodes,
+        }
 
     async def _restore(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
         record = self.records[kernel_id]

@@ -27,9 +27,9 @@ from gpu_quota_ext.parking.checkpoint import (
 from gpu_quota_ext.parking.decisions import (
     MPS_REASON,
     due_for_park,
-    host_guard,
     idle_seconds,
     not_parkable,
+    on_device_full_for,
 )
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.parker import park_processes, resume_processes
@@ -90,25 +90,12 @@ def test_park_settings_default_off_and_name_the_bad_setting():
         build_park_settings("off", "0.5")  # a fraction of what? a margin is a size
 
 
-# --- the host guard ------------------------------------------------------------------------------------
-
-
-def test_host_guard_needs_the_gpu_bytes_plus_the_margin_on_the_host_and_in_the_cgroup():
-    assert host_guard(10 * GiB, 13 * GiB, None, 2 * GiB) is None
-    assert "host has 11.0 GiB" in host_guard(10 * GiB, 11 * GiB, None, 2 * GiB)
-    assert "cgroup has room for 4.0 GiB" in host_guard(10 * GiB, 100 * GiB, 4 * GiB, 2 * GiB)
-    assert host_guard(10 * GiB, None, None, 2 * GiB) is None  # unknown: the driver answers for itself
-
-
-@given(
-    st.integers(0, 1 << 45),
-    st.integers(0, 1 << 45),
-    st.one_of(st.none(), st.integers(0, 1 << 45)),
-    st.integers(0, 1 << 35),
-)
-def test_host_guard_parks_exactly_when_both_can_hold_it(gpu, available, room, margin):
-    refused = host_guard(gpu, available, room, margin) is not None
-    assert refused == (available < gpu + margin or (room is not None and room < gpu + margin))
+def test_park_on_device_full_auto_is_on_exactly_where_caps_can_add_up_to_more_than_a_device():
+    assert on_device_full_for("auto", 2.0) == "on"
+    assert on_device_full_for("auto", None) == "on"  # no admission control: caps add up to anything
+    assert on_device_full_for("auto", 1.0) == "off"
+    assert on_device_full_for("auto", 0.5) == "off"
+    assert on_device_full_for("off", 3.0) == "off" and on_device_full_for("on", 1.0) == "on"
 
 
 # --- the idle timer, refusals, retries -------------------------------------------------------------------
