@@ -52,7 +52,7 @@ from .policy import (
     resolve_answer,
     shown,
 )
-from .status import COLLECTOR, StatusView, park_families
+from .status import COLLECTOR, StatusView, host_memory_families, park_families
 from .threads import off_loop
 from .usage import (
     KernelLifecycle,
@@ -189,6 +189,7 @@ class GpuQuotaManager:
             ledger.park_report = self.parker.host_report  # type: ignore[attr-defined]
             ledger.on_park_requests = self.park_for_host  # type: ignore[attr-defined]
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
+        self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
         # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
         self.history = UsageHistory()
         self.monitor.on_sample(self._record_history)

@@ -25,7 +25,13 @@ USAGE_REPORT_FIELDS = ("devices",)
 USAGE_FIELDS = ("allocated", "reserved", "peak")  # per device of a usage report, next to "index"
 
 # GET status: the answer's fields, at the top, per device, per kernel and per device of a kernel.
-STATUS_FIELDS = ("gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap", "reasons")
+STATUS_FIELDS = (
+    "gpu", "message", "user", "devices", "kernels", "policy", "monitor", "actions", "hard_cap", "reasons", "host_memory"
+)
+# "host_memory": parking's one account of the host's memory (parking/host_account.py, Parker.host_json)
+HOST_MEMORY_FIELDS = (
+    "available", "cgroup_room", "promised", "parked", "margin", "short", "short_since", "reason", "short_episodes"
+)
 STATUS_DEVICE_FIELDS = ("index", "name", "uuid", "total", "budget", "granted", "kernels", "used", "share")
 # A device's "share": null for a whole GPU; inside a pod the cluster gave part of it, where that came from:
 # way ("hami", "hami-dra", "kai", "nvidia-dra"), bytes (= the device's total), source (the variable or annotation

@@ -2,7 +2,7 @@
 in one place from the parts that know) and the one Prometheus collector of the process (collector.py).
 Nothing else in the server speaks Prometheus."""
 
-from .collector import COLLECTOR, park_families
+from .collector import COLLECTOR, host_memory_families, park_families
 from .view import StatusView
 
-__all__ = ["COLLECTOR", "StatusView", "park_families"]
+__all__ = ["COLLECTOR", "StatusView", "host_memory_families", "park_families"]

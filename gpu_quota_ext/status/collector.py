@@ -40,6 +40,11 @@ HELP = {
     "gpu_quota_kernel_park_state": "1 for the kernel's park state (busy, idle, pending, parking, parked, resuming, "
         "waiting)",
     "gpu_quota_kernel_parked_host_bytes": "Bytes of the kernel's GPU memory held in host memory while parked",
+    "gpu_quota_host_memory_short": "1 while host memory is short with kernels parked (nothing parks; parked kernels "
+        "come back where the device has room)",
+    "gpu_quota_host_memory_short_episodes": "Times host memory ran short with kernels parked",
+    "gpu_quota_host_memory_promised_bytes": "Host memory promised to parks under way and not yet on the host",
+    "gpu_quota_host_memory_parked_bytes": "Parked kernels' GPU memory held in host memory",
     "gpu_quota_kernel_hard_limit_bytes": (
         "The kernel's hard limit on the device (NVIDIA MPS, CUDA context included); absent: no hard limit"
     ),
@@ -114,6 +119,18 @@ def park_families(parks: Mapping[str, Mapping[str, Any]]) -> List["Metric"]:
         if park["host_bytes"] is not None:
             host.add_metric([kernel_id], park["host_bytes"])
     return [state, host]
+
+
+def host_memory_families(host: Mapping[str, Any]) -> List["Metric"]:
+    """Parking's account of the host's memory (shared.contract.HOST_MEMORY_FIELDS) as gauges and a counter (pure)."""
+    gauge = lambda name, value: GaugeMetricFamily(name, HELP[name], value=value)  # noqa: E731
+    episodes = "gpu_quota_host_memory_short_episodes"
+    return [
+        gauge("gpu_quota_host_memory_short", 1 if host["short"] else 0),
+        gauge("gpu_quota_host_memory_promised_bytes", host["promised"]),
+        gauge("gpu_quota_host_memory_parked_bytes", host["parked"]),
+        CounterMetricFamily(episodes, HELP[episodes], value=host["short_episodes"]),
+    ]
 
 
 class SourcesCollector:

@@ -19,6 +19,8 @@ from ..shared.reasons import reason_pair
 from ..usage import KernelIds, KernelReports, Monitor, Watchdog, WatchdogSettings
 from .collector import hard_limit_family, monitor_families
 
+SERVER_FIELDS = ("host_memory",)  # the answer's fields that parts add (add_server_field)
+
 KernelField = Callable[[str], Any]  # kernel id -> a JSON-able value
 FieldFamilies = Callable[[Mapping[str, Any]], List[Any]]  # kernel id -> the field's value: its /metrics families
 
@@ -74,6 +76,7 @@ class StatusView:
         self.hard_cap = hard_cap
         self.kernels = kernels
         self._fields: Dict[str, Tuple[KernelField, Optional[FieldFamilies]]] = {}
+        self._server_fields: Dict[str, Tuple[Callable[[], Any], Optional[Callable[[Any], List[Any]]]]] = {}
 
     def add_kernel_field(self, name: str, value: KernelField, families: Optional[FieldFamilies] = None) -> None:
         """Every kernel's entry gets `name: value(kernel_id)` (JSON-able); with `families`, /metrics gets
@@ -82,6 +85,15 @@ class StatusView:
         if name in self._fields or name in VIEW_FIELDS:
             raise ValueError(f"the status view's kernels already have a field {name!r}")
         self._fields[name] = (value, families)
+
+    def add_server_field(
+        self, name: str, value: Callable[[], Any], families: Optional[Callable[[Any], List[Any]]] = None
+    ) -> None:
+        """The answer gets `name: value()` (JSON-able); with `families`, /metrics gets `families(value())`. Such a
+        field is in the contract's STATUS_FIELDS; until a part adds it, the answer says null."""
+        if name in self._server_fields:
+            raise ValueError(f"the status answer already has a field {name!r} from a part")
+        self._server_fields[name] = (value, families)
 
     # --- the REST API -------------------------------------------------------------------------------
 
@@ -109,6 +121,8 @@ class StatusView:
             "actions": [action.to_json() for action in self.watchdog.history],
             "hard_cap": self.hard_cap.describe(),
             "reasons": {"no_gpu": reason_pair(self.no_gpu_reason), "monitor": reason_pair(monitor["message"])},
+            **{name: None for name in SERVER_FIELDS},
+            **{name: value() for name, (value, _) in self._server_fields.items()},
         }
 
     def kernel(self, grant: Grant, paths: Mapping[str, Optional[str]]) -> dict:
@@ -168,6 +182,9 @@ class StatusView:
             actions=self.watchdog.counts,
         )
         families.append(hard_limit_family(self.hard_cap.limits()))
+        for value, server_families in self._server_fields.values():
+            if server_families is not None:
+                families += server_families(value())
         listed = sorted(_listed(self.kernels))
         for value, field_families in self._fields.values():
             if field_families is not None:

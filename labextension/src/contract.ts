@@ -176,6 +176,24 @@ export interface IQuotaStatus {
   /** The hard limit (MPS) as the server runs it; the sidebar does not show it. */
   hard_cap?: Record<string, unknown> | null;
   reasons?: IStatusReasons | null;
+  /** Parking's account of the host's memory; absent from servers older than it. */
+  host_memory?: IHostMemory | null;
+}
+
+/** The host's memory as parking counts it (bytes; null: unknown or no limit). */
+export interface IHostMemory {
+  available: number | null;
+  cgroup_room: number | null;
+  /** Promised to parks under way and not yet in `available`. */
+  promised: number;
+  /** Parked kernels' GPU memory now on the host. */
+  parked: number;
+  margin: number;
+  /** Host memory ran short with kernels parked: nothing parks, parked kernels come back where there is room. */
+  short: boolean;
+  short_since: number | null;
+  reason: string | null;
+  short_episodes: number;
 }
 
 // --- the usage history: GET history?since=T, GET kernels/<id>/history?since=T ------------------------

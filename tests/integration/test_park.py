@@ -299,6 +299,40 @@ async def test_another_users_process_is_refused_and_the_kernel_keeps_running(jp_
     assert all(call == "cuCheckpointProcessLock" for call, _ in FakeCheckpoint.calls)
 
 
+@pytest.mark.parametrize("park", [{"checkpoint_class": FAKE_DRIVER, "park_host_margin": "4GiB"}])
+async def test_host_memory_run_short_stops_parking_and_brings_parked_kernels_back_largest_first(
+    jp_fetch, jp_serverapp, fake_driver
+):
+    # Another program takes the host's memory while kernels are parked (no CI machine can be made to run out of
+    # memory, so the parker's reading of the host is what the test sets; everything else is the real server).
+    small, large = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
+    await holding_gpu(jp_serverapp, small, 1 * GiB)
+    await holding_gpu(jp_serverapp, large, 3 * GiB)
+    for kernel_id in (small, large):
+        assert (await post(jp_fetch, kernel_id, "park"))[0] == 202
+        await wait_state(jp_fetch, kernel_id, "parked")
+    answer = await status(jp_fetch)
+    assert answer["host_memory"]["short"] is False and answer["host_memory"]["parked"] == 4 * GiB
+    parker = parker_of(jp_serverapp)
+    real_host = parker.host
+    parker.host = lambda: (GiB, None)  # below half the margin
+    try:
+        await wait_state(jp_fetch, large, "idle")
+        await wait_state(jp_fetch, small, "idle")
+        host = (await status(jp_fetch))["host_memory"]
+        assert host["short"] is True and host["short_episodes"] == 1 and "host memory is short" in host["reason"]
+        restores = calls("cuCheckpointProcessRestore")
+        assert restores[0] == await kernel_pid(jp_serverapp, large), restores  # the largest came back first
+        metrics = (await jp_fetch("metrics", method="GET")).body.decode()
+        assert "gpu_quota_host_memory_short 1.0" in metrics
+        assert "gpu_quota_host_memory_short_episodes_total 1.0" in metrics
+        code, refused = await post_error(jp_fetch, small, "park")  # nothing parks meanwhile
+        assert code == 409 and refused["message"].startswith("did not park: host memory is short"), refused
+    finally:
+        parker.host = real_host
+    await wait_for(lambda: not parker.host_json()["short"], "the episode to end", timeout=WAIT)
+
+
 @pytest.mark.parametrize("park", [{"checkpoint_class": FAKE_DRIVER, "park_host_margin": "60TiB"}])
 async def test_the_host_guard_refuses_when_host_memory_cannot_hold_it(jp_fetch, jp_serverapp, fake_driver):
     kernel_id = await start_kernel(jp_fetch)
@@ -489,8 +523,8 @@ async def test_a_kernel_whose_allocation_found_the_device_full_gets_room_made_up
     assert (await execute(jp_serverapp, a, "print(1)")).strip() == "1"  # and its next cell runs
 
 
-@pytest.mark.parametrize("park", [BROKER])
-async def test_room_on_a_full_device_is_the_admins_choice_and_off_by_default(jp_fetch, jp_serverapp, full_devices):
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "off"}])
+async def test_room_on_a_full_device_is_the_admins_choice_and_off_means_off(jp_fetch, jp_serverapp, full_devices):
     a = await start_kernel(jp_fetch)
     await holding_gpu(jp_serverapp, a, 2 * GiB)
     code, answer = await post_error(jp_fetch, a, "room")

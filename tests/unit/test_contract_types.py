@@ -14,6 +14,7 @@ CONTRACT_TS = Path(__file__).resolve().parents[2] / "labextension" / "src" / "co
 # TypeScript interface -> the contract's fields it must declare.
 MIRRORS = {
     "IQuotaStatus": contract.STATUS_FIELDS,
+    "IHostMemory": contract.HOST_MEMORY_FIELDS,
     "IDeviceStatus": contract.STATUS_DEVICE_FIELDS,
     "IDeviceShare": contract.DEVICE_SHARE_FIELDS,
     "IKernelStatus": contract.KERNEL_FIELDS,
