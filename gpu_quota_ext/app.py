@@ -11,7 +11,7 @@ import asyncio
 import copy
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
@@ -40,7 +40,7 @@ from .hard_limit import (
 )
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
-from .parking import ParkSettings, build_park_settings
+from .parking import ParkSettings, build_park_settings, on_device_full_for
 from .policy import Policy, PolicyError, build_policy, parse_value
 from .settings import (
     CAP,
@@ -348,6 +348,7 @@ class GpuQuota(ExtensionApp):
         try:
             policy, enforcement, hard_cap = self.validated_settings()
             parking = self.park_settings()
+            parking = replace(parking, on_device_full=on_device_full_for(parking.on_device_full, policy.overcommit))
             inventory = self.inventory_class(parent=self)
             devices = inventory.list_devices()
             ledger = _make_ledger(devices, policy)

@@ -492,13 +492,15 @@ SETTINGS: Dict[str, Setting] = _table(
         "park_on_device_full",
         CHOICE,
         PARK,
-        "off",
-        choices=("off", "on"),
+        "auto",
+        choices=("auto", "on", "off"),
         attribute="on_device_full",
         env="GPU_QUOTA_PARK_ON_DEVICE_FULL",
-        help="""When a kernel's allocation finds the GPU itself full (torch's out-of-memory below the kernel's own
-        cap), "on" makes the broker park idle kernels to give it room up to its cap, and the kernel says so under
-        the failed cell (run it again once room is made); "off" leaves it to the user.""",
+        help="""When a kernel is short of room below its own cap because idle kernels hold the GPU, "on" makes the
+        broker park idle kernels to give it room up to its cap: before a cell runs where the server saw the
+        shortage (the cell waits, says why, can be interrupted) and after an out-of-memory error it could not
+        see coming (the kernel says so under the failed cell). "off" leaves it to the user. "auto" (the default)
+        is "on" where caps can add up to more than a GPU (overcommit above 1, or none) and "off" otherwise.""",
     ),
     Setting(
         "park_call_timeout",

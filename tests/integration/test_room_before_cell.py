@@ -81,7 +81,7 @@ async def test_a_cell_under_its_cap_waits_for_the_idle_kernel_to_park_says_why_a
     assert FakeCheckpoint.broken == set()
 
 
-@pytest.mark.parametrize("park", [BROKER])
+@pytest.mark.parametrize("park", [{**BROKER, "park_on_device_full": "off"}])
 async def test_with_park_on_device_full_off_no_kernel_is_told_and_a_cell_adds_nothing(
     jp_fetch, jp_serverapp, full_devices
 ):
