@@ -15,6 +15,7 @@ Host memory is part of each scenario (the lent machine has 128 GiB): `FIGURE` li
 """
 
 import asyncio
+import json
 import subprocess
 import time
 
@@ -223,3 +224,65 @@ class TestFullDeviceUnderTheCap:
         finally:
             for kernel_id in kernels.values():
                 await shutdown_kernel(jp_fetch, kernel_id)
+
+
+TAKER = r"""
+import sys, psutil
+floor = int(sys.argv[1])
+chunk = 256 << 20
+held = []
+while psutil.virtual_memory().available - chunk > floor:
+    block = bytearray(chunk)
+    block[::4096] = b"\x01" * len(block[::4096])  # touched: resident, as a real program's data
+    held.append(block)
+print("held", len(held) * chunk, flush=True)
+sys.stdin.read()
+"""
+
+
+class TestHostTakenOutside:
+    @pytest.fixture
+    def jp_server_config(self):
+        return overcommit_config(0.3, overcommit=2.0, park_idle_after="6s", park_host_margin="4GiB")
+
+    async def test_parked_kernels_come_back_when_another_program_takes_the_hosts_memory(self, jp_fetch, jp_serverapp):
+        size = int(0.25 * device_total())
+        kills = oom_kills()
+        kernels = {name: await start_kernel(jp_fetch) for name in "AB"}
+        pids = {name: kernel_pid(jp_serverapp, k) for name, k in kernels.items()}
+        taker = None
+        try:
+            with LowestHost() as host:
+                sums = {name: await hold(jp_serverapp, k, size) for name, k in kernels.items()}
+                for kernel_id in kernels.values():
+                    await parked_by_timer(jp_fetch, kernel_id)
+                parked_gib = round(host_available() / GiB, 1)
+                record("host taken outside: host available with A and B parked, GiB", parked_gib)
+                # Another program takes the host's memory down to 1.5 GiB available (half the margin is 2 GiB).
+                taker = subprocess.Popen(
+                    ["python3", "-c", TAKER, str(int(1.5 * GiB))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True,
+                )
+                began = time.monotonic()
+                states = await states_when(
+                    jp_fetch, kernels, lambda s: all(p["state"] in ("idle", "busy") for p in s.values()),
+                    "back on the device",
+                )
+                seconds = round(time.monotonic() - began, 1)
+                record("host taken outside: both kernels back, s after the taker started", seconds)
+                record("host taken outside: states", {n: p["state"] for n, p in states.items()})
+                answer = (await jp_fetch("api", "gpu-quota", "status", method="GET")).body
+                memory = json.loads(answer)["host_memory"]
+                record("host taken outside: host_memory", memory)
+                assert memory["short_episodes"] >= 1, memory
+                await all_back(jp_serverapp, jp_fetch, kernels, sums, pids, "host taken outside")
+            record("host taken outside: host available, lowest, GiB", round(host.lowest / GiB, 1))
+        finally:
+            if taker is not None:
+                taker.kill()
+                taker.wait()
+            for kernel_id in kernels.values():
+                await shutdown_kernel(jp_fetch, kernel_id)
+        after = oom_kills()
+        record("host taken outside: OOM kills in dmesg during the test", None if kills < 0 else after - kills)
+        assert kills < 0 or after == kills
