@@ -268,7 +268,7 @@ def day(options) -> dict:
             kernels[p.name] = server.api("/api/kernels", "POST", {"name": "python3"})["id"]
         for p in plan.kernels:
             connection = server.runtime / f"kernel-{kernels[p.name]}.json"
-            outcomes[p.name].pid = int(run_cell(connection, "import os; print(os.getpid())", 120)[1].strip())
+            outcomes[p.name].pid = int(run_cell(connection, "import os; print(os.getpid())", 120)[1].strip().splitlines()[-1])
         print(f"{len(kernels)} kernels up; the day begins ({plan.minutes:g} min)", flush=True)
         sampler = Sampler(server, kernels)
         sampler.start()
@@ -293,7 +293,8 @@ def day(options) -> dict:
                 continue  # its cell is still out: not checked (said in cells_cut_off_at_the_deadline)
             connection = server.runtime / f"kernel-{kernels[p.name]}.json"
             try:
-                pid = int(run_cell(connection, "import os; print(os.getpid())", 300)[1].strip())
+                # The last line: a parked kernel's cell may say it came back first (older servers said it on stdout).
+                pid = int(run_cell(connection, "import os; print(os.getpid())", 300)[1].strip().splitlines()[-1])
             except Exception as failure:
                 outcomes[p.name].lost.append(f"no answer at the end: {failure!r}"[:200])
                 continue
