@@ -268,7 +268,8 @@ def day(options) -> dict:
             kernels[p.name] = server.api("/api/kernels", "POST", {"name": "python3"})["id"]
         for p in plan.kernels:
             connection = server.runtime / f"kernel-{kernels[p.name]}.json"
-            outcomes[p.name].pid = int(run_cell(connection, "import os; print(os.getpid())", 120)[1].strip().splitlines()[-1])
+            said = run_cell(connection, "import os; print(os.getpid())", 120)[1]
+            outcomes[p.name].pid = int(said.strip().splitlines()[-1])
         print(f"{len(kernels)} kernels up; the day begins ({plan.minutes:g} min)", flush=True)
         sampler = Sampler(server, kernels)
         sampler.start()
