@@ -272,6 +272,7 @@ def plan(
         # Room cannot be made now. This demand holds nothing back for itself: the others go on, and it is
         # looked at again next round (kernels turn idle, parks finish, others end).
         reason = _why_not(need, own, now_room, later_room, by_key, pool, chosen, host_refused, settings)
+        reason += holders_words(need, kernels, reservations, demand.kernel_id, settings.min_idle)
         _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
     return Plan(go=tuple(go), park=tuple(park), waiting=waiting, told=told)
 
@@ -378,10 +379,58 @@ def _why_not(
             f"{settings.min_idle:g} s or more would give {format_bytes(could)} more"
         )
     text = f"needs {_where(need, devices)}; " + ("; ".join(parts) if parts else "not enough room")
-    text += "; the rest is held by kernels that are running or not parkable"
     if host_refused:
         text += (
             f"; the host's memory cannot take {len(host_refused)} idle "
             f"kernel{'s' if len(host_refused) > 1 else ''} that could park"
         )
     return text
+
+
+def holders_words(
+    need: Mapping[Hashable, int],
+    kernels: Sequence[KernelView],
+    reservations: Sequence[Reservation],
+    asking: str,
+    min_idle: float,
+    most: int = 3,
+) -> str:
+    """What holds the room a demand waits for, on its devices: the largest holders (their words name whose, on a
+    hub host), how much each holds and claims, and when the broker may park them; then the rooms reserved for
+    resumes. A wait says this so that its user sees why the memory nvidia-smi shows free is not theirs yet."""
+    held: List[Tuple[int, str]] = []
+    for kernel in kernels:
+        if kernel.kernel_id == asking:
+            continue
+        holds = sum(kernel.used.get(key, 0) for key in need)
+        claims = sum(kernel.headroom(key) for key in need)
+        if holds + claims <= 0:
+            continue
+        amount = format_bytes(holds) + (f" and claims {format_bytes(claims)} more of its cap" if claims else "")
+        held.append((holds + claims, f"{kernel.label or kernel.kernel_id} holds {amount} ({_when(kernel, min_idle)})"))
+    held.sort(key=lambda item: -item[0])
+    words = [text for _, text in held[:most]]
+    if len(held) > most:
+        words.append(f"{len(held) - most} more hold {format_bytes(sum(n for n, _ in held[most:]))}")
+    reserved = sum(r.held.get(key, 0) for r in reservations if r.kernel_id != asking for key in need)
+    if reserved:
+        words.append(f"{format_bytes(reserved)} reserved for resumes under way")
+    return "; held: " + ", ".join(words) if words else ""
+
+
+def _when(kernel: KernelView, min_idle: float) -> str:
+    """When the broker may park this kernel, in a few words."""
+    if kernel.state in CLAIMING_STATES:
+        return "running a cell: not parked while it runs"
+    if kernel.state == "parking":
+        return "parking now"
+    if kernel.state == "resuming":
+        return "coming back from the host"
+    if kernel.state != "idle":
+        return kernel.state
+    if not kernel.parkable:
+        return "idle, cannot be parked"
+    idle_for = kernel.idle_for or 0.0
+    if idle_for < min_idle:
+        return f"idle {idle_for:.0f} s: parkable after {min_idle:g} s idle"
+    return "idle: parks when room is made"

@@ -124,6 +124,29 @@ def test_at_the_limit_the_kernel_is_told_and_no_longer_holds_up_the_others():
     assert decided.go == ("D",) and "D" not in decided.told
 
 
+def test_a_wait_names_what_holds_the_room_how_much_and_when_it_may_be_parked():
+    # The third scene, and the states around it: who holds the device A waits for, and until when.
+    kernels = [
+        kernel("A", "waiting"),
+        kernel("B", "busy", used=40 * GiB, cap=63 * GiB),
+        kernel("C", "idle", used=50 * GiB, idle_for=20),
+        kernel("D", "idle", used=30 * GiB, idle_for=600, parkable=False),
+        kernel("E", "idle", used=2 * GiB, idle_for=5),
+    ]
+    reserved = [Reservation("F", {0: 5 * GiB})]
+    decided = plan(
+        [device(127 * GiB)], kernels, [Demand("A", {0: 56 * GiB}, 0.0)], reserved, HostView(120 * GiB), SETTINGS, 1.0
+    )
+    words = decided.waiting["A"]
+    held = words.split("; held: ", 1)[1]
+    assert held == (
+        "kernel B holds 40.0 GiB and claims 23.0 GiB more of its cap (running a cell: not parked while it runs), "
+        "kernel C holds 50.0 GiB (idle 20 s: parkable after 60 s idle), "
+        "kernel D holds 30.0 GiB (idle, cannot be parked), "
+        "1 more hold 2.0 GiB, 5.0 GiB reserved for resumes under way"
+    ), words
+
+
 def test_an_unknown_device_decides_nothing():
     decided = plan([GPU], [kernel("A", "waiting")], [Demand("A", {0: GiB}, 0.0)], [], HostView(None), SETTINGS, 1)
     assert decided.go == () and "unknown" in decided.waiting["A"]
