@@ -35,6 +35,7 @@ from .checkpoint import (
     CudaCheckpointDriver,
 )
 from .decisions import ParkSettings, build_park_settings, on_device_full_for
+from .host_account import HostAccount, HostReading
 from .host_broker import HostBroker, HostRooms
 from .host_room import host_room
 from .kernel_channel import KernelChannel
@@ -45,5 +46,5 @@ __all__ = [
     "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
     "RoomBroker", "HostBroker",
     "HostRooms", "RUNNING_STATES", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
-    "Reservation", "Round", "decide", "host_room",
+    "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading",
 ]

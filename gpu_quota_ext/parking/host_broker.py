@@ -11,7 +11,7 @@ it runs off the event loop.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from ..threads import off_loop
 from .broker import Plan, Round, told_words
@@ -110,6 +110,34 @@ class HostBroker:
             return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
         self._named = bool(body["demands"])
         return told_at_limit(plan_from(answer, mine), round_)
+
+
+    async def promise_host(self, round_: Round, kernel_id: str, nbytes: int) -> Tuple[Optional[str], Plan]:
+        """Ask the service to promise a park of ours its host memory before its driver call: the service holds one
+        account for every user's parks on this host (two users' idle timers in the same second must not both
+        get the host's memory). (Why not, or None: promised; the plan the same answer carries, for this server's
+        waiting kernels: the call names them, as every room call does.) Without the service's word, nothing
+        parks: another user's park may be under way."""
+        mine = [k.kernel_id for k in round_.kernels]
+        body = room_request(round_, self.uuid_of)
+        body["host_park"] = {"kernel_id": kernel_id, "bytes": int(nbytes)}
+        try:
+            answer = await off_loop(self.rooms.room, body, name="gpu-quota-host-park")
+        except Exception as error:
+            if str(error).startswith("HTTP 4"):  # it answered: a refusal (another user's kernel, a bad body)
+                return f"did not park: the host's GPU quota service refused it ({error})", Plan()
+            why = f"the host's GPU quota service does not answer ({error}); it holds the host's memory for every user"
+            return f"did not park: {why}", Plan()
+        self._named = bool(body["demands"])
+        plan = told_at_limit(plan_from(answer, mine), round_)
+        host = answer.get("host_park") if isinstance(answer, dict) else None
+        if not isinstance(host, dict) or host.get("kernel_id") != kernel_id:
+            return "did not park: the host's GPU quota service did not answer for the host's memory", plan
+        refused = host.get("refused")
+        if refused is None:
+            return None, plan
+        words = str(refused)[:500]
+        return (words if words.startswith("did not park") else f"did not park: {words}"), plan
 
 
 def told_at_limit(plan: Plan, round_: Round) -> Plan:

@@ -294,6 +294,8 @@ class Parker:
         self.host_short_since: Optional[float] = None  # host memory ran short with kernels parked (an episode)
         self.host_short_reason: Optional[str] = None
         self.host_short_episodes = 0
+        self._host_check: Optional[asyncio.Lock] = None  # held from a park's host check to its promise (made on
+        # the event loop: Python 3.9's Lock binds the loop it was made on)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -823,14 +825,26 @@ class Parker:
         sample = self.monitor.latest
         pids = tuple(sample.pids.get(kernel_id, ()))
         parked = {i: n for i, n in sample.kernels.get(kernel_id, {}).items() if n > 0}
-        refused = self.problem(kernel_id)
-        if refused is not None:
-            refused = f"did not park: {refused}"
-        else:
-            refused = self._host_refusal(kernel_id, sum(parked.values()))
-        # No await from the host's check to the promise (_carry_out's Checkpoint): parks checked in the same
-        # second see each other's bytes.
-        self._handle(kernel_id, ParkChecked(op, pids, parked, refused))
+        # One host check at a time, from the check to the promise (_carry_out's Checkpoint, in _handle): parks
+        # checked in the same second see each other's bytes. Without a host service nothing in it awaits.
+        if self._host_check is None:
+            self._host_check = asyncio.Lock()
+        async with self._host_check:
+            if not self._current(kernel_id, op):
+                return
+            refused = self.problem(kernel_id)
+            if refused is not None:
+                refused = f"did not park: {refused}"
+            else:
+                refused = self._host_refusal(kernel_id, sum(parked.values()))
+                ask_host = getattr(self.broker, "promise_host", None)
+                if refused is None and ask_host is not None:
+                    # On a hub host the host service holds the account for every user's parks.
+                    refused, plan = await ask_host(self.round(), kernel_id, sum(parked.values()))
+                    self.apply(plan)
+                    if not self._current(kernel_id, op):
+                        return  # changed meanwhile; the service's promise ends with its next report of the kernel
+            self._handle(kernel_id, ParkChecked(op, pids, parked, refused))
 
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
         try:

@@ -54,6 +54,10 @@ LEASE_PATH = API + "lease"
 #   asked again meanwhile, it is "go" again on the same room); "park": this server's idle kernels to park (for
 #   its own demand or another user's); "told": the demand waited the host's park_wait_limit. Reasons name another
 #   user's kernel only as "of another user".
+#   With "host_park": {"kernel_id": str, "bytes": int} (a park of this server's about to begin), the answer also
+#   has "host_park": {"kernel_id": str, "refused": null | why}: null promises the park its host memory (at least
+#   what the service's last sample saw the kernel hold) until its server reports it parked or running again; the
+#   server asks the driver only then. Servers older than this never send it; services older than this answer 400.
 # KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool}
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)

@@ -14,7 +14,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.parking import ParkSettings
-from gpu_quota_ext.parking.broker import BrokerSettings, Demand, DeviceView, HostView, KernelView, host_left, plan
+from gpu_quota_ext.parking.broker import (
+    BrokerSettings,
+    Demand,
+    DeviceView,
+    HostView,
+    KernelView,
+    Plan,
+    host_left,
+    plan,
+)
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.host_account import HostAccount, HostReading, host_short
 from gpu_quota_ext.parking.parker import Parker
@@ -275,3 +284,46 @@ async def test_two_parks_checked_in_the_same_tick_never_promise_more_than_the_ho
         await wait_for(lambda: parker.records[parking[0]].state == "parked", "A's park done")
         await parker.stop()
     assert parker.host_account.outstanding() == 0  # its driver call returned: the promise ended with it
+
+
+class HostService:
+    """A broker whose host service refuses every park's host memory (the account of every user's parks is there)."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def decide(self, round_):
+        return Plan()
+
+    async def promise_host(self, round_, kernel_id, nbytes):
+        self.asked.append((kernel_id, nbytes))
+        return "did not park: the host has 3.0 GiB of memory available and parking needs 56.0 GiB", Plan()
+
+
+async def test_on_a_hub_host_the_service_s_word_decides_and_nothing_is_promised_here(two_processes, fake_driver):
+    a, _ = two_processes
+    sample = Sample(state="ok", time=1e12, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"A": {0: 56 * GiB}},
+                    pids={"A": (a,)})
+    grants = [SimpleNamespace(kernel_id="A", devices=(0,), caps={0: 63 * GiB})]
+    ledger = SimpleNamespace(get=lambda k: grants[0] if k == "A" else None, grants=lambda: grants)
+    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda i: None)
+    service = HostService()
+    parker = Parker(
+        ParkSettings(idle_after=6, fresh_sample_wait=0),
+        fake_driver(),
+        Kernels(["A"]),
+        ledger,
+        {0: Device(index=0, name="GPU", uuid="GPU-0", total=140 * GiB, nvml_index=0)},
+        monitor,
+        host=lambda: (500 * GiB, None),  # this server's own reading has room: the service's account has not
+        broker=service,
+    )
+    parker.driver_problem = None
+    try:
+        parker.on_sample(sample)
+        await wait_for(lambda: "A" in parker.records and parker.records["A"].state == "running", "A's park refused")
+        assert service.asked == [("A", 56 * GiB)]
+        assert parker.records["A"].reason.startswith("did not park: the host has 3.0 GiB")
+        assert fake_driver.calls == [] and parker.host_account.outstanding() == 0
+    finally:
+        await parker.stop()

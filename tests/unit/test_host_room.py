@@ -11,6 +11,8 @@ from gpu_quota_ext.hub.service.book import Owned
 from gpu_quota_ext.hub.service.room import (
     DECLINE_GRACE,
     OTHERS,
+    PARK_MARGIN,
+    PARK_RATE,
     RESERVATION_MARGIN,
     HostRoom,
     ParkReport,
@@ -21,7 +23,7 @@ from gpu_quota_ext.hub.service.room import (
     reservation_timeout,
 )
 from gpu_quota_ext.ledger import Grant
-from gpu_quota_ext.parking import BrokerSettings, HostView, decide
+from gpu_quota_ext.parking import BrokerSettings, HostReading, HostView, decide
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE
 
@@ -473,3 +475,51 @@ def test_the_bound_counts_what_the_users_kernels_use_beside_what_they_reserve():
     assert reservation_over_budget({UUID: 2 * GiB + 1}, {UUID: 4 * GiB}, by_uuid, limits) is not None
     assert reservation_over_budget({}, {UUID: 100 * GiB}, by_uuid, host_limits(user_budget="none")) is None  # no bound
     assert reservation_over_budget({}, {"GPU-elsewhere": 100 * GiB}, by_uuid, limits) is None  # not this host's
+
+
+# --- host memory: one account for every user's parks ------------------------------------------------------------
+
+
+def test_two_users_parks_in_the_same_second_never_promise_more_than_the_host_has():
+    room = HostRoom()
+    room.note_sample(999.0, {"ka-alice": {UUID: 56 * GiB}, "kb-bob": {UUID: 56 * GiB}})
+    host = HostReading(available=70 * GiB)  # one kernel parked already
+    assert room.promise_host("ka-alice", 56 * GiB, host, 2 * GiB, 1000.0) is None
+    refused = room.promise_host("kb-bob", 56 * GiB, host, 2 * GiB, 1000.2)
+    assert refused is not None and "parks under way will still bring 56.0 GiB" in refused
+    assert room.host_promised() == 56 * GiB
+
+
+def test_a_server_that_understates_its_park_is_promised_what_the_service_saw():
+    room = HostRoom()
+    room.note_sample(999.0, {"ka-alice": {UUID: 40 * GiB}})
+    assert room.promise_host("ka-alice", 1, HostReading(available=100 * GiB), 2 * GiB, 1000.0) is None
+    assert room.host_promised() == 40 * GiB
+
+
+def test_a_promise_ends_when_its_server_reports_the_park_done_or_its_time_is_past():
+    room = HostRoom()
+    room.note_sample(999.0, {"ka-alice": {UUID: 20 * GiB}, "kb-bob": {UUID: 20 * GiB}})
+    host = HostReading(available=100 * GiB)
+    room.promise_host("ka-alice", 20 * GiB, host, 2 * GiB, 1000.0)
+    room.promise_host("kb-bob", 20 * GiB, host, 2 * GiB, 1000.0)
+    room.hear("alice", "", {"ka-alice": ParkReport("parking", None, False)}, 1001.0, lease=True)
+    assert room.host_promised() == 40 * GiB  # still copying
+    room.hear("alice", "", {"ka-alice": ParkReport("parked", None, False)}, 1010.0, lease=True)
+    assert room.host_promised() == 20 * GiB  # alice's bytes are in the host's reading now
+    room.expire(1000.0 + 20 * GiB / PARK_RATE + PARK_MARGIN + 1, {"ka-alice", "kb-bob"}, 60.0)
+    assert room.host_promised() == 0  # bob's server never said: not believed past a park's longest time
+
+
+def test_another_servers_park_reported_under_way_without_a_promise_counts_whole():
+    room = HostRoom()
+    room.note_sample(999.0, {"ka-alice": {UUID: 50 * GiB}, "kb-bob": {UUID: 30 * GiB}})
+    room.hear("alice", "", {"ka-alice": ParkReport("parking", None, False)}, 1000.0, lease=True)
+    refused = room.promise_host("kb-bob", 30 * GiB, HostReading(available=80 * GiB), 2 * GiB, 1000.5)
+    assert refused is not None and "the host has 30.0 GiB" in refused  # 80 less alice's 50 under way
+
+
+def test_a_host_park_for_another_users_kernel_is_refused_and_changes_nothing():
+    with pytest.raises(RoomRefused) as refusal:
+        check_request(HELD, DEVICES, "bob", "", {"ka-alice": ParkReport("idle", None, False)}, {})
+    assert refusal.value.code == 403

@@ -116,8 +116,12 @@ def test_bad_park_reports_are_400(entry):
 
 def test_a_room_request_as_the_contract_writes_it():
     body = {"server": "", "park": [PARK], "demands": [{"kernel_id": "k1", "need": {"GPU-a": 5 << 30}}]}
-    assert parse_room_request(body) == ("", {"k1": ParkReport("idle", 12.5, True)}, {"k1": {"GPU-a": 5 << 30}})
-    assert parse_room_request({"server": "x"}) == ("x", {}, {})
+    assert parse_room_request(body) == (
+        "", {"k1": ParkReport("idle", 12.5, True)}, {"k1": {"GPU-a": 5 << 30}}, None
+    )
+    assert parse_room_request({"server": "x"}) == ("x", {}, {}, None)
+    asking = {"server": "x", "host_park": {"kernel_id": "k1", "bytes": 56 << 30}}
+    assert parse_room_request(asking) == ("x", {}, {}, ("k1", 56 << 30))
 
 
 @pytest.mark.parametrize(
@@ -136,6 +140,14 @@ def test_a_room_request_as_the_contract_writes_it():
         {"demands": [{"kernel_id": f"k{n}", "need": {}} for n in range(MAX_KERNELS + 1)]},
         {"park": [PARK, PARK]},
         {"park": [PARK] * (MAX_KERNELS + 1)},
+        {"host_park": {"kernel_id": "k1"}},
+        {"host_park": {"kernel_id": "k1", "bytes": -1}},
+        {"host_park": {"kernel_id": "k1", "bytes": 1 << 62}},
+        {"host_park": {"kernel_id": "k1", "bytes": 1.5}},
+        {"host_park": {"kernel_id": "k1", "bytes": True}},
+        {"host_park": {"kernel_id": "x\n", "bytes": 1}},
+        {"host_park": {"kernel_id": "k1", "bytes": 1, "user": "root"}},
+        {"host_park": ["k1", 1]},
     ],
 )
 def test_bad_room_requests_are_400(change):

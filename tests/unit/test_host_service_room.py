@@ -21,6 +21,7 @@ import time
 import pytest
 from traitlets.config import Config
 
+from gpu_quota_ext import parking
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.handlers import Who
@@ -225,6 +226,50 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             print(f"park request to bob's server {to_bob * 1000:.0f} ms after alice's room call; "
                   f"three servers closed in {closing:.2f} s")
             assert closing < LEASE / 4, "close() waited out the long polls"
+        finally:
+            for server in servers.values():
+                server.close()
+            http.stop()
+
+    asyncio.run(scenario())
+
+
+def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_one_account(service, monkeypatch):
+    # Bob's and carol's idle timers fire together, each server asking the service before its driver call. The host
+    # (as the service reads it: a CI machine cannot be made to run short) has room for one of their parks.
+    monkeypatch.setattr(parking, "host_room", lambda: (9 * GiB, None))
+
+    async def scenario():
+        port = free_port()
+        http = service.web_app(PREFIX).listen(port, "127.0.0.1")
+        url = f"http://127.0.0.1:{port}{PREFIX}"
+        servers = {user: Server(url, token, f"k{user[0]}") for token, user in TOKENS.items()}
+        bob, carol = servers["bob"], servers["carol"]
+        try:
+            for user, server in servers.items():
+                await asyncio.to_thread(server.ledger.grant, server.kernel_id, user, "python3", None)
+                assert await asyncio.to_thread(server.ledger.renew)
+            write_usage(service.nvml_file, {bob.process.pid: 5 * GiB, carol.process.pid: 5 * GiB})
+            service.sampler._tick()
+            brokers = {user: HostBroker(servers[user].ledger, {0: UUID}) for user in ("bob", "carol")}
+            empty = Round((DeviceView(0, "GPU 0", TOTAL, 10 * GiB),), (), (), (), HostView(), BrokerSettings(), 0.0)
+            answers = await asyncio.gather(
+                brokers["bob"].promise_host(empty, "kb", 5 * GiB),
+                brokers["carol"].promise_host(empty, "kc", 5 * GiB),
+            )
+            refused = [words for words, _ in answers if words is not None]
+            assert len(refused) == 1, answers  # 9 GiB: one park of 5 GiB and the 2 GiB margin, not two
+            assert "parks under way will still bring 5.0 GiB" in refused[0], refused
+            assert service.room.host_promised() == 5 * GiB
+            # Carol names bob's kernel: 403, nothing promised.
+            words, _ = await brokers["carol"].promise_host(empty, "kb", GiB)
+            assert words is not None and "another user's" in words, words
+            assert service.room.host_promised() == 5 * GiB
+            # The park that got its promise reports itself parked: the promise ends, the next park may have it.
+            promised = "bob" if answers[0][0] is None else "carol"
+            servers[promised].reports("parked")
+            assert await asyncio.to_thread(servers[promised].ledger.renew)
+            assert service.room.host_promised() == 0
         finally:
             for server in servers.values():
                 server.close()

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 from urllib.parse import urlparse
 
 from jupyter_core.paths import jupyter_data_dir
@@ -38,7 +38,7 @@ from ...devices import (
     PynvmlBackend,
     StaticInventory,
 )
-from ...parking import BrokerSettings, HostView, decide
+from ...parking import BrokerSettings, HostReading, HostView, decide
 from ...policy import PolicyError, build_policy, shown
 from ...settings import DEFAULTS, SETTINGS, parse_value
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
@@ -309,13 +309,33 @@ class GpuQuotaService(Application):
         return max(0.0, min(float(LEASE_RENEW), self.lease_seconds / 4))
 
     def room_call(
-        self, user: str, server: str, reports: Dict[str, ParkReport], demands: Dict[str, Dict[str, int]]
+        self,
+        user: str,
+        server: str,
+        reports: Dict[str, ParkReport],
+        demands: Dict[str, Dict[str, int]],
+        host_park: Optional[Tuple[str, int]] = None,
     ) -> dict:
         """A room call of `user`'s server: checked (room.RoomRefused: nothing kept), then one decision of the host's
-        broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park."""
+        broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park.
+        `host_park`: (kernel, bytes) of a park about to begin, promised its host memory or refused (HostRoom)."""
         now = time.time()
         owned = self.book.owned()
+        named = dict(reports)
+        if host_park is not None and host_park[0] not in named:
+            named[host_park[0]] = ParkReport("idle", None, False)  # checked as its own kernel, never heard
+        check_request(owned, self.book.devices, user, server, named, {}, None)
         checked = check_request(owned, self.book.devices, user, server, reports, demands, self.room.seen())
+        host_answer = None
+        if host_park is not None:
+            kernel_id, nbytes = host_park
+            if kernel_id not in {o.grant.kernel_id for o in owned}:
+                host_answer = {"kernel_id": kernel_id, "refused": "the host's GPU quota service holds no grant for it"}
+            else:
+                refused = self.room.promise_host(
+                    kernel_id, nbytes, HostReading(*parking.host_room()), self.broker_settings.host_margin, now
+                )
+                host_answer = {"kernel_id": kernel_id, "refused": refused}
         self.room.hear(user, server, checked.reports, now, lease=False)
         self.room.ask(user, server, checked.demands, now)
         self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)
@@ -366,6 +386,8 @@ class GpuQuotaService(Application):
         for key in answer.wake:
             self.polls.wake(key)
         data = answer.json()
+        if host_answer is not None:
+            data["host_park"] = host_answer
         for kernel_id in checked.unknown:
             data["waiting"][kernel_id] = "the host's GPU quota service holds no grant for this kernel (released)"
         for kernel_id in checked.demands:

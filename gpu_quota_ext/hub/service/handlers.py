@@ -271,14 +271,25 @@ def parse_park_reports(entries: Any) -> Dict[str, ParkReport]:
     return reports
 
 
-def parse_room_request(body: Any) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]]]:
-    """(server, its kernels' park reports, kernel id -> uuid -> bytes needed)."""
-    if not isinstance(body, dict) or set(body) - {"server", "park", "demands"}:
+def parse_room_request(
+    body: Any,
+) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]], Optional[Tuple[str, int]]]:
+    """(server, its kernels' park reports, kernel id -> uuid -> bytes needed, the park asking for host memory)."""
+    if not isinstance(body, dict) or set(body) - {"server", "park", "demands", "host_park"}:
         raise web.HTTPError(
             400,
             'the body must be a JSON object {"server": str, "park": [KERNEL_PARK], '
-            '"demands": [{"kernel_id": str, "need": {uuid: bytes}}]}',
+            '"demands": [{"kernel_id": str, "need": {uuid: bytes}}], "host_park": {"kernel_id": str, "bytes": int}}',
         )
+    host_park = None
+    if body.get("host_park") is not None:
+        entry = body["host_park"]
+        if not isinstance(entry, dict) or set(entry) != {"kernel_id", "bytes"}:
+            raise web.HTTPError(400, '"host_park" must be {"kernel_id": str, "bytes": int}')
+        nbytes = entry["bytes"]
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < MAX_BYTES:
+            raise web.HTTPError(400, f'"bytes" of "host_park" must be a whole number of bytes, not {shown(nbytes)}')
+        host_park = (_string(entry, "kernel_id", pattern=KERNEL_ID), nbytes)
     server = _string(body, "server")
     reports = parse_park_reports(body.get("park", []))
     entries = body.get("demands", [])
@@ -300,7 +311,7 @@ def parse_room_request(body: Any) -> Tuple[str, Dict[str, ParkReport], Dict[str,
         if kernel_id in demands:
             raise web.HTTPError(400, f"kernel {kernel_id} demands twice")
         demands[kernel_id] = dict(need)
-    return server, reports, demands
+    return server, reports, demands, host_park
 
 
 class GrantsHandler(ApiHandler):
@@ -394,10 +405,10 @@ class LeaseHandler(ApiHandler):
 class RoomHandler(ApiHandler):
     async def post(self):
         self.who.require_user()
-        server, reports, demands = parse_room_request(self.body())
+        server, reports, demands, host_park = parse_room_request(self.body())
         self.give_up_if_caller_gone("the host's broker decided")
         try:
-            answer = self.service.room_call(self.who.name, server, reports, demands)
+            answer = self.service.room_call(self.who.name, server, reports, demands, host_park)
         except RoomRefused as refusal:
             raise web.HTTPError(refusal.code, refusal.message) from None
         self.answer(200, answer)

@@ -35,6 +35,13 @@ answers. What the service believes of each:
 - park requests: per (user, server), the idle kernels chosen to park, until that server's lease takes them; one
   taken is not asked again before its server has reported it parking (or busy, or not parkable) since, or
   REQUEST_TTL has passed.
+- host memory: one account for every user's parks (parking/host_account.py). Before its driver call, a server's
+  park asks here (the room call's "host_park") and is promised its bytes (the most of what the server says and
+  what the service's last sample saw the kernel hold) only if the host's memory, less every park under way, keeps the
+  margin; parks other servers report under way without a promise are counted whole. A promise ends when its
+  server reports the kernel parked or running again, or when a park of its size must have ended (PARK_RATE,
+  PARK_MARGIN). Promised bytes are counted whole until then (the service does not read other users' resident
+  memory): on a hub host a park may be refused while another's copy is half done, never promised too much.
 
 Words say which kernel waits or parks only to its own user: another user's kernel is "of another user".
 """
@@ -51,6 +58,8 @@ from ...parking import (
     BrokerSettings,
     Demand,
     DeviceView,
+    HostAccount,
+    HostReading,
     HostView,
     KernelView,
     Plan,
@@ -327,6 +336,9 @@ class HostRoom:
         self._seen: Dict[str, Dict[str, int]] = {}  # kernel -> uuid -> the most a sample saw it hold there
         self._claimed: Dict[str, float] = {}  # kernel -> first report of a park not yet seen done (not reset by blips)
         self._declined: Dict[str, float] = {}  # kernel -> when its server was seen not to carry out a park it took
+        self._host = HostAccount()  # host memory promised to parks under way, every user's
+        self._host_until: Dict[str, float] = {}  # kernel -> when its promise ends at the latest
+        self._latest: Dict[str, int] = {}  # kernel -> what the last sample saw it hold, every device together
 
     # --- what the servers say -----------------------------------------------------------------------
 
@@ -357,6 +369,10 @@ class HostRoom:
                     self._held[kernel_id] = replace(held, running_seen=now)
                 if lease and report.state != "waiting":
                     self._waiting.pop(kernel_id, None)
+                if report.state != "parking" and kernel_id in self._host_until:
+                    # Parked (its bytes are in the host's reading now), or running again: its promise has ended.
+                    self._host = self._host.release(kernel_id)
+                    del self._host_until[kernel_id]
 
     def ask(self, user: str, server: str, demands: Mapping[str, Mapping[str, int]], now: float) -> None:
         """A room call's demands: every demand of that server (the others it had have ended)."""
@@ -391,6 +407,7 @@ class HostRoom:
         """One host sample: a reservation ends where it shows the kernel's verified usage back, or once it was
         taken after a report of the kernel running again."""
         with self._lock:
+            self._latest = {k: sum(per.values()) for k, per in kernel_used.items()}
             for kernel_id, per in kernel_used.items():
                 most = self._seen.setdefault(kernel_id, {})
                 for uuid, n in per.items():
@@ -419,6 +436,9 @@ class HostRoom:
             self._seen = {k: m for k, m in self._seen.items() if k in granted}
             self._claimed = {k: t for k, t in self._claimed.items() if k in granted}
             self._declined = {k: t for k, t in self._declined.items() if k in granted}
+            for kernel_id in [k for k, until in self._host_until.items() if k not in granted or until <= now]:
+                self._host = self._host.release(kernel_id)
+                del self._host_until[kernel_id]
             self._held = {k: h for k, h in self._held.items() if k in granted and h.until > now}
             self._waiting = {k: w for k, w in self._waiting.items() if k in granted and now - w.asked < stale_after}
             self._asked = {
@@ -426,6 +446,35 @@ class HostRoom:
                 for k, a in self._asked.items()
                 if k in granted and now - (a.delivered if a.delivered is not None else a.at) < REQUEST_TTL
             }
+
+    def promise_host(
+        self, kernel_id: str, nbytes: int, reading: HostReading, margin: int, now: float
+    ) -> Optional[str]:
+        """A park's host memory, asked by its server before its driver call (checked by the caller: the user's own
+        kernel on that server): promised, or the words of why not. At least what the service's last sample saw the
+        kernel hold is promised, whatever its server says."""
+        with self._lock:
+            self._host = self._host.release(kernel_id)  # asked again (its earlier park never began): anew
+            self._host_until.pop(kernel_id, None)
+            nbytes = max(int(nbytes), self._latest.get(kernel_id, 0))
+            promised = self._host.kernels()
+            others = sum(
+                self._latest.get(k, 0)
+                for k, heard in self._heard.items()
+                if heard.report.state == "parking" and k not in promised and k != kernel_id
+            )
+            less = lambda x: None if x is None else x - others  # noqa: E731
+            refused = self._host.refusal(
+                kernel_id, nbytes, HostReading(less(reading.available), less(reading.cgroup_room)), margin
+            )
+            if refused is None:
+                self._host = self._host.promise(kernel_id, nbytes)
+                self._host_until[kernel_id] = now + nbytes / PARK_RATE + PARK_MARGIN
+            return refused
+
+    def host_promised(self) -> int:
+        with self._lock:
+            return self._host.outstanding()
 
     def seen(self) -> Dict[str, Dict[str, int]]:
         """Per kernel and device, the most the service's samples saw it hold (check_request's bound on a need)."""
