@@ -1,15 +1,10 @@
 """gpu-quota-ext: a GPU memory cap for every Jupyter kernel, visible and adjustable.
 
 This module is imported inside kernels too (the bootstrap loads it from the server's installation), so
-it imports nothing heavy: the server extension's classes are imported only when the server asks. Module
-paths from before the package had one folder per concern stay importable (shared/moved.py).
+it imports nothing heavy: the server extension's classes are imported only when the server asks.
 """
 
 __version__ = "0.1.0"
-
-from .shared.moved import install as _keep_moved_paths
-
-_keep_moved_paths()  # old import paths (c.GpuQuota.nvml_class = "gpu_quota_ext.fake_nvml.FakeNvml") still work
 
 
 def _jupyter_server_extension_points():
