@@ -493,6 +493,9 @@ class Parker:
         grant = self.ledger.get(kernel_id)
         if self.settings.on_device_full != "on":
             return False, self.kernel_json(kernel_id), "park_on_device_full is off on this server"
+        await self.ready()
+        if self.driver_problem is not None:  # no kernel can park for it: say so now rather than at the wait limit
+            return False, self.kernel_json(kernel_id), f"this server cannot park kernels: {self.driver_problem}"
         if not getattr(self.broker, "makes_room_for_running", False):
             why = "on a hub host the host service's broker makes room for resumes only, not yet on a full device"
             return False, self.kernel_json(kernel_id), why

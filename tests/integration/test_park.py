@@ -352,6 +352,10 @@ async def test_no_checkpoint_driver_is_said_and_nothing_raises(jp_fetch, jp_serv
     assert park["parkable"] is False and park["reason"].startswith("no checkpoint driver: ")
     code, answer = await post_error(jp_fetch, kernel_id, "park")
     assert code == 409 and answer["message"].startswith("no checkpoint driver: ")
+    # A full device under its cap (park_on_device_full "auto": on without admission control): no kernel can park
+    # for it, so the answer says so at once, not at the wait limit.
+    code, answer = await post_error(jp_fetch, kernel_id, "room")
+    assert code == 409 and answer["message"].startswith("this server cannot park kernels: "), answer
 
 
 # --- the broker: room made for a resume, never a restore into a full device ------------------------------
