@@ -14,16 +14,15 @@ import asyncio
 import http.client
 import json
 import subprocess
-import tempfile
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH
 from tests.integration.servers import TOKEN, Server
+from tests.kernel_transport import short_directory
 from tests.unit.test_host_service_app import service  # noqa: F401 (the service's web app, no hub answering)
 
 from .hubtools import CHP, free_port
@@ -80,7 +79,7 @@ def ask(port: int, method: str, path: str, body: bytes, headers: dict) -> tuple:
 
 @pytest.mark.timeout(240)
 def test_refusals_before_the_body_reach_the_client_through_the_proxy(setup_ok, service):
-    runtime = Path(tempfile.mkdtemp())
+    runtime = short_directory()
     server = Server(runtime, ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"])
     proxy = None
     try:

@@ -19,17 +19,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from ..kernel_transport import TRANSPORT_ARGS, check_connection_dir
 from .cell_output import CellOutput
 from .fake_mps import wait_until
 
 TOKEN = "hard-cap-test"
+# What jupyter_server logs when the port it picked was taken before it listened on it, and how many times a
+# server is started before that fails the test.
+PORT_CLASH = "is already in use"
+PORT_CLASH_STARTS = 3
 
 
 class Server:
     """`python -m jupyter_server` with gpu_quota_ext, its stderr collected by a thread.
 
     `prefix` runs it through another program (`["runuser", "-u", "alice", "--"]`); `runtime` is its
-    JUPYTER_RUNTIME_DIR (connection files and the managed MPS daemon's directories go there); `config`
+    JUPYTER_RUNTIME_DIR (connection files, its kernels' IPC sockets and the managed MPS daemon's directories
+    go there: a short path, kernel_transport.short_directory); `config`
     (a Config as a dict, as pytest-jupyter's jp_server_config) becomes its jupyter_server_config.json."""
 
     # The Python whose jupyter_server runs, what enables the extension on its command line, and the folder
@@ -40,15 +46,16 @@ class Server:
     cwd: Optional[Path] = None
 
     def __init__(self, runtime: Path, args: Sequence[str], env_extra=None, prefix: Sequence[str] = (), config=None):
-        self.runtime = Path(runtime)
+        # Its kernels' IPC sockets are named after their connection files in `runtime` (kernel_transport).
+        self.runtime = check_connection_dir(runtime)
         if config is not None:
             (self.runtime / "config").mkdir(parents=True, exist_ok=True)
             (self.runtime / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
-        env = self.base_environment()
-        env.update(
+        self._env = self.base_environment()
+        self._env.update(
             JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_CONFIG_DIR=str(self.runtime / "config"), **(env_extra or {})
         )
-        command = [
+        self._command = [
             *prefix,
             self.python,
             "-m",
@@ -60,13 +67,19 @@ class Server:
             f"--IdentityProvider.token={TOKEN}",
             f"--ServerApp.root_dir={runtime}",
             *self.enabling_args,
+            *TRANSPORT_ARGS,
             *args,
         ]
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.starts += 1
         self.lines: list = []
         # A session of its own: kill() reaches a server started through runuser, which forks it.
         self.process = subprocess.Popen(
-            command, env=env, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
+            self._command, env=self._env, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -89,7 +102,20 @@ class Server:
     def wait_serving(self, timeout: float = 60):
         # jupyter_server prints its URL before its loop binds the port (the bind is a loop callback):
         # serving means a connection is accepted, not that the line was printed.
-        return wait_until(lambda: self._accepts() or (self.process.poll() is not None and self.fail()), timeout=timeout)
+        return wait_until(self._serving, timeout=timeout)
+
+    def _serving(self) -> Optional[str]:
+        url = self._accepts()
+        if url is not None or self.process.poll() is None:
+            return url
+        self._reader.join(timeout=10)  # every line it wrote before it exited
+        if self.starts < PORT_CLASH_STARTS and any(PORT_CLASH in line for line in self.lines):
+            # With --port=0 jupyter_server binds port 0, reads the port, closes that socket and binds the port
+            # again one turn of its loop later; another process may take it in between. It then exits
+            # saying so, before anything else happened: start it again.
+            self._start()
+            return None
+        self.fail()
 
     def _accepts(self) -> Optional[str]:
         url = self.url()

@@ -11,6 +11,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.policy import GiB
 
+from ..kernel_transport import short_directory
 from .kernels import kernel_env, start_kernel, static_devices_config
 from .servers import serving
 from .test_bad_config import STATIC, start_server
@@ -30,10 +31,10 @@ async def caps(jp_fetch, kernel_id):
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
+def shared(short_tmp):
     """One server and one kernel for the refusals below: each leaves the kernel's cap as it was, and checks it."""
     config = static_devices_config("80GiB", default_cap="0.25", max_cap="0.5")
-    with serving(tmp_path_factory.mktemp("floor"), config) as server:
+    with serving(short_directory(short_tmp), config) as server:
         yield server, server.start_kernel()
 
 

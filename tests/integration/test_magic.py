@@ -20,6 +20,7 @@ from gpu_quota_ext.kernel.magic import NO_SERVER
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
 
+from ..kernel_transport import short_directory
 from .cell_output import CellOutput, run_cell
 from .fake_gpu import wait_for
 from .kernels import (
@@ -41,11 +42,11 @@ def jp_server_config():
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
+def shared(short_tmp):
     """One server (the same config) and one kernel for the checks that leave its caps as they were:
     `%gpucap`'s table, its help, refused lines, the CPU-only panel, OOM explanations."""
     config = static_devices_config("80GiB", "80GiB", default_cap="0.25", max_cap="0.5")
-    with serving(tmp_path_factory.mktemp("magic"), config) as server:
+    with serving(short_directory(short_tmp), config) as server:
         yield server, server.start_kernel()
 
 
@@ -491,11 +492,13 @@ async def test_allocator_usage_is_reported_after_each_cell(jp_fetch, jp_serverap
 # --- a kernel no server started ------------------------------------------------------------------------
 
 
-async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_locally(tmp_path):
+async def test_load_ext_in_a_plain_kernel_says_there_is_no_server_and_works_locally(tmp_path, short_tmp):
     from jupyter_client.manager import AsyncKernelManager
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_") and k != "PYTHONSTARTUP"}
-    manager = AsyncKernelManager(kernel_name="python3")
+    # On IPC sockets named after its connection file, as every test's kernel (tests/kernel_transport.py).
+    connection_file = short_directory(short_tmp) / "kernel-plain.json"
+    manager = AsyncKernelManager(kernel_name="python3", transport="ipc", connection_file=str(connection_file))
     await manager.start_kernel(env=env, cwd=str(tmp_path))
     client = manager.client()
     client.start_channels()

@@ -1,19 +1,15 @@
 """A hung NVML call: the monitor says "stalled" (status API, /metrics) instead of showing an old sample as
 current, keeps the kernels' lifecycle going, and never holds up the server's exit."""
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
 from gpu_quota_ext.policy import GiB
 
+from ..kernel_transport import short_directory
 from .fake_gpu import (  # noqa: F401
     fake_gpu_config,
     fake_nvml,
@@ -24,7 +20,9 @@ from .fake_gpu import (  # noqa: F401
     status,
     wait_for,
 )
+from .fake_mps import wait_until
 from .kernels import shutdown_kernel, start_kernel
+from .servers import Server
 from .test_metrics import scrape
 
 
@@ -97,67 +95,32 @@ class TestLifecycleDuringAStall:
 # --- a real server process, SIGTERM while an NVML call hangs for good ----------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+SERVER_CONFIG = {
+    "GpuQuota": {
+        "inventory_class": "gpu_quota_ext.devices.StaticInventory",
+        "nvml_class": "gpu_quota_ext.devices.fake_nvml.HungNvml",
+        "poll_interval": 0.2,
+    },
+    "StaticInventory": {"devices": [{"name": "Test GPU 0", "total": "16GiB"}]},
+}
 
 
-SERVER_CONFIG = """
-c.ServerApp.jpserver_extensions = {"gpu_quota_ext": True}
-c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-c.StaticInventory.devices = [{"name": "Test GPU 0", "total": "16GiB"}]
-c.GpuQuota.nvml_class = "gpu_quota_ext.devices.fake_nvml.HungNvml"
-c.GpuQuota.poll_interval = 0.2
-"""
+def monitor_state(server: Server) -> str:
+    return server.api("/api/gpu-quota/status", timeout=5)["monitor"]["state"]
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_hung_nvml_call_stops_the_server_promptly(tmp_path):
-    (tmp_path / "jupyter_server_config.py").write_text(SERVER_CONFIG)
-    for name in ("config", "data", "runtime", "root"):
-        (tmp_path / name).mkdir()
-    port, token = free_port(), "stall-test-token"
-    env = dict(
-        os.environ,
-        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-        JUPYTER_DATA_DIR=str(tmp_path / "data"),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-    )
-    command = [
-        sys.executable, "-m", "jupyter_server",
-        f"--config={tmp_path / 'jupyter_server_config.py'}",
-        "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-        f"--IdentityProvider.token={token}", "--ServerApp.open_browser=False",
-        f"--ServerApp.root_dir={tmp_path / 'root'}",
-    ]
-    if hasattr(os, "getuid") and os.getuid() == 0:
-        command.append("--allow-root")
-    log = open(tmp_path / "server.log", "wb")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+def test_sigterm_during_a_hung_nvml_call_stops_the_server_promptly(short_tmp):
+    server = Server(short_directory(short_tmp), [], config=SERVER_CONFIG)
     try:
-        url = f"http://127.0.0.1:{port}/api/gpu-quota/status"
-        deadline = time.monotonic() + 120
-        state = None
-        while state != "stalled":  # the server is up and its sampler is stuck inside NVML
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, f"never stalled (last state {state})"
-            try:
-                request = urllib.request.Request(url, headers={"Authorization": f"token {token}"})
-                with urllib.request.urlopen(request, timeout=5) as answer:
-                    state = json.loads(answer.read())["monitor"]["state"]
-            except OSError:
-                pass
-            time.sleep(0.2)
-        server.send_signal(signal.SIGTERM)
+        server.wait_serving(timeout=120)
+        # The server is up and its sampler is stuck inside NVML.
+        wait_until(lambda: monitor_state(server) == "stalled", timeout=120, step=0.2)
+        server.process.send_signal(signal.SIGTERM)
         # Before the fix the process waited for the sampler thread at exit: for as long as the call hung.
         try:
-            server.wait(timeout=30)
+            server.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pytest.fail("the server did not exit within 30 s of SIGTERM while an NVML call hung")
-        assert server.returncode is not None
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        log.close()
+        server.kill()

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from ..integration.servers import TOKEN, Server
+from ..kernel_transport import short_directory
 from .scripts import labextension_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # a whole build, a venv, a server
@@ -170,7 +171,7 @@ class InstalledServer(Server):
 
 
 @pytest.fixture(scope="module")
-def server(installed, tmp_path_factory):
+def server(installed, short_tmp):
     config = {
         # No ServerApp.jpserver_extensions here: the wheel's jupyter_server_config.d enables the extension.
         "GpuQuota": {
@@ -178,7 +179,7 @@ def server(installed, tmp_path_factory):
         },
         "StaticInventory": {"devices": [{"name": "Wheel GPU 0", "total": "80GiB"}]},
     }
-    started = InstalledServer(installed, tmp_path_factory.mktemp("server"), config)
+    started = InstalledServer(installed, short_directory(short_tmp), config)
     try:
         started.wait_serving(timeout=120)
         yield started
