@@ -14,10 +14,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpserver import HTTPServer
+from tornado.testing import bind_unused_port
 from tornado.websocket import websocket_connect
+
+from ..kernel_transport import TRANSPORT_SETTINGS, short_directory
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -36,10 +40,29 @@ def missing_setup() -> Optional[str]:
     return "; ".join(problems) or None
 
 
-def free_port() -> int:
+def unused_port() -> int:
+    """A loopback port nothing listened on a moment ago, for a program that binds its port itself and takes
+    no bound socket (JupyterHub, configurable-http-proxy, a hub-managed service): another process may take
+    it first, so whoever starts that program must notice its "address already in use" and start it again.
+    A server of this process listens on a socket bound and held instead (listen_here)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listen_here(app) -> Tuple[HTTPServer, int]:
+    """`app` served by this process (on its running loop) from a loopback socket bound and held from the
+    start: no moment when another process could take its port. (server, port); server.stop() ends it."""
+    sock, port = bind_unused_port()
+    server = HTTPServer(app)
+    server.add_sockets([sock])
+    return server, port
+
+
+# What JupyterHub's log says when the hub or its proxy could not bind a port (Python's words, then Node's),
+# and how many times a hub is started before that fails the test.
+PORT_CLASHES = ("Address already in use", "EADDRINUSE")
+PORT_CLASH_STARTS = 3
 
 
 class Hub:
@@ -50,29 +73,46 @@ class Hub:
         environment, tests/hub/hub_versions.py); this checkout's gpu_quota_ext is put on its path."""
         self.folder = folder
         self.python = python
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = uuid.uuid4().hex
         self.log_path = folder / "jupyterhub.log"
         self.config_path = folder / "jupyterhub_config.py"
-        header = HUB_CONFIG_HEADER.format(
-            port=self.port,
-            hub_port=free_port(),
-            proxy_api_port=free_port(),
-            chp=str(CHP),
-            folder=str(folder),
-            python=python,
-            admin_token=self.admin_token,
-        )
-        self.config_path.write_text(header + "\n" + config_text)
+        self.config_text = config_text
+        # The spawned servers' kernels talk over IPC sockets (tests/kernel_transport.py): a config folder on
+        # their JUPYTER_CONFIG_PATH says so, and each user's runtime folder is a short one. Both under a folder
+        # that servers run as other Unix users (LocalProcessSpawner) can reach.
+        self.spawned = short_directory()
+        self.spawned.chmod(0o755)
+        (self.spawned / "config").mkdir(mode=0o755)
+        (self.spawned / "config" / "jupyter_server_config.json").write_text(json.dumps(TRANSPORT_SETTINGS))
+        self.starts = 0
+        self._pick_ports()
         self.process: Optional[subprocess.Popen] = None
 
+    def _pick_ports(self) -> None:
+        """Ports for the proxy and the hub, written into its config. JupyterHub and configurable-http-proxy bind
+        them themselves and take no socket bound beforehand: another process may take one before they do. Then
+        the hub exits saying so, and wait_until_up starts it again on other ports (PORT_CLASH_STARTS times)."""
+        self.port = unused_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        header = HUB_CONFIG_HEADER.format(
+            port=self.port,
+            hub_port=unused_port(),
+            proxy_api_port=unused_port(),
+            chp=str(CHP),
+            folder=str(self.folder),
+            spawned=str(self.spawned),
+            python=self.python,
+            admin_token=self.admin_token,
+        )
+        self.config_path.write_text(header + "\n" + self.config_text)
+
     def start(self) -> None:
+        self.starts += 1
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTERHUB_", "JUPYTER_", "JPY_"))}
         if self.python != sys.executable:
             # That environment has JupyterHub and the package's dependencies, not the package.
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [self.python, "-m", "jupyterhub", "-f", str(self.config_path)],
             cwd=self.folder,
@@ -139,6 +179,11 @@ class Hub:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self.starts < PORT_CLASH_STARTS and any(c in self.log_tail() for c in PORT_CLASHES):
+                    self.stop()
+                    self._pick_ports()
+                    self.start()
+                    continue
                 raise AssertionError(f"jupyterhub exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 await self.api("GET", "/hub/api/")
@@ -238,8 +283,30 @@ async def _with_timeout(awaitable, seconds: float):
     return await asyncio.wait_for(awaitable, seconds)
 
 
-# Loopback only, free ports, every file in the test's own folder; servers are spawned as this OS user.
+# Loopback only, unused ports, every file in the test's own folder (the spawned servers' short runtime
+# folders aside); servers are spawned as this OS user.
 HUB_CONFIG_HEADER = """
+import os as _os
+import pwd as _pwd
+
+
+def _spawned_runtime(spawner):
+    # A short runtime folder of the user's own: its kernels' IPC sockets are named after connection files in it.
+    path = _os.path.join({spawned!r}, "runtime-" + spawner.user.name)
+    _os.makedirs(path, mode=0o700, exist_ok=True)
+    if _os.getuid() == 0:
+        try:
+            entry = _pwd.getpwnam(spawner.user.name)  # LocalProcessSpawner: the server runs as that user
+            _os.chown(path, entry.pw_uid, entry.pw_gid)
+        except KeyError:
+            pass  # no such Unix user: the server runs as the hub's
+    return path
+
+
+c.Spawner.environment = {{
+    "JUPYTER_CONFIG_PATH": {spawned!r} + "/config",
+    "JUPYTER_RUNTIME_DIR": _spawned_runtime,
+}}
 c.JupyterHub.ip = "127.0.0.1"
 c.JupyterHub.port = {port}
 c.JupyterHub.hub_ip = "127.0.0.1"

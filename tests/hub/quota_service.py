@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .hubtools import free_port
+from .hubtools import unused_port
 
 DEFAULT_DEVICES = ({"name": "Test GPU", "total": "80GiB", "uuid": "GPU-hubtest-0"},)
 
@@ -50,7 +50,7 @@ def quota_service_config(
     name: str = "gpu-quota",
 ) -> tuple:
     """(hub config lines, QuotaService). `settings`: more c.GpuQuotaService values (lease_seconds, ...)."""
-    service = QuotaService(folder, free_port(), name)
+    service = QuotaService(folder, unused_port(), name)
     lines = [
         "c.GpuQuotaService.inventory_class = 'gpu_quota_ext.devices.StaticInventory'",
         f"c.StaticInventory.devices = {list(devices)!r}",

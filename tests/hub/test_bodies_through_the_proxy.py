@@ -25,7 +25,7 @@ from tests.integration.servers import TOKEN, Server
 from tests.kernel_transport import short_directory
 from tests.unit.test_host_service_app import service  # noqa: F401 (the service's web app, no hub answering)
 
-from .hubtools import CHP, free_port
+from .hubtools import CHP, PORT_CLASH_STARTS, PORT_CLASHES, listen_here, unused_port
 
 PREFIX = "/services/gpu-quota/"
 
@@ -34,26 +34,39 @@ class Proxy:
     """configurable-http-proxy: every path to `default`, PREFIX to the service."""
 
     def __init__(self, default: str):
-        self.port, self.api_port, self.token = free_port(), free_port(), uuid.uuid4().hex
+        self.default, self.token, self.starts = default, uuid.uuid4().hex, 0
+        self._start()
+
+    def _start(self) -> None:
+        # It binds its ports itself (hubtools.unused_port): one taken meanwhile makes it exit, and route()
+        # starts it again on others.
+        self.starts += 1
+        self.port, self.api_port = unused_port(), unused_port()
         command = [str(CHP), "--ip=127.0.0.1", f"--port={self.port}", f"--api-port={self.api_port}",
-                   f"--default-target={default}"]
+                   f"--default-target={self.default}"]
         self.process = subprocess.Popen(
             command, env={"CONFIGPROXY_AUTH_TOKEN": self.token, "PATH": "/usr/bin:/bin"},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
 
     def route(self, prefix: str, target: str) -> None:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.api_port}/api/routes{prefix}", method="POST",
-            data=json.dumps({"target": target}).encode(), headers={"Authorization": f"token {self.token}"},
-        )
         deadline = time.monotonic() + 30
         while True:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.api_port}/api/routes{prefix}", method="POST",
+                data=json.dumps({"target": target}).encode(), headers={"Authorization": f"token {self.token}"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=5) as answer:
                     assert answer.status == 201
                     return
             except OSError:
+                if self.process.poll() is not None and self.starts < PORT_CLASH_STARTS:
+                    said = self.process.stderr.read()
+                    if any(clash in said for clash in PORT_CLASHES):
+                        self._start()
+                        continue
+                    raise AssertionError(f"configurable-http-proxy exited:\n{said[-3000:]}") from None
                 if time.monotonic() > deadline or self.process.poll() is not None:
                     raise
                 time.sleep(0.1)
@@ -86,8 +99,7 @@ def test_refusals_before_the_body_reach_the_client_through_the_proxy(setup_ok, s
         server.wait_serving()
         kernel_id = server.start_kernel()
         proxy = Proxy(server.url())
-        service_port = free_port()
-        asyncio.run(_through_the_proxy(proxy, server, service, service_port, kernel_id))
+        asyncio.run(_through_the_proxy(proxy, server, service, kernel_id))
     except BaseException:
         print("---- server log ----\n" + "".join(server.lines)[-6000:])
         if proxy is not None and proxy.process.poll() is not None:
@@ -99,8 +111,8 @@ def test_refusals_before_the_body_reach_the_client_through_the_proxy(setup_ok, s
         server.kill()
 
 
-async def _through_the_proxy(proxy, server, service, service_port, kernel_id):
-    listening = service.web_app(PREFIX).listen(service_port, "127.0.0.1")
+async def _through_the_proxy(proxy, server, service, kernel_id):
+    listening, service_port = listen_here(service.web_app(PREFIX))
     try:
         await asyncio.to_thread(proxy.route, PREFIX.rstrip("/"), f"http://127.0.0.1:{service_port}")
         kernel = f"/api/gpu-quota/kernels/{kernel_id}"
@@ -129,8 +141,7 @@ def test_a_malformed_content_length_is_a_400_on_every_service_route(service, cap
     """Straight to the service (no proxy needed): with or without a token, no traceback, nothing granted."""
 
     async def scenario():
-        port = free_port()
-        listening = service.web_app(PREFIX).listen(port, "127.0.0.1")
+        listening, port = listen_here(service.web_app(PREFIX))
         try:
             answers = []
             for path in (GRANTS_PATH, GRANTS_PATH + "/k1", LEASE_PATH, "api/status"):

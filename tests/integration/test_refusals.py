@@ -101,13 +101,19 @@ async def post_start(jp_fetch, **body):
     return response.code, json.loads(response.body)
 
 
+# TCP_ON_PURPOSE: what these check includes the ports a start reserves in jupyter_client's port cache, which
+# only TCP kernels use; every other test's kernels are on IPC (tests/kernel_transport.py).
+
+
 class TestRefusalsLeaveNothing:
     @pytest.fixture
     def jp_server_config(self):
         # One 16 GiB device, budget 8 GiB, 8 GiB caps: the first kernel fills it, every later start is refused.
-        return Config(
+        config = Config(
             static_devices_config("16GiB", default_cap="0.5", max_cap="0.5", overcommit=0.5, on_full="refuse")
         )
+        config.KernelManager.transport = "tcp"  # TCP_ON_PURPOSE
+        return config
 
     @pytest.mark.slow
     async def test_hundreds_of_refusals_leave_no_files_no_ports_and_no_tracebacks(
@@ -149,7 +155,9 @@ def broken_kernelspec(jp_kernel_dir, tmp_path):
 class TestFailedLaunch:
     @pytest.fixture
     def jp_server_config(self):
-        return Config(static_devices_config("16GiB", default_cap="0.25", overcommit=1.0, on_full="refuse"))
+        config = Config(static_devices_config("16GiB", default_cap="0.25", overcommit=1.0, on_full="refuse"))
+        config.KernelManager.transport = "tcp"  # TCP_ON_PURPOSE
+        return config
 
     async def test_a_launch_that_fails_gives_back_its_grant_ports_and_file(
         self, jp_fetch, jp_serverapp, broken_kernelspec

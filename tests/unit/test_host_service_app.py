@@ -21,12 +21,12 @@ from gpu_quota_ext.ledger import AdmissionRefused
 from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.policy import parse_cap
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
-from tests.hub.hubtools import free_port
+from tests.hub.hubtools import listen_here, unused_port
 
 
 @pytest.fixture
 def service(tmp_path, monkeypatch):
-    closed = free_port()  # nothing listens there: the hub is down
+    closed = unused_port()  # nothing listens there: the hub is down
     monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{closed}/hub/api")
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
     monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
@@ -43,8 +43,7 @@ def service(tmp_path, monkeypatch):
 
 def test_no_token_is_401_and_a_hub_that_does_not_answer_is_503_with_nothing_granted(service):
     async def scenario():
-        port = free_port()
-        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        server, port = listen_here(service.web_app("/services/gpu-quota/"))
         try:
             base = f"http://127.0.0.1:{port}/services/gpu-quota/"
             client = AsyncHTTPClient()
@@ -112,8 +111,8 @@ def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resu
         return [code for code, method, path in answered if method == "POST" and path.endswith(GRANTS_PATH)]
 
     async def scenario():
-        port = free_port()
-        sockets = bind_sockets(port, "127.0.0.1")  # listening: the kernel queues connections; nothing accepts
+        sockets = bind_sockets(0, "127.0.0.1")  # listening: the kernel queues connections; nothing accepts
+        port = sockets[0].getsockname()[1]
         server = HTTPServer(service.web_app("/services/gpu-quota/"))
         url = f"http://127.0.0.1:{port}/services/gpu-quota/"
         ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, start_retries=1, retry_delay=0.01)
@@ -156,8 +155,7 @@ def test_a_cap_change_its_server_gave_up_on_is_not_made_when_the_blocked_service
     )
 
     async def scenario():
-        port = free_port()
-        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        server, port = listen_here(service.web_app("/services/gpu-quota/"))
         url = f"http://127.0.0.1:{port}/services/gpu-quota/"
         ledger = RemoteLedger(service.devices, url, "alice-token", call_timeout=0.5, renew_every=3600)
         try:
@@ -254,8 +252,7 @@ def test_a_body_over_the_limit_or_not_json_is_refused_and_nothing_granted(servic
     grant = {"server": "", "kernel_id": "k1", "kernelspec": "python3"}
 
     async def scenario():
-        port = free_port()
-        server = service.web_app("/services/gpu-quota/").listen(port, "127.0.0.1")
+        server, port = listen_here(service.web_app("/services/gpu-quota/"))
         try:
             url = f"http://127.0.0.1:{port}/services/gpu-quota/{GRANTS_PATH}"
             client = AsyncHTTPClient()

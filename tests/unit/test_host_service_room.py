@@ -31,7 +31,7 @@ from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, Hos
 from gpu_quota_ext.parking.broker import BrokerSettings
 from gpu_quota_ext.policy import GiB
 from tests import waiting
-from tests.hub.hubtools import free_port
+from tests.hub.hubtools import listen_here, unused_port
 
 UUID = "GPU-room-0"
 TOTAL = 12 * GiB
@@ -52,7 +52,7 @@ def write_usage(path, usage):
 def service(tmp_path, monkeypatch):
     nvml_file = tmp_path / "nvml.json"
     monkeypatch.setenv("GPU_QUOTA_FAKE_NVML_FILE", str(nvml_file))
-    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{free_port()}/hub/api")
+    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{unused_port()}/hub/api")
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
     monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
     config = Config()
@@ -138,8 +138,7 @@ wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, step=0.02)
 
 def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_is_left_behind(service):
     async def scenario():
-        port = free_port()
-        http = service.web_app(PREFIX).listen(port, "127.0.0.1")
+        http, port = listen_here(service.web_app(PREFIX))
         url = f"http://127.0.0.1:{port}{PREFIX}"
         servers = {
             user: Server(url, token, f"k{user[0]}") for token, user in TOKENS.items()
