@@ -1,11 +1,12 @@
 """The package a user installs, checked from a built wheel, not from this checkout.
 
 `python -m build` makes the sdist from the checkout and then the wheel FROM THAT SDIST, the way a release
-builds them: a wheel that builds proves the sdist holds what a rebuild needs. The build needs Node.js
-(jlpm installs the extension's npm dependencies in the unpacked sdist and builds it for production). The
-wheel then goes into a fresh virtual environment (no system site-packages, no PYTHONPATH, a PATH with that
-environment's bin/ only, so no Node.js) with its dependencies from this machine's pip index, as
-`pip install gpu_quota_ext-*.whl[lab]`; from there: the server extension is enabled by the wheel's own
+builds them: a wheel that builds proves the sdist holds what a rebuild needs. A development build's
+leftovers are planted in the unpacked sdist first: the wheel must be the production build a fresh clone
+gives. The build needs Node.js (jlpm installs the extension's npm dependencies in the unpacked sdist and
+builds it for production). The wheel then goes into a fresh virtual environment (no system
+site-packages, no PYTHONPATH, a PATH with that environment's bin/ only, so no Node.js) with its
+dependencies from this machine's pip index, as `pip install gpu_quota_ext-*.whl[lab]`; from there: the server extension is enabled by the wheel's own
 config, the labextension is listed and served, a kernel started through REST has `%gpucap`, and a cap
 request goes through the installed server.
 
@@ -79,28 +80,63 @@ class Dists:
     sdist: Path
     wheel: Path
     work: Path
+    tree: Path  # the unpacked sdist the wheel was built in, a development build's leftovers planted first
     status_before: Optional[str]
     build_seconds: float
 
 
+# What a development build (`jlpm build`, as `./run lab` runs it) leaves in a clone, imitated: the built
+# extension with source maps and chunks of another build, TypeScript's output and its incremental state. A
+# wheel built in that tree must hold none of it. Paths from the tree's root.
+LEFTOVER_MARK = "left by an earlier development build"
+EXTENSION_OUTPUT = "gpu_quota_ext/labextension"
+LEFTOVERS = (
+    f"{EXTENSION_OUTPUT}/package.json",
+    f"{EXTENSION_OUTPUT}/build_log.json",
+    f"{EXTENSION_OUTPUT}/static/style.js",
+    f"{EXTENSION_OUTPUT}/static/remoteEntry.0123456789abcdef.js",
+    f"{EXTENSION_OUTPUT}/static/remoteEntry.0123456789abcdef.js.map",
+    f"{EXTENSION_OUTPUT}/static/lib_index_js.0123456789abcdef.js",
+    f"{EXTENSION_OUTPUT}/static/lib_index_js.0123456789abcdef.js.map",
+    "labextension/lib/index.js",
+    "labextension/lib/index.js.map",
+    "labextension/tsconfig.tsbuildinfo",
+)
+
+
+def plant_leftovers(tree: Path) -> None:
+    for name in LEFTOVERS:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(f"// {LEFTOVER_MARK}\n" if not name.endswith(".json") else "{}\n")
+
+
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory) -> Dists:
+    """The sdist from the checkout, and the wheel built in that sdist unpacked (a release builds its wheel
+    from its sdist) with a development build's leftovers planted in it: the wheel of a used clone."""
     work = tmp_path_factory.mktemp("build")
     (work / "tmp").mkdir()
     assert shutil.which("node"), "building the wheel needs Node.js (jlpm builds the labextension)"
     status_before = git_status()
+    # TMPDIR: build's isolated environments; they are thrown away (no .pyc needed).
+    env = without_checkout({"TMPDIR": str(work / "tmp"), "PIP_NO_COMPILE": "1"})
     seconds = run_logged(
-        [sys.executable, "-m", "build", "--outdir", str(work / "dist"), str(CHECKOUT)],
-        work / "build.log",
-        # TMPDIR: build's isolated environments and the unpacked sdist; they are thrown away (no .pyc needed).
-        without_checkout({"TMPDIR": str(work / "tmp"), "PIP_NO_COMPILE": "1"}),
-        work,
-        timeout=1200,
+        [sys.executable, "-m", "build", "--sdist", "--outdir", str(work / "dist"), str(CHECKOUT)],
+        work / "sdist.log", env, work, timeout=300,
     )
     (sdist,) = (work / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        # The "data" filter where this Python has it (3.10.12+): our own sdist, but no reason to trust more.
+        archive.extractall(work / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    (tree,) = (work / "unpacked").iterdir()
+    plant_leftovers(tree)
+    seconds += run_logged(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(work / "dist"), str(tree)],
+        work / "wheel.log", env, work, timeout=1200,
+    )
     (wheel,) = (work / "dist").glob("*.whl")
-    print(f"python -m build (sdist, then the wheel from it): {seconds:.0f} s")
-    return Dists(sdist, wheel, work, status_before, seconds)
+    print(f"python -m build (the sdist, then the wheel in it unpacked): {seconds:.0f} s")
+    return Dists(sdist, wheel, work, tree, status_before, seconds)
 
 
 @dataclass
@@ -232,6 +268,26 @@ def test_the_wheel_has_the_built_extension_and_no_tests_or_machine_paths(dists):
     metadata = contents[f"gpu_quota_ext-{version}.dist-info/METADATA"].decode()
     assert f"\nVersion: {version}\n" in metadata and "\nLicense-Expression: BSD-3-Clause\n" in metadata
     assert "\nAuthor: gpu-quota-ext contributors\n" in metadata
+
+
+def test_the_wheel_is_a_production_build_whatever_was_built_before(dists):
+    """Issue 31, item 4: the same file list from a fresh clone and from a used one. The wheel was built in a
+    tree with a development build's leftovers (LEFTOVERS): it holds the production build the wheel's build
+    made from nothing (what `build:prod` wrote, after removing everything an earlier build left), no source
+    map, none of the leftovers."""
+    extension = f"gpu_quota_ext-{checkout_version()}.data/data/share/jupyter/labextensions/gpu-quota-ext/"
+    with zipfile.ZipFile(dists.wheel) as wheel:
+        names = wheel.namelist()
+        marked = [n for n in names if LEFTOVER_MARK.encode() in wheel.read(n)]
+    assert [n for n in names if n.endswith(".map")] == []
+    assert marked == []
+    shipped = {n[len(extension):] for n in names if n.startswith(extension)}
+    output = dists.tree / EXTENSION_OUTPUT
+    built = {p.relative_to(output).as_posix() for p in output.rglob("*") if p.is_file()}
+    assert not [name for name in LEFTOVERS if name.startswith(EXTENSION_OUTPUT) and (dists.tree / name).exists()]
+    # The wheel leaves out the builder's log (absolute paths) and adds install.json (labextension/install.json).
+    assert shipped == (built - {"build_log.json"}) | {"install.json"}
+    assert "static/style.js" in shipped and any(re.fullmatch(r"static/remoteEntry\.[0-9a-f]+\.js", n) for n in shipped)
 
 
 # --- what a user gets from it ----------------------------------------------------------------------
