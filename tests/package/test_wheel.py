@@ -4,11 +4,11 @@
 builds them: a wheel that builds proves the sdist holds what a rebuild needs. A development build's
 leftovers are planted in the unpacked sdist first: the wheel must be the production build a fresh clone
 gives. The build needs Node.js (jlpm installs the extension's npm dependencies in the unpacked sdist and
-builds it for production). The wheel then goes into a fresh virtual environment (no system
-site-packages, no PYTHONPATH, a PATH with that environment's bin/ only, so no Node.js) with its
-dependencies from this machine's pip index, as `pip install gpu_quota_ext-*.whl[lab]`; from there: the server extension is enabled by the wheel's own
-config, the labextension is listed and served, a kernel started through REST has `%gpucap`, and a cap
-request goes through the installed server.
+builds it for production). The wheel then goes into a fresh virtual environment (no system site-packages,
+no PYTHONPATH, a PATH with that environment's bin/ only, so no Node.js) with its dependencies from this
+machine's pip index, as `pip install gpu_quota_ext-*.whl[lab]`; from there: the server extension is
+enabled by the wheel's own config, the labextension is listed and served, a kernel started through REST
+has `%gpucap`, and a cap request goes through the installed server.
 
 Everything the build and the install write goes under pytest's tmp dir (pip's and yarn's download caches
 are the user's, as for any install); the checkout's `git status` is the same after as before.
