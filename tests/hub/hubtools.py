@@ -83,7 +83,9 @@ class Hub:
         self.spawned = short_directory()
         self.spawned.chmod(0o755)
         (self.spawned / "config").mkdir(mode=0o755)
-        (self.spawned / "config" / "jupyter_server_config.json").write_text(json.dumps(TRANSPORT_SETTINGS))
+        # jupyter_config.json: every Jupyter app reads it, a server given --config=FILE too (which then reads
+        # no jupyter_server_config file of the config path).
+        (self.spawned / "config" / "jupyter_config.json").write_text(json.dumps(TRANSPORT_SETTINGS))
         self.starts = 0
         self._pick_ports()
         self.process: Optional[subprocess.Popen] = None
@@ -121,6 +123,13 @@ class Hub:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the proxy and servers can be stopped with it
         )
+
+    def kernel_transports(self) -> Dict[str, str]:
+        """kernel id -> the ZMQ transport of its connection file, for every kernel of the spawned servers."""
+        found = {}
+        for connection in self.spawned.glob("runtime-*/kernel-*.json"):
+            found[connection.stem[len("kernel-"):]] = json.loads(connection.read_text())["transport"]
+        return found
 
     def log_tail(self, chars: int = 6000) -> str:
         try:

@@ -88,6 +88,8 @@ async def _scenario(hub: Hub) -> None:
     for user in users:
         _, kernel = await hub.api("POST", f"/user/{user}/api/kernels", {"name": "python3"}, token=tokens[user])
         kernels[user] = kernel["id"]
+    # On IPC sockets, as every test's kernel (tests/kernel_transport.py).
+    assert {k: hub.kernel_transports().get(k) for k in kernels.values()} == {k: "ipc" for k in kernels.values()}
 
     for user in users:
         token, kernel_id, want = tokens[user], kernels[user], EXPECTED[user]
