@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,8 +93,8 @@ class Hub:
 
     def _pick_ports(self) -> None:
         """Ports for the proxy and the hub, written into its config. JupyterHub and configurable-http-proxy bind
-        them themselves and take no socket bound beforehand: another process may take one before they do. Then
-        the hub exits saying so, and wait_until_up starts it again on other ports (PORT_CLASH_STARTS times)."""
+        them themselves and take no socket bound beforehand: another process may take one before they do. Their
+        log then says so, and wait_until_up starts the hub again on other ports (PORT_CLASH_STARTS times)."""
         self.port = unused_port()
         self.url = f"http://127.0.0.1:{self.port}"
         header = HUB_CONFIG_HEADER.format(
@@ -115,6 +116,7 @@ class Hub:
             # That environment has JupyterHub and the package's dependencies, not the package.
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self._log = open(self.log_path, "ab")
+        self._log_start = self._log.tell()  # where this start's lines begin (a restart appends)
         self.process = subprocess.Popen(
             [self.python, "-m", "jupyterhub", "-f", str(self.config_path)],
             cwd=self.folder,
@@ -138,6 +140,11 @@ class Hub:
             return "(no hub log)"
 
     def stop(self) -> None:
+        """The hub, its proxy and its servers stopped; the spawned servers' folder removed."""
+        self._stop_processes()
+        shutil.rmtree(self.spawned, ignore_errors=True)
+
+    def _stop_processes(self) -> None:
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -162,14 +169,17 @@ class Hub:
 
     # --- HTTP -------------------------------------------------------------------------------------
 
-    async def api(self, method: str, path: str, body=None, token: Optional[str] = None, ok=(200, 201, 202, 204)):
+    async def api(
+        self, method: str, path: str, body=None, token: Optional[str] = None, ok=(200, 201, 202, 204),
+        request_timeout: float = 60,
+    ):
         """A request to the hub (or, through its proxy, a user's server); returns (status, JSON or None)."""
         request = HTTPRequest(
             self.url + path,
             method=method,
             headers={"Authorization": f"token {token or self.admin_token}"},
             body=None if body is None and method in ("GET", "DELETE") else json.dumps(body if body is not None else {}),
-            request_timeout=60,
+            request_timeout=request_timeout,
             follow_redirects=False,
         )
         try:
@@ -187,15 +197,21 @@ class Hub:
     async def wait_until_up(self, timeout: float = 40) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            said = self.log_path.read_bytes()[self._log_start:].decode(errors="replace")
+            if any(clash in said for clash in PORT_CLASHES):
+                if self.starts >= PORT_CLASH_STARTS:
+                    raise AssertionError(f"a port of the hub was taken {self.starts} times:\n{self.log_tail()}")
+                # JupyterHub exits; configurable-http-proxy says so and goes on without its public port, where
+                # whatever took it answers: either way, start again on other ports.
+                self._stop_processes()
+                self._pick_ports()
+                self.start()
+                deadline = time.monotonic() + timeout
+                continue
             if self.process.poll() is not None:
-                if self.starts < PORT_CLASH_STARTS and any(c in self.log_tail() for c in PORT_CLASHES):
-                    self.stop()
-                    self._pick_ports()
-                    self.start()
-                    continue
                 raise AssertionError(f"jupyterhub exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                await self.api("GET", "/hub/api/")
+                await self.api("GET", "/hub/api/", request_timeout=5)
                 return
             except (ConnectionError, AssertionError, HTTPClientError):
                 await _sleep(0.3)
