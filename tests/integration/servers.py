@@ -105,14 +105,19 @@ class Server:
         return wait_until(self._serving, timeout=timeout)
 
     def _serving(self) -> Optional[str]:
-        url = self._accepts()
-        if url is not None or self.process.poll() is None:
-            return url
+        # With --port=0 jupyter_server binds port 0, reads the port, closes that socket, prints its URL and binds
+        # the port again one turn of its loop later; another process may take it in between. It then exits
+        # saying so, before anything else happened: start it again (and whatever accepted on that port
+        # meanwhile was not this server).
+        clashed = any(PORT_CLASH in line for line in self.lines)
+        if not clashed:
+            url = self._accepts()
+            if url is not None or self.process.poll() is None:
+                return url
+        if self.process.poll() is None:
+            return None  # exiting
         self._reader.join(timeout=10)  # every line it wrote before it exited
         if self.starts < PORT_CLASH_STARTS and any(PORT_CLASH in line for line in self.lines):
-            # With --port=0 jupyter_server binds port 0, reads the port, closes that socket and binds the port
-            # again one turn of its loop later; another process may take it in between. It then exits
-            # saying so, before anything else happened: start it again.
             self._start()
             return None
         self.fail()

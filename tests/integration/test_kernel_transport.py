@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,34 @@ def test_a_server_processs_kernel_runs_cells_over_ipc_sockets(short_tmp):
         kernel_id = server.start_kernel()
         assert server.run(kernel_id, "print(6 * 7)").strip() == "42"
         assert_bound(ipc_sockets(server.runtime / f"kernel-{kernel_id}.json"))
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_server_whose_port_was_taken_before_it_listened_is_started_again(short_tmp):
+    """jupyter_server's own window (servers.Server._serving): its first start here says what jupyter_server says
+    when the port it picked was taken, and exits; the second is a real server."""
+    runtime = short_directory(short_tmp)
+    first = runtime / "started-once"
+    script = runtime / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ ! -e "{first}" ]; then\n'
+        f'  touch "{first}"; echo "[C] ERROR: The port 8888 is already in use." >&2; exit 1\n'
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    script.chmod(0o755)
+
+    class TakenOnce(Server):
+        python = str(script)
+
+    server = TakenOnce(runtime, ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"])
+    try:
+        server.wait_serving()
+        assert server.starts == 2
+        assert server.api("/api/gpu-quota/status")["devices"]
     finally:
         server.kill()
 
