@@ -83,7 +83,7 @@ def test_a_server_whose_port_was_taken_before_it_listened_is_started_again(short
     try:
         server.wait_serving()
         assert server.starts == 2
-        assert server.api("/api/gpu-quota/status")["devices"]
+        assert "devices" in server.api("/api/gpu-quota/status")  # this server, with the extension
     finally:
         server.kill()
 
