@@ -91,8 +91,8 @@ def ask(port: int, method: str, path: str, body: bytes, headers: dict) -> tuple:
 
 
 @pytest.mark.timeout(240)
-def test_refusals_before_the_body_reach_the_client_through_the_proxy(setup_ok, service):
-    runtime = short_directory()
+def test_refusals_before_the_body_reach_the_client_through_the_proxy(setup_ok, service, short_tmp):
+    runtime = short_directory(short_tmp)
     server = Server(runtime, ["--GpuQuota.inventory_class=gpu_quota_ext.devices.StaticInventory"])
     proxy = None
     try:
