@@ -239,8 +239,7 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_one_accoun
     monkeypatch.setattr(parking, "host_room", lambda: (9 * GiB, None))
 
     async def scenario():
-        port = free_port()
-        http = service.web_app(PREFIX).listen(port, "127.0.0.1")
+        http, port = listen_here(service.web_app(PREFIX))
         url = f"http://127.0.0.1:{port}{PREFIX}"
         servers = {user: Server(url, token, f"k{user[0]}") for token, user in TOKENS.items()}
         bob, carol = servers["bob"], servers["carol"]
