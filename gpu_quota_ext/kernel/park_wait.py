@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
-from . import room_check
+from . import lost_notice, room_check
 from .park import clock, duration_words
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
@@ -77,9 +77,9 @@ def trim() -> dict:
 class ParkWatch:
     """Whether this kernel may be parked, and the wait of a cell that finds it so."""
 
-    def __init__(self, park_state: Callable[[], Optional[dict]], out: Callable[[str], None] = print):
+    def __init__(self, park_state: Callable[[], Optional[dict]], out: Optional[Callable[[str], None]] = None):
         self.park_state = park_state  # the server's answer for this kernel (QuotaClient.park_state)
-        self.out = out
+        self.out = out or _to_stderr  # the cell's stderr: the project's words never mix with the user's stdout
         self.maybe_parked = threading.Event()  # set by the trim request (control thread), cleared by a cell
 
     def on_request(self, content: Any) -> dict:
@@ -91,6 +91,8 @@ class ParkWatch:
             return trim()
         if action == "room_flag":
             return room_check.on_flag(content)
+        if action == lost_notice.ACTION:
+            return lost_notice.on_request(content)
         return {"error": f"unknown action {action!r}"}
 
     def before_cell(self) -> None:
@@ -236,6 +238,7 @@ def install(shell: Any, watch: ParkWatch) -> bool:
         kernel.session.send(stream, KERNEL_REPLY, content, parent, ident)
 
     handlers[KERNEL_REQUEST] = on_request
+    lost_notice.install(shell)  # first: a restarted kernel's first cell says why before anything else
     shell.ast_transformers.append(WaitWhileParked(watch))
     room_check.install(shell, room_check.RoomCheck(_ask_room, watch.park_state, _to_stderr, watch.maybe_parked.is_set))
     return True
@@ -249,6 +252,8 @@ def _ask_room(device: Optional[int]) -> Any:
 
 
 def _to_stderr(line: str) -> None:
+    """Where the project's notices to the user go (resume, wait, room made or not): the cell's stderr, so that its
+    stdout is the user's own output only (saved notebooks, anything that parses it)."""
     print(line, file=sys.stderr, flush=True)
 
 
@@ -258,7 +263,7 @@ def _to_stderr(line: str) -> None:
 def follow_room(
     ask: Callable[[], Any],
     park_state: Callable[[], Optional[dict]],
-    out: Callable[[str], None] = print,
+    out: Callable[[str], None] = _to_stderr,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Optional[str]:
     """Ask the server for room up to this kernel's cap (`ask`: QuotaClient.ask_room bound to a device) and say,
