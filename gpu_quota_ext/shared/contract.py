@@ -108,8 +108,7 @@ PARK_FIELDS = (
     "wait_limit",  # seconds a cell waits for room before it is told (park_wait_limit), or null: no limit
     "told",  # true once its wait passed the limit: the cell that waits ends with `reason`, the kernel stays parked
     "room",  # a running kernel that asked for room (POST room): "asking", then "made" or "told"; null if none
-    "lost",  # its process ended while parked and jupyter_server restarted it: {"at": wall clock, "why": words,
-    # "words": the line its next cell says}, until that cell has said it; null if none (parking/lost.py)
+    "lost",  # restarted after its process ended while parked: {"at", "why", "words"} until its next cell said it
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----
