@@ -302,6 +302,7 @@ class Parker:
         self.lost: Dict[str, LostNotice] = {}
         self._restart_hooks: Dict[str, Callable[[], None]] = {}  # kernel -> stops its restart callback
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
+        self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -668,6 +669,7 @@ class Parker:
         exit_code = getattr(self.kernels, "exit_code", lambda kernel_id: None)(kernel_id)
         notice = lost_notice(record.state, time.time(), exit_code)
         self.lost[kernel_id] = notice
+        self._lost_held.pop(kernel_id, None)
         log.warning("gpu-quota-ext: kernel %s: %s; jupyter_server restarts it, and its user is told so at its next "
                     "cell", kernel_id, notice.why)
 
@@ -682,19 +684,29 @@ class Parker:
         environment did not carry them); a kernel gone for good takes its notice with it."""
         for kernel_id in [k for k in self.lost if k not in live]:
             del self.lost[kernel_id]
+            self._lost_held.pop(kernel_id, None)
         if self.channel is None:
             return
         for kernel_id in list(self.lost):
-            if kernel_id not in self._telling and self.bootstrapped(kernel_id):
-                self._spawn(self._ask_lost(kernel_id, self.lost[kernel_id]))
+            if kernel_id in self._telling or not self.bootstrapped(kernel_id):
+                continue
+            last = kernel_activity(self.kernels, kernel_id)[1]
+            if kernel_id in self._lost_held and self._lost_held[kernel_id] == last:
+                continue  # it holds the words and has run nothing since (this request is not its activity)
+            self._spawn(self._ask_lost(kernel_id, self.lost[kernel_id], last))
 
-    async def _ask_lost(self, kernel_id: str, notice: LostNotice) -> None:
+    async def _ask_lost(self, kernel_id: str, notice: LostNotice, last: Optional[float]) -> None:
         self._telling.add(kernel_id)
         try:
             answer = await self.channel.ask(kernel_id, notice_request(notice), 2.0)  # type: ignore[union-attr]
-            if shown(answer) and self.lost.get(kernel_id) == notice:
+            if self.lost.get(kernel_id) != notice:
+                return  # lost again meanwhile: the new notice is asked about afresh
+            if shown(answer):
                 del self.lost[kernel_id]
+                self._lost_held.pop(kernel_id, None)
                 log.info("gpu-quota-ext: kernel %s: its user was told that it was lost", kernel_id)
+            elif isinstance(answer, dict) and answer.get("shown") is False:
+                self._lost_held[kernel_id] = last  # asked again once it has been active: a cell says it
         except asyncio.CancelledError:
             raise
         except Exception as error:  # never break the parker's sample
