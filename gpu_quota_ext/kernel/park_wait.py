@@ -9,7 +9,8 @@ thread, while the kernel is idle): only what the kernel really holds then moves 
 until a cell finds it running again, the kernel may be parked. At the next cell an AST transformer (IPython's
 hook that runs before any of the cell's code) asks the server for the kernel's park state and, while it is
 parked or waiting for room, asks again (every 0.1 s at first, every half second after a second) and, once the
-wait has lasted a second, prints what it waits for, once per new reason. When the kernel runs again the cell
+wait has lasted a second, prints what it waits for (on the cell's stderr: its stdout stays the user's own output),
+once per new reason. When the kernel runs again the cell
 runs. At the wait limit (the server says `told`; or its count of the wait is past the limit and nothing told
 it: no broker round ran), on an interrupt, or when
 the restore failed (`lost`), the cell ends with one clear error instead (IPython's InputRejected: none of its

@@ -21,7 +21,8 @@ kernels for others (`park_for_host`).
 
 The manager (manager.py) builds and owns it. Seams: `on_sample(sample)` subscribed to the monitor (before the
 watchdog's review), `kernel_json(kernel_id)` as the status view's "park" field, `forget(kernel_id)` from the
-provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutdown.
+provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutdown, `lost_env(kernel_id)` from the
+launch of a kernel restarted after its process died while held (lost.py: its user is told, once).
 """
 
 from __future__ import annotations
