@@ -42,8 +42,11 @@ async def parked(jp_fetch, jp_serverapp):
     return kernel_id, pid
 
 
-def process_of(serverapp, kernel_id):
-    return serverapp.kernel_manager.get_kernel(kernel_id).provisioner.process
+def new_process(serverapp, kernel_id, old_pid) -> bool:
+    """The kernel runs a process other than `old_pid`, started (none while the restart is under way)."""
+    manager = serverapp.kernel_manager.get_kernel(kernel_id)
+    process = getattr(manager.provisioner, "process", None)
+    return process is not None and process.pid != old_pid and manager.ready.done()
 
 
 async def test_a_parked_kernel_killed_is_restarted_and_its_next_cell_says_so_once(jp_fetch, jp_serverapp, fake_driver):
@@ -61,8 +64,8 @@ async def test_a_parked_kernel_killed_is_restarted_and_its_next_cell_says_so_onc
     assert notice["words"].startswith(SAID) and notice["words"].endswith(
         "its variables and GPU memory are gone. Run the notebook's cells again."
     ), notice
-    await wait_for(lambda: process_of(jp_serverapp, kernel_id).pid != pid, "the restarter started a new process",
-                   timeout=WAIT)
+    restarted = lambda: new_process(jp_serverapp, kernel_id, pid)  # noqa: E731
+    await wait_for(restarted, "the restarter started a new process", timeout=WAIT)
     park = await park_state(jp_fetch, kernel_id)
     assert park["state"] in ("idle", "busy", "starting") and park["host_bytes"] is None, park
 
