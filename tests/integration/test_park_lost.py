@@ -93,3 +93,18 @@ async def test_a_restart_the_user_asked_for_says_nothing_of_a_loss(jp_fetch, jp_
     ran = await run_cell(jp_serverapp, kernel_id, "print('fresh')")
     assert ran["stdout"] == "fresh\n" and ran["stderr"] == "", ran
     assert (await park_state(jp_fetch, kernel_id))["lost"] is None
+
+
+async def test_the_first_cell_says_it_even_before_the_server_could_ask_the_restarted_kernel(
+    jp_fetch, jp_serverapp, fake_driver
+):
+    # The words travel in the new process's environment: its very first cell says them, however soon it runs
+    # after the restart (here the server never reaches it on its control channel at all).
+    kernel_id, pid = await parked(jp_fetch, jp_serverapp)
+    parker = manager_of(jp_serverapp).parker
+    parker.channel = None
+    os.kill(pid, signal.SIGKILL)
+    await wait_for(lambda: new_process(jp_serverapp, kernel_id, pid), "a new process", timeout=WAIT)
+    ran = await run_cell(jp_serverapp, kernel_id, "print('first')")
+    assert ran["stdout"] == "first\n" and ran["stderr"].startswith(SAID), ran
+    assert ran["stderr"].count(SAID) == 1, ran
