@@ -52,6 +52,7 @@ from .policy import (
     resolve_answer,
     shown,
 )
+from .shared.env_vars import LOST
 from .status import COLLECTOR, StatusView, host_memory_families, park_families
 from .threads import off_loop
 from .usage import (
@@ -363,7 +364,7 @@ class GpuQuotaManager:
         else:
             self._bootstrapped.discard(kernel_id)
         probe = await self.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
-        return launch_env(
+        updates = launch_env(
             grant,
             self.devices,
             env,
@@ -372,6 +373,10 @@ class GpuQuotaManager:
             python_kernel=python,
             hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
+        lost = self.parker.lost_env(kernel_id) if python else None
+        if lost is not None:  # restarted after its process ended while parked: its first cell says so
+            updates[LOST] = lost
+        return updates
 
     async def release(self, kernel_id: str, holder: Optional[object] = None) -> Optional[Grant]:
         """Free the kernel's grant and secret; the grant that was released, or None. With `holder`, only

@@ -60,5 +60,5 @@ class CellReporter:
             line = format_cell_report(self._before, read_usage(), self.caps())
         except Exception:
             return None
-        print(line, file=stream or sys.stdout, flush=True)
+        print(line, file=stream or sys.stderr, flush=True)  # not the user's stdout: a note beside it
         return line

@@ -9,7 +9,8 @@ thread, while the kernel is idle): only what the kernel really holds then moves 
 until a cell finds it running again, the kernel may be parked. At the next cell an AST transformer (IPython's
 hook that runs before any of the cell's code) asks the server for the kernel's park state and, while it is
 parked or waiting for room, asks again (every 0.1 s at first, every half second after a second) and, once the
-wait has lasted a second, prints what it waits for, once per new reason. When the kernel runs again the cell
+wait has lasted a second, prints what it waits for (on the cell's stderr: its stdout stays the user's own output),
+once per new reason. When the kernel runs again the cell
 runs. At the wait limit (the server says `told`; or its count of the wait is past the limit and nothing told
 it: no broker round ran), on an interrupt, or when
 the restore failed (`lost`), the cell ends with one clear error instead (IPython's InputRejected: none of its
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
-from . import room_check
+from . import lost_notice, room_check
 from .park import clock, duration_words
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
@@ -77,9 +78,9 @@ def trim() -> dict:
 class ParkWatch:
     """Whether this kernel may be parked, and the wait of a cell that finds it so."""
 
-    def __init__(self, park_state: Callable[[], Optional[dict]], out: Callable[[str], None] = print):
+    def __init__(self, park_state: Callable[[], Optional[dict]], out: Optional[Callable[[str], None]] = None):
         self.park_state = park_state  # the server's answer for this kernel (QuotaClient.park_state)
-        self.out = out
+        self.out = out or _to_stderr  # the cell's stderr: the project's words never mix with the user's stdout
         self.maybe_parked = threading.Event()  # set by the trim request (control thread), cleared by a cell
 
     def on_request(self, content: Any) -> dict:
@@ -91,6 +92,8 @@ class ParkWatch:
             return trim()
         if action == "room_flag":
             return room_check.on_flag(content)
+        if action == lost_notice.ACTION:
+            return lost_notice.on_request(content)
         return {"error": f"unknown action {action!r}"}
 
     def before_cell(self) -> None:
@@ -236,6 +239,7 @@ def install(shell: Any, watch: ParkWatch) -> bool:
         kernel.session.send(stream, KERNEL_REPLY, content, parent, ident)
 
     handlers[KERNEL_REQUEST] = on_request
+    lost_notice.install(shell)  # first: a restarted kernel's first cell says why before anything else
     shell.ast_transformers.append(WaitWhileParked(watch))
     room_check.install(shell, room_check.RoomCheck(_ask_room, watch.park_state, _to_stderr, watch.maybe_parked.is_set))
     return True
@@ -249,6 +253,8 @@ def _ask_room(device: Optional[int]) -> Any:
 
 
 def _to_stderr(line: str) -> None:
+    """Where the project's notices to the user go (resume, wait, room made or not): the cell's stderr, so that its
+    stdout is the user's own output only (saved notebooks, anything that parses it)."""
     print(line, file=sys.stderr, flush=True)
 
 
@@ -258,7 +264,7 @@ def _to_stderr(line: str) -> None:
 def follow_room(
     ask: Callable[[], Any],
     park_state: Callable[[], Optional[dict]],
-    out: Callable[[str], None] = print,
+    out: Callable[[str], None] = _to_stderr,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Optional[str]:
     """Ask the server for room up to this kernel's cap (`ask`: QuotaClient.ask_room bound to a device) and say,

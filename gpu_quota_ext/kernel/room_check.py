@@ -144,7 +144,7 @@ def at_first_cuda() -> None:
 def room_before_cell(
     ask: Callable[[], Any],
     park_state: Callable[[], Optional[dict]],
-    out: Callable[[str], None] = print,
+    out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> Optional[str]:

@@ -21,7 +21,8 @@ kernels for others (`park_for_host`).
 
 The manager (manager.py) builds and owns it. Seams: `on_sample(sample)` subscribed to the monitor (before the
 watchdog's review), `kernel_json(kernel_id)` as the status view's "park" field, `forget(kernel_id)` from the
-provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutdown.
+provisioner's cleanup, `holds_gpu_state(kernel_id)` from the provisioner's shutdown, `lost_env(kernel_id)` from the
+launch of a kernel restarted after its process died while held (lost.py: its user is told, once).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from .host_account import HostAccount, HostReading, host_short, host_short_words
 from .host_broker import kernel_park
 from .host_room import host_room
 from .kernel_channel import KernelChannel
+from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
 from .room_flags import RoomFlags
 from .states import (
     HELD,
@@ -296,6 +298,12 @@ class Parker:
         self.host_short_episodes = 0
         self._host_check: Optional[asyncio.Lock] = None  # held from a park's host check to its promise (made on
         # the event loop: Python 3.9's Lock binds the loop it was made on)
+        # Kernels whose process died while held (lost.py): what their user is told once, kept under the kernel id
+        # through jupyter_server's restart, until the restarted kernel says it has printed it.
+        self.lost: Dict[str, LostNotice] = {}
+        self._restart_hooks: Dict[str, Callable[[], None]] = {}  # kernel -> stops its restart callback
+        self._telling: set = set()  # kernels asked about their notice, answer not yet in
+        self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -347,7 +355,8 @@ class Parker:
             reason = record.stuck or record.reason
             parkable = record.stuck is None and record.state != LOST
             return park_json(
-                record.state, record.since, idle_for, host_bytes, parkable, reason, waited, limit, record.told
+                record.state, record.since, idle_for, host_bytes, parkable, reason, waited, limit, record.told,
+                lost=notice_json(self.lost.get(kernel_id)),
             )
         problem = self.problem(kernel_id)
         room = None
@@ -357,7 +366,8 @@ class Parker:
             record.reason if record is not None else None
         )
         state = activity_state(execution_state)
-        return park_json(state, last, idle_for, None, problem is None, reason, None, limit, room=room)
+        lost = notice_json(self.lost.get(kernel_id))
+        return park_json(state, last, idle_for, None, problem is None, reason, None, limit, room=room, lost=lost)
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) this kernel's GPU state: its processes cannot run CUDA now."""
@@ -430,6 +440,10 @@ class Parker:
             self._watch(kernel_id)
         elif not watched and kernel_id in self._streams:
             self._unwatch(kernel_id)
+        if new.state in HELD and kernel_id not in self._restart_hooks:
+            self._hook_restart(kernel_id)
+        elif new.state not in HELD:
+            self._unhook_restart(kernel_id)
 
     def _carry_out(self, kernel_id: str, effect: Effect) -> None:
         if isinstance(effect, StartPark):
@@ -563,6 +577,7 @@ class Parker:
         live = self._kernel_ids()
         for kernel_id in [k for k in self.records if k not in live]:
             self.forget(kernel_id)
+        self._tell_lost(live)
         if self.driver_problem is not None:
             return
         now = time.time()
@@ -623,10 +638,82 @@ class Parker:
                 record.state,
             )
         self._unwatch(kernel_id)
+        self._unhook_restart(kernel_id)
         if self.room_flags is not None:
             self.room_flags.forget(kernel_id)
         if record is not None and (record.state in ("waiting", "parking") or record.room):
             self.decide_soon()
+
+    # --- a kernel lost while held: told once (lost.py) ------------------------------------------------
+
+    def _hook_restart(self, kernel_id: str) -> None:
+        """While the driver holds the kernel, hear of its restarter finding its process dead (the OOM killer, a
+        kill -9): the restarter's "restart" event comes before the restart, while the record still says what the
+        kernel was. A user's restart or shutdown does not fire it: they asked for it."""
+        on_restart = getattr(self.kernels, "on_restart", None)
+        if on_restart is None:
+            return
+        stop = on_restart(kernel_id, lambda: self._process_ended(kernel_id))
+        if stop is not None:
+            self._restart_hooks[kernel_id] = stop
+
+    def _unhook_restart(self, kernel_id: str) -> None:
+        stop = self._restart_hooks.pop(kernel_id, None)
+        if stop is not None:
+            stop()
+
+    def _process_ended(self, kernel_id: str) -> None:
+        """The restarter found the held kernel's process dead and starts it again (event loop)."""
+        record = self.records.get(kernel_id)
+        if record is None or record.state not in HELD:
+            return
+        exit_code = getattr(self.kernels, "exit_code", lambda kernel_id: None)(kernel_id)
+        notice = lost_notice(record.state, time.time(), exit_code)
+        self.lost[kernel_id] = notice
+        self._lost_held.pop(kernel_id, None)
+        log.warning("gpu-quota-ext: kernel %s: %s; jupyter_server restarts it, and its user is told so at its next "
+                    "cell", kernel_id, notice.why)
+
+    def lost_env(self, kernel_id: str) -> Optional[str]:
+        """The notice for the kernel's new process, given in its environment at launch (shared.env_vars.LOST), so
+        that its very first cell says it; None when there is none."""
+        notice = self.lost.get(kernel_id)
+        return notice_env(notice) if notice is not None else None
+
+    def _tell_lost(self, live: set) -> None:
+        """Ask each restarted kernel with a notice whether it has printed it (and give it the words, in case its
+        environment did not carry them); a kernel gone for good takes its notice with it."""
+        for kernel_id in [k for k in self.lost if k not in live]:
+            del self.lost[kernel_id]
+            self._lost_held.pop(kernel_id, None)
+        if self.channel is None:
+            return
+        for kernel_id in list(self.lost):
+            if kernel_id in self._telling or not self.bootstrapped(kernel_id):
+                continue
+            last = kernel_activity(self.kernels, kernel_id)[1]
+            if kernel_id in self._lost_held and self._lost_held[kernel_id] == last:
+                continue  # it holds the words and has run nothing since (this request is not its activity)
+            self._spawn(self._ask_lost(kernel_id, self.lost[kernel_id], last))
+
+    async def _ask_lost(self, kernel_id: str, notice: LostNotice, last: Optional[float]) -> None:
+        self._telling.add(kernel_id)
+        try:
+            answer = await self.channel.ask(kernel_id, notice_request(notice), 2.0)  # type: ignore[union-attr]
+            if self.lost.get(kernel_id) != notice:
+                return  # lost again meanwhile: the new notice is asked about afresh
+            if shown(answer):
+                del self.lost[kernel_id]
+                self._lost_held.pop(kernel_id, None)
+                log.info("gpu-quota-ext: kernel %s: its user was told that it was lost", kernel_id)
+            elif isinstance(answer, dict) and answer.get("shown") is False:
+                self._lost_held[kernel_id] = last  # asked again once it has been active: a cell says it
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # never break the parker's sample
+            log.debug("gpu-quota-ext: kernel %s: lost notice not asked: %r", kernel_id, error)
+        finally:
+            self._telling.discard(kernel_id)
 
     # --- the broker -------------------------------------------------------------------------------
 

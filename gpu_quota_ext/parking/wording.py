@@ -59,6 +59,7 @@ def park_json(
     wait_limit: Optional[float] = None,
     told: bool = False,
     room: Optional[str] = None,
+    lost: Optional[dict] = None,
 ) -> Dict[str, Any]:
     """A kernel's "park" object (shared.contract.PARK_FIELDS)."""
     answer = {
@@ -72,6 +73,7 @@ def park_json(
         "wait_limit": wait_limit,
         "told": told,
         "room": room,
+        "lost": lost,
     }
     assert tuple(answer) == PARK_FIELDS
     return answer

@@ -81,7 +81,8 @@ RESUME_SUFFIX = "resume"
 ROOM_SUFFIX = "room"
 # The server's requests to a kernel, on its control channel (kernel/park_wait.py answers them): content
 # {"action": "trim"} before a park (empty the allocators' caches; the kernel may be parked from now on) ->
-# {"freed": bytes, "reserved_before": bytes, "reserved_after": bytes, "frameworks": [...]}. The types are
+# {"freed": bytes, "reserved_before": bytes, "reserved_after": bytes, "frameworks": [...]}; {"action": "lost", "at":
+# wall clock, "words": text} after a restart that lost it (parking/lost.py) -> {"shown": bool}. The types are
 # untracked by jupyter_server's activity monitor: they are not the user's activity.
 KERNEL_REQUEST = "gpu_quota_request"
 KERNEL_REPLY = "gpu_quota_reply"
@@ -107,6 +108,7 @@ PARK_FIELDS = (
     "wait_limit",  # seconds a cell waits for room before it is told (park_wait_limit), or null: no limit
     "told",  # true once its wait passed the limit: the cell that waits ends with `reason`, the kernel stays parked
     "room",  # a running kernel that asked for room (POST room): "asking", then "made" or "told"; null if none
+    "lost",  # restarted after its process ended while parked: {"at", "why", "words"} until its next cell said it
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----

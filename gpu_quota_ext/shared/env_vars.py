@@ -10,9 +10,10 @@ USER_STARTUP = "GPU_QUOTA_USER_PYTHONSTARTUP"  # the user's PYTHONSTARTUP, run a
 CAP_SOURCE = "GPU_QUOTA_CAP_SOURCE"  # who set the caps in force: "default", "rule 0 (user=alice)", "kernel request"
 CPU_ONLY_REASON = "GPU_QUOTA_CPU_ONLY_REASON"  # set when on_full="cpu-only" hid the GPUs
 LAYERS = "GPU_QUOTA_LAYERS"  # JSON: the hard limit (MPS) the kernel started with, or why it has none
+LOST = "GPU_QUOTA_LOST"  # JSON {"at", "words"}: a restart after its process ended while parked (parking/lost.py)
 # Every one of them is the launch hook's alone: a kernel gets one only when the hook wrote it for that kernel,
 # never from the server's own environment (a server started inside a kernel, or given anything).
-KERNEL_SIDE = (KERNEL_ID, DEVICES, API_URL, TOKEN, USER_STARTUP, CAP_SOURCE, CPU_ONLY_REASON, LAYERS)
+KERNEL_SIDE = (KERNEL_ID, DEVICES, API_URL, TOKEN, USER_STARTUP, CAP_SOURCE, CPU_ONLY_REASON, LAYERS, LOST)
 
 # --- set by the hub ---------------------------------------------------------------------------------
 # In a user server's environment: the host service's URL. Set, the server's ledger is a RemoteLedger.

@@ -150,6 +150,30 @@ class KernelManagerView:
         except GONE:
             pass  # shut down meanwhile
 
+    def on_restart(self, kernel_id: str, callback: Callable[[], Any]) -> Optional[Callable[[], None]]:
+        """Call `callback` when the kernel's restarter has found its process dead and is about to start it again
+        (jupyter_client's "restart" event: fired before the restart, so the caller still sees what the kernel was).
+        The callable returned stops it; None for a kernel without a restarter or gone."""
+        try:
+            self.manager.add_restart_callback(kernel_id, callback, "restart")
+        except Exception:
+            return None  # gone, or no restarter (autorestart off)
+
+        def stop() -> None:
+            try:
+                self.manager.remove_restart_callback(kernel_id, callback, "restart")
+            except Exception:
+                pass  # gone meanwhile
+
+        return stop
+
+    def exit_code(self, kernel_id: str) -> Optional[int]:
+        """The kernel's ended process's exit status as Popen has it (-N: killed by signal N), or None."""
+        kernel = self._kernel(kernel_id)
+        process = getattr(getattr(kernel, "provisioner", None), "process", None)
+        code = getattr(process, "returncode", None)
+        return code if isinstance(code, int) else None
+
     async def dead_ids(self) -> List[str]:
         """Kernels whose process has ended and that nothing will start again: no restarter (autorestart
         off), and no start, restart or shutdown in progress (those leave `ready` pending or set

@@ -149,6 +149,18 @@ export interface IKernelPark {
   told?: boolean;
   /** A running kernel that found the GPU full and asked for room: "asking", then "made" or "told". */
   room?: 'asking' | 'made' | 'told' | null;
+  /** Its process ended while parked and jupyter_server restarted it: said until its next cell has said it. */
+  lost?: IKernelLost | null;
+}
+
+/** A kernel restarted because its process ended while parked (gpu_quota_ext/parking/lost.py). */
+export interface IKernelLost {
+  /** When the server saw the process dead, wall clock in seconds. */
+  at: number;
+  /** "its process ended while parked (killed by SIGKILL: ...)". */
+  why: string;
+  /** The whole line its next cell says. */
+  words: string;
 }
 
 /** The server's GPU monitor: how fresh its usage figures are. */

@@ -6,7 +6,7 @@
  */
 
 import { IKernelDevice, IKernelPark, IKernelStatus, IQuotaStatus, isNumber } from './contract';
-import { capitalised, formatBytes, formatPair, parkWords, reasonText, refusalText } from './format';
+import { capitalised, formatBytes, formatPair, lostWords, parkWords, reasonText, refusalText } from './format';
 import { IState } from './state';
 
 // --- which usage figure a bar shows ------------------------------------------------------------
@@ -203,6 +203,11 @@ export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
   }
   if (!park) {
     return null;
+  }
+  // Its process ended while parked and jupyter_server restarted it: that is its news until its next cell said it.
+  const lost = lostWords(park.lost);
+  if (lost) {
+    return { kind: 'park', words: lost, detail: park.lost?.words || '', level: 'over', state: 'lost' };
   }
   const said = reasonText(kernel.reasons?.park, park.reason);
   // A lost kernel is not parkable either (the server says so), but "not parkable" is not its news.

@@ -5,7 +5,7 @@
  * No JupyterLab imports, so the unit tests run in plain Node.
  */
 
-import { IKernelPark, IReason, isNumber } from './contract';
+import { IKernelLost, IKernelPark, IReason, isNumber } from './contract';
 
 const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
 
@@ -239,6 +239,20 @@ export function parkWords(park: IKernelPark, reason?: string | null): string {
     default:
       return String(park.state || 'unknown');
   }
+}
+
+/**
+ * A kernel restarted because its process ended while parked (the server's "park"."lost"), as its row says it
+ * until its next cell has said it too: "restarted at 01:23: its process ended while parked (killed by SIGKILL:
+ * ...); its variables and GPU memory are gone: run the notebook's cells again". "" when there is no such news.
+ */
+export function lostWords(lost: IKernelLost | null | undefined): string {
+  if (!lost || typeof lost !== 'object' || typeof lost.why !== 'string' || !lost.why) {
+    return '';
+  }
+  const at = formatClock(lost.at);
+  const when = at ? `restarted at ${at}` : 'restarted';
+  return `${when}: ${lost.why}; its variables and GPU memory are gone: run the notebook's cells again`;
 }
 
 /** "5 min" of the wait's limit, or "" when there is none (park_wait_limit "off") or it is unknown. */

@@ -6,9 +6,9 @@
 import { ServerConnection } from '@jupyterlab/services';
 
 import { requestPark } from '../src/api';
-import { IKernelPark, normalizeStatus, PARK_STATES } from '../src/contract';
-import { PARK_TITLE, parkButtons, parkFeedback, RESUME_TITLE } from '../src/derive';
-import { notParkableText, parkWords, refusalText } from '../src/format';
+import { IKernelPark, IKernelStatus, normalizeStatus, PARK_STATES } from '../src/contract';
+import { kernelLine, PARK_TITLE, parkButtons, parkFeedback, RESUME_TITLE } from '../src/derive';
+import { lostWords, notParkableText, parkWords, refusalText } from '../src/format';
 
 const GiB = 1024 ** 3;
 
@@ -161,5 +161,36 @@ describe('requestPark', () => {
       status: 403,
       message: 'not authorized to write GPU quotas'
     });
+  });
+});
+
+describe('a kernel lost while parked', () => {
+  const at = new Date(2026, 11, 4, 1, 23, 0).getTime() / 1000; // local time, as the sidebar shows it
+  const why = "its process ended while parked (killed by SIGKILL: the host's out-of-memory killer, or a kill -9?)";
+  const words = `gpu-quota: this kernel was restarted at 01:23 because ${why}; its variables and GPU memory are gone.`;
+
+  function restarted(lost: IKernelPark['lost']): IKernelStatus {
+    return normalizeStatus({
+      gpu: true,
+      kernels: [{ id: 'k1', devices: [{ index: 0, cap: 20 * GiB }], park: park('idle', { idle_seconds: 3, lost }) }]
+    }).kernels[0];
+  }
+
+  it('says when, why and what is gone, in the error colour, until its next cell has said it', () => {
+    expect(lostWords({ at, why, words })).toBe(
+      `restarted at 01:23: ${why}; its variables and GPU memory are gone: run the notebook's cells again`
+    );
+    expect(kernelLine(restarted({ at, why, words }))).toEqual({
+      kind: 'park',
+      words: lostWords({ at, why, words }),
+      detail: words,
+      level: 'over',
+      state: 'lost'
+    });
+  });
+
+  it('goes back to the park state once the server drops the news', () => {
+    expect(kernelLine(restarted(null))).toMatchObject({ kind: 'park', words: 'idle for 3 s', level: 'ok' });
+    expect(lostWords(undefined)).toBe('');
   });
 });

@@ -458,10 +458,12 @@ async def test_per_cell_report_is_opt_in(jp_fetch, jp_serverapp):
     assert mistyped.stdout == "" and mistyped.stderr.startswith("UsageError: argument --cells: invalid choice: 'yes'")
     switched = await run_cell(jp_serverapp, kernel_id, "%gpucap --cells on")
     assert switched.stdout == "gpu-quota: per-cell report on, from the next cell\n" and switched.stderr == ""
-    loud = await run_cell(jp_serverapp, kernel_id, "x = 2")
-    assert loud.stdout.strip() == "gpu-quota: this cell used no GPU memory (CUDA not started)"
+    loud = await run_cell(jp_serverapp, kernel_id, "print('mine')")
+    assert loud.stdout == "mine\n"  # the user's own output only: the report goes beside it (issue 31)
+    assert loud.stderr.strip() == "gpu-quota: this cell used no GPU memory (CUDA not started)"
     await run_cell(jp_serverapp, kernel_id, "%gpucap --cells off")
-    assert (await run_cell(jp_serverapp, kernel_id, "x = 3")).stdout == ""
+    quiet = await run_cell(jp_serverapp, kernel_id, "x = 3")
+    assert quiet.stdout == "" and quiet.stderr == ""
 
 
 # --- usage reports to the server ------------------------------------------------------------------------

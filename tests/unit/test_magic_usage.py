@@ -74,16 +74,15 @@ def test_cell_reporter_resets_peaks_only_when_on(monkeypatch, capsys):
     torch.cuda.peak[0] = 9 * GiB
     reporter.pre_run_cell()
     reporter.post_run_cell()
-    assert torch.cuda.peak[0] == 9 * GiB and capsys.readouterr().out == ""
+    assert torch.cuda.peak[0] == 9 * GiB and capsys.readouterr().err == ""
     reporter.enabled = True
     torch.cuda.reserved[0] = GiB
     reporter.pre_run_cell()
     torch.cuda.allocated[0] = GiB
     reporter.post_run_cell()
-    assert (
-        capsys.readouterr().out.strip()
-        == "gpu-quota: cuda:0 peak 1.0 GiB of 20.0 GiB cap (5%), allocated +1.0 GiB (now 1.0 GiB)"
-    )
+    said = capsys.readouterr()
+    assert said.out == ""  # the cell's stdout is the user's own: the report goes beside it, on stderr
+    assert said.err.strip() == "gpu-quota: cuda:0 peak 1.0 GiB of 20.0 GiB cap (5%), allocated +1.0 GiB (now 1.0 GiB)"
 
 
 # --- the panel's view ------------------------------------------------------------------------------------

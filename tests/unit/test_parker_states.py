@@ -19,6 +19,7 @@ from gpu_quota_ext.parking import ParkSettings
 from gpu_quota_ext.parking.checkpoint import CHECKPOINTED, LOCKED, RUNNING
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.parker import Parker
+from gpu_quota_ext.parking.states import HELD
 from gpu_quota_ext.shared.contract import PARK_STATES
 from gpu_quota_ext.usage import Sample
 from gpu_quota_ext.usage.sampling import DeviceReading
@@ -51,6 +52,15 @@ class Kernels:
 
     def client(self, kernel_id):
         raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
+
+    restart_callbacks: list = []  # jupyter_client's restarter: called when it finds the process dead
+
+    def on_restart(self, kernel_id, callback):
+        self.restart_callbacks.append(callback)
+        return lambda: self.restart_callbacks.remove(callback)
+
+    def exit_code(self, kernel_id):
+        return -9  # SIGKILL, as the host's out-of-memory killer sends
 
 
 class Monitor:
@@ -89,6 +99,7 @@ class ParkerMachine(RuleBasedStateMachine):
             FakeNvml.set_usage(pid, UUID, GiB)
         self.loop = asyncio.new_event_loop()
         self.kernels = Kernels()
+        self.kernels.restart_callbacks = []
         self.monitor = Monitor()
         grant = SimpleNamespace(kernel_id=KERNEL, devices=(0,), caps={0: 3 * GiB})
         ledger = SimpleNamespace(get=lambda kernel_id: grant, grants=lambda: [grant])
@@ -172,12 +183,41 @@ class ParkerMachine(RuleBasedStateMachine):
         # The provisioner's cleanup: the old processes are gone (their fake state with them); the new
         # kernel holds its memory again under the same PIDs, as far as this test is concerned.
         self.deliver(lambda: self.parker.forget(KERNEL))
+        self.new_processes()
+
+    @rule()
+    def killed(self):
+        # The process dies (the host's OOM killer) and jupyter_server's restarter starts it again: its "restart"
+        # callbacks first, then the same cleanup as a restart. A kernel the driver held is told it was lost.
+        record = self.parker.records.get(KERNEL)
+        held = record is not None and record.state in HELD
+        told_before = KERNEL in self.parker.lost
+
+        def restarter():
+            for callback in list(self.kernels.restart_callbacks):
+                callback()
+            self.parker.forget(KERNEL)
+
+        self.deliver(restarter)
+        self.new_processes()
+        assert (KERNEL in self.parker.lost) == (held or told_before)
+        if held:
+            assert "killed by SIGKILL" in self.parker.lost[KERNEL].why
+            assert self.parker.kernel_json(KERNEL)["lost"]["why"] == self.parker.lost[KERNEL].why
+
+    def new_processes(self):
         with FakeCheckpoint._lock:
             FakeCheckpoint.states.clear()
             FakeCheckpoint.host.clear()
         for pid in PIDS:
             FakeNvml.set_usage(pid, UUID, GiB)
         self.kernels.kernel.execution_state = "idle"
+
+    @invariant()
+    def the_restarter_is_heard_while_the_driver_holds_the_kernel(self):
+        record = self.parker.records.get(KERNEL)
+        held = record is not None and record.state in HELD
+        assert len(self.kernels.restart_callbacks) == (1 if held else 0)
 
     @invariant()
     def no_restore_ever_found_a_full_device(self):
