@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -275,3 +277,18 @@ def test_without_a_driver_nothing_is_served_and_nothing_parks(built, tmp_path, m
     with pytest.raises(PagesError) as refused:
         process.pages.resume()
     assert refused.value.code == E_DRIVER
+
+
+def test_the_probe_builds_the_library_for_the_gpu_machine(tmp_path):
+    """What the lead runs here before carrying the folder to the GPU machine (which may have no compiler)."""
+    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
+    done = subprocess.run(
+        [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    library = tmp_path / "probe" / "libgqx_pages.so"
+    assert library.exists() and str(library) in done.stdout
+    assert Pages.load(str(library)).state() == "running"
