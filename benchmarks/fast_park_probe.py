@@ -10,7 +10,9 @@ Child processes hold torch tensors; each "pages" child runs with the fast park l
   - a swap (one pages child parks while another of the same size resumes) against the two done one by one;
   - an allocation loop (torch's cache warm, and one that empties the cache each time so that every tensor
     goes to cudaMalloc/cudaFree) and a small training step, with and without the library: ratio of medians;
-  - the checkpoint path on a preloaded child (a kernel the fast path refuses still parks the old way).
+  - the checkpoint path on a preloaded child (a kernel the fast path refuses still parks the old way);
+  - a resume that finds the device full (a neighbour took the room): it must fail, leave the kernel parked
+    and whole, and go through once the room is back (the checkpoint path loses the process there).
 Rounds: 3 for 2 and 20 GiB, 1 for 56 GiB. Progress is printed line by line; JSON is written after every
 phase to --out-json. Children die with this process (PR_SET_PDEATHSIG, and killed in `finally`).
 
@@ -230,7 +232,40 @@ def child_main() -> None:
         empty_cache()
         return out
 
+    def fake_driver():
+        fake = ctypes.CDLL(os.environ["GQX_PAGES_LIBCUDA"])  # the instance the library opened (same path)
+        fake.fake_device_used.restype = ctypes.c_size_t
+        fake.fake_set_capacity.argtypes = [ctypes.c_size_t]
+        return fake
+
+    def fill(leave: int) -> dict:
+        """Take all the device's free memory but `leave` bytes (a neighbour that leaves no room)."""
+        if dry:  # this process's fake device shrinks to what it holds plus `leave`
+            fake = fake_driver()
+            fake.fake_set_capacity(fake.fake_device_used() + leave)
+            return {"filled": None}
+        free, _ = torch.cuda.mem_get_info()
+        size = max(0, free - leave) // (2 * MiB) * (2 * MiB)
+        state["filler"] = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+        return {"filled": size, "free_after": torch.cuda.mem_get_info()[0]}
+
+    def unfill() -> dict:
+        if dry:
+            fake_driver().fake_set_capacity(1 << 40)
+            return {}
+        state["filler"] = None
+        empty_cache()
+        return {"free_after": torch.cuda.mem_get_info()[0]}
+
+    def try_resume() -> dict:
+        """A resume that may fail: its code, message and the state it leaves."""
+        try:
+            return {"resumed": True, **resume()}
+        except pages_module.PagesError as error:
+            return {"resumed": False, "code": error.code, "message": error.message, "state": pages.state()}
+
     ops = {"alloc": lambda c: alloc(int(c["bytes"])), "verify": lambda c: verify(), "arena": lambda c: arena()}
+    ops.update(fill=lambda c: fill(int(c["leave"])), unfill=lambda c: unfill(), try_resume=lambda c: try_resume())
     ops.update(park=lambda c: park(), resume=lambda c: resume(), bench=lambda c: bench())
     ops["view"] = lambda c: library_view()
     reply(ok=True, pid=os.getpid(), preloaded=pages is not None)
@@ -655,6 +690,7 @@ class Probe:
             p20, c20, q20 = self.spawn("pages-20", True), self.spawn("plain-20", False), self.spawn("pages-20b", True)
             phases += [
                 ("20 GiB", lambda: self.size_phase(20, 3, p20, c20)),
+                ("resume without room", lambda: self.no_room_phase(p20, c20)),
                 ("retire plain 20", lambda: self.retire(c20)),
                 ("swap", lambda: self.swap_setup_and_run(p20, q20)),
                 ("retire 20", lambda: self.retire(p20, q20)),
@@ -689,6 +725,29 @@ class Probe:
             return {}
         with_lib, without = median([p for p, _ in pairs]), median([q for _, q in pairs])
         return {"pairs": pairs, "pages_s": with_lib, "plain_s": without, "ratio": round(with_lib / without, 3)}
+
+    def no_room_phase(self, pages: Child, neighbour: Child) -> None:
+        """The rule that is fatal on the checkpoint path (a restore into a full device loses the process,
+        cuda-checkpoint #44): a fast resume that finds no room must leave the kernel parked and whole."""
+        say(f"[{self.elapsed():5.1f}s] resume without room: park, fill the device from a neighbour, resume")
+        out: dict = {}
+        pages.ask("park", timeout=180)
+        if self.args.dry_run:  # one fake device per process: the parked child's own shrinks
+            neighbour = pages
+        out["fill"] = neighbour.ask("fill", timeout=120, leave=0 if self.args.dry_run else 4 * GiB)
+        out["failed_resume"] = failed = pages.ask("try_resume", timeout=180)
+        out["device_while_refused"] = self.nvml.used_by(pages.pid)
+        out["unfill"] = neighbour.ask("unfill", timeout=120)
+        out["resume"] = again = pages.ask("try_resume", timeout=180)
+        out["exact"] = pages.ask("verify", timeout=120)["exact"]
+        out["ok"] = (not failed["resumed"]) and failed.get("state") == "parked" and again["resumed"] and out["exact"]
+        first = "went through (the device was not full?)" if failed["resumed"] else failed["message"]
+        say(
+            f"[{self.elapsed():5.1f}s]   first resume: {first}; state {failed.get('state')}; after room came "
+            f"back: resumed {again['resumed']}, exact {out['exact']}"
+        )
+        self.result["resume_without_room"] = out
+        self.save()
 
     def swap_setup_and_run(self, a: Child, b: Child) -> None:
         say(f"[{self.elapsed():5.1f}s] swap: second 20 GiB pages child allocates and parks")
