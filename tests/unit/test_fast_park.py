@@ -18,12 +18,12 @@ import pytest
 
 from gpu_quota_ext.parking.pages import E_ARENA, E_DRIVER, E_STATE, Pages, PagesError
 from gpu_quota_ext.parking.pages.build import BuildError, build
-from tests.fake_cuda import build_fake
+from tests.fake_cuda import build_fake, build_pages_over_fake_runtime
 
 MiB = 1 << 20
 GRANULARITY = 2 * MiB
 CHUNK = 1 * MiB  # small chunks, so that a copy fails with chunks done before and after it
-ILLEGAL_ADDRESS, OUT_OF_MEMORY = 700, 2
+ILLEGAL_ADDRESS, OUT_OF_MEMORY, NOT_SUPPORTED = 700, 2, 801
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +292,76 @@ def test_the_probe_builds_the_library_for_the_gpu_machine(tmp_path):
     library = tmp_path / "probe" / "libgqx_pages.so"
     assert library.exists() and str(library) in done.stdout
     assert Pages.load(str(library)).state() == "running"
+
+
+@pytest.fixture(scope="module")
+def over_runtime(built, tmp_path_factory):
+    """The library linked to a fake libcudart, which it finds after itself as a preloaded library finds the real
+    one; and that fake, to count what reached it."""
+    folder = tmp_path_factory.mktemp("fast_park_runtime")
+    pages_so = build_pages_over_fake_runtime(folder)
+    runtime = ctypes.CDLL(str(folder / "libgqxfakecudart.so"))
+    return (pages_so, built[1]), runtime
+
+
+class Counts:
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.start = self.now()
+
+    def now(self):
+        r = self.runtime
+        return r.fake_cudart_mallocs(), r.fake_cudart_frees(), r.fake_cudart_null_frees()
+
+    def since(self):
+        return tuple(b - a for a, b in zip(self.start, self.now()))
+
+
+def test_memory_the_virtual_memory_calls_refuse_is_served_by_the_runtime_and_stays_through_a_park(
+    over_runtime, tmp_path, monkeypatch
+):
+    built_here, runtime = over_runtime
+    process = Process(built_here, tmp_path, monkeypatch)
+    counts = Counts(runtime)
+    kept = [(a, 4 * MiB, process.fill(a, 4 * MiB)) for a in [process.malloc(4 * MiB)]]
+    process.fail("cuMemCreate", after=0, code=NOT_SUPPORTED)
+    served = process.malloc(3 * MiB)  # refused by the driver's virtual memory calls: libcudart serves it
+    data = process.fill(served, 3 * MiB)
+    assert counts.since() == (1, 0, 0)
+    assert process.pages.passthrough_bytes() == 3 * MiB
+    assert process.pages.mapped_bytes() == 4 * MiB  # what a park moves; the arena need not hold the rest
+
+    process.pages.park(process.pages.arena(process.pages.mapped_bytes()))
+    assert process.read(served, 3 * MiB) == data  # never parked: still where it was, readable
+    process.pages.resume()
+    assert_intact(process, kept)
+
+    assert process.lib.cudaFree(served) == 0
+    assert counts.since() == (1, 1, 0)  # its free went to the runtime too
+    assert process.pages.passthrough_bytes() == 0
+
+
+def test_an_out_of_memory_is_the_callers_and_never_goes_around_the_library(over_runtime, tmp_path, monkeypatch):
+    built_here, runtime = over_runtime
+    process = Process(built_here, tmp_path, monkeypatch)
+    counts = Counts(runtime)
+    process.fake.fake_set_capacity(4 * MiB)
+    process.malloc(4 * MiB)
+    pointer = ctypes.c_void_p()
+    assert process.lib.cudaMalloc(ctypes.byref(pointer), 2 * MiB) == 2  # cudaErrorMemoryAllocation
+    assert counts.since() == (0, 0, 0)  # torch frees its cache and retries, or raises OutOfMemoryError
+    assert process.pages.mapping_count() == 1
+
+
+def test_a_thread_without_a_context_gets_the_runtimes_and_without_any_the_runtime_serves(
+    over_runtime, tmp_path, monkeypatch
+):
+    built_here, runtime = over_runtime
+    process = Process(built_here, tmp_path, monkeypatch)
+    counts = Counts(runtime)
+    process.fake.fake_set_no_context(1)
+    address = process.malloc(2 * MiB)
+    assert counts.since() == (1, 0, 1)  # cudaFree(NULL) asked for a context, none came: served by the runtime
+    assert process.pages.passthrough_bytes() == 0  # not in the table: its free goes straight through
+    assert process.lib.cudaFree(address) == 0
+    assert counts.since() == (1, 1, 1)
