@@ -334,7 +334,9 @@ CUresult cuMemHostRegister_v2(void *host, size_t size, unsigned flags) {
 }
 
 CUresult cuMemHostUnregister(void *host) {
-    count("cuMemHostUnregister");
+    CUresult code = called("cuMemHostUnregister");
+    if (code != OK) return code;
+    if (context_depth == 0 && no_context) return INVALID_CONTEXT;
     for (int i = 0; i < registered_count; i++) {
         if (registered[i].va == (uintptr_t)host) {
             registered[i] = registered[--registered_count];

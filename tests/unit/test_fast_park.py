@@ -268,6 +268,21 @@ def test_the_arena_is_pinned_in_the_process_context_from_any_thread(process, fil
     process.pages.park(arena)
     process.pages.resume()
     assert_intact(process, filled)
+    arena.close()
+    assert process.calls("cuMemHostUnregister") == 1
+    assert process.fake.fake_context_depth() == 0
+
+
+def test_an_arena_the_driver_will_not_unpin_is_kept(process, filled):
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.fail("cuMemHostUnregister", after=0, code=ILLEGAL_ADDRESS)
+    with pytest.raises(PagesError, match="cuMemHostUnregister"):
+        arena.close()
+    assert arena.handle  # still there, still pinned: a park can use it
+    process.pages.park(arena)
+    process.pages.resume()
+    assert_intact(process, filled)
+    arena.close()
 
 
 def test_without_a_driver_nothing_is_served_and_nothing_parks(built, tmp_path, monkeypatch):

@@ -700,6 +700,25 @@ static void touch_in_parallel(char *base, size_t size) {
         if (started & (1 << t)) pthread_join(ids[t], NULL);
 }
 
+/* Pinning and unpinning need a context: the calling thread's, else the one the last allocation ran in (a park
+ * is asked from a thread of its own, which has none). `*pushed` says whether leave_context must pop it. */
+static int enter_some_context(int *pushed) {
+    CUcontext current = NULL;
+    *pushed = 0;
+    if (cu.CtxGetCurrent(&current) == CUDA_SUCCESS && current) return 1;
+    pthread_mutex_lock(&g_mu);
+    CUcontext last = g_last_ctx;
+    pthread_mutex_unlock(&g_mu);
+    if (!last || cu.CtxPushCurrent(last) != CUDA_SUCCESS) return 0;
+    *pushed = 1;
+    return 1;
+}
+
+static void leave_context(int pushed) {
+    CUcontext popped;
+    if (pushed) cu.CtxPopCurrent(&popped);
+}
+
 int gqx_arena_create(size_t size, struct gqx_arena **out) {
     if (!out) return GQX_E_ARENA;
     *out = NULL;
@@ -721,28 +740,17 @@ int gqx_arena_create(size_t size, struct gqx_arena **out) {
     touch_in_parallel(base, rounded);
     arena->populate_seconds = now_seconds() - start;
 
-    /* Registration needs a context: the caller's, else the one the last allocation ran in. */
-    CUcontext current = NULL;
     int pushed = 0;
-    if (cu.CtxGetCurrent(&current) != CUDA_SUCCESS || !current) {
-        pthread_mutex_lock(&g_mu);
-        CUcontext last = g_last_ctx;
-        pthread_mutex_unlock(&g_mu);
-        if (!last) {
-            set_error("no CUDA context yet: allocate on the device before making an arena");
-            munmap(base, rounded);
-            free(arena);
-            return GQX_E_CONTEXT;
-        }
-        if (cu.CtxPushCurrent(last) == CUDA_SUCCESS) pushed = 1;
+    if (!enter_some_context(&pushed)) {
+        set_error("no CUDA context yet: allocate on the device before making an arena");
+        munmap(base, rounded);
+        free(arena);
+        return GQX_E_CONTEXT;
     }
     start = now_seconds();
     CUresult code = cu.MemHostRegister(base, rounded, CU_MEMHOSTREGISTER_PORTABLE);
     arena->register_seconds = now_seconds() - start;
-    if (pushed) {
-        CUcontext popped;
-        cu.CtxPopCurrent(&popped);
-    }
+    leave_context(pushed);
     if (code != CUDA_SUCCESS) {
         set_error("cuMemHostRegister of %llu bytes failed: %s (%d)", (unsigned long long)rounded, cu_name(code),
                   code);
@@ -766,7 +774,16 @@ int gqx_arena_destroy(struct gqx_arena *arena) {
         set_error("the arena holds a parked process's bytes: resume first");
         return GQX_E_STATE;
     }
-    if (arena->registered && ensure_open()) cu.MemHostUnregister(arena->base);
+    if (arena->registered && ensure_open()) {
+        int pushed = 0;
+        CUresult code = enter_some_context(&pushed) ? cu.MemHostUnregister(arena->base) : GQX_E_CONTEXT;
+        leave_context(pushed);
+        if (code != CUDA_SUCCESS) {
+            /* Unmapping memory the driver still has pinned would leave it pinned and unreachable: keep it. */
+            set_error("cuMemHostUnregister failed: %s (%d); the arena is kept", cu_name(code), code);
+            return code;
+        }
+    }
     munmap(arena->base, arena->size);
     free(arena);
     return CUDA_SUCCESS;
