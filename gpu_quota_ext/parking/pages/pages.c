@@ -403,6 +403,8 @@ int cudaMalloc(void **ptr, size_t size) {
     } else {
         /* The virtual memory calls refused this device or size: serve it as libcudart would. It works, it
          * just cannot be parked (it stays on the device through a park). */
+        set_error("the virtual memory calls refused %llu bytes (%s, %d): served by libcudart, never parked",
+                  (unsigned long long)size, cu_name(code), code);
         void *p = NULL;
         result = passthrough_malloc(&p, size);
         if (result == cudaSuccess) {
