@@ -405,9 +405,13 @@ def gbps(moved: int, seconds: float) -> float:
     return round(moved / seconds / 1e9, 2) if seconds > 0 else float("nan")
 
 
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
 def median(values):
     values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
+    return statistics.median(values) if values else None
 
 
 class Probe:
@@ -591,17 +595,15 @@ class Probe:
             out[path] = {
                 "park_gbps_median": median([r["park_gbps"] for r in later]),
                 "resume_gbps_median": median([r["resume_gbps"] for r in rows]),
-                "park_s_median": median([r["park_s"] for r in later]),
-                "resume_s_median": median([r["resume_s"] for r in rows]),
+                "park_s_median": round(median([r["park_s"] for r in later]), 4),
+                "resume_s_median": round(median([r["resume_s"] for r in rows]), 4),
                 "first_park_s": round(rows[0]["park_s"], 4) if rows[0].get("first_park") else None,
                 "device_while_parked_max": max(r["device_while_parked"] for r in rows),
                 "all_exact": all(r["exact"] for r in rows),
             }
         if "pages" in out and "checkpoint" in out:
-            out["speedup_park"] = round(out["pages"]["park_gbps_median"] / out["checkpoint"]["park_gbps_median"], 1)
-            out["speedup_resume"] = round(
-                out["pages"]["resume_gbps_median"] / out["checkpoint"]["resume_gbps_median"], 1
-            )
+            out["speedup_park"] = ratio(out["pages"]["park_gbps_median"], out["checkpoint"]["park_gbps_median"])
+            out["speedup_resume"] = ratio(out["pages"]["resume_gbps_median"], out["checkpoint"]["resume_gbps_median"])
         return out
 
     def bench_phase(self, pages: Child, plain: Child, rounds: int = 3) -> None:
@@ -616,10 +618,10 @@ class Probe:
         for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
             with_lib = median([r[measure] for r in rows["pages"]])
             without = median([r[measure] for r in rows["plain"]])
-            out[measure] = {"pages": with_lib, "plain": without, "ratio": round(with_lib / without, 3)}
+            out[measure] = {"pages": with_lib, "plain": without, "ratio": ratio(with_lib, without)}
             say(
                 f"[{self.elapsed():5.1f}s]   {measure}: {with_lib * 1e3:.3f} ms with, {without * 1e3:.3f} ms "
-                f"without, ratio {with_lib / without:.3f}"
+                f"without, ratio {out[measure]['ratio']}"
             )
         self.result["overhead"] = out
         self.save()
@@ -676,8 +678,8 @@ class Probe:
         self.result["swap"] = {
             "gib": gib,
             "rounds": rows,
-            "together_over_sum": round(
-                median([r["together_s"] for r in rows]) / median([r["one_by_one_s"] for r in rows]), 3
+            "together_over_sum": ratio(
+                median([r["together_s"] for r in rows]), median([r["one_by_one_s"] for r in rows])
             ),
         }
         self.save()
@@ -736,7 +738,7 @@ class Probe:
         if not pairs:
             return {}
         with_lib, without = median([p for p, _ in pairs]), median([q for _, q in pairs])
-        return {"pairs": pairs, "pages_s": with_lib, "plain_s": without, "ratio": round(with_lib / without, 3)}
+        return {"pairs": pairs, "pages_s": with_lib, "plain_s": without, "ratio": ratio(with_lib, without)}
 
     def no_room_phase(self, pages: Child, neighbour: Child) -> None:
         """The rule that is fatal on the checkpoint path (a restore into a full device loses the process,
