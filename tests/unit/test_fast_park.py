@@ -121,6 +121,7 @@ def test_allocations_are_mapped_at_reserved_addresses_in_whole_granules(process,
 def test_a_park_empties_the_device_and_a_resume_brings_every_byte_back_to_the_same_addresses(process, filled):
     arena = process.pages.arena(process.pages.mapped_bytes())
     process.pages.park(arena)
+    assert process.calls("cuCtxSynchronize") == 1  # the device's work waited for once, not per mapping
     assert process.pages.state() == "parked"
     assert process.device_used() == 0
     assert process.pages.resident_bytes() == 0
@@ -380,3 +381,13 @@ def test_a_thread_without_a_context_gets_the_runtimes_and_without_any_the_runtim
     assert process.pages.passthrough_bytes() == 0  # not in the table: its free goes straight through
     assert process.lib.cudaFree(address) == 0
     assert counts.since() == (1, 1, 1)
+
+
+def test_a_park_whose_device_work_fails_copies_nothing_and_releases_nothing(process, filled):
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.fail("cuCtxSynchronize", after=0, code=ILLEGAL_ADDRESS)
+    with pytest.raises(PagesError, match="cuCtxSynchronize"):
+        process.pages.park(arena)
+    assert process.calls("cuMemcpyDtoHAsync") == 0 and process.calls("cuMemUnmap") == 0
+    assert process.pages.state() == "running"
+    assert_intact(process, filled)

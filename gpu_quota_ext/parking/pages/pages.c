@@ -558,18 +558,27 @@ int gqx_park(struct gqx_arena *arena) {
     }
     g_state = GQX_PARKING;
 
-    /* The device's work first: a kernel still writing a segment would change it behind the copy. */
+    /* The device's work first, once per context: a kernel still writing a segment would change it behind
+     * the copy. */
     CUresult code = CUDA_SUCCESS;
+    CUcontext synced[MAX_CONTEXTS];
+    size_t synced_count = 0;
     for (size_t i = 0; i < g_count && code == CUDA_SUCCESS; i++) {
         mapping *m = &g_maps[i];
         if (!m->resident || m->passthrough) continue;
+        size_t c = 0;
+        while (c < synced_count && synced[c] != m->ctx) c++;
+        if (c < synced_count) continue;
         code = cu.CtxPushCurrent(m->ctx);
         if (code == CUDA_SUCCESS) {
             code = cu.CtxSynchronize();
             CUcontext popped;
             cu.CtxPopCurrent(&popped);
         }
-        if (code != CUDA_SUCCESS) set_error("cuCtxSynchronize failed: %s (%d)", cu_name(code), code);
+        if (code != CUDA_SUCCESS)
+            set_error("cuCtxSynchronize failed: %s (%d)", cu_name(code), code);
+        else if (synced_count < MAX_CONTEXTS)
+            synced[synced_count++] = m->ctx;
     }
     size_t offset = 0;
     for (size_t i = 0; i < g_count; i++) {
