@@ -775,6 +775,10 @@ class Probe:
         both fit beside everything else)."""
         total = 56 * self.unit
         entry = self.result["sizes"].setdefault(f"56{self.unit_name}", {"rounds": 1})
+        if self.left() < 45:
+            entry["skipped"] = [f"all ({self.left():.0f} s left)"]
+            say(f"[{self.elapsed():5.1f}s] 56 GiB skipped: {self.left():.0f} s left (run again with --sizes 56)")
+            return
         available = host_available()
         if available < total + 8 * self.unit:
             raise ChildFailed(f"host memory: {available / GiB:.1f} GiB available, 64 needed for the 56 GiB arena")
