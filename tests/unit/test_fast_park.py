@@ -391,3 +391,15 @@ def test_a_park_whose_device_work_fails_copies_nothing_and_releases_nothing(proc
     assert process.calls("cuMemcpyDtoHAsync") == 0 and process.calls("cuMemUnmap") == 0
     assert process.pages.state() == "running"
     assert_intact(process, filled)
+
+
+def test_a_freed_allocation_is_never_backed_again_even_when_its_address_range_stays(process, filled):
+    process.fail("cuMemAddressFree", after=0, code=ILLEGAL_ADDRESS)
+    address, size, _ = filled[0]
+    assert process.lib.cudaFree(address) == 0
+    assert process.pages.mapping_count() == len(SIZES) - 1
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.pages.park(arena)
+    process.pages.resume()
+    assert process.device_used() == sum(padded(s) for s in SIZES[1:])
+    assert_intact(process, filled[1:])

@@ -444,8 +444,12 @@ int cudaFree(void *ptr) {
         cu.CtxPopCurrent(&popped);
     }
     if (code == CUDA_SUCCESS) code = drop_memory(m);
-    if (code == CUDA_SUCCESS) code = cu.MemAddressFree(m->va, m->padded);
-    if (code == CUDA_SUCCESS) table_remove(m);
+    if (code == CUDA_SUCCESS) {
+        /* The memory is gone: the allocation is, whatever the address range does (a range that will not
+         * be freed is only address space lost, and a later resume must not back it again). */
+        cu.MemAddressFree(m->va, m->padded);
+        table_remove(m);
+    }
     pthread_mutex_unlock(&g_mu);
     return code == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
