@@ -181,6 +181,8 @@ static int overlaps_a_mapping(CUdeviceptr va, size_t size) {
 }
 
 CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
+    CUresult code = called("cuMemAddressFree");
+    if (code != OK) return code;
     for (int i = 0; i < reservation_count; i++) {
         if (reservations[i].va != va || reservations[i].size != size) continue;
         if (overlaps_a_mapping(va, size)) return INVALID_VALUE; /* unmap first */
