@@ -403,3 +403,16 @@ def test_a_freed_allocation_is_never_backed_again_even_when_its_address_range_st
     process.pages.resume()
     assert process.device_used() == sum(padded(s) for s in SIZES[1:])
     assert_intact(process, filled[1:])
+
+
+def test_a_mapping_that_will_not_unmap_stays_on_the_device_and_the_park_says_so(process, filled):
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.fail("cuMemUnmap", after=1, code=ILLEGAL_ADDRESS)  # the second mapping's
+    with pytest.raises(PagesError) as failed:
+        process.pages.park(arena)
+    assert f"parked, but {padded(SIZES[1])} bytes stayed on the device" in failed.value.message
+    assert process.pages.state() == "parked"
+    assert process.device_used() == padded(SIZES[1])
+    process.pages.resume()  # the others come back; that one never left
+    assert_intact(process, filled)
+    assert process.device_used() == sum(padded(size) for size in SIZES)
