@@ -357,6 +357,11 @@ class Child:
             pass
 
 
+def text(value) -> str:
+    """NVML's strings: bytes from older bindings."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class DryDriver:
     """--dry-run: the checkpoint calls answered at once (the child keeps its memory)."""
 
@@ -380,8 +385,8 @@ class Nvml:
         self.nvml = pynvml
         pynvml.nvmlInit()
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        self.name = pynvml.nvmlDeviceGetName(self.handles[0]) if self.handles else "none"
-        self.driver = pynvml.nvmlSystemGetDriverVersion()
+        self.name = text(pynvml.nvmlDeviceGetName(self.handles[0])) if self.handles else "none"
+        self.driver = text(pynvml.nvmlSystemGetDriverVersion())
 
     def used_by(self, pid: int) -> int:
         """The process's device memory, every device (0 when NVML does not list it)."""
