@@ -250,6 +250,7 @@ class GpuQuota(ExtensionApp):
     park_device_margin = setting_trait("park_device_margin")
     park_on_device_full = setting_trait("park_on_device_full")
     park_call_timeout = setting_trait("park_call_timeout")
+    fast_park = setting_trait("fast_park")
     checkpoint_class = setting_trait("checkpoint_class")
 
     @classmethod

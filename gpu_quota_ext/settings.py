@@ -503,6 +503,18 @@ SETTINGS: Dict[str, Setting] = _table(
         is "on" where caps can add up to more than a GPU (overcommit above 1, or none) and "off" otherwise.""",
     ),
     Setting(
+        "fast_park",
+        CHOICE,
+        PARK,
+        "off",
+        choices=("off", "on"),
+        env="GPU_QUOTA_FAST_PARK",
+        help="""Park torch kernels at the link's speed: "on" starts Python kernels with the fast park library
+        (LD_PRELOAD; it serves torch's cudaMalloc from CUDA virtual memory) and parks each kernel it fits by
+        copying its pages to a pinned host arena; every other kernel parks through the driver's checkpoint
+        calls, as with "off". The status says which path a kernel takes and why (docs/admin/fast-park.md).""",
+    ),
+    Setting(
         "park_call_timeout",
         SECONDS,
         PARK,

@@ -1,0 +1,100 @@
+"""Which way a kernel parks, per kernel: "pages" (the fast park library copies its torch allocations to a pinned
+host arena at link speed, gpu_quota_ext/parking/pages) or "checkpoint" (the driver's checkpoint calls move the
+whole process, checkpoint.py), with the reason, in words the status shows. Pure: the facts come from the kernel
+(what its library and torch report) and from NVML (what its processes hold); nothing here reads them.
+
+The fast path moves only what torch's caching allocator asked cudaMalloc for. So it is chosen only where that
+is (nearly) all the kernel holds: anything else on the device would stay there through a park, and the parker
+promises the room a park makes. Every doubt falls back to the checkpoint path, which moves everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..shared.sizes import MiB, format_bytes
+
+PAGES = "pages"
+CHECKPOINT = "checkpoint"
+
+# What a CUDA context takes on the device, and stays through a fast park (about 514 MiB measured on an H200 under
+# MPS, docs/measurements.md); with torch's cuBLAS and cuDNN handles a little more.
+CONTEXT_ALLOWANCE = 640 * MiB
+# Held outside the library beyond the context, still small enough to leave on the device through a park.
+FOREIGN_TOLERANCE = 256 * MiB
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What is known of one kernel when its park is asked for."""
+
+    fast_park: str = "off"  # the setting: "on" or "off"
+    preloaded: bool = False  # the library is in the kernel's process (started with LD_PRELOAD)
+    library_problem: Optional[str] = None  # why the library serves nothing (it could not open the driver), or None
+    torch_cuda: bool = False  # torch has made its CUDA context in the kernel
+    allocator_backend: str = "native"  # torch's allocator: "native" or "cudaMallocAsync"
+    expandable_segments: bool = False  # torch maps its own virtual memory then, never through cudaMalloc
+    served_bytes: int = 0  # what the library maps: what a fast park moves
+    process_bytes: int = 0  # what NVML sees the kernel's processes hold on the device, all of them
+    gpu_processes: int = 1  # the kernel's processes that hold device memory
+    devices: int = 1  # devices the kernel's process holds memory on
+
+
+@dataclass(frozen=True)
+class ParkPath:
+    path: str  # PAGES or CHECKPOINT
+    reason: str  # one sentence, for the status and the docs
+    stays_on_device: int = 0  # bytes a park leaves behind (PAGES: the context and what the library does not hold)
+
+
+def choose_path(facts: KernelFacts) -> ParkPath:
+    """The path for this kernel and why: the first rule that sends it to the checkpoint path, else pages."""
+    slow = _checkpoint_reason(facts)
+    if slow is not None:
+        return ParkPath(CHECKPOINT, slow)
+    stays = max(0, facts.process_bytes - facts.served_bytes)
+    return ParkPath(
+        PAGES,
+        f"a torch kernel with the fast park library: its {format_bytes(facts.served_bytes)} move at the link's "
+        f"speed; {format_bytes(stays)} (its CUDA context) stay on the device",
+        stays,
+    )
+
+
+def _checkpoint_reason(facts: KernelFacts) -> Optional[str]:
+    if facts.fast_park != "on":
+        return "fast_park is off"
+    if not facts.preloaded:
+        return "the kernel started without the fast park library (before fast_park was on, or not a Python kernel)"
+    if facts.library_problem:
+        return f"the fast park library serves nothing in this kernel: {facts.library_problem}"
+    if not facts.torch_cuda:
+        return "no torch on the GPU in this kernel: other libraries (CuPy, JAX, TensorFlow) allocate on their own"
+    if facts.allocator_backend != "native":
+        return f"torch's {facts.allocator_backend} allocator does not allocate through cudaMalloc"
+    if facts.expandable_segments:
+        return "torch's expandable segments map their own memory, not through cudaMalloc"
+    if facts.gpu_processes > 1:
+        return f"{facts.gpu_processes} processes of this kernel hold GPU memory: only the kernel's own would move"
+    if facts.devices > 1:
+        return f"this kernel holds memory on {facts.devices} devices: the fast path maps one device's memory only"
+    foreign = facts.process_bytes - facts.served_bytes - CONTEXT_ALLOWANCE
+    if foreign > FOREIGN_TOLERANCE:
+        return (
+            f"{format_bytes(foreign)} on the device are held outside torch's allocator (a library allocating "
+            "on its own): only the checkpoint path moves them"
+        )
+    return None
+
+
+def arena_bytes(served_bytes: int, slack: int = 256 * MiB) -> int:
+    """The pinned arena a fast park needs: what the library maps, with room for torch's cache to grow a little
+    between the arena's making and the park."""
+    return served_bytes + slack
+
+
+def keep_arena(arena: int, host_available: int, host_margin: int) -> bool:
+    """Whether a resumed kernel keeps its pinned arena for its next park (pinning again costs seconds: 1.55 s for
+    20 GiB measured) or gives the host memory back: kept only while the host has the margin beside it."""
+    return host_available - arena >= host_margin

@@ -1,0 +1,73 @@
+"""Which way each kernel parks (gpu_quota_ext/parking/path.py): the fast path only for a torch kernel whose
+memory the library holds, the checkpoint path for everything else, each time with a reason a user can read."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpu_quota_ext.parking.path import (
+    CHECKPOINT,
+    CONTEXT_ALLOWANCE,
+    PAGES,
+    KernelFacts,
+    arena_bytes,
+    choose_path,
+    keep_arena,
+)
+from gpu_quota_ext.shared.sizes import GiB, MiB
+
+# A torch kernel holding 20 GiB through the library, its context beside it.
+TORCH_KERNEL = KernelFacts(
+    fast_park="on",
+    preloaded=True,
+    torch_cuda=True,
+    served_bytes=20 * GiB,
+    process_bytes=20 * GiB + 520 * MiB,
+)
+
+
+def test_a_torch_kernel_with_the_library_parks_its_pages_and_says_what_stays():
+    chosen = choose_path(TORCH_KERNEL)
+    assert chosen.path == PAGES
+    assert chosen.stays_on_device == 520 * MiB
+    assert "20.0 GiB" in chosen.reason and "520.0 MiB" in chosen.reason
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"fast_park": "off"}, "fast_park is off"),
+        ({"preloaded": False}, "started without the fast park library"),
+        ({"library_problem": "libcuda.so.1 cannot be loaded"}, "serves nothing in this kernel: libcuda.so.1"),
+        ({"torch_cuda": False}, "no torch on the GPU"),
+        ({"allocator_backend": "cudaMallocAsync"}, "cudaMallocAsync allocator"),
+        ({"expandable_segments": True}, "expandable segments"),
+        ({"gpu_processes": 2}, "2 processes of this kernel"),
+        ({"devices": 2}, "on 2 devices"),
+        ({"process_bytes": 20 * GiB + CONTEXT_ALLOWANCE + GiB}, "1.0 GiB on the device are held outside"),
+    ],
+)
+def test_every_other_kernel_takes_the_checkpoint_path_with_its_reason(change, words):
+    chosen = choose_path(replace(TORCH_KERNEL, **change))
+    assert chosen.path == CHECKPOINT
+    assert words in chosen.reason
+    assert chosen.stays_on_device == 0  # the driver moves the whole process
+
+
+def test_a_little_held_outside_the_library_still_parks_fast_and_is_counted_as_staying():
+    near = replace(TORCH_KERNEL, process_bytes=20 * GiB + CONTEXT_ALLOWANCE + 100 * MiB)
+    chosen = choose_path(near)
+    assert chosen.path == PAGES
+    assert chosen.stays_on_device == CONTEXT_ALLOWANCE + 100 * MiB
+
+
+def test_the_default_kernel_is_not_fast():
+    assert choose_path(KernelFacts()).path == CHECKPOINT
+
+
+def test_the_arena_has_slack_and_is_kept_only_with_the_hosts_margin_beside_it():
+    assert arena_bytes(20 * GiB) > 20 * GiB
+    assert keep_arena(20 * GiB, host_available=40 * GiB, host_margin=2 * GiB)
+    assert not keep_arena(20 * GiB, host_available=21 * GiB, host_margin=2 * GiB)
