@@ -17,8 +17,11 @@ RUNTIME_SOURCE = Path(__file__).with_name("fake_cudart.c")
 
 
 def build_fake(folder: Path) -> Path:
-    """The fake compiled into `folder` as libcuda.so.1 (its soname too, as the real one's)."""
-    return compile_shared(SOURCE, Path(folder) / "libcuda.so.1", flags=(*FLAGS, "-Wl,-soname,libcuda.so.1"), libs=())
+    """The fake compiled into `folder`, opened by its path. Not named (nor sonamed) libcuda.so.1: loaded into the
+    test process under that soname, every later dlopen("libcuda.so.1") there (the checkpoint driver's, in other
+    tests) would get the fake instead of the machine's answer."""
+    name = "libgqxfakecuda.so.1"
+    return compile_shared(SOURCE, Path(folder) / name, flags=(*FLAGS, f"-Wl,-soname,{name}"), libs=())
 
 
 def build_pages_over_fake_runtime(folder: Path) -> Path:
