@@ -8,8 +8,8 @@ for the admin's page). The caps mapping can come in the environment too, as JSON
 GPU_QUOTA_SERVICE_CAPS ({"users": ..., "groups": ..., "default": ...}): what `service_entry` (spec.py) puts
 there for the hub.
 
-This module wires the parts (book.py, store.py, sampler.py, history.py, room.py, polls.py, handlers.py) and
-nothing else.
+This module wires the parts (book.py, store.py, sampler.py, history.py, room.py, polls.py, guard.py, accept.py,
+handlers.py) and nothing else.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ from ...shared.service_contract import (
     STATUS_PATH,
 )
 from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
+from .accept import GuardedHTTPServer, raise_descriptor_limit
 from .attribution import UNMANAGED_ACTIONS
 from .book import HostBook
+from .guard import AUTH, Guard, GuardSettings, TooMany
 from .handlers import (
     GrantHandler,
     GrantsHandler,
@@ -73,6 +75,7 @@ from .hub_directory import HubDirectory, HubUnavailable
 from .limits import reservation_over_budget
 from .metrics import registry_for
 from .polls import LongPolls
+from .rate import Rate
 from .room import HostRoom, ParkReport, check_request, host_round, own_reports
 from .sampler import HostSampler
 from .status import build_status
@@ -98,8 +101,11 @@ def _read_at(sample) -> float:
 
 
 def _access_log(handler: web.RequestHandler) -> None:
-    # The path without its query: a "?token=" must never reach a log.
+    # The path without its query: a "?token=" must never reach a log. A 429 is not logged one by one: the guard
+    # says once a minute who is refused (a flood would otherwise fill the log a line per call).
     request = handler.request
+    if handler.get_status() == 429:
+        return
     log.info("%d %s %s %.1fms", handler.get_status(), request.method, request.path, 1000.0 * request.request_time())
 
 
@@ -185,6 +191,38 @@ class GpuQuotaService(Application):
         config=True
     )
     sampler_enabled = Bool(True, help="Run the host watchdog.").tag(config=True)
+    room_calls_per_second = Float(
+        20.0,
+        help="""Room calls (api/room) one user's servers may make a second, together (0: no limit). A server calls
+        once a sample while a kernel of its waits, and once per park; more is answered 429 with Retry-After.""",
+    ).tag(config=True)
+    grant_calls_per_second = Float(
+        20.0,
+        help="Grant calls (api/grants: starts, cap changes, releases, lists) one user may make a second (0: no limit).",
+    ).tag(config=True)
+    lease_calls_per_second = Float(
+        5.0,
+        help=f"""Lease renewals (api/lease) one user's servers may make a second, together (0: no limit); a server
+        renews every {LEASE_RENEW} s.""",
+    ).tag(config=True)
+    status_calls_per_second = Float(
+        5.0, help="Status and metrics calls one user (or service) may make a second (0: no limit)."
+    ).tag(config=True)
+    failed_auth_per_second = Float(
+        2.0,
+        help="""Failed authentications (no token, a token the hub does not know or that was not given access)
+        taken a second from one address; past it, a token the hub has not confirmed in the last hour is answered
+        429 without asking the hub (0: no limit).""",
+    ).tag(config=True)
+    rate_burst_seconds = Float(
+        5.0, help="Each of the limits above lets this many seconds' worth of calls through at once."
+    ).tag(config=True)
+    max_open_requests = Int(
+        64, help="Requests of one user open at once, long polls included (0: no limit); past it, 429."
+    ).tag(config=True)
+    max_long_polls = Int(
+        16, help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit)."
+    ).tag(config=True)
     park_min_idle = _broker_trait("park_min_idle")
     park_wait_limit = _broker_trait("park_wait_limit")
     park_device_margin = _broker_trait("park_device_margin")
@@ -259,7 +297,19 @@ class GpuQuotaService(Application):
         self.history = UserHistory()
         self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
+        self.guard = Guard(self._guard_settings())
         self.registry = registry_for(lambda: self.status_now("metrics", True))
+
+    def _guard_settings(self) -> GuardSettings:
+        per_second = {
+            "room": self.room_calls_per_second,
+            "grants": self.grant_calls_per_second,
+            "lease": self.lease_calls_per_second,
+            "status": self.status_calls_per_second,
+            AUTH: self.failed_auth_per_second,
+        }
+        rates = {route: Rate.of(n, self.rate_burst_seconds) for route, n in per_second.items()}
+        return GuardSettings(rates, self.max_open_requests, self.max_long_polls)
 
     def _broker_settings(self) -> BrokerSettings:
         values = {}
@@ -418,7 +468,23 @@ class GpuQuotaService(Application):
         return scopes or {f"access:services!service={os.environ.get('JUPYTERHUB_SERVICE_NAME') or SERVICE_NAME}"}
 
     async def identify(self, handler: web.RequestHandler) -> Who:
+        """Who owns the call's token, as the hub says. Failed authentications count against the caller's address
+        (guard.py): past its limit, only a token the hub confirmed lately is asked about."""
         token = self.hub_auth.get_token(handler, in_cookie=False)
+        address = handler.request.remote_ip or ""
+        self.guard.before_hub(token, address)
+        try:
+            who = await self._identify(token)
+        except TooMany:
+            raise
+        except web.HTTPError as error:
+            if error.status_code < 500:
+                self.guard.failed(address)
+            raise
+        self.guard.confirmed(token)
+        return who
+
+    async def _identify(self, token: Optional[str]) -> Who:
         if not token:
             raise web.HTTPError(
                 401, "this API needs a hub token: Authorization: token <your server's JUPYTERHUB_API_TOKEN>"
@@ -488,6 +554,7 @@ class GpuQuotaService(Application):
         room = self.room.status(self.book.visible(name, admin), name, admin, now)
         if admin:
             room["long_polls"] = self.polls.count()
+            room["refused_calls"] = self.guard.refused
         return build_status(
             self.book,
             self.sampler.last,
@@ -544,7 +611,16 @@ class GpuQuotaService(Application):
         stop_on_signal()
         self.connect_hub()
         app = self.web_app(prefix)
-        server = app.listen(url.port or 80, url.hostname or "127.0.0.1", xheaders=True)
+        descriptors = raise_descriptor_limit()
+        server = GuardedHTTPServer(
+            app,
+            xheaders=True,
+            # A kept-alive connection with no request in it is closed after this long: servers renew every
+            # LEASE_RENEW s, and an idle connection holds a file descriptor.
+            idle_connection_timeout=max(60.0, 4.0 * LEASE_RENEW),
+            on_exhausted=lambda: self.guard.out_of_descriptors(descriptors),
+        )
+        server.listen(url.port or 80, url.hostname or "127.0.0.1")
         if self.sampler_enabled:
             self.sampler.start()
         self._expiry_every = max(0.5, min(5.0, self.lease_seconds / 4))
@@ -552,12 +628,13 @@ class GpuQuotaService(Application):
         expiry = PeriodicCallback(self._expire, self._expiry_every * 1000)
         expiry.start()
         log.info(
-            "gpu-quota service: %d GPU(s), %d grant(s), listening on %s:%s%s",
+            "gpu-quota service: %d GPU(s), %d grant(s), listening on %s:%s%s (open files limit %s)",
             len(self.devices),
             len(self.book.owned()),
             url.hostname,
             url.port,
             prefix,
+            descriptors,
         )
         try:
             IOLoop.current().start()

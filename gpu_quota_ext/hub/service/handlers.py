@@ -8,6 +8,8 @@ chunked body grows past it); bodies that are not what the contract says: 400; an
 a kernel the service does not know: 404; a grant or cap change whose caller closed its connection before the
 service acted (it gave up waiting): nothing done, 499. A lease with "wait" is a long poll (polls.py): answered
 when the broker wants some of its server's kernels parked, or after the wait. Errors are JSON `{"message": ...}`.
+Every call passes the service's per-user limits first (guard.py, in prepare(): calls a second per route, requests
+open at once, long polls, failed authentications per address): over one, 429 with `Retry-After`, nothing done.
 The admin's page is behind hub OAuth (HubOAuthenticated), and so is its login callback: both bound to the
 service's own HubOAuth. Tokens are never logged: tornado's access log prints no headers.
 """
@@ -40,6 +42,7 @@ from ...shared.contract import PARK_STATES
 from ...shared.request_body import BodyRefused, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE, LEASE_RENEW
 from .book import Forbidden
+from .guard import TooMany
 from .page import render_page
 from .room import ParkReport, RoomRefused
 
@@ -77,6 +80,9 @@ def _error_message(status_code: int, kwargs: Dict[str, Any]) -> str:
 
 
 def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dict[str, Any]) -> None:
+    error = (kwargs.get("exc_info") or (None, None, None))[1]
+    if isinstance(error, TooMany):
+        handler.set_header("Retry-After", str(error.retry_after))
     handler.set_header("Content-Type", "application/json")
     handler.finish(json.dumps({"message": _error_message(status_code, kwargs)}))
 
@@ -89,6 +95,8 @@ def _summary(handler: web.RequestHandler) -> str:
 @web.stream_request_body
 class ApiHandler(web.RequestHandler):
     _request_summary = _summary
+    route = "status"  # which of the per-user limits (guard.ROUTES) this handler's calls count against
+    _admitted: Optional[str] = None  # whose open request this is, once the guard counted it
 
     @property
     def service(self):
@@ -105,6 +113,9 @@ class ApiHandler(web.RequestHandler):
             return
         try:
             self._who = await self.service.identify(self)
+            # The one place every call meets the per-user limits: a refusal here costs no parse, no book, no hub.
+            self.service.guard.admit(self.route, self._who.name)
+            self._admitted = self._who.name
         except web.HTTPError as refusal:
             if not self._body.follows:
                 raise
@@ -121,6 +132,17 @@ class ApiHandler(web.RequestHandler):
     def data_received(self, chunk: bytes) -> None:
         self._body.add(chunk)
 
+    def _leave(self) -> None:
+        if self._admitted is not None:
+            self.service.guard.leave(self._admitted)
+            self._admitted = None
+
+    def on_finish(self) -> None:
+        self._leave()
+
+    def on_connection_close(self) -> None:
+        self._leave()
+
     def body(self) -> Any:
         if self._refusal is not None:
             raise self._refusal
@@ -131,6 +153,11 @@ class ApiHandler(web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         _write_json_error(self, status_code, kwargs)
+
+    def log_exception(self, typ, value, tb) -> None:
+        if isinstance(value, TooMany):
+            return  # not a line per refused call: the guard says once a minute who is refused
+        super().log_exception(typ, value, tb)
 
     def check_xsrf_cookie(self):
         return None  # token-authenticated API: no cookies are read
@@ -315,6 +342,8 @@ def parse_room_request(
 
 
 class GrantsHandler(ApiHandler):
+    route = "grants"
+
     async def post(self):
         self.who.require_user()
         server, kernel_id, kernelspec, allowed = parse_grant_request(self.body())
@@ -338,6 +367,8 @@ class GrantsHandler(ApiHandler):
 
 
 class GrantHandler(ApiHandler):
+    route = "grants"
+
     def _call(self, method, kernel_id: str, *args):
         try:
             return method(self.who.name, kernel_id, self.who.admin, *args)
@@ -374,6 +405,7 @@ class GrantHandler(ApiHandler):
 
 
 class LeaseHandler(ApiHandler):
+    route = "lease"
     _woken: Optional[asyncio.Event] = None
     _gone = False
 
@@ -381,6 +413,15 @@ class LeaseHandler(ApiHandler):
         self.who.require_user()
         server, kernels, reports, wait = parse_lease_request(self.body())
         service, user = self.service, self.who.name
+        if wait:
+            service.guard.enter_long_poll(user)  # before anything is done: over the limit, the lease is not renewed
+            try:
+                return await self._renew(service, user, server, kernels, reports, wait)
+            finally:
+                service.guard.leave_long_poll(user)
+        await self._renew(service, user, server, kernels, reports, wait)
+
+    async def _renew(self, service, user: str, server: str, kernels, reports, wait: Optional[float]) -> None:
         now = time.time()
         released = service.book.lease(user, server, kernels, now)
         data: Dict[str, Any] = {"lease_seconds": int(service.book.lease_seconds), "released": released}
@@ -400,9 +441,12 @@ class LeaseHandler(ApiHandler):
         self._gone = True
         if self._woken is not None:
             self._woken.set()
+        super().on_connection_close()
 
 
 class RoomHandler(ApiHandler):
+    route = "room"
+
     async def post(self):
         self.who.require_user()
         server, reports, demands, host_park = parse_room_request(self.body())

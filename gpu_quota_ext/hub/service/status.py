@@ -8,7 +8,8 @@ kernel: the PIDs its server registered and those the last sample believed (`pids
 the sampler did not believe (a PID of another Unix user); a user sees those of their own leases, without
 whose the process is. The host's broker (room.py): each kernel's `park` state as its server last reported it,
 the kernels `waiting` for device memory (how long, why), the `reservations` of resumes under way and the
-`park_requests` for idle kernels; an admin also sees how many leases wait in a long poll (`long_polls`).
+`park_requests` for idle kernels; an admin also sees how many leases wait in a long poll (`long_polls`) and how
+many calls were answered 429 (`refused_calls`, guard.py).
 """
 
 from __future__ import annotations
@@ -124,4 +125,5 @@ def build_status(
         "reservations": list(room.get("reservations", [])),
         "park_requests": list(room.get("park_requests", [])),
         **({"long_polls": room["long_polls"]} if admin and "long_polls" in room else {}),
+        **({"refused_calls": room["refused_calls"]} if admin and "refused_calls" in room else {}),
     }

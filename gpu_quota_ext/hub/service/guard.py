@@ -1,0 +1,133 @@
+"""The service's per-user limits at work: the decisions of rate.py with the clock read and the offenders logged, once
+a minute each. The handlers ask it in one place (handlers.ApiHandler.prepare) and raise what it answers: a
+`TooMany` is a 429 with `Retry-After`.
+
+Routes: "grants" (every grant call), "lease", "room", "status" (status and metrics); "auth" counts failed
+authentications per caller address. A refused call is answered at once, without parsing its body or asking the
+book, the broker or the hub: it costs the service about what a call to a closed door costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+from tornado import web
+
+from .rate import Buckets, OncePer, OpenRequests, Rate, Trusted, refusal_words, retry_after
+
+log = logging.getLogger("gpu_quota_ext")
+
+ROUTES = ("grants", "lease", "room", "status")
+AUTH = "auth"
+SAY_EVERY = 60.0  # seconds: one log line per offender and kind of refusal at most this often
+TRUST_SECONDS = 3600.0  # a token the hub confirmed passes the failed-authentication limit this long
+
+
+class TooMany(web.HTTPError):
+    """429, and after how many seconds to call again (the answer's Retry-After header)."""
+
+    def __init__(self, seconds: float, message: str) -> None:
+        super().__init__(429, "%s", message, reason="Too Many Requests")
+        self.retry_after = retry_after(seconds)
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    rates: Mapping[str, Rate]  # route -> Rate, AUTH included
+    max_open_requests: int  # per user, long polls included; <= 0: no limit
+    max_long_polls: int  # per user; <= 0: no limit
+
+
+def token_digest(token: str) -> str:
+    """What is kept of a confirmed token: never the token."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+class Guard:
+    def __init__(self, settings: GuardSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.buckets = Buckets(settings.rates)
+        self.open = OpenRequests(settings.max_open_requests)
+        self.long_polls = OpenRequests(settings.max_long_polls)
+        self.trusted = Trusted(TRUST_SECONDS)
+        self.said = OncePer(SAY_EVERY)
+        self.refused = 0  # calls answered 429 since the start (the admin's status shows it)
+
+    def _refuse(self, seconds: float, who: str, kind: str, message: str) -> TooMany:
+        self.refused += 1
+        if self.said.due((who, kind), self.clock()):
+            log.warning("gpu-quota service: %s: answered 429 (said once a minute at most)", message)
+        return TooMany(seconds, message)
+
+    # --- failed authentications, per caller address ----------------------------------------------
+
+    def before_hub(self, token: Optional[str], address: str) -> None:
+        """Raise TooMany when `address` has run out of failed authentications and `token` is not one the hub
+        confirmed lately: asked before the hub is, so a flood of made-up tokens costs the hub nothing."""
+        now = self.clock()
+        if token and (token_digest(token), now) in self.trusted:
+            return
+        wait = self.buckets.empty(AUTH, address, now)
+        if wait:
+            raise self._refuse(
+                wait, address, AUTH,
+                f"too many failed authentications from {address}: tokens the hub has not confirmed lately wait",
+            )
+
+    def failed(self, address: str) -> None:
+        self.buckets.take(AUTH, address, self.clock())
+
+    def confirmed(self, token: str) -> None:
+        self.trusted.confirm(token_digest(token), self.clock())
+
+    # --- a confirmed user's calls ----------------------------------------------------------------
+
+    def admit(self, route: str, who: str) -> None:
+        """Take one of `who`'s calls on `route` (TooMany when over the rate) and count it open (TooMany when they
+        have as many open as they may): the caller then owes one `leave(who)`."""
+        wait = self.buckets.take(route, who, self.clock())
+        if wait:
+            raise self._refuse(wait, who, route, f"{who}: " + refusal_words(route, self.settings.rates.get(route)))
+        if not self.open.enter(who):
+            raise self._refuse(
+                1.0, who, "open",
+                f"{who} has {self.open.held(who)} requests open, the most this service keeps for one user",
+            )
+
+    def leave(self, who: str) -> None:
+        self.open.leave(who)
+
+    def enter_long_poll(self, who: str) -> None:
+        """Count one more long poll of `who`'s (TooMany when they wait in as many as they may); then one
+        `leave_long_poll(who)` is owed."""
+        if not self.long_polls.enter(who):
+            raise self._refuse(
+                1.0, who, "long poll",
+                f"{who} has {self.long_polls.held(who)} lease renewals waiting, the most this service keeps for "
+                "one user",
+            )
+
+    def leave_long_poll(self, who: str) -> None:
+        self.long_polls.leave(who)
+
+    def out_of_descriptors(self, limit: Optional[int]) -> None:
+        """The service could not accept a connection (no file descriptor left): one line, and one per user who
+        holds their most open requests, at most once a minute each."""
+        now = self.clock()
+        if self.said.due(("", "descriptors"), now):
+            most = ", ".join(f"{who} {n}" for who, n in self.open.most())
+            log.warning(
+                "gpu-quota service: out of file descriptors (limit %s): new connections wait; open requests: %d "
+                "(most: %s)",
+                limit if limit is not None else "unknown",
+                self.open.total(),
+                most or "none",
+            )
+        for who, n in self.open.most():
+            if 0 < self.open.limit <= n and self.said.due((who, "descriptors"), now):
+                log.warning("gpu-quota service: %s holds %d open requests while descriptors ran out", who, n)
