@@ -9,7 +9,7 @@ GPU_QUOTA_SERVICE_CAPS ({"users": ..., "groups": ..., "default": ...}): what `se
 there for the hub.
 
 This module wires the parts (book.py, store.py, sampler.py, history.py, room.py, polls.py, guard.py, accept.py,
-handlers.py) and nothing else.
+snapshots.py, page.py, handlers.py) and nothing else.
 """
 
 from __future__ import annotations
@@ -74,10 +74,12 @@ from .history import UserHistory, user_points
 from .hub_directory import HubDirectory, HubUnavailable
 from .limits import reservation_over_budget
 from .metrics import registry_for
+from .page import page_around, page_body, page_users
 from .polls import LongPolls
 from .rate import Rate
 from .room import HostRoom, ParkReport, check_request, host_round, own_reports
 from .sampler import HostSampler
+from .snapshots import Snapshots
 from .status import build_status
 from .store import StateDirError, Store
 from .user_policy import UserPolicy, host_limits, user_policy
@@ -223,6 +225,11 @@ class GpuQuotaService(Application):
     max_long_polls = Int(
         16, help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit)."
     ).tag(config=True)
+    page_cache_seconds = Float(
+        2.0,
+        help="""The admin's page is built (in a thread of its own, off the path that answers grants) at most once
+        this often per view; every load meanwhile gets that build. 0: built for each load.""",
+    ).tag(config=True)
     park_min_idle = _broker_trait("park_min_idle")
     park_wait_limit = _broker_trait("park_wait_limit")
     park_device_margin = _broker_trait("park_device_margin")
@@ -298,6 +305,7 @@ class GpuQuotaService(Application):
         self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.guard = Guard(self._guard_settings())
+        self.snapshots = Snapshots(self._page_body, self.page_cache_seconds)
         self.registry = registry_for(lambda: self.status_now("metrics", True))
 
     def _guard_settings(self) -> GuardSettings:
@@ -337,6 +345,20 @@ class GpuQuotaService(Application):
             if not self._history_failed:
                 log.exception("gpu-quota service: the admin page's usage history could not be recorded")
             self._history_failed = True
+
+    async def page(self, who: Who, user: Optional[str], page: int) -> str:
+        """The admin's page as `who` sees it: its body from a snapshot (snapshots.py), the same for every admin."""
+        missing = {o.grant.user for o in self.book.visible(who.name, who.admin)} - set(self.policies)
+        await asyncio.gather(*(self._quiet_policy(u) for u in missing))  # known ones refresh at each grant
+        body = await self.snapshots.get(("" if who.admin else who.name, who.admin, user, page))
+        return page_around(who.name, who.admin, body)
+
+    def _page_body(self, view) -> str:
+        """In the page's own thread: the status read under the book's and the broker's locks, then rendered."""
+        name, admin, user, page = view
+        status = self.status_now(name or "admin", admin)
+        history = self.history.points(page_users(status, page, user))
+        return page_body(status, history, self.poll_interval, page, user)
 
     def user_history(self, status: dict) -> Dict[str, list]:
         """The history points of the users `status` (what one viewer may see) lists."""
@@ -641,6 +663,7 @@ class GpuQuotaService(Application):
         finally:
             expiry.stop()
             server.stop()
+            self.snapshots.close()
             self.sampler.stop()
             self.store.close()
 

@@ -43,7 +43,6 @@ from ...shared.request_body import BodyRefused, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE, LEASE_RENEW
 from .book import Forbidden
 from .guard import TooMany
-from .page import render_page
 from .room import ParkReport, RoomRefused
 
 # ASCII letters, digits, - and _ only, matched whole: "$" alone lets a final newline through ("x\n" was granted and
@@ -505,10 +504,16 @@ class PageHandler(ServiceOAuth, web.RequestHandler):
 
     @web.authenticated
     async def get(self):
-        who = await self.settings["gpu_quota_service"].who_for_model(self.current_user)
-
+        service = self.settings["gpu_quota_service"]
+        who = await service.who_for_model(self.current_user)
+        user = self.get_query_argument("user", None)
+        if user is not None and len(user) > MAX_NAME:
+            raise web.HTTPError(400, "no such user")
+        try:
+            page = int(self.get_query_argument("page", "1"))
+        except ValueError:
+            raise web.HTTPError(400, "page must be a whole number") from None
+        page = min(max(page, 1), 10**6)
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
-        service = self.settings["gpu_quota_service"]
-        status = await service.status(who.name, who.admin)
-        self.finish(render_page(status, service.user_history(status), service.poll_interval))
+        self.finish(await service.page(who, user, page))

@@ -1,28 +1,73 @@
 """The admin's page: the status (status.py) as server-rendered HTML tables, and each user's GPU memory over the
 last minutes as a chart (history.py; drawn by shared/chart.py, as the sidebar draws a kernel's). Pure; every
-value escaped."""
+value escaped.
+
+Bounded however many users and kernels the host has: a page lists `PAGE_USERS` users (in the status's order),
+their charts and at most `PAGE_KERNELS` of their kernels, with links to the other pages and to one user's own
+page (`?user=NAME`: all their kernels); each chart is drawn from at most `CHART_POINTS` points (the history
+downsampled, each point the largest of the samples it stands for: a peak is never smoothed away); the broker's
+tables show at most `TABLE_ROWS` rows each and say how many more there are. 200 users of 200 kernels made a page
+of 991 KiB before (issue 30); one page is now a few dozen KiB whatever the host holds.
+"""
 
 from __future__ import annotations
 
+import math
 from html import escape
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
+from urllib.parse import quote
 
 from ...policy import format_bytes
 from ...shared.chart import chart_of, chart_svg, legend_html, window
 from .history import POINTS_MAX, WORDS
+
+PAGE_USERS = 25  # users (their rows, charts and kernels) on one page
+PAGE_KERNELS = 100  # kernel rows on one page at most (one user's page: USER_KERNELS)
+USER_KERNELS = 1000
+CHART_POINTS = 60  # points one chart is drawn from at most
+TABLE_ROWS = 100  # rows of each other table at most
+
+
+class _Html(str):
+    """A table cell that is HTML already (built here from escaped parts): not escaped again."""
+
+
+def _cell(value: Any) -> str:
+    return value if isinstance(value, _Html) else escape(str(value))
 
 
 def _size(value: Any) -> str:
     return "–" if value is None else format_bytes(int(value))
 
 
-def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], most: int = TABLE_ROWS) -> str:
     rows = list(rows)
+    more = len(rows) - most
+    rows = rows[:most]
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(cell)}</td>" for cell in row) + "</tr>" for row in rows)
     if not rows:
         body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
+    if more > 0:
+        body += f'<tr><td colspan="{len(headers)}">and {more} more</td></tr>'
     return f"<h2>{escape(title)}</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def downsample(points: Sequence[Mapping[str, Any]], most: int = CHART_POINTS) -> "tuple[List[dict], int]":
+    """(at most `most` points, how many samples each stands for): consecutive samples grouped, each group one point
+    at its last sample's time with the largest known figure of each kind (unknown where none is known)."""
+    step = max(1, math.ceil(len(points) / most))
+    if step == 1:
+        return [dict(p) for p in points], 1
+    kept = []
+    for start in range(0, len(points), step):
+        group = points[start : start + step]
+        point = dict(group[-1])
+        for key in ("used", "cap", "allocated", "reserved", "hard_limit"):
+            known = [p[key] for p in group if p.get(key) is not None]
+            point[key] = max(known) if known else None
+        kept.append(point)
+    return kept, step
 
 
 def _park(park: Any) -> str:
@@ -45,30 +90,99 @@ def _bytes_by_device(held: Mapping[str, int]) -> str:
     return ", ".join(f"{format_bytes(int(n))} on {uuid}" for uuid, n in sorted(held.items())) or "–"
 
 
-def _charts(history: Mapping[str, List[dict]], interval: float) -> str:
-    """One chart per user with points, in the status's order of users, under one key."""
-    if not history:
-        return ""
+def _charts(history: Mapping[str, List[dict]], interval: float, users: Sequence[str]) -> str:
+    """One chart per user of `users` with points, in that order, under one key; each from CHART_POINTS at most."""
     rows = []
-    for name, points in sorted(history.items()):
+    for name in users:
+        points = history.get(name)
+        if not points:
+            continue
         end, seconds = window(points, interval, POINTS_MAX)
-        chart = chart_svg(chart_of(points, end, seconds, interval), height_px=56, words=WORDS)
+        shown, step = downsample(points)
+        chart = chart_svg(chart_of(shown, end, seconds, interval * step), height_px=56, words=WORDS)
         rows.append(f"<tr><th>{escape(name)}</th><td style='width:32em'>{chart}</td></tr>")
+    if not rows:
+        return ""
     key = legend_html(("used", "cap"), {"used": "used (NVML, all the user's processes)", "cap": "granted"})
     return f"<h2>Usage over the last minutes, per user</h2>{key}<table>{''.join(rows)}</table>"
 
 
-def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None, interval: float = 5.0) -> str:
-    """The page of `status`; `history`: the points of the users it lists (history.UserHistory.points),
-    `interval` seconds apart."""
+def _link(text: str, **query: Any) -> _Html:
+    href = "?" + "&".join(f"{key}={quote(str(value), safe='')}" for key, value in query.items())
+    return _Html(f"<a href='{escape(href)}'>{escape(text)}</a>")
+
+
+def _paging(status: dict, page: int, user: Optional[str]) -> "tuple[List[dict], List[dict], str]":
+    """(the users shown, the kernels shown, a line that says which and links to the others)."""
+    users: List[dict] = status["users"]
+    kernels: List[dict] = status["kernels"]
+    if user is not None:
+        users = [u for u in users if u["name"] == user]
+        mine = [k for k in kernels if k["user"] == user]
+        line = f"<p>{escape(user)}'s page: {len(mine)} kernel(s). {_link('every user', page=1)}</p>"
+        return users, mine[:USER_KERNELS], line
+    pages = max(1, math.ceil(len(users) / PAGE_USERS))
+    page = min(max(page, 1), pages)
+    users = users[(page - 1) * PAGE_USERS : page * PAGE_USERS]
+    names = {u["name"] for u in users}
+    shown = [k for k in kernels if k["user"] in names]
+    links = [_link(str(n), page=n) if n != page else f"<b>{n}</b>" for n in range(1, pages + 1)] if pages > 1 else []
+    line = (
+        f"<p>{len(status['users'])} user(s), {len(kernels)} kernel(s)"
+        + (f"; users {(page - 1) * PAGE_USERS + 1} to {(page - 1) * PAGE_USERS + len(users)}" if pages > 1 else "")
+        + (f"; pages: {' '.join(links)}" if links else "")
+        + "</p>"
+    )
+    if len(shown) > PAGE_KERNELS:
+        line += (
+            f"<p>The first {PAGE_KERNELS} of these users' {len(shown)} kernels: a user's name leads to all of "
+            "theirs.</p>"
+        )
+    return users, shown[:PAGE_KERNELS], line
+
+
+def page_users(status: dict, page: int = 1, user: Optional[str] = None) -> List[str]:
+    """The names of the users page `page` (or `user`'s page) shows: whose history it needs."""
+    return [u["name"] for u in _paging(status, page, user)[0]]
+
+
+def render_page(
+    status: dict,
+    history: Optional[Mapping[str, List[dict]]] = None,
+    interval: float = 5.0,
+    page: int = 1,
+    user: Optional[str] = None,
+) -> str:
+    """Page `page` (from 1) of `status`, or `user`'s own page; `history`: the points of the users it lists
+    (history.UserHistory.points), `interval` seconds apart."""
     viewer = status["viewer"]
-    parts: List[str] = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>GPU quota</title>",
+    return page_around(viewer["name"], viewer["admin"], page_body(status, history, interval, page, user))
+
+
+def page_around(viewer: str, admin: bool, body: str) -> str:
+    """The page: who looks, then `body` (page_body: the same for every admin, so built once for all of them)."""
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>GPU quota</title>"
         "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
-        "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}th{background:#eee}</style></head><body>",
-        f"<h1>GPU quota of this host</h1><p>{escape(viewer['name'])}"
-        f"{' (admin: every user)' if viewer['admin'] else ' (your kernels only)'}; watchdog: {escape(status['state'])}"
+        "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}th{background:#eee}</style></head><body>"
+        f"<h1>GPU quota of this host</h1><p>{escape(viewer)}"
+        f"{' (admin: every user)' if admin else ' (your kernels only)'}</p>{body}</body></html>"
+    )
+
+
+def page_body(
+    status: dict,
+    history: Optional[Mapping[str, List[dict]]] = None,
+    interval: float = 5.0,
+    page: int = 1,
+    user: Optional[str] = None,
+) -> str:
+    """What render_page shows under the viewer's name."""
+    users, kernels, paging = _paging(status, page, user)
+    parts: List[str] = [
+        f"<p>Watchdog: {escape(status['state'])}"
         f"{(' (' + escape(status['problem']) + ')') if status.get('problem') else ''}</p>",
+        paging,
         _table(
             "Devices",
             ["device", "name", "total", "budget", "granted", "kernels", "used (NVML)"],
@@ -90,7 +204,7 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
             ["user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used", "unmanaged"],
             (
                 (
-                    u["name"],
+                    _link(u["name"], user=u["name"]),
                     (u["policy"] or {}).get("default_cap", "–"),
                     (u["policy"] or {}).get("max_cap", "–"),
                     (u["policy"] or {}).get("max_kernels", "–"),
@@ -100,10 +214,11 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
                     _size(u["used"]),
                     _size(u["unmanaged"]),
                 )
-                for u in status["users"]
+                for u in users
             ),
+            most=PAGE_USERS,
         ),
-        _charts(history or {}, interval),
+        _charts(history or {}, interval, [u["name"] for u in users]),
         _table(
             "Kernels",
             [
@@ -125,9 +240,10 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
                     _park(k.get("park")),
                     k["source"],
                 )
-                for k in status["kernels"]
+                for k in kernels
                 for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
             ),
+            most=len(kernels) * 4 + 1,  # a kernel on several devices has a row each; the kernels are bounded
         ),
         _table(
             "Waiting for device memory (the host's broker)",
@@ -185,6 +301,5 @@ def render_page(status: dict, history: Optional[Mapping[str, List[dict]]] = None
             ["action", "user", "pid", "message"],
             ((a["action"], a["user"], a["pid"], a["message"]) for a in reversed(status["actions"])),
         ),
-        "</body></html>",
     ]
     return "".join(parts)
