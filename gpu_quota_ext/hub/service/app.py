@@ -210,6 +210,9 @@ class GpuQuotaService(Application):
     status_calls_per_second = Float(
         5.0, help="Status and metrics calls one user (or service) may make a second (0: no limit)."
     ).tag(config=True)
+    page_loads_per_second = Float(
+        1.0, help="Loads of the admin's page one user may make a second (0: no limit); past it, 429."
+    ).tag(config=True)
     failed_auth_per_second = Float(
         2.0,
         help="""Failed authentications (no token, a token the hub does not know or that was not given access)
@@ -314,6 +317,7 @@ class GpuQuotaService(Application):
             "grants": self.grant_calls_per_second,
             "lease": self.lease_calls_per_second,
             "status": self.status_calls_per_second,
+            "page": self.page_loads_per_second,
             AUTH: self.failed_auth_per_second,
         }
         rates = {route: Rate.of(n, self.rate_burst_seconds) for route, n in per_second.items()}

@@ -2,9 +2,9 @@
 a minute each. The handlers ask it in one place (handlers.ApiHandler.prepare) and raise what it answers: a
 `TooMany` is a 429 with `Retry-After`.
 
-Routes: "grants" (every grant call), "lease", "room", "status" (status and metrics); "auth" counts failed
-authentications per caller address. A refused call is answered at once, without parsing its body or asking the
-book, the broker or the hub: it costs the service about what a call to a closed door costs.
+Routes: "grants" (every grant call), "lease", "room", "status" (status and metrics), "page" (the admin's page);
+"auth" counts failed authentications per caller address. A refused call is answered at once, without parsing its
+body or asking the book, the broker or the hub: it costs the service about what a call to a closed door costs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .rate import Buckets, OncePer, OpenRequests, Rate, Trusted, refusal_words, 
 
 log = logging.getLogger("gpu_quota_ext")
 
-ROUTES = ("grants", "lease", "room", "status")
+ROUTES = ("grants", "lease", "room", "status", "page")
 AUTH = "auth"
 SAY_EVERY = 60.0  # seconds: one log line per offender and kind of refusal at most this often
 TRUST_SECONDS = 3600.0  # a token the hub confirmed passes the failed-authentication limit this long

@@ -483,6 +483,9 @@ class ServiceOAuth(HubOAuthenticated):
         return self.settings["hub_oauth"]
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
+        error = (kwargs.get("exc_info") or (None, None, None))[1]
+        if isinstance(error, TooMany):
+            self.set_header("Retry-After", str(error.retry_after))
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(f"<!doctype html><p>{status_code}: {escape(_error_message(status_code, kwargs))}</p>")
 
@@ -492,7 +495,22 @@ class OAuthCallbackHandler(ServiceOAuth, HubOAuthCallbackHandler):
 
 
 class PageHandler(ServiceOAuth, web.RequestHandler):
-    """The admin's page. A signed-in user who is no admin sees their own kernels only."""
+    """The admin's page. A signed-in user who is no admin sees their own kernels only. Loads count against the
+    viewer's "page" limit (guard.py), as API calls count against theirs."""
+
+    _admitted: Optional[str] = None
+
+    def log_exception(self, typ, value, tb) -> None:
+        if isinstance(value, TooMany):
+            return
+        super().log_exception(typ, value, tb)
+
+    def on_finish(self) -> None:
+        if self._admitted is not None:
+            self.settings["gpu_quota_service"].guard.leave(self._admitted)
+            self._admitted = None
+
+    on_connection_close = on_finish
 
     @property
     def hub_scopes(self):
@@ -506,6 +524,8 @@ class PageHandler(ServiceOAuth, web.RequestHandler):
     async def get(self):
         service = self.settings["gpu_quota_service"]
         who = await service.who_for_model(self.current_user)
+        service.guard.admit("page", who.name)
+        self._admitted = who.name
         user = self.get_query_argument("user", None)
         if user is not None and len(user) > MAX_NAME:
             raise web.HTTPError(400, "no such user")
