@@ -10,6 +10,8 @@ service's own URL; her POST's latency is the figure.
 Each round runs, for `--phase` seconds each, a baseline (nobody else calls) and then one load:
 - room flood: bob's server calls api/room as fast as `--flooders` processes can (keep-alive connections);
 - made-up tokens: `--flooders` processes call api/status with a new random token each time;
+- long polls: bob keeps `--polls` connections each sending a lease renewal that asks to wait (a long poll), and
+  sends the next one on each as soon as it is answered;
 - admin page: four admins reload the page (GET the service's root with their tokens), back to back, each waiting
   as a 429's Retry-After says (the page's own limit; a flood of the page is a flood like the others).
 Per load: the p95 of carol's grant in each baseline and each loaded phase, their ratio per round, the median of
@@ -40,14 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, percentile, report  # noqa: E402
 
-from gpu_quota_ext.shared.service_contract import GRANTS_PATH, ROOM_PATH, STATUS_PATH  # noqa: E402
+from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH  # noqa: E402
 from tests.hub.hubtools import Hub, missing_setup  # noqa: E402
 from tests.hub.quota_service import quota_service_config  # noqa: E402
 
 USERS = 200
 ADMINS = 4
 DEVICES = [{"name": "Bench GPU", "total": "80GiB", "uuid": f"GPU-bench-{i}"} for i in range(2)]
-LOADS = ("room flood", "made-up tokens", "admin page")
+LOADS = ("room flood", "made-up tokens", "long polls", "admin page")
 
 
 def connect(port: int) -> http.client.HTTPConnection:
@@ -62,8 +64,59 @@ def call(connection, method, path, token, body=None):
     return response.status
 
 
-def load_process(kind: str, port: int, prefix: str, tokens, stop, counts, index: int) -> None:
+def long_polls(port: int, prefix: str, token: str, polls: int, stop, counts, index: int) -> None:
+    """`polls` connections, each with a long poll in flight, re-sent as soon as it is answered (raw sockets: a
+    few hundred http.client connections would need as many threads)."""
+    import selectors
+    import socket
+
+    selector = selectors.DefaultSelector()
+    done = refused = 0
+
+    def send(sock, n):
+        body = json.dumps({"server": f"s{n}", "kernels": [], "park": [], "wait": 15}).encode()
+        head = (
+            f"POST {prefix}{LEASE_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: token {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock.sendall(head + body)
+
+    for n in range(polls):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+        except OSError:
+            break
+        send(sock, n)
+        selector.register(sock, selectors.EVENT_READ, [n, b""])
+    while not stop.is_set():
+        for key, _ in selector.select(0.2):
+            sock, state = key.fileobj, key.data
+            chunk = sock.recv(65536)
+            if not chunk:
+                selector.unregister(sock)
+                sock.close()
+                continue
+            state[1] += chunk
+            head, _, rest = state[1].partition(b"\r\n\r\n")
+            if not _:
+                continue
+            lines = head.split(b"\r\n")
+            length = next((int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length")), 0)
+            if len(rest) < length:
+                continue
+            done += 1
+            refused += head.split(b" ")[1] == b"429"
+            state[1] = rest[length:]
+            send(sock, state[0])
+        counts[2 * index], counts[2 * index + 1] = done, refused
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+
+
+def load_process(kind: str, port: int, prefix: str, tokens, stop, counts, index: int, polls: int = 0) -> None:
     """One process of a load, until `stop` is set: counts[2*index] calls, counts[2*index+1] of them 429."""
+    if kind == "long polls":
+        return long_polls(port, prefix, tokens[0], polls, stop, counts, index)
     connection = connect(port)
     done = refused = 0
     room = {"server": "", "park": [], "demands": []}
@@ -117,7 +170,7 @@ def ms(seconds) -> dict:
     return {"n": len(values), "p50_ms": round(percentile(values, 0.5), 2), "p95_ms": round(percentile(values, 0.95), 2)}
 
 
-def run(rounds: int, phase: float, pace: float, flooders: int) -> dict:
+def run(rounds: int, phase: float, pace: float, flooders: int, polls: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="gq-flood-bench-") as folder:
         folder = Path(folder)
         lines, service = quota_service_config(
@@ -163,14 +216,15 @@ def run(rounds: int, phase: float, pace: float, flooders: int) -> dict:
             for kind in LOADS:
                 base_all, load_all, ratios, rates, refused_share = [], [], [], [], []
                 load_tokens = [tokens["bob"]] if kind != "admin page" else [tokens[a] for a in admins]
-                processes_n = ADMINS if kind == "admin page" else flooders
+                processes_n = {"admin page": ADMINS, "long polls": 1}.get(kind, flooders)
                 for _ in range(rounds):
                     base = carol_phase(connection, prefix, tokens["carol"], phase, pace, serial)
                     stop = context.Event()
                     counts = context.Array("l", 2 * processes_n)
                     processes = [
                         context.Process(
-                            target=load_process, args=(kind, service.port, prefix, load_tokens, stop, counts, i)
+                            target=load_process,
+                            args=(kind, service.port, prefix, load_tokens, stop, counts, i, polls),
                         )
                         for i in range(processes_n)
                     ]
@@ -206,7 +260,8 @@ def run(rounds: int, phase: float, pace: float, flooders: int) -> dict:
         "setup": (
             f"real JupyterHub + configurable-http-proxy; service called directly at its URL with its default per-user "
             f"limits; {USERS} users with a kernel each; carol paced at {pace:g} grant round trips/s; {rounds} rounds "
-            f"of {phase:g} s baseline + {phase:g} s loaded per load; {flooders} flood processes, {ADMINS} admins; "
+            f"of {phase:g} s baseline + {phase:g} s loaded per load; {flooders} flood processes, {ADMINS} admins, "
+            f"{polls} long-poll connections; "
             f"static 2 x 80 GiB, fake NVML at 1 Hz; {os.cpu_count()} CPUs"
         ),
     }
@@ -218,12 +273,14 @@ def main() -> None:
     parser.add_argument("--phase", type=float, default=6.0)
     parser.add_argument("--pace", type=float, default=8.0)
     parser.add_argument("--flooders", type=int, default=1)
+    parser.add_argument("--polls", type=int, default=500)
     add_save_options(parser)
     args = parser.parse_args()
     problem = missing_setup()
     if problem:
         raise SystemExit(f"service_flood_bench: {problem} (bash tests/hub/setup.sh)")
-    report("service_flood_bench", run(args.rounds, args.phase, args.pace, args.flooders), save=args.save, out=args.out)
+    figures = run(args.rounds, args.phase, args.pace, args.flooders, args.polls)
+    report("service_flood_bench", figures, save=args.save, out=args.out)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ def test_a_user_flooding_room_calls_gets_429_with_retry_after_and_another_user_i
         for _ in range(20):
             code, retry, _ = await call(client, base + ROOM_PATH, "bob-token", room_body())
             assert code == 429
+        # bob's refused calls were refused before his token was checked: the hub heard of his 11 admitted ones only
+        assert service.asked_hub.count("bob-token") == 11
 
     with caplog.at_level(logging.WARNING, logger="gpu_quota_ext"):
         serve(service, scenario)
@@ -145,6 +147,33 @@ def test_made_up_tokens_stop_reaching_the_hub_and_a_confirmed_token_still_passes
         assert answer.code == 429
 
     serve(service, scenario)
+
+
+def test_concurrent_calls_with_one_token_share_one_check_with_the_hub(service, monkeypatch):
+    held = asyncio.Event()
+    asked = []
+
+    async def identify(token):
+        asked.append(token)
+        await held.wait()
+        return Who(USERS[token], False, {"kind": "user", "name": USERS[token]})
+
+    monkeypatch.setattr(service, "_identify", identify)
+    arrived = []  # the guard is asked first, then (with no await between) the check under way is joined
+    before_hub = service.guard.before_hub
+    monkeypatch.setattr(service.guard, "before_hub", lambda *args: (arrived.append(1), before_hub(*args)))
+
+    async def scenario(base, client):
+        calls = [asyncio.ensure_future(call(client, base + STATUS_PATH, "carol-token", method="GET")) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while len(arrived) < 8:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        held.set()
+        assert [r[0] for r in await asyncio.gather(*calls)] == [200] * 8
+
+    serve(service, scenario)
+    assert asked == ["carol-token"]
 
 
 def test_a_users_long_polls_are_bounded(service):

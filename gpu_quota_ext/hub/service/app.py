@@ -58,7 +58,7 @@ from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
 from .accept import GuardedHTTPServer, raise_descriptor_limit
 from .attribution import UNMANAGED_ACTIONS
 from .book import HostBook
-from .guard import AUTH, Guard, GuardSettings, TooMany
+from .guard import AUTH, Guard, GuardSettings, token_digest
 from .handlers import (
     GrantHandler,
     GrantsHandler,
@@ -308,6 +308,7 @@ class GpuQuotaService(Application):
         self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.guard = Guard(self._guard_settings())
+        self._identifying: Dict[str, asyncio.Future] = {}  # token digest -> its check with the hub under way
         self.snapshots = Snapshots(self._page_body, self.page_cache_seconds)
         self.registry = registry_for(lambda: self.status_now("metrics", True))
 
@@ -495,19 +496,26 @@ class GpuQuotaService(Application):
 
     async def identify(self, handler: web.RequestHandler) -> Who:
         """Who owns the call's token, as the hub says. Failed authentications count against the caller's address
-        (guard.py): past its limit, only a token the hub confirmed lately is asked about."""
+        (guard.py): past its limit, only a token the hub confirmed lately is asked about; a token whose owner has
+        no call left on the handler's route is refused before it is checked. Concurrent calls with one token share
+        one check: a flood's calls never queue hundreds of the same question to the hub (tornado's client asks 10
+        at a time, and the other users' checks would wait behind them)."""
         token = self.hub_auth.get_token(handler, in_cookie=False)
         address = handler.request.remote_ip or ""
-        self.guard.before_hub(token, address)
+        self.guard.before_hub(token, address, getattr(handler, "route", "status"))
+        key = token_digest(token) if token else ""
+        checking = self._identifying.get(key)
+        if checking is None:
+            checking = asyncio.ensure_future(self._identify(token))
+            self._identifying[key] = checking
+            checking.add_done_callback(lambda _: self._identifying.pop(key, None))
         try:
-            who = await self._identify(token)
-        except TooMany:
-            raise
+            who = await asyncio.shield(checking)
         except web.HTTPError as error:
             if error.status_code < 500:
                 self.guard.failed(address)
             raise
-        self.guard.confirmed(token)
+        self.guard.confirmed(token, who.name)
         return who
 
     async def _identify(self, token: Optional[str]) -> Who:

@@ -64,13 +64,22 @@ class Guard:
             log.warning("gpu-quota service: %s: answered 429 (said once a minute at most)", message)
         return TooMany(seconds, message)
 
+    def _over_rate(self, wait: float, who: str, route: str) -> TooMany:
+        return self._refuse(wait, who, route, f"{who}: " + refusal_words(route, self.settings.rates.get(route)))
+
     # --- failed authentications, per caller address ----------------------------------------------
 
-    def before_hub(self, token: Optional[str], address: str) -> None:
-        """Raise TooMany when `address` has run out of failed authentications and `token` is not one the hub
-        confirmed lately: asked before the hub is, so a flood of made-up tokens costs the hub nothing."""
+    def before_hub(self, token: Optional[str], address: str, route: str) -> None:
+        """Raise TooMany, before the hub is asked: when `token`'s owner (as the hub said lately) has no call left on
+        `route` (a flood's refusals then cost no token check), or when `address` has run out of failed
+        authentications and `token` is not one the hub confirmed lately (a flood of made-up tokens costs the hub
+        nothing)."""
         now = self.clock()
-        if token and (token_digest(token), now) in self.trusted:
+        owner = self.trusted.owner(token_digest(token), now) if token else None
+        if owner is not None:
+            wait = self.buckets.empty(route, owner, now)
+            if wait:
+                raise self._over_rate(wait, owner, route)
             return
         wait = self.buckets.empty(AUTH, address, now)
         if wait:
@@ -82,8 +91,8 @@ class Guard:
     def failed(self, address: str) -> None:
         self.buckets.take(AUTH, address, self.clock())
 
-    def confirmed(self, token: str) -> None:
-        self.trusted.confirm(token_digest(token), self.clock())
+    def confirmed(self, token: str, owner: str) -> None:
+        self.trusted.confirm(token_digest(token), self.clock(), owner)
 
     # --- a confirmed user's calls ----------------------------------------------------------------
 
@@ -92,7 +101,7 @@ class Guard:
         have as many open as they may): the caller then owes one `leave(who)`."""
         wait = self.buckets.take(route, who, self.clock())
         if wait:
-            raise self._refuse(wait, who, route, f"{who}: " + refusal_words(route, self.settings.rates.get(route)))
+            raise self._over_rate(wait, who, route)
         if not self.open.enter(who):
             raise self._refuse(
                 1.0, who, "open",

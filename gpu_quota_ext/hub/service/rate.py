@@ -7,9 +7,11 @@ Pure: every clock is passed in (monotonic seconds), nothing here reads the time,
   for failed authentications (there is no user to charge those to).
 - `OpenRequests`: how many requests of each user are open at once (long polls among them), bounded per user: a
   file descriptor is held for each, and the host has a fixed number of them.
-- `Trusted`: digests of tokens the hub confirmed lately. A caller whose failed authentications ran out of tokens
-  is refused before the hub is asked, except with a token that the hub confirmed lately: a flood of made-up
-  tokens from one address (on a hub host, every local server's address) does not lock out its honest servers.
+- `Trusted`: digests of tokens the hub confirmed lately, and whose they are. A caller whose failed
+  authentications ran out of tokens is refused before the hub is asked, except with a token that the hub
+  confirmed lately: a flood of made-up tokens from one address (on a hub host, every local server's address)
+  does not lock out its honest servers. And a call with a token whose owner has no token left on its route is
+  refused before anything is asked at all: a flood's refusals cost the service next to nothing.
 - `OncePer`: whether to say something about a key now, at most once a period: one log line per offender, not one
   per refused call.
 
@@ -126,21 +128,28 @@ class OpenRequests:
 
 
 class Trusted:
-    """Token digests the hub confirmed, each for `seconds` after its last confirmation."""
+    """Token digests the hub confirmed, and their owners, each for `seconds` after its last confirmation."""
 
     def __init__(self, seconds: float, max_keys: int = MAX_KEYS) -> None:
         self.seconds = seconds
         self.max_keys = max_keys
         self._until: Dict[str, float] = {}
+        self._owner: Dict[str, str] = {}
 
-    def confirm(self, digest: str, now: float) -> None:
+    def owner(self, digest: str, now: float) -> Optional[str]:
+        """Whose the token is, as the hub said lately; None when it did not."""
+        return self._owner.get(digest) if (digest, now) in self else None
+
+    def confirm(self, digest: str, now: float, owner: str = "") -> None:
         self._until.pop(digest, None)  # re-inserted last: the dict's order is the order of confirmations
         self._until[digest] = now + self.seconds
+        self._owner[digest] = owner
         if len(self._until) > self.max_keys:
             for key in [k for k, until in self._until.items() if until <= now]:
                 del self._until[key]
             while len(self._until) > self.max_keys:
                 del self._until[next(iter(self._until))]
+            self._owner = {k: v for k, v in self._owner.items() if k in self._until}
 
     def __contains__(self, item: Tuple[str, float]) -> bool:
         digest, now = item
