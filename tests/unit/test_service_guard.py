@@ -19,6 +19,7 @@ from traitlets.config import Config
 from gpu_quota_ext.hub.service import accept
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.rate import OpenRequests
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
 from tests.hub.hubtools import listen_here, unused_port
@@ -41,6 +42,7 @@ def service(tmp_path, monkeypatch):
     config.GpuQuotaService.failed_auth_per_second = 1.0
     config.GpuQuotaService.rate_burst_seconds = 5.0  # bursts of 10 calls, 5 failed authentications
     config.GpuQuotaService.max_long_polls = 2
+    config.GpuQuotaService.refusal_hold_seconds = 0.0  # answered at once (holding: its own test)
     config.GpuQuotaService.lease_seconds = 8.0  # long polls wait at most 2 s
     app = GpuQuotaService(config=config)
     app.build()
@@ -130,6 +132,37 @@ def test_a_grant_refused_for_the_rate_is_not_granted(service):
 
     serve(service, scenario)
     assert "k10" not in {o.grant.kernel_id for o in service.book.owned()}
+
+
+def test_a_refused_answer_is_held_and_past_the_held_ones_the_connection_is_closed(service):
+    """A flood that calls again as soon as it is answered makes one call per hold; answers held per caller are
+    bounded, and past them the 429 comes at once with the connection closed."""
+    from dataclasses import replace
+
+    service.guard.settings = replace(service.guard.settings, hold_max=1.0)
+    service.guard.held = OpenRequests(2)
+
+    async def scenario(base, client):
+        for _ in range(10):
+            assert (await call(client, base + ROOM_PATH, "bob-token", room_body()))[0] == 200
+        held = [asyncio.ensure_future(call(client, base + ROOM_PATH, "bob-token", room_body())) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while service.guard.held.held("bob") < 2:
+            assert time.monotonic() < deadline, "the refused answers were not held"
+            await asyncio.sleep(0.01)
+        assert not any(h.done() for h in held)
+        answer = await client.fetch(
+            base + ROOM_PATH, method="POST", body=json.dumps(room_body()),
+            headers={"Authorization": "token bob-token"}, raise_error=False,
+        )
+        assert answer.code == 429 and answer.headers["Connection"] == "close"
+        assert service.guard.held.held("bob") == 2  # answered at once: the two are still held
+        assert [r[0] for r in await asyncio.gather(*held)] == [429, 429]
+        assert service.guard.held.held("bob") == 0
+        # carol was never held up by bob's held answers
+        assert (await call(client, base + ROOM_PATH, "carol-token", room_body()))[0] == 200
+
+    serve(service, scenario)
 
 
 def test_made_up_tokens_stop_reaching_the_hub_and_a_confirmed_token_still_passes(service):

@@ -225,6 +225,12 @@ class GpuQuotaService(Application):
     max_open_requests = Int(
         64, help="Requests of one user open at once, long polls included (0: no limit); past it, 429."
     ).tag(config=True)
+    refusal_hold_seconds = Float(
+        15.0,
+        help="""A call answered 429 gets its answer after up to the time it was told to wait, at most this long (1024
+        held at once per caller; past that, answered at once and disconnected): a client that calls again as soon
+        as it is answered makes one call per connection per hold. 0: answered at once.""",
+    ).tag(config=True)
     max_long_polls = Int(
         16, help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit)."
     ).tag(config=True)
@@ -322,7 +328,7 @@ class GpuQuotaService(Application):
             AUTH: self.failed_auth_per_second,
         }
         rates = {route: Rate.of(n, self.rate_burst_seconds) for route, n in per_second.items()}
-        return GuardSettings(rates, self.max_open_requests, self.max_long_polls)
+        return GuardSettings(rates, self.max_open_requests, self.max_long_polls, self.refusal_hold_seconds)
 
     def _broker_settings(self) -> BrokerSettings:
         values = {}

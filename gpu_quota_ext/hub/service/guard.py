@@ -3,14 +3,22 @@ a minute each. The handlers ask it in one place (handlers.ApiHandler.prepare) an
 `TooMany` is a 429 with `Retry-After`.
 
 Routes: "grants" (every grant call), "lease", "room", "status" (status and metrics), "page" (the admin's page);
-"auth" counts failed authentications per caller address. A refused call is answered at once, without parsing its
-body or asking the book, the broker or the hub: it costs the service about what a call to a closed door costs.
+"auth" counts failed authentications per caller address. A refused call is refused before its body is parsed
+and before the book, the broker or the hub is asked.
+
+Its answer is held a while (`hold`: up to the time it was told to wait, at most `hold_max`, a little less at
+random so that held answers do not all leave at once): a caller that calls again as soon as it is answered (a
+flood) then makes one call per connection per hold, instead of keeping the event loop busy refusing it, and a
+held connection costs only its file descriptor. At most `HELD_PER_CALLER` answers of one caller are held; past
+that, the 429 goes at once and the connection is closed after it (the caller must connect again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -25,14 +33,19 @@ ROUTES = ("grants", "lease", "room", "status", "page")
 AUTH = "auth"
 SAY_EVERY = 60.0  # seconds: one log line per offender and kind of refusal at most this often
 TRUST_SECONDS = 3600.0  # a token the hub confirmed passes the failed-authentication limit this long
+HELD_PER_CALLER = 1024  # refused answers of one caller held at once; past it, answered at once and disconnected
+LONG_POLL_RETRY = 15.0  # seconds a server over its long polls is told to wait: a server renews this often
 
 
 class TooMany(web.HTTPError):
     """429, and after how many seconds to call again (the answer's Retry-After header)."""
 
-    def __init__(self, seconds: float, message: str) -> None:
+    def __init__(self, seconds: float, message: str, who: str = "") -> None:
         super().__init__(429, "%s", message, reason="Too Many Requests")
+        self.seconds = seconds
         self.retry_after = retry_after(seconds)
+        self.who = who  # whose calls (a user, or an address for failed authentications)
+        self.disconnect = False  # set by Guard.hold when too many of this caller's answers are held already
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,7 @@ class GuardSettings:
     rates: Mapping[str, Rate]  # route -> Rate, AUTH included
     max_open_requests: int  # per user, long polls included; <= 0: no limit
     max_long_polls: int  # per user; <= 0: no limit
+    hold_max: float = 15.0  # seconds a refused call's answer is held at most (0: answered at once)
 
 
 def token_digest(token: str) -> str:
@@ -57,12 +71,27 @@ class Guard:
         self.trusted = Trusted(TRUST_SECONDS)
         self.said = OncePer(SAY_EVERY)
         self.refused = 0  # calls answered 429 since the start (the admin's status shows it)
+        self.held = OpenRequests(HELD_PER_CALLER)  # refused answers held now, per caller
 
     def _refuse(self, seconds: float, who: str, kind: str, message: str) -> TooMany:
         self.refused += 1
         if self.said.due((who, kind), self.clock()):
             log.warning("gpu-quota service: %s: answered 429 (said once a minute at most)", message)
-        return TooMany(seconds, message)
+        return TooMany(seconds, message, who)
+
+    async def hold(self, refusal: TooMany) -> None:
+        """Hold `refusal`'s answer (see the module's words), or mark it to disconnect when its caller has too many
+        held already."""
+        hold = min(refusal.seconds, self.settings.hold_max) * random.uniform(0.7, 1.0)
+        if hold <= 0:
+            return
+        if not self.held.enter(refusal.who):
+            refusal.disconnect = True
+            return
+        try:
+            await asyncio.sleep(hold)
+        finally:
+            self.held.leave(refusal.who)
 
     def _over_rate(self, wait: float, who: str, route: str) -> TooMany:
         return self._refuse(wait, who, route, f"{who}: " + refusal_words(route, self.settings.rates.get(route)))
@@ -116,7 +145,7 @@ class Guard:
         `leave_long_poll(who)` is owed."""
         if not self.long_polls.enter(who):
             raise self._refuse(
-                1.0, who, "long poll",
+                LONG_POLL_RETRY, who, "long poll",
                 f"{who} has {self.long_polls.held(who)} lease renewals waiting, the most this service keeps for "
                 "one user",
             )

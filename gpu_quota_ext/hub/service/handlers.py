@@ -82,6 +82,9 @@ def _write_json_error(handler: web.RequestHandler, status_code: int, kwargs: Dic
     error = (kwargs.get("exc_info") or (None, None, None))[1]
     if isinstance(error, TooMany):
         handler.set_header("Retry-After", str(error.retry_after))
+        if error.disconnect:
+            handler.set_header("Connection", "close")
+            handler._disconnect = True
     handler.set_header("Content-Type", "application/json")
     handler.finish(json.dumps({"message": _error_message(status_code, kwargs)}))
 
@@ -111,10 +114,14 @@ class ApiHandler(web.RequestHandler):
             self._refusal = web.HTTPError(400, self._body.malformed)
             return
         try:
-            self._who = await self.service.identify(self)
-            # The one place every call meets the per-user limits: a refusal here costs no parse, no book, no hub.
-            self.service.guard.admit(self.route, self._who.name)
-            self._admitted = self._who.name
+            try:
+                self._who = await self.service.identify(self)
+                # The one place every call meets the per-user limits: a refusal costs no parse, no book, no hub.
+                self.service.guard.admit(self.route, self._who.name)
+                self._admitted = self._who.name
+            except TooMany as refusal:
+                await self.service.guard.hold(refusal)
+                raise
         except web.HTTPError as refusal:
             if not self._body.follows:
                 raise
@@ -138,6 +145,8 @@ class ApiHandler(web.RequestHandler):
 
     def on_finish(self) -> None:
         self._leave()
+        if getattr(self, "_disconnect", False):
+            self.request.connection.close()  # the answer is written: the caller must connect again
 
     def on_connection_close(self) -> None:
         self._leave()
@@ -413,7 +422,11 @@ class LeaseHandler(ApiHandler):
         server, kernels, reports, wait = parse_lease_request(self.body())
         service, user = self.service, self.who.name
         if wait:
-            service.guard.enter_long_poll(user)  # before anything is done: over the limit, the lease is not renewed
+            try:
+                service.guard.enter_long_poll(user)  # before anything is done: over the limit, nothing is renewed
+            except TooMany as refusal:
+                await service.guard.hold(refusal)
+                raise
             try:
                 return await self._renew(service, user, server, kernels, reports, wait)
             finally:
@@ -524,7 +537,11 @@ class PageHandler(ServiceOAuth, web.RequestHandler):
     async def get(self):
         service = self.settings["gpu_quota_service"]
         who = await service.who_for_model(self.current_user)
-        service.guard.admit("page", who.name)
+        try:
+            service.guard.admit("page", who.name)
+        except TooMany as refusal:
+            await service.guard.hold(refusal)
+            raise
         self._admitted = who.name
         user = self.get_query_argument("user", None)
         if user is not None and len(user) > MAX_NAME:
