@@ -6,11 +6,13 @@ Routes: "grants" (every grant call), "lease", "room", "status" (status and metri
 "auth" counts failed authentications per caller address. A refused call is refused before its body is parsed
 and before the book, the broker or the hub is asked.
 
-Its answer is held a while (`hold`: up to the time it was told to wait, at most `hold_max`, a little less at
-random so that held answers do not all leave at once): a caller that calls again as soon as it is answered (a
-flood) then makes one call per connection per hold, instead of keeping the event loop busy refusing it, and a
-held connection costs only its file descriptor. At most `HELD_PER_CALLER` answers of one caller are held; past
-that, the 429 goes at once and the connection is closed after it (the caller must connect again).
+Its answer is held a while (`hold`: the time it was told to wait, plus, for a rate, one call's spacing for each
+of the caller's answers held already, as in a queue; at most `hold_max`; a little less at random so that held
+answers do not all leave at once): a caller that calls again as soon as it is answered (a flood, on one
+connection or five hundred) then makes about as many calls as its rate, instead of keeping the event loop busy
+refusing it, and a held connection costs only its file descriptor. At most `HELD_PER_CALLER` answers of one
+caller are held; past that, the 429 goes at once and the connection is closed after it (the caller must connect
+again).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ LONG_POLL_RETRY = 15.0  # seconds a server over its long polls is told to wait: 
 class TooMany(web.HTTPError):
     """429, and after how many seconds to call again (the answer's Retry-After header)."""
 
-    def __init__(self, seconds: float, message: str, who: str = "") -> None:
+    def __init__(self, seconds: float, message: str, who: str = "", spacing: float = 0.0) -> None:
         super().__init__(429, "%s", message, reason="Too Many Requests")
         self.seconds = seconds
+        self.spacing = spacing  # seconds between two calls the caller's rate lets through (0: not a rate)
         self.retry_after = retry_after(seconds)
         self.who = who  # whose calls (a user, or an address for failed authentications)
         self.disconnect = False  # set by Guard.hold when too many of this caller's answers are held already
@@ -73,16 +76,17 @@ class Guard:
         self.refused = 0  # calls answered 429 since the start (the admin's status shows it)
         self.held = OpenRequests(HELD_PER_CALLER)  # refused answers held now, per caller
 
-    def _refuse(self, seconds: float, who: str, kind: str, message: str) -> TooMany:
+    def _refuse(self, seconds: float, who: str, kind: str, message: str, spacing: float = 0.0) -> TooMany:
         self.refused += 1
         if self.said.due((who, kind), self.clock()):
             log.warning("gpu-quota service: %s: answered 429 (said once a minute at most)", message)
-        return TooMany(seconds, message, who)
+        return TooMany(seconds, message, who, spacing)
 
     async def hold(self, refusal: TooMany) -> None:
         """Hold `refusal`'s answer (see the module's words), or mark it to disconnect when its caller has too many
         held already."""
-        hold = min(refusal.seconds, self.settings.hold_max) * random.uniform(0.7, 1.0)
+        queued = refusal.seconds + self.held.held(refusal.who) * refusal.spacing
+        hold = min(queued, self.settings.hold_max) * random.uniform(0.7, 1.0)
         if hold <= 0:
             return
         if not self.held.enter(refusal.who):
@@ -93,8 +97,10 @@ class Guard:
         finally:
             self.held.leave(refusal.who)
 
-    def _over_rate(self, wait: float, who: str, route: str) -> TooMany:
-        return self._refuse(wait, who, route, f"{who}: " + refusal_words(route, self.settings.rates.get(route)))
+    def _over_rate(self, wait: float, who: str, route: str, words: str = "") -> TooMany:
+        rate = self.settings.rates.get(route)
+        spacing = 1.0 / rate.per_second if rate is not None and rate.limited else 0.0
+        return self._refuse(wait, who, route, words or f"{who}: " + refusal_words(route, rate), spacing)
 
     # --- failed authentications, per caller address ----------------------------------------------
 
@@ -112,7 +118,7 @@ class Guard:
             return
         wait = self.buckets.empty(AUTH, address, now)
         if wait:
-            raise self._refuse(
+            raise self._over_rate(
                 wait, address, AUTH,
                 f"too many failed authentications from {address}: tokens the hub has not confirmed lately wait",
             )
