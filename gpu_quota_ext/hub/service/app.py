@@ -72,7 +72,7 @@ from .handlers import (
 )
 from .history import UserHistory, user_points
 from .hub_directory import HubDirectory, HubUnavailable
-from .limits import reservation_over_budget
+from .limits import kept_idle, per_user, reservation_over_budget
 from .metrics import registry_for
 from .page import page_around, page_body, page_users
 from .polls import LongPolls
@@ -234,6 +234,14 @@ class GpuQuotaService(Application):
     max_long_polls = Int(
         16, help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit)."
     ).tag(config=True)
+    unparkable_idle = Enum(
+        ("count", "show"),
+        "count",
+        help="""GPU memory of a kernel idle at least park_min_idle that cannot be parked (its server reports it not
+        parkable, or it declined a park request): "count" it, for its user, against the user's user_budget once
+        more, on top of the grant that holds it (for their new kernels, raised caps and resumes), so that memory
+        nobody else can get back costs its keeper; or only "show" it on the admin's page.""",
+    ).tag(config=True)
     page_cache_seconds = Float(
         2.0,
         help="""The admin's page is built (in a thread of its own, off the path that answers grants) at most once
@@ -314,6 +322,7 @@ class GpuQuotaService(Application):
         self._history_failed = False  # said once in the log, not every sample
         self.policies: Dict[str, UserPolicy] = {}
         self.guard = Guard(self._guard_settings())
+        self.kept_idle: Dict[str, Dict[str, int]] = {}  # kernel -> uuid -> idle bytes that could not be parked
         self._identifying: Dict[str, asyncio.Future] = {}  # token digest -> its check with the hub under way
         self.snapshots = Snapshots(self._page_body, self.page_cache_seconds)
         self.registry = registry_for(lambda: self.status_now("metrics", True))
@@ -349,6 +358,7 @@ class GpuQuotaService(Application):
         if sample is None:
             return
         self.room.note_sample(_read_at(sample), sample.attributed.kernel_used)
+        self._note_kept_idle(sample, now)
         sampled = any(used is not None for used in sample.device_used.values())
         try:
             self.history.record(user_points(self.status_now("history", True), sampled))
@@ -356,6 +366,20 @@ class GpuQuotaService(Application):
             if not self._history_failed:
                 log.exception("gpu-quota service: the admin page's usage history could not be recorded")
             self._history_failed = True
+
+    def _note_kept_idle(self, sample, now: float) -> None:
+        """Which kernels keep idle memory that could not be parked (limits.kept_idle), as of this sample; with
+        unparkable_idle = "count", the book counts it against their users' budgets."""
+        owned = self.book.owned()
+        park = self.room.status(owned, "", True, now)["park"]
+        kept = kept_idle(park, sample.attributed.kernel_used, self.broker_settings.min_idle)
+        self.kept_idle = kept
+        if self.unparkable_idle == "count":
+            index_of = {d.uuid: d.index for d in self.devices}
+            by_user = per_user(kept, {o.grant.kernel_id: o.grant.user for o in owned})
+            self.book.set_kept_idle(
+                {u: {index_of[uuid]: n for uuid, n in held.items() if uuid in index_of} for u, held in by_user.items()}
+            )
 
     async def page(self, who: Who, user: Optional[str], page: int) -> str:
         """The admin's page as `who` sees it: its body from a snapshot (snapshots.py), the same for every admin."""
@@ -445,6 +469,10 @@ class GpuQuotaService(Application):
             if item.grant.user == user and sample is not None:
                 for uuid, n in sample.attributed.kernel_used.get(item.grant.kernel_id, {}).items():
                     used[uuid] = used.get(uuid, 0) + n
+        if self.unparkable_idle == "count":  # idle memory the user keeps that could not be parked: counted once more
+            uuid_of = {d.index: d.uuid for d in self.book.devices.values()}
+            for index, n in self.book.kept_idle_of(user).items():
+                used[uuid_of[index]] = used.get(uuid_of[index], 0) + n
         limits, by_uuid = self.book.limits_of(user), {d.uuid: d for d in self.book.devices.values()}
         answer = self.room.answer(
             decide(round_),
@@ -591,7 +619,22 @@ class GpuQuotaService(Application):
 
     def status_now(self, name: str, admin: bool) -> dict:
         now = time.time()
-        room = self.room.status(self.book.visible(name, admin), name, admin, now)
+        visible = self.book.visible(name, admin)
+        room = self.room.status(visible, name, admin, now)
+        kept, counted = self.kept_idle, self.unparkable_idle == "count"
+        room["kept_idle"] = [
+            {
+                "user": o.grant.user,
+                "kernel_id": o.grant.kernel_id,
+                "server": o.server,
+                "held": dict(kept[o.grant.kernel_id]),
+                "idle_for": room["park"].get(o.grant.kernel_id, {}).get("idle_for"),
+                "declined_park": room["park"].get(o.grant.kernel_id, {}).get("declined_park"),
+                "counted": counted,
+            }
+            for o in visible
+            if o.grant.kernel_id in kept
+        ]
         if admin:
             room["long_polls"] = self.polls.count()
             room["refused_calls"] = self.guard.refused

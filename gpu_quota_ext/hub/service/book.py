@@ -157,6 +157,9 @@ class HostBook:
         self._lock = threading.RLock()
         self.host_limits = limits  # for a user whose policy the book has not been told yet (after a restart)
         self._limits: Dict[str, UserLimits] = {}
+        # user -> device index -> idle memory their kernels keep that could not be parked (limits.kept_idle), counted
+        # against their budget once more; empty unless the service's unparkable_idle is "count"
+        self._kept_idle: Dict[str, Dict[int, int]] = {}
         self.check_gap = check_gap
         self._held_at: Dict[str, float] = {}
         self._checked_since: Optional[float] = None
@@ -210,7 +213,7 @@ class HostBook:
             refusal = kernels_refusal(len(mine), policy.limits)
             if refusal:
                 raise AdmissionRefused(refusal)
-            allowed, over = self._within_budget(mine, policy, allowed)
+            allowed, over = self._within_budget(user, mine, policy, allowed)
             if over:
                 if policy.on_full == "refuse":
                     raise AdmissionRefused(over)
@@ -262,6 +265,16 @@ class HostBook:
         """What the hub's mapping says of `user` now (the service asks the hub at each grant and status)."""
         with self._lock:
             self._limits[user] = limits
+
+    def set_kept_idle(self, kept: Mapping[str, Mapping[int, int]]) -> None:
+        """User -> device index -> bytes of idle memory their kernels keep that could not be parked, as of the last
+        sample: counted against each user's budget on top of their grants, for new kernels and raised caps."""
+        with self._lock:
+            self._kept_idle = {user: dict(held) for user, held in kept.items() if held}
+
+    def kept_idle_of(self, user: str) -> Dict[int, int]:
+        with self._lock:
+            return dict(self._kept_idle.get(user, {}))
 
     def limits_of(self, user: str) -> UserLimits:
         with self._lock:
@@ -373,7 +386,7 @@ class HostBook:
     # --- inside the lock ----------------------------------------------------------------------
 
     def _within_budget(
-        self, mine: Sequence[Grant], policy: UserPolicy, allowed: Optional[Sequence[int]]
+        self, user: str, mine: Sequence[Grant], policy: UserPolicy, allowed: Optional[Sequence[int]]
     ) -> Tuple[Optional[Sequence[int]], Optional[str]]:
         """(the devices a new kernel of this user may be placed on, None) or (_, why none may be)."""
         devices = self.devices
@@ -388,19 +401,19 @@ class HostBook:
                 )
             except PolicyError:
                 continue  # the ledger says why this device cannot take the cap
-        over = over_budget(user_totals(mine), wanted, devices, policy.limits)
+        over = over_budget(self._with_kept_idle(user, user_totals(mine)), wanted, devices, policy.limits)
         if not over:
             return allowed, None
         within = [i for i in candidates if i not in over]
         if within and self.policy.placement != "none":  # "none": the kernel sees every device, needs all
             return within, None
-        return allowed, "; ".join(over[i] for i in sorted(over))
+        return allowed, "; ".join(over[i] for i in sorted(over)) + self._kept_idle_note(user)
 
     def _past_budget(self, user: str, grant: Grant) -> Optional[str]:
         """Why `grant` (a changed grant of `user`) passes the user's budget on one of its devices, or None."""
         others = self._others_totals(user, grant.kernel_id)
         over = over_budget(others, {i: grant.caps[i] for i in grant.devices}, self.devices, self.limits_of(user))
-        return "; ".join(over[i] for i in sorted(over)) or None
+        return "; ".join(over[i] for i in sorted(over)) + self._kept_idle_note(user) if over else None
 
     def _change_within_budget(
         self, held: Owned, requested: CapSpec, device: Optional[int], source: str
@@ -424,7 +437,8 @@ class HostBook:
                     "refused",
                     grant,
                     f"{format_bytes(wanted)} on device {index} is above what your user_budget "
-                    f"({limits.user_budget}) leaves for this kernel: {format_bytes(room)}",
+                    f"({limits.user_budget}) leaves for this kernel: {format_bytes(room)}"
+                    + self._kept_idle_note(grant.user),
                 )
             clamped[index] = room
         if not clamped:
@@ -446,9 +460,24 @@ class HostBook:
         return ChangeOutcome("clamped", outcome.grant, "; ".join(notes))
 
     def _others_totals(self, user: str, kernel_id: str) -> Dict[int, int]:
-        """What the user's kernels other than `kernel_id` hold on each device."""
+        """What the user's kernels other than `kernel_id` hold on each device (their kept idle memory included)."""
         grants = self._owned.values()
-        return user_totals(o.grant for o in grants if o.grant.user == user and o.grant.kernel_id != kernel_id)
+        mine = user_totals(o.grant for o in grants if o.grant.user == user and o.grant.kernel_id != kernel_id)
+        return self._with_kept_idle(user, mine)
+
+    def _with_kept_idle(self, user: str, totals: Dict[int, int]) -> Dict[int, int]:
+        for index, n in self._kept_idle.get(user, {}).items():
+            totals[index] = totals.get(index, 0) + n
+        return totals
+
+    def _kept_idle_note(self, user: str) -> str:
+        kept = sum(self._kept_idle.get(user, {}).values())
+        if not kept:
+            return ""
+        return (
+            f" (counting {format_bytes(kept)} your idle kernels keep on the GPU that could not be parked, on top of "
+            "their grants: park or shut them down to free it)"
+        )
 
     def _drop_empty_leases(self) -> None:
         servers = {(o.grant.user, o.server) for o in self._owned.values()}

@@ -77,3 +77,38 @@ def room_for(others: Mapping[int, int], device: Device, limits: UserLimits) -> O
     """The most one kernel may hold on `device` while the user's other kernels hold `others` (None: no limit)."""
     limit = limits.budget_on(device)
     return None if limit is None else max(limit - others.get(device.index, 0), 0)
+
+
+def kept_idle(
+    park: Mapping[str, Mapping], used: Mapping[str, Mapping[str, int]], min_idle: float
+) -> Dict[str, Dict[str, int]]:
+    """Kernel id -> device uuid -> bytes: the GPU memory of kernels kept idle that could not be parked. A kernel
+    counts when its server's last report (HostRoom.status()'s "park") says it has been idle at least `min_idle`
+    and it cannot park (its server says it is not parkable, or it declined a park request the broker made);
+    its bytes are what the service's sample saw it use (`used`). Such memory is out of the broker's reach for
+    every other user: with `unparkable_idle = "count"` it counts, for its user, against the user's budget once
+    more, on top of the grant that holds it."""
+    kept: Dict[str, Dict[str, int]] = {}
+    for kernel_id, report in park.items():
+        idle_for = report.get("idle_for")
+        if report.get("state") != "idle" or idle_for is None or idle_for < min_idle:
+            continue
+        if report.get("parkable") and report.get("declined_park") is None:
+            continue
+        held = {uuid: n for uuid, n in used.get(kernel_id, {}).items() if n > 0}
+        if held:
+            kept[kernel_id] = held
+    return kept
+
+
+def per_user(kept: Mapping[str, Mapping[str, int]], owners: Mapping[str, str]) -> Dict[str, Dict[str, int]]:
+    """User -> device uuid -> bytes of `kept` (kernel id -> uuid -> bytes), `owners` saying whose each kernel is."""
+    totals: Dict[str, Dict[str, int]] = {}
+    for kernel_id, held in kept.items():
+        user = owners.get(kernel_id)
+        if user is None:
+            continue
+        mine = totals.setdefault(user, {})
+        for uuid, n in held.items():
+            mine[uuid] = mine.get(uuid, 0) + n
+    return totals

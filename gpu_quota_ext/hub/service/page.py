@@ -201,7 +201,10 @@ def page_body(
         ),
         _table(
             "Users",
-            ["user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used", "unmanaged"],
+            [
+                "user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used",
+                "unmanaged", "kept idle, not parkable",
+            ],
             (
                 (
                     _link(u["name"], user=u["name"]),
@@ -213,6 +216,7 @@ def page_body(
                     _size(u["granted"]),
                     _size(u["used"]),
                     _size(u["unmanaged"]),
+                    _size(u.get("kept_idle", 0)) if u.get("kept_idle") else "",
                 )
                 for u in users
             ),
@@ -244,6 +248,20 @@ def page_body(
                 for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
             ),
             most=len(kernels) * 4 + 1,  # a kernel on several devices has a row each; the kernels are bounded
+        ),
+        _table(
+            "Idle memory that could not be parked (kept by its server: the broker cannot make room with it)",
+            ["user", "kernel", "server", "holds", "idle for", "why", "counted against the user's budget"],
+            (
+                (
+                    k["user"], k["kernel_id"], k["server"] or "(default)", _bytes_by_device(k["held"]),
+                    _seconds(k["idle_for"]),
+                    f"declined a park request {k['declined_park']:.0f} s ago" if k.get("declined_park") is not None
+                    else "its server says it cannot park",
+                    "yes, once more" if k["counted"] else "no (unparkable_idle = show)",
+                )
+                for k in sorted(status.get("kept_idle", []), key=lambda k: -sum(k["held"].values()))
+            ),
         ),
         _table(
             "Waiting for device memory (the host's broker)",

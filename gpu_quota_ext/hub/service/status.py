@@ -8,8 +8,9 @@ kernel: the PIDs its server registered and those the last sample believed (`pids
 the sampler did not believe (a PID of another Unix user); a user sees those of their own leases, without
 whose the process is. The host's broker (room.py): each kernel's `park` state as its server last reported it,
 the kernels `waiting` for device memory (how long, why), the `reservations` of resumes under way and the
-`park_requests` for idle kernels; an admin also sees how many leases wait in a long poll (`long_polls`) and how
-many calls were answered 429 (`refused_calls`, guard.py).
+`park_requests` for idle kernels, and the `kept_idle` memory of kernels idle that could not be parked
+(limits.kept_idle: per kernel, and per user in their row); an admin also sees how many leases wait in a long poll
+(`long_polls`) and how many calls were answered 429 (`refused_calls`, guard.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def build_status(
         if name not in users:
             policy = policies.get(name)
             users[name] = {"name": name, "policy": policy.describe() if policy else None, "kernels": 0,
-                           "granted": 0, "used": 0, "unmanaged": 0}
+                           "granted": 0, "used": 0, "unmanaged": 0, "kept_idle": 0}
         return users[name]
 
     for owned in sorted(book.visible(viewer, admin), key=lambda o: (o.grant.user, o.granted_at)):
@@ -75,6 +76,10 @@ def build_status(
             "over_cap": any(e["used"] is not None and e["used"] > e["cap"] for e in record["devices"]),
             "park": parks.get(grant.kernel_id),
         })
+    kept_idle = list(room.get("kept_idle", []))
+    for item in kept_idle:
+        if item["user"] in users:
+            users[item["user"]]["kept_idle"] += sum(item["held"].values())
     unmanaged = []
     if sample:
         for item in sample.attributed.unmanaged:
@@ -124,6 +129,7 @@ def build_status(
         "waiting": list(room.get("waiting", [])),
         "reservations": list(room.get("reservations", [])),
         "park_requests": list(room.get("park_requests", [])),
+        "kept_idle": kept_idle,
         **({"long_polls": room["long_polls"]} if admin and "long_polls" in room else {}),
         **({"refused_calls": room["refused_calls"]} if admin and "refused_calls" in room else {}),
     }
