@@ -11,7 +11,8 @@ process and uid is real.
    "kill"`. Alice's kernel stays alive, her usage stays hers, the attempt is logged once and shown on the
    admin's page; the watchdog still kills bob's own process on a GPU his grant does not hold.
 2. Real Unix users alice, bob and carol: carol's burst of 1,000 concurrent grants under a made-up server
-   leaves the others' next starts admitted (alice's a kernel started through her own server, spawned as her
+   (past her rate answered 429 with Retry-After, issue 30 item 6, and said once in the log) leaves the others'
+   next starts admitted (alice's a kernel started through her own server, spawned as her
    Unix user); grants, rows in the store, the service's fds and threads and the log are counted before and
    after; carol renewing her lease with empty PID lists, or naming alice's kernel's PID, keeps nothing past a
    lease period, and neither does bob's grant that no process holds, while alice's kernel keeps hers.
@@ -396,12 +397,17 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
     # then) and after all 1,000.
     client = AsyncHTTPClient(force_instance=True, max_clients=50)
 
+    retry_after = []  # each 429's Retry-After header
+
     async def carols(number):
         body = json.dumps({"server": "made-up", "kernel_id": f"c{number}", "kernelspec": "x", "allowed": None})
         request = HTTPRequest(
-            hub.url + grants, method="POST", body=body, headers={"Authorization": f"token {tokens[carol]}"}
+            hub.url + grants, method="POST", body=body, headers={"Authorization": f"token {tokens[carol]}"},
+            request_timeout=60,
         )
         answer = await client.fetch(request, raise_error=False)
+        if answer.code == 429:
+            retry_after.append(answer.headers.get("Retry-After"))
         return answer.code
 
     started = time.monotonic()
@@ -412,8 +418,20 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
     codes += await asyncio.gather(*(carols(n) for n in range(50, 1000)))
     seconds = time.monotonic() - started
     client.close()
-    assert sorted(set(codes)) == [201, 409] and codes.count(201) == 16, {c: codes.count(c) for c in set(codes)}
-    _, mine = await hub.api("GET", grants, token=tokens[carol])
+    counts = {c: codes.count(c) for c in set(codes)}
+    # 16 granted (max_kernels), the rest refused: 409 while her rate lets calls through (20 a second, bursts of
+    # 100), 429 past it, each with a Retry-After of whole seconds
+    assert set(codes) == {201, 409, 429} and counts[201] == 16, counts
+    assert counts[201] + counts[409] <= 100 + 20 * seconds + 20, (counts, seconds)  # the burst, then the rate
+    assert all(value and int(value) >= 1 for value in retry_after), retry_after[:20]
+    said = hub.log_path.read_text(errors="replace")[log_before:]
+    assert 1 <= said.count(f"{carol}: too many grants calls") <= 1 + int(seconds // 60), said[-3000:]
+
+    async def carols_grants():  # her own next call waits as her last 429 said
+        code, data = await hub.api("GET", grants, token=tokens[carol], ok=(200, 429))
+        return data if code == 200 else None
+
+    mine = await wait_for(carols_grants, "carol's list of grants once her rate lets her call again")
     assert len(mine["grants"]) == 16
     on_gpu = [g for g in mine["grants"] if g["devices"]]
     assert sorted(g["devices"][0]["uuid"] for g in on_gpu) == ["GPU-trust-0"] * 2 + ["GPU-trust-1"] * 2
@@ -451,6 +469,7 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
             service.path(LEASE_PATH),
             {"server": server, "kernels": [{"kernel_id": k, "pids": p} for k, p in kernels.items()]},
             token=tokens[user],
+            ok=(200, 429),  # polled faster than a server renews: past her rate, that renewal waits
         )
 
     async def idle_released():
@@ -468,7 +487,8 @@ async def burst_and_scopes(hub: Hub, service, accounts, names: dict) -> None:
         carol_leases = db.execute("SELECT COUNT(*) FROM leases WHERE user = ?", (carol,)).fetchone()[0]
     assert (carol_rows, carol_leases) == (0, 0)
     print(
-        f"burst: 1000 grants in {seconds:.1f} s, 16 granted, 984 refused; service fds {fds} -> {after_fds}, "
+        f"burst: 1000 grants in {seconds:.1f} s, 16 granted, {counts.get(409, 0)} refused (409), {counts[429]} "
+        f"answered 429; service fds {fds} -> {after_fds}, "
         f"threads {threads} -> {after_threads}; log +{log_bytes} bytes"
     )
 
