@@ -208,7 +208,7 @@ class GpuQuotaService(Application):
         renews every {LEASE_RENEW} s.""",
     ).tag(config=True)
     status_calls_per_second = Float(
-        5.0, help="Status and metrics calls one user (or service) may make a second (0: no limit)."
+        10.0, help="Status and metrics calls one user (or service) may make a second (0: no limit)."
     ).tag(config=True)
     page_loads_per_second = Float(
         1.0, help="Loads of the admin's page one user may make a second (0: no limit); past it, 429."
