@@ -69,7 +69,6 @@ from .usage import (
     KernelManagerView,
     WatchdogSettings,
     build_watchdog_settings,
-    processes_by_kernel,
     untrack_kernel_requests,
 )
 
@@ -370,9 +369,6 @@ class GpuQuota(ExtensionApp):
         kernels = KernelManagerView(self.serverapp.kernel_manager)
         # The parker's requests on a kernel's control channel are not the user's activity.
         untrack_kernel_requests(self.serverapp.kernel_manager)
-        if isinstance(parts.ledger, RemoteLedger):
-            # Its lease names each kernel's processes, found as the monitor finds them (usage.attribution).
-            parts.ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots())
         manager = GpuQuotaManager(
             policy,
             parts.devices,

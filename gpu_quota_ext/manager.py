@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env
-from .ledger import ChangeOutcome, Grant, Ledger
+from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger, Subscribable
 from .parking import (
     CheckpointDriver,
     CudaCheckpointDriver,
@@ -68,6 +68,7 @@ from .usage import (
     history_text,
     kernel_history_text,
     point_for,
+    processes_by_kernel,
 )
 
 log = logging.getLogger("gpu_quota_ext")
@@ -186,9 +187,16 @@ class GpuQuotaManager:
             bootstrapped=self._bootstrapped.__contains__,
         )
         self.monitor.on_sample(self.parker.on_sample)
-        if isinstance(ledger, HostRooms):
-            ledger.park_report = self.parker.host_report  # type: ignore[attr-defined]
-            ledger.on_park_requests = self.park_for_host  # type: ignore[attr-defined]
+        if isinstance(ledger, Subscribable):
+            # A hub host's lease: it names each kernel's processes (found as the monitor finds them), carries the
+            # parker's published park states, and hands the host's park requests to the event loop.
+            ledger.subscribe(
+                LeaseHooks(
+                    processes=lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots()),
+                    park_report=self.parker.host_report,
+                    on_park_requests=self.park_for_host,
+                )
+            )
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
         self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
         # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.

@@ -1,7 +1,8 @@
 """The ledger: the one record of every kernel's grant (admission, placement, caps).
 
 interface.py is what the rest of the server depends on (the `Ledger` Protocol, `Grant`, the errors);
-local.py is a server's own ledger; remote.py asks the host service's ledger for a hub host.
+local.py is a server's own ledger; remote.py asks the host service's ledger for a hub host, through transport.py
+(HTTP to the service) and lease.py (the renewals that keep its grants alive, and what the server tells them).
 """
 
 from .interface import (
@@ -12,6 +13,7 @@ from .interface import (
     Ledger,
     UnknownKernel,
 )
+from .lease import LeaseHooks, Subscribable
 from .local import LocalLedger
 from .remote import RemoteLedger
 
@@ -22,6 +24,8 @@ __all__ = [
     "HeldGrants",
     "Ledger",
     "UnknownKernel",
+    "LeaseHooks",
     "LocalLedger",
     "RemoteLedger",
+    "Subscribable",
 ]

@@ -289,6 +289,10 @@ class Parker:
         self._decide_again = False
         self._stopped = False
         self._reported_at: Optional[float] = None  # when the last lease report read the kernels' activity
+        # The lease's report as the event loop last published it: (when it was read, each kernel's KERNEL_PARK),
+        # replaced whole, so the lease's thread reads it without a lock and never runs round().
+        self._host_report: Tuple[Optional[float], Tuple[dict, ...]] = (None, ())
+        self._host_report_due = False  # a publish is scheduled on the loop (_store: once per turn)
         # Host memory promised to parks under way (host_account.py), with each one's processes and their resident
         # memory when it was promised (what has landed since is their growth).
         self.host_account = HostAccount()
@@ -444,6 +448,7 @@ class Parker:
             self._hook_restart(kernel_id)
         elif new.state not in HELD:
             self._unhook_restart(kernel_id)
+        self._publish_host_report_soon()
 
     def _carry_out(self, kernel_id: str, effect: Effect) -> None:
         if isinstance(effect, StartPark):
@@ -570,6 +575,7 @@ class Parker:
             self._review(sample)
         except Exception as error:
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
+        self.publish_host_report()
 
     def _review(self, sample: "Sample") -> None:
         if getattr(sample, "state", None) in ("ok", "degraded") and self._sampled is not None:
@@ -809,14 +815,36 @@ class Parker:
         )
 
     def host_report(self) -> List[dict]:
-        """Each kernel's park state for the host's broker (the lease's "park"). Called from the lease's thread:
-        it only reads (and notes when it read: park_for_host)."""
-        at = time.time()
-        report = []
-        for kernel in self.round().kernels:
-            report.append(kernel_park(kernel.kernel_id, kernel.state, kernel.idle_for, kernel.parkable))
+        """Each kernel's park state for the host's broker (the lease's "park"). Called from the lease's thread: it
+        reads the report the event loop last published (publish_host_report), never the parker's state, and notes
+        when that report read the kernels' activity (park_for_host)."""
+        at, report = self._host_report
         self._reported_at = at
-        return report
+        return [dict(kernel) for kernel in report]
+
+    def publish_host_report(self) -> None:
+        """Read the lease's report now (event loop: after each sample, and after a record changed). Never raises:
+        the last one published stays (none before the first sample: the service counts the kernels running)."""
+        self._host_report_due = False
+        try:
+            at = time.time()
+            kernels = self.round().kernels
+            report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable) for k in kernels)
+        except Exception as error:
+            log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
+            return
+        self._host_report = (at, report)
+
+    def _publish_host_report_soon(self) -> None:
+        """A record changed: publish once the loop's current turn is done (one publish for many changes)."""
+        if self._host_report_due or self._stopped:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the event loop (a script's cleanup): the next sample publishes
+        self._host_report_due = True
+        loop.call_soon(self.publish_host_report)
 
     def apply(self, plan: Plan) -> None:
         """Carry out one round's decisions (event loop)."""

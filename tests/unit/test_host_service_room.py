@@ -26,6 +26,7 @@ from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.handlers import Who
 from gpu_quota_ext.hub.service.user_policy import user_policy
+from gpu_quota_ext.ledger import LeaseHooks
 from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, HostView, KernelView, Round
 from gpu_quota_ext.parking.broker import BrokerSettings
@@ -95,9 +96,13 @@ class Server:
         self.report = {"kernel_id": kernel_id, "state": "busy", "idle_for": None, "parkable": False}
         self.asked = []  # the park requests its lease's answers handed over, with when they came
         self.asked_event = threading.Event()
-        self.ledger.processes = lambda kernel_ids: {k: [self.process.pid] for k in kernel_ids}
-        self.ledger.park_report = lambda: [dict(self.report)]
-        self.ledger.on_park_requests = self.on_park_requests
+        self.ledger.subscribe(
+            LeaseHooks(
+                processes=lambda kernel_ids: {k: [self.process.pid] for k in kernel_ids},
+                park_report=lambda: [dict(self.report)],
+                on_park_requests=self.on_park_requests,
+            )
+        )
 
     def on_park_requests(self, kernel_ids):
         self.asked.append((time.monotonic(), list(kernel_ids)))
@@ -151,7 +156,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
                 assert grant.caps == {0: int(0.45 * TOTAL)}
             # Each lease registers its kernel's PID (its renewer's first renewal, or this one).
             for server in servers.values():
-                assert await asyncio.to_thread(server.ledger.renew)
+                assert await asyncio.to_thread(server.ledger.lease.renew)
             write_usage(service.nvml_file, {bob.process.pid: 5 * GiB, carol.process.pid: 5 * GiB})
             service.sampler._tick()
             used = service.sampler.last.attributed.kernel_used
@@ -161,7 +166,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             bob.reports("idle", 300.0, True)
             carol.reports("idle", 60.0, True)
             for server in servers.values():
-                assert await asyncio.to_thread(server.ledger.renew)
+                assert await asyncio.to_thread(server.ledger.lease.renew)
             # Their renewers' long polls wait now.
             await wait_for(lambda: service.polls.count() == 3, "three leases waiting in their long polls")
             fds, threads = len(os.listdir("/proc/self/fd")), ours()
@@ -246,7 +251,7 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_one_accoun
         try:
             for user, server in servers.items():
                 await asyncio.to_thread(server.ledger.grant, server.kernel_id, user, "python3", None)
-                assert await asyncio.to_thread(server.ledger.renew)
+                assert await asyncio.to_thread(server.ledger.lease.renew)
             write_usage(service.nvml_file, {bob.process.pid: 5 * GiB, carol.process.pid: 5 * GiB})
             service.sampler._tick()
             brokers = {user: HostBroker(servers[user].ledger, {0: UUID}) for user in ("bob", "carol")}
@@ -266,7 +271,7 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_one_accoun
             # The park that got its promise reports itself parked: the promise ends, the next park may have it.
             promised = "bob" if answers[0][0] is None else "carol"
             servers[promised].reports("parked")
-            assert await asyncio.to_thread(servers[promised].ledger.renew)
+            assert await asyncio.to_thread(servers[promised].ledger.lease.renew)
             assert service.room.host_promised() == 0
         finally:
             for server in servers.values():

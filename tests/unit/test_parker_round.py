@@ -155,7 +155,8 @@ def test_a_park_the_host_asks_for_is_made_only_of_a_kernel_still_idle_long_enoug
         pids={"B": (os.getpid(),)},
     )
     parker = parker_with({}, sample, {"B": "idle"})
-    parker.host_report()  # the lease's report: B idle for 600 s
+    parker.publish_host_report()  # the event loop's, after a sample: B idle for 600 s
+    parker.host_report()  # the lease's report, as published
     parker.kernels.activity = lambda kernel_id: ("idle", datetime.datetime.now(datetime.timezone.utc))
 
     async def asked():

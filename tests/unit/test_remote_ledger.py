@@ -19,7 +19,7 @@ from tornado import httpserver, web
 
 from gpu_quota_ext.app import _make_ledger
 from gpu_quota_ext.devices import Device
-from gpu_quota_ext.ledger import AdmissionRefused, Ledger, UnknownKernel
+from gpu_quota_ext.ledger import AdmissionRefused, LeaseHooks, Ledger, UnknownKernel
 from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV, RemoteLedger
 from gpu_quota_ext.parking import HostRooms
@@ -430,11 +430,11 @@ def test_a_start_given_up_while_the_service_hung_is_given_back_when_it_answers(s
     standin.ledger.grant("k2", "alice", "python3", resolve(standin.policy, "alice", "python3"), None)
     standin.owner["k2"] = ("alice", "")
     standin.granted_at["k2"] = time.monotonic()  # young: the service's own lease check would keep it a while
-    assert ledger.renew() is True
+    assert ledger.lease.renew() is True
     assert [g.kernel_id for g in standin.ledger.grants()] == ["k1"]
     deletes = [r for r in standin.requests if r[0] == "DELETE"]
     assert [r[1].rsplit("/", 1)[-1] for r in deletes] == ["k2"]
-    assert ledger.renew() is True  # given back once: nothing more to do
+    assert ledger.lease.renew() is True  # given back once: nothing more to do
     assert len([r for r in standin.requests if r[0] == "DELETE"]) == 1
 
 
@@ -460,7 +460,7 @@ def test_the_next_start_gives_back_a_start_given_up_before_it_asks_and_fits(stan
     ]
     assert asked[-2:] == [("DELETE", "k2"), ("POST", "k3")]
     assert sorted(standin.owner) == ["b1", "b2", "k1", "k3"]
-    assert alice.renew() is True
+    assert alice.lease.renew() is True
     assert len([r for r in standin.requests if r[0] == "DELETE"]) == 1  # given back once
 
 
@@ -473,7 +473,7 @@ def test_a_start_given_up_and_asked_again_keeps_what_the_service_granted_it(stan
     standin.owner["k1"], standin.granted_at["k1"] = ("alice", ""), time.monotonic()
     # The same kernel id asked again (a client-chosen id): the service's answer is its grant, not given back.
     assert ledger.grant("k1", "alice", "python3", wide_open()).caps == {1: TOTAL // 2}
-    assert ledger.renew() is True
+    assert ledger.lease.renew() is True
     assert [r for r in standin.requests if r[0] == "DELETE"] == []
     assert [g.kernel_id for g in standin.ledger.grants()] == ["k1"]
 
@@ -494,9 +494,9 @@ def test_a_release_while_the_service_is_down_is_done_by_the_next_lease(standin, 
     standin.granted_at["k1"] = 0  # past the service's start grace: an unlisted k1 is released
     standin.stop()
     ledger.release("k1")
-    assert ledger.renew() is False
+    assert ledger.lease.renew() is False
     standin.start()
-    assert ledger.renew() is True
+    assert ledger.lease.renew() is True
     assert standin.leases[-1]["kernels"] == [{"kernel_id": "k2", "pids": []}]
     assert [g.kernel_id for g in standin.ledger.grants()] == ["k2"]
 
@@ -548,7 +548,7 @@ def test_the_lease_is_renewed_in_a_thread_listing_every_kernel_and_stops_at_clos
     ledger.close()
     assert not [t for t in threading.enumerate() if t.name == "gpu-quota-lease"]
     count = len(standin.leases)
-    ledger.renew()  # by hand still works; the thread is gone
+    ledger.lease.renew()  # by hand still works; the thread is gone
     assert len(standin.leases) == count + 1
 
 
@@ -578,7 +578,7 @@ def test_kernels_the_service_released_are_forgotten(standin, make_ledger):
 
     Lease.post = released_k1
     try:
-        assert ledger.renew() is True
+        assert ledger.lease.renew() is True
     finally:
         Lease.post = original
     assert ledger.get("k1") is None
@@ -592,8 +592,8 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
 
     ledger = make_ledger(renew_every=3600)
     roots = {}
-    # What the server gives it (app.py): usage.attribution's finding over the kernels' own processes.
-    ledger.processes = lambda kernel_ids: processes_by_kernel(kernel_ids, roots)
+    # What the server gives it (manager.py): usage.attribution's finding over the kernels' own processes.
+    ledger.subscribe(LeaseHooks(processes=lambda kernel_ids: processes_by_kernel(kernel_ids, roots)))
     ledger.grant("k1", "alice", "python3", wide_open())
     ledger.grant("k2", "alice", "python3", wide_open())
     command = [sys.executable, "-c", "import sys; sys.stdin.read()"]
@@ -601,7 +601,7 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
     by_tree = subprocess.Popen(command, stdin=subprocess.PIPE, env={})  # a kernel's own process: no variable needed
     roots[by_tree.pid] = "k2"
     try:
-        assert ledger.renew()
+        assert ledger.lease.renew()
         # (the lease thread's own first renewal may land after this one: look at every renewal)
         listed = [k for lease in standin.leases for k in lease["kernels"]]
         assert {"kernel_id": "k1", "pids": [by_environment.pid]} in listed
@@ -614,12 +614,12 @@ def test_the_lease_names_the_kernels_processes(standin, make_ledger, monkeypatch
 
 def test_usage_shows_the_hosts_budget_and_every_users_grants_after_a_renewal(standin, make_ledger):
     alice, bob = make_ledger(renew_every=3600), make_ledger("bob-token", renew_every=3600)
-    alice._start_renewer = lambda: None  # its renewals are this test's own: "before" is before any
+    alice.lease.start = lambda: None  # its renewals are this test's own: "before" is before any
     alice.grant("k1", "alice", "python3", wide_open())
     bob.grant("k2", "bob", "python3", wide_open())  # packed on the same device, GPU-aaaa
     # its own, before
     assert [(u["budget"], u["granted"]) for u in alice.device_grants()] == [(None, 0), (None, TOTAL // 2)]
-    assert alice.renew()
+    assert alice.lease.renew()
     assert [(u["uuid"], u["budget"], u["granted"], u["kernels"]) for u in alice.device_grants()] == [
         ("GPU-bbbb", TOTAL, 0, 0),
         ("GPU-aaaa", TOTAL, TOTAL, 2),
@@ -706,14 +706,13 @@ def test_the_lease_carries_the_park_report_and_hands_over_the_kernels_the_servic
     ledger.grant("k1", "alice", "python3", wide_open())
     ledger.close()  # its renewer is done: the renewals here are the test's own
     report = [{"kernel_id": "k1", "state": "idle", "idle_for": 61.0, "parkable": True}]
-    ledger.park_report = lambda: report
     asked = []
-    ledger.on_park_requests = asked.append
+    ledger.subscribe(LeaseHooks(park_report=lambda: report, on_park_requests=asked.append))
     standin.park_next = ["k1", "not-mine", 7, ["k1"], "k1"]
-    assert ledger.renew() is True
+    assert ledger.lease.renew() is True
     assert standin.leases[-1]["park"] == report and "wait" not in standin.leases[-1]
     assert asked == [["k1"]]  # only this server's kernels, once each
-    assert ledger.renew() is True and asked == [["k1"]]
+    assert ledger.lease.renew() is True and asked == [["k1"]]
 
 
 def test_the_renewer_waits_in_a_long_poll_renews_at_once_after_an_early_answer_and_close_ends_it(
@@ -722,7 +721,7 @@ def test_the_renewer_waits_in_a_long_poll_renews_at_once_after_an_early_answer_a
     standin.lease_seconds = 8  # renewals every 2 s: each a long poll of 2 s
     ledger = make_ledger()
     asked = threading.Event()
-    ledger.on_park_requests = lambda kernel_ids: asked.set()
+    ledger.subscribe(LeaseHooks(on_park_requests=lambda kernel_ids: asked.set()))
     ledger.grant("k1", "alice", "python3", wide_open())
     wait_for(lambda: len(standin.leases) >= 2 and standin.wake is not None, "the renewer in its long poll")
     assert standin.leases[-1]["wait"] == 2.0
@@ -746,8 +745,8 @@ def test_a_service_without_the_host_broker_gets_plain_renewals(standin, make_led
         ledger.grant("k1", "alice", "python3", wide_open())
         ledger.close()  # its renewer is done: the renewals here are the test's own
         standin.leases.clear()
-        assert ledger.renew() is True
-        assert ledger.renew() is True
+        assert ledger.lease.renew() is True
+        assert ledger.lease.renew() is True
     assert [set(lease) for lease in standin.leases] == [{"server", "kernels"}] * 2
     assert len([r for r in caplog.records if "does not broker device memory" in r.getMessage()]) == 1
 
@@ -757,8 +756,8 @@ def test_a_lease_refused_for_another_reason_keeps_the_park_states(standin, make_
     ledger.grant("k1", "alice", "python3", wide_open())
     ledger.close()
     standin.refuse_leases = True
-    assert ledger.renew() is False  # refused with park states, and without: not a service of an older version
+    assert ledger.lease.renew() is False  # refused with park states, and without: not a service of an older version
     standin.refuse_leases = False
     standin.leases.clear()
-    assert ledger.renew() is True
+    assert ledger.lease.renew() is True
     assert "park" in standin.leases[-1]
