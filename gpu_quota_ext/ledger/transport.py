@@ -136,7 +136,7 @@ class _Connections:
     def factory(self, http_class: Any) -> Callable[..., http.client.HTTPConnection]:
         tracker = self
 
-        class Tracked(http_class):  # type: ignore[misc, valid-type]
+        class Tracked(http_class):
             def connect(self) -> None:
                 super().connect()
                 with tracker._lock:
@@ -171,11 +171,11 @@ def _tracked_handlers(connections: _Connections, ssl_context: Optional[ssl.SSLCo
     """urllib's HTTP and HTTPS handlers, their connections known to `connections`."""
 
     class Http(urllib.request.HTTPHandler):
-        def do_open(self, http_class, req, **kwargs):  # type: ignore[override]
+        def do_open(self, http_class, req, **kwargs):
             return super().do_open(connections.factory(http_class), req, **kwargs)
 
     class Https(urllib.request.HTTPSHandler):
-        def do_open(self, http_class, req, **kwargs):  # type: ignore[override]
+        def do_open(self, http_class, req, **kwargs):
             return super().do_open(connections.factory(http_class), req, **kwargs)
 
     return [Http(), Https(context=ssl_context)]

@@ -715,6 +715,61 @@ def test_the_lease_carries_the_park_report_and_hands_over_the_kernels_the_servic
     assert ledger.lease.renew() is True and asked == [["k1"]]
 
 
+def test_the_lease_thread_sends_the_parkers_report_as_the_event_loop_published_it_and_never_runs_its_round(
+    standin, make_ledger
+):
+    # Parker.round() reads what the event loop owns (its records, the last sample, the kernels' activity): only the
+    # loop runs it, after each sample; the lease's thread sends the report it published then.
+    import datetime
+    from types import SimpleNamespace
+
+    from gpu_quota_ext.parking import Parker, ParkSettings
+    from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+    from gpu_quota_ext.usage import Sample
+    from gpu_quota_ext.usage.sampling import DeviceReading
+
+    standin.lease_seconds = 1  # renewals every 0.25 s
+    ledger = make_ledger()
+    idle_since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=600)
+    kernels = SimpleNamespace(
+        kernel_ids=lambda: ["k1"],
+        activity=lambda kernel_id: ("idle", idle_since),
+        watch_status=lambda kernel_id, on_state: None,
+    )
+    sample = Sample(
+        state="ok", time=time.time(), devices={0: DeviceReading(0, GiB)}, kernels={"k1": {0: GiB}}, pids={"k1": (1,)}
+    )
+    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda index: None)
+    devices = {d.index: d for d in SERVER_DEVICES}
+    parker = Parker(ParkSettings(), FakeCheckpoint(), kernels, ledger, devices, monitor, host=lambda: (None, None))
+    parker.driver_problem = None
+    rounds, reads = [], []
+    real_round, real_report = parker.round, parker.host_report
+
+    def round_():
+        rounds.append(threading.current_thread().name)
+        return real_round()
+
+    def host_report():
+        reads.append(threading.current_thread().name)
+        return real_report()
+
+    parker.round = round_
+    ledger.subscribe(LeaseHooks(park_report=host_report))
+    ledger.grant("k1", "alice", "python3", wide_open())  # the lease's thread starts: nothing published yet
+
+    async def one_sample():
+        parker.on_sample(sample)  # the loop publishes after its sample
+        await parker.stop()
+
+    asyncio.run(one_sample())
+    published = parker.host_report()
+    assert [k["kernel_id"] for k in published] == ["k1"] and published[0]["idle_for"] >= 600
+    wait_for(lambda: any(lease.get("park") == published for lease in standin.leases), "a lease with the report")
+    assert "gpu-quota-lease" in reads  # the lease's thread read the report ...
+    assert rounds and set(rounds) == {threading.main_thread().name}  # ... and only the loop's thread made it
+
+
 def test_the_renewer_waits_in_a_long_poll_renews_at_once_after_an_early_answer_and_close_ends_it(
     standin, make_ledger
 ):
