@@ -40,3 +40,26 @@ def jp_configurable_serverapp(jp_configurable_serverapp, jp_server_config):
         return jp_configurable_serverapp(config=config, **kwargs)
 
     return start
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    """The host service's web app in this process, its hub down (nothing answers the hub's API URL): what a caller
+    gets without a token, or when the hub cannot check it (tests/unit/test_host_service_app.py; through a real
+    proxy: tests/hub/test_bodies_through_the_proxy.py)."""
+    from gpu_quota_ext.hub.service.app import GpuQuotaService
+    from tests.hub.hubtools import unused_port
+
+    closed = unused_port()  # nothing listens there: the hub is down
+    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{closed}/hub/api")
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
+    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
+    config = Config()
+    config.GpuQuotaService.state_dir = str(tmp_path / "state")
+    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
+    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
+    app = GpuQuotaService(config=config)
+    app.build()
+    app.connect_hub()
+    yield app
+    app.store.close()

@@ -23,13 +23,7 @@ from traitlets.config import Config
 from gpu_quota_ext.manager import SETTINGS_KEY
 
 from ..integration.fake_gpu import wait_for
-from ..integration.fake_mps import (  # noqa: F401
-    alive,
-    jp_runtime_dir,
-    other_user,
-    short_tmp,
-    wait_until,
-)
+from ..integration.fake_mps import alive, other_user, wait_until
 from ..integration.kernels import (
     execute,
     kernel_env,

@@ -22,7 +22,7 @@ import pytest
 from traitlets.config import Config
 
 from ..integration.fake_gpu import manager_of, status
-from ..integration.fake_mps import other_user, short_tmp  # noqa: F401 (short_tmp is a fixture)
+from ..integration.fake_mps import other_user
 from ..integration.kernels import execute, restart_kernel, shutdown_kernel, start_kernel
 from ..integration.servers import Server
 from .conftest import kernel_pid, nvml_used_by_pid, record
@@ -262,7 +262,7 @@ async def test_restart_and_shutdown_of_a_parked_kernel_leave_no_process(jp_fetch
 
 
 @pytest.fixture
-def runtime(short_tmp):  # noqa: F811
+def runtime(short_tmp):
     short_tmp.chmod(0o755)  # the other user's server lives under it
     directory = Path(tempfile.mkdtemp(dir=short_tmp))
     directory.chmod(0o755)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 from unittest.mock import Mock
 
 import kubernetes_validate
-import pytest
 from jupyterhub import orm
 from jupyterhub.objects import Hub, Server
 from jupyterhub.utils import maybe_future
@@ -41,8 +40,8 @@ users: [{name: none, user: {token: unused}}]
 """
 
 
-@pytest.fixture(autouse=True)
-def no_cluster(tmp_path, monkeypatch, jp_asyncio_loop):
+def cluster_free(tmp_path, monkeypatch, jp_asyncio_loop) -> Iterator[None]:
+    """KubeSpawner's clients read a kubeconfig of no cluster, for one test (conftest.py's `no_cluster`)."""
     path = tmp_path / "kubeconfig"
     path.write_text(KUBECONFIG)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: the kubeconfig is read
@@ -171,8 +170,7 @@ class FakeApi:
         return web.Application([(r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaimtemplates", Templates)])
 
 
-@pytest.fixture
-def fake_api(jp_asyncio_loop):
+def serving_fake_api(jp_asyncio_loop) -> Iterator["FakeApi"]:
     """FakeApi listening on a free port of 127.0.0.1; `fake_api.host` is what c.KubeSpawner.k8s_api_host takes."""
     api = FakeApi()
 

@@ -23,7 +23,6 @@ import pytest
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH
 from tests.integration.servers import TOKEN, Server
 from tests.kernel_transport import short_directory
-from tests.unit.test_host_service_app import service  # noqa: F401 (the service's web app, no hub answering)
 
 from .hubtools import CHP, PORT_CLASH_STARTS, PORT_CLASHES, listen_here, unused_port
 

@@ -13,7 +13,9 @@ import pytest
 import yaml
 from traitlets.config import Config
 
-from .kube_tools import DRA_VERSIONS, VERSIONS, build_pod, fake_api, group, no_cluster, spawner_for, validate  # noqa: F401
+from .kube_tools import DRA_VERSIONS, VERSIONS, build_pod, group, spawner_for, validate
+
+pytestmark = pytest.mark.usefixtures("no_cluster")  # every test: KubeSpawner finds no cluster
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "admin" / "kubernetes.md"
 FENCE = re.compile(r"^(?P<indent>[ ]*)```yaml[ ]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S)

@@ -23,17 +23,9 @@ from gpu_quota_ext.hub.kube import ClaimTemplateError, configure_kubespawner_gpu
 from gpu_quota_ext.policy import PolicyError
 from gpu_quota_ext.shared.sizes import MiB
 
-from .kube_tools import (  # noqa: F401
-    DRA_VERSIONS,
-    build_pod,
-    container,
-    fake_api,
-    group,
-    kubelet_annotations_file,
-    no_cluster,
-    record_of,
-    spawner_for,
-)
+from .kube_tools import DRA_VERSIONS, build_pod, container, group, kubelet_annotations_file, record_of, spawner_for
+
+pytestmark = pytest.mark.usefixtures("no_cluster")  # every test: KubeSpawner finds no cluster
 
 GPU, MEM, PCT, CORES = "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores"
 HAMI_RESOURCES = (GPU, MEM, PCT, CORES)

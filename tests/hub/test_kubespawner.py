@@ -14,7 +14,9 @@ from traitlets.config import Config
 from gpu_quota_ext.hub.kube import configure_kubespawner_gpu
 from gpu_quota_ext.policy import PolicyError
 
-from .kube_tools import build_pod, container, group, no_cluster, record_of, spawner_for  # noqa: F401
+from .kube_tools import build_pod, container, group, record_of, spawner_for
+
+pytestmark = pytest.mark.usefixtures("no_cluster")  # every test: KubeSpawner finds no cluster
 
 GPU, MEM, PCT, CORES = "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores"
 GPU_TYPE, GPU_POLICY = "nvidia.com/use-gputype", "hami.io/gpu-scheduler-policy"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.manager import SETTINGS_KEY
 
 from ..waiting import wait_for
@@ -27,13 +25,6 @@ def fake_gpu_config(enforce: str = "warn", **gpu_quota) -> Config:
     }
     settings.update(gpu_quota)
     return Config(static_devices_config("16GiB", "16GiB", **settings))
-
-
-@pytest.fixture
-def fake_nvml():
-    FakeNvml.reset()
-    yield FakeNvml
-    FakeNvml.reset()
 
 
 def manager_of(serverapp):

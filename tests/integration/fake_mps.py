@@ -6,12 +6,10 @@ import os
 import pwd
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import pytest
 from traitlets.config import Config
 
 FAKE_CONTROL = Path(__file__).parents[1] / "fake_mps" / "nvidia-cuda-mps-control"
@@ -43,21 +41,6 @@ def mps_config(*totals: str, **gpu_quota) -> Config:
             "StaticInventory": {"devices": devices},
         }
     )
-
-
-@pytest.fixture(scope="session")
-def short_tmp():
-    directory = tempfile.mkdtemp(prefix="gq", dir="/tmp")
-    yield Path(directory)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def jp_runtime_dir(short_tmp):
-    """A short runtime directory: the daemon's sockets live under it, and a Unix socket's path is at most
-    107 bytes (pytest's own temporary paths come close). Removed at the end of the session, after every
-    server's own cleanup (which runs after function-scoped fixtures are torn down)."""
-    return Path(tempfile.mkdtemp(dir=short_tmp))
 
 
 def control(pipe_directory: str, commands: str, timeout: float = 10) -> str:

@@ -7,17 +7,7 @@ from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import (  # noqa: F401
-    POLL,
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    status,
-    wait_for,
-)
+from .fake_gpu import POLL, fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
 from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 

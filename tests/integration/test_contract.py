@@ -10,7 +10,7 @@ import pytest
 
 from gpu_quota_ext.shared import contract
 
-from .fake_gpu import fake_gpu_config, fake_nvml  # noqa: F401
+from .fake_gpu import fake_gpu_config
 from .kernels import start_kernel
 
 PARK = "park"  # each kernel's park object in the status answer (shared.contract, PARK_FIELDS)

@@ -15,18 +15,7 @@ from gpu_quota_ext.policy import GiB, MiB
 from gpu_quota_ext.usage import KernelManagerView
 
 from .fake_gpu import manager_of, status, wait_for
-from .fake_mps import (  # noqa: F401 (jp_runtime_dir is a fixture)
-    FAKE_CONTROL,
-    MPS_VARIABLES,
-    alive,
-    control,
-    fake_processes,
-    jp_runtime_dir,
-    mps_config,
-    other_user,
-    short_tmp,
-    start_daemon,
-)
+from .fake_mps import FAKE_CONTROL, MPS_VARIABLES, alive, control, fake_processes, mps_config, other_user, start_daemon
 from .kernels import (
     execute,
     kernel_env,

@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .fake_mps import (  # noqa: F401
-    FAKE_CONTROL,
-    alive,
-    control,
-    fake_processes,
-    short_tmp,
-    wait_until,
-)
+from .fake_mps import FAKE_CONTROL, alive, control, fake_processes, wait_until
 from .servers import Server
 
 pytestmark = pytest.mark.slow  # whole servers started and stopped, each test

@@ -10,12 +10,11 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
-from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared import contract
 from gpu_quota_ext.usage.history import POINTS_MAX
 
-from .fake_gpu import POLL, fake_gpu_config, fake_nvml, kernel_pid, manager_of, next_samples, wait_for  # noqa: F401
+from .fake_gpu import POLL, fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for
 from .kernels import execute, shutdown_kernel, start_kernel
 
 WAIT = 30.0  # a deadline on a busy 2-core machine, not a threshold
@@ -24,13 +23,6 @@ WAIT = 30.0  # a deadline on a busy 2-core machine, not a threshold
 @pytest.fixture
 def jp_server_config():
     return fake_gpu_config("warn", checkpoint_class="gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint")
-
-
-@pytest.fixture
-def fake_driver(fake_nvml):
-    FakeCheckpoint.reset()
-    yield FakeCheckpoint
-    FakeCheckpoint.reset()
 
 
 async def history(jp_fetch, since=None):

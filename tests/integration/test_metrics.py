@@ -8,14 +8,7 @@ import pytest
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.status import collector as gpu_metrics
 
-from .fake_gpu import (  # noqa: F401
-    fake_gpu_config,
-    fake_nvml,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    wait_for,
-)
+from .fake_gpu import fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for
 from .kernels import shutdown_kernel, start_kernel
 
 

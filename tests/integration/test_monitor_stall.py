@@ -10,16 +10,7 @@ import pytest
 from gpu_quota_ext.policy import GiB
 
 from ..kernel_transport import short_directory
-from .fake_gpu import (  # noqa: F401
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    status,
-    wait_for,
-)
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
 from .fake_mps import wait_until
 from .kernels import shutdown_kernel, start_kernel
 from .servers import Server

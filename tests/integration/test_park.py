@@ -20,16 +20,7 @@ from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_FIELDS
 
-from .fake_gpu import (  # noqa: F401
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    status,
-    wait_for,
-)
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
 from .kernels import (
     execute,
     restart_kernel,
@@ -52,13 +43,6 @@ def park():
 @pytest.fixture
 def jp_server_config(park):
     return fake_gpu_config("warn", **park)
-
-
-@pytest.fixture
-def fake_driver(fake_nvml):
-    FakeCheckpoint.reset()
-    yield FakeCheckpoint
-    FakeCheckpoint.reset()
 
 
 def parker_of(serverapp):
@@ -368,13 +352,6 @@ BROKER = {
     "placement": "pack",  # all on GPU 0: three 7 GiB caps on a 16 GiB device
     "park_min_idle": "0",
 }
-
-
-@pytest.fixture
-def full_devices(fake_driver):
-    """The fake GPUs can fill up: 16 GiB each, as the test servers' static inventory says."""
-    FakeNvml.totals = {"static-0": 16 * GiB, "static-1": 16 * GiB}
-    yield FakeNvml.totals
 
 
 async def three_kernels(jp_fetch, jp_serverapp):

@@ -11,17 +11,9 @@ import pytest
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import (  # noqa: F401
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    status,
-    wait_for,
-)
+from .fake_gpu import fake_gpu_config, manager_of, wait_for
 from .kernels import execute, restart_kernel, run_cell, start_kernel
-from .test_park import FAKE_DRIVER, WAIT, fake_driver, holding_gpu, park_state, post, wait_state  # noqa: F401
+from .test_park import FAKE_DRIVER, WAIT, holding_gpu, park_state, post, wait_state
 
 SAID = "gpu-quota: this kernel was restarted at "
 

@@ -10,7 +10,7 @@ from gpu_quota_ext.parking.decisions import MPS_REASON
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 
 from .fake_gpu import kernel_entry, status, wait_for
-from .fake_mps import jp_runtime_dir, mps_config, short_tmp  # noqa: F401 (fixtures)
+from .fake_mps import mps_config
 from .kernels import start_kernel
 from .test_bad_config import STATIC, start_server
 

@@ -7,7 +7,7 @@ import pytest
 
 from gpu_quota_ext.usage import kernels as kernel_manager_view
 
-from .fake_gpu import fake_gpu_config, fake_nvml, manager_of  # noqa: F401
+from .fake_gpu import fake_gpu_config, manager_of
 from .kernels import shutdown_kernel, start_kernel
 
 

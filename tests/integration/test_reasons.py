@@ -14,7 +14,7 @@ from gpu_quota_ext.kernel.reasons import NVIDIA_DRIVER_FILE
 from gpu_quota_ext.shared import contract
 from gpu_quota_ext.shared.reasons import NO_DRIVER
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, status, wait_for  # noqa: F401
+from .fake_gpu import fake_gpu_config, kernel_entry, status, wait_for
 from .kernels import shutdown_kernel, start_kernel
 
 needs_no_driver = pytest.mark.skipif(os.path.exists(NVIDIA_DRIVER_FILE), reason="this machine has an NVIDIA driver")

@@ -29,40 +29,6 @@ from .kernels import (
 )
 
 
-class LogLines(logging.Handler):
-    """Every record of the loggers a refusal could write to (the server's own logger does not propagate)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        # The extension's logger writes through the server's log too: one record may reach us twice.
-        if not any(record is seen for seen in self.records[-8:]):
-            self.records.append(record)
-
-    def tracebacks(self):
-        return [r for r in self.records if r.exc_info or "Traceback" in r.getMessage()]
-
-    def ours(self):
-        return [r for r in self.records if r.name == "gpu_quota_ext"]
-
-
-@pytest.fixture
-def server_log(jp_serverapp):
-    handler = LogLines()
-    loggers = [jp_serverapp.log, logging.getLogger("gpu_quota_ext"), logging.getLogger("tornado.application"),
-               logging.getLogger("tornado.general")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.addHandler(handler)
-        logger.setLevel(logging.DEBUG)
-    yield handler
-    for logger, level in zip(loggers, levels):
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 async def leftovers(serverapp) -> dict:
     """What a start may take and must give back when it does not happen (once the ledger's calls,
     made in a thread, are done)."""

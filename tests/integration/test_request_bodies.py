@@ -15,9 +15,8 @@ import json
 
 import pytest
 
-from .fake_gpu import fake_gpu_config, fake_nvml, manager_of  # noqa: F401
+from .fake_gpu import fake_gpu_config, manager_of
 from .kernels import shutdown_kernel, start_kernel
-from .test_refusals import server_log  # noqa: F401
 
 BAD_LENGTHS = ["abc", "1, 2", "-5", "\u00b2", "0x10", "1e3"]
 
@@ -52,7 +51,7 @@ def routes(base_url, kernel_id):
 
 
 async def test_a_malformed_content_length_is_a_400_on_every_route(
-    jp_fetch, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, server_log  # noqa: F811
+    jp_fetch, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, server_log
 ):
     kernel_id = await start_kernel(jp_fetch)
     manager = manager_of(jp_serverapp)

@@ -13,23 +13,17 @@ from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import manager_of, next_samples, wait_for
+from .fake_gpu import fake_gpu_config, manager_of, next_samples, wait_for
 from .kernels import execute, run_cell, start_kernel
-from .test_park import (  # noqa: F401  (fixtures: the server of these tests)
-    BROKER,
-    WAIT,
-    calls,
-    fake_driver,
-    fake_nvml,
-    full_devices,
-    holding_gpu,
-    jp_server_config,
-    park,
-    park_state,
-    parker_of,
-)
+from .test_park import BROKER, WAIT, calls, holding_gpu, park_state, parker_of
 
 ROOM = {**BROKER, "park_on_device_full": "on"}
+
+
+@pytest.fixture
+def jp_server_config(park):
+    """test_park.py's server, with the parking settings each test gives (@pytest.mark.parametrize("park", ...))."""
+    return fake_gpu_config("warn", **park)
 
 
 async def a_idle_holding_most_of_the_device(jp_fetch, jp_serverapp):

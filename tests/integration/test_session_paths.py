@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from .fake_gpu import fake_gpu_config, fake_nvml, kernel_entry, status  # noqa: F401
+from .fake_gpu import fake_gpu_config, kernel_entry, status
 from .kernels import shutdown_kernel, start_kernel
 
 

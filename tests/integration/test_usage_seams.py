@@ -11,15 +11,7 @@ import threading
 import pytest
 from traitlets.config import Config
 
-from .fake_gpu import (  # noqa: F401
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    status,
-)
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
 from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config
 
 

@@ -13,17 +13,7 @@ import pytest
 
 from gpu_quota_ext.policy import GiB
 
-from .fake_gpu import (  # noqa: F401
-    POLL,
-    fake_gpu_config,
-    fake_nvml,
-    kernel_entry,
-    kernel_pid,
-    manager_of,
-    next_samples,
-    status,
-    wait_for,
-)
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
 from .kernels import (
     execute,
     restart_kernel,

@@ -21,24 +21,7 @@ from gpu_quota_ext.ledger import AdmissionRefused
 from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.policy import parse_cap
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
-from tests.hub.hubtools import listen_here, unused_port
-
-
-@pytest.fixture
-def service(tmp_path, monkeypatch):
-    closed = unused_port()  # nothing listens there: the hub is down
-    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{closed}/hub/api")
-    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
-    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
-    app = GpuQuotaService(config=config)
-    app.build()
-    app.connect_hub()
-    yield app
-    app.store.close()
+from tests.hub.hubtools import listen_here
 
 
 def test_no_token_is_401_and_a_hub_that_does_not_answer_is_503_with_nothing_granted(service):
