@@ -96,7 +96,8 @@ class RemoteLedger(HeldGrants):
     ) -> Optional["RemoteLedger"]:
         """The remote ledger the hub asks for ($GPU_QUOTA_SERVICE_URL), or None when it asks for none.
         PolicyError when the hub set something that is not a service's URL, or gave this server no token
-        to present: the server refuses to start, rather than fail every kernel start."""
+        to present: the server refuses to start, rather than fail every kernel start. Only the hub sets the URL
+        (hub/service/configure.py): no c.GpuQuota setting names it, so a user's config cannot point it elsewhere."""
         url = (environ.get(SERVICE_URL_ENV) or "").strip()
         if not url:
             return None
@@ -264,6 +265,7 @@ class RemoteLedger(HeldGrants):
         self.lease.subscribe(hooks)
 
     def held(self) -> List[str]:
+        """The kernel ids this server holds a grant for: what each renewal lists."""
         with self._lock:
             return list(self._grants)
 
