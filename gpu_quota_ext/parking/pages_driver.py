@@ -122,4 +122,5 @@ class PagesDriver(CheckpointDriver):
             return
         code = code if isinstance(code, int) else -1
         message = str(answer.get("message") or answer.get("error") or "no message")
-        raise CheckpointError(f"the fast {action}", pid, code, f"{CODE_NAMES.get(code, code)}: {message}")
+        name = str(CODE_NAMES.get(code, f"code {code}"))
+        raise CheckpointError(f"the fast {action}", pid, code, message if name in message else f"{name}: {message}")

@@ -1135,10 +1135,11 @@ class Parker:
         if isinstance(outcome, CheckpointError) and plan is not None:
             # The fast path's resume gives back what it took and keeps every byte on the host: the kernel is
             # parked and whole, and waits for room again (the checkpoint path's failed restore is for good).
+            outcome = resume_deferred_reason(outcome.code, outcome.name, sum(need.values()))
             log.warning("gpu-quota-ext: kernel %s: the fast resume did not go through: %s", kernel_id, outcome)
-            outcome = resume_deferred_reason(outcome.code, str(outcome), sum(need.values()))
-        if isinstance(outcome, str):
+        elif isinstance(outcome, str):
             log.warning("gpu-quota-ext: kernel %s: restore not asked: %s", kernel_id, outcome)
+        if isinstance(outcome, str):
             self._handle_if_current(kernel_id, op, RestoreDeferred(op, outcome))
             self.monitor.sample_soon()  # the broker decides again on a reading taken after this one
         elif isinstance(outcome, CheckpointError):

@@ -26,7 +26,7 @@ from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
 def park(state="busy", **fields) -> dict:
     """A park object with exactly the contract's fields."""
     value = {"state": state, "since": None, "idle_seconds": None, "host_bytes": None, "parkable": True, "reason": None}
-    value.update(waited=None, wait_limit=300.0, told=False, room=None, lost=None)
+    value.update(waited=None, wait_limit=300.0, told=False, room=None, lost=None, path=None)
     value.update(fields)
     assert set(value) == set(PARK_FIELDS)
     return value
