@@ -999,12 +999,13 @@ class Parker:
         is off: then nothing about paths is said, and every kernel parks as it always has."""
         if self.settings.fast_park != "on":
             return None
-        choice = choose_path(kernel_facts(self.settings.fast_park, facts, parked, processes))
+        known = kernel_facts(self.settings.fast_park, facts, parked, processes)
+        choice = choose_path(known)
         if choice.path != PAGES:
             return ParkPlan(op, choice)
-        served = int(facts["served_bytes"])  # type: ignore[index]  # PAGES: the kernel said it
-        arena_now = facts.get("arena_bytes") if isinstance(facts, dict) else 0  # type: ignore[union-attr]
-        arena_now = arena_now if isinstance(arena_now, int) else 0
+        served = known.served_bytes
+        arena_now = facts.get("arena_bytes") if isinstance(facts, dict) else 0
+        arena_now = arena_now if isinstance(arena_now, int) and not isinstance(arena_now, bool) else 0
         return ParkPlan(op, choice, served, arena_bytes(served), host_need(served, arena_now))
 
     def _pages_plan(self, kernel_id: str) -> Optional[ParkPlan]:
