@@ -949,12 +949,14 @@ class Parker:
                 check.set_result(None)
 
     async def _check_park(self, kernel_id: str, op: int) -> None:
-        facts: Optional[dict] = None
+        # A kernel without the bootstrap (not a Python kernel) never had the library: it says so by having no say.
+        facts: Optional[dict] = {"preloaded": False}
         if self.channel is not None and self.bootstrapped(kernel_id):
             answer = await self.channel.ask(kernel_id, {"action": "trim"}, self.settings.trim_timeout)
             if answer and isinstance(answer.get("freed"), int) and answer["freed"] > 0:
                 log.info("gpu-quota-ext: kernel %s emptied %d bytes of cached GPU memory before parking",
                          kernel_id, answer["freed"])
+            facts = None
             if self.settings.fast_park == "on":  # after the trim: what the library maps is what stays in use
                 facts = await self.channel.ask(kernel_id, {"action": "facts"}, self.settings.trim_timeout)
         await self._fresh_sample()

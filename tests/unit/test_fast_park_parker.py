@@ -128,7 +128,7 @@ class Monitor:
 
 
 class Setup:
-    def __init__(self, fast_park: str = "on", torch_cuda: bool = True):
+    def __init__(self, fast_park: str = "on", torch_cuda: bool = True, bootstrapped: bool = True):
         FakeNvml.reset()
         FakeCheckpoint.reset()
         FakeNvml.totals = {UUID: TOTAL}
@@ -147,7 +147,7 @@ class Setup:
             self.monitor,
             host=lambda: (HOST, None),
             channel=self.kernel,  # type: ignore[arg-type]
-            bootstrapped=lambda kernel_id: True,
+            bootstrapped=lambda kernel_id: bootstrapped,
         )
         promise = self.parker._promise_host
 
@@ -339,3 +339,10 @@ def test_the_channel_is_asked_on_the_loop_from_a_thread():
         return await asyncio.get_running_loop().run_in_executor(None, ask, {"action": "facts"}, 1.0)
 
     assert asyncio.run(main()) == {"kernel": "k9", "action": "facts"}
+
+
+def test_a_kernel_without_the_bootstrap_is_not_asked_and_takes_the_checkpoint_path(setup):
+    s = setup(bootstrapped=False)
+    park = s.park()
+    assert park["state"] == "parked" and s.kernel.actions() == []
+    assert park["path"]["path"] == "checkpoint" and "started without the fast park library" in park["path"]["reason"]
