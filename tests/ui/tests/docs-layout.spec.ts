@@ -61,8 +61,9 @@ function url(page: string): string {
 /** The site's top-level pages: those the header links to (its "More" menu included), as the home page lists them. */
 async function topLevelPages(page: Page): Promise<string[]> {
   await page.goto(url('index.html'));
+  const header = '.bd-header .navbar-header-items__center';
   const hrefs = await page
-    .locator('.bd-header .navbar-header-items__center a.nav-link, .bd-header .navbar-header-items__center a.dropdown-item')
+    .locator(`${header} a.nav-link, ${header} a.dropdown-item`)
     .evaluateAll(links => links.map(link => (link as HTMLAnchorElement).href));
   const found = [...new Set(hrefs.map(href => path.relative(site, decodeURI(new URL(href).pathname))))];
   expect(found).toContain('getting-started.html');
