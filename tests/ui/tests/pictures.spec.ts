@@ -7,9 +7,11 @@
  * the scenario's fake NVML and checkpoint driver (../ui_scenario.py), sampling every 0.25 s so that a minute
  * and a quarter fills a chart's 300 samples. Five notebooks, as a user opens them: a training run whose usage
  * climbs towards (not past) its cap, a fine-tune, one parked from the sidebar, two smaller ones; under the
- * training notebook's cell, its `%gpucap panel` with the chart of its usage history. Every figure comes from
- * the real server; only what NVML and the checkpoint driver report is the scenario's. Before each picture the
- * spec checks that the panel and the status bar show no error or warning (expectHealthy), so that a change
+ * training notebook's cell, its `%gpucap panel` with the chart of its usage history. Then, for the one picture
+ * that shows trouble on purpose (sidebar-trouble-light.png, where the sidebar guide says what goes wrong), a
+ * kernel past its cap, a resume that waits for device memory and a GPU that NVML cannot read. Every figure comes from
+ * the real server; only what NVML and the checkpoint driver report is the scenario's. Before each healthy picture
+ * the spec checks that the panel and the status bar show no error or warning (expectHealthy), so that a change
  * of the scenario or of the server cannot put one in the docs unseen. Time passes by the server's own samples
  * (waited for in its history), never by sleeping.
  */
@@ -160,4 +162,33 @@ test('the pictures of docs/images', async ({ page, tmpPath }) => {
     await page.screenshot({ path: shot(`lab-${theme}.png`) });
     await usagePanel.screenshot({ path: shot(`panel-${theme}.png`) });
   }
+
+  // One picture of what goes wrong, on purpose, for the sidebar guide's paragraph on it (sidebar-trouble-light.png):
+  // the fine-tune goes past its cap (the watchdog warns), the eval notebook is parked and asked back while processes
+  // outside this server hold most of GPU 0 (the broker has no room for it and no kernel idle long enough to park:
+  // the config's park_min_idle, so it waits, saying for how long and what for), then GPU 1 stops answering NVML
+  // (the notes notebook, which reported no allocator figures, is unknown; the banner says which GPU).
+  await page.theme.setLightTheme();
+  await row(page, evaluation.id).getByRole('button', { name: 'Park' }).click();
+  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(/^parked since/, {
+    timeout: 30000
+  });
+  // GPU 0 (80 GiB): 66 GiB held outside this server and the training run's 11.2 leave less than eval's 4 GiB.
+  const crowded = { [train.uuid]: 66 * GiB, [gpu1]: 0.5 * GiB };
+  await setScenario(page, { usage: usage(11.2 * GiB, 11.2 * GiB), other_used: crowded });
+  await samplesPass(page, train.id, 2);
+  await allocator(finetune, 8.8 * GiB, 9.3 * GiB); // NVML counts 11.2 GiB: its context, and CuPy
+  await row(page, evaluation.id).getByRole('button', { name: 'Resume' }).click();
+  await samplesPass(page, train.id, 40);
+  await expect(row(page, evaluation.id).locator('.jp-GpuQuota-line')).toHaveText(
+    /^waiting for device memory for \d+ s \(limit 5 min\): needs 4\.0 GiB on GPU 0$/
+  );
+  await expect(row(page, finetune.id).locator('.jp-GpuQuota-action')).toContainText('Watchdog: warn');
+  await setScenario(page, { usage: usage(11.2 * GiB, 11.2 * GiB), other_used: crowded, lost: [gpu1] });
+  await expect(row(page, notes.id).locator('.jp-GpuQuota-figure')).toHaveText('unknown / 10 GiB');
+  await expect(panel.locator('.jp-GpuQuota-message')).toHaveText(/^Some GPUs cannot be read/);
+  await samplesPass(page, train.id, 12);
+  await panel.evaluate(node => node.scrollTo(0, 0));
+  await transitionsDone(page);
+  await panel.screenshot({ path: shot('sidebar-trouble-light.png') });
 });
