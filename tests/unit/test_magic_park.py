@@ -173,6 +173,14 @@ def test_state_words():
     assert (
         state_words(park("parked", since=since, host_bytes=int(17.8 * GiB))) == "parked since 14:02, 17.8 GiB on host"
     )
+    fast = {"path": "pages", "reason": "torch", "stays_on_device": 612 * 2**20}
+    assert state_words(park("parked", since=since, host_bytes=20 * GiB, path=fast)) == (
+        "parked since 14:02, 20.0 GiB on host (fast park: 612.0 MiB stays on the GPU)"
+    )
+    slow = {"path": "checkpoint", "reason": "no torch", "stays_on_device": 0}
+    assert state_words(park("parked", since=since, host_bytes=20 * GiB, path=slow)) == (
+        "parked since 14:02, 20.0 GiB on host"
+    )
     assert state_words(park("resuming")) == "resuming"
     assert state_words(park("waiting", reason="GPU 0 has 2.0 GiB free, 17.8 GiB needed")) == (
         "waiting for device memory (limit 5 min): GPU 0 has 2.0 GiB free, 17.8 GiB needed"
