@@ -13,10 +13,7 @@ from gpu_quota_ext.parking.pages import build as pages_build
 from gpu_quota_ext.policy import GiB
 from tests.fake_cuda import build_fake
 
-from .fake_gpu import (
-    fake_gpu_config,
-    manager_of,
-)
+from .fake_gpu import fake_gpu_config, manager_of
 from .kernels import execute, start_kernel
 from .test_park import FAKE_DRIVER, calls, holding_gpu, post, wait_state
 
