@@ -12,7 +12,8 @@ does.
 Both users' first kernels hold 4 GiB (their cap) and sit idle past park_min_idle. Bob's cannot park: the service's
 status and its admin page say he keeps those 4 GiB idle, counted against his user_budget (10 GiB) on top of his
 grant (unparkable_idle = "count", the default). His second kernel (4 GiB more: 4 + 4 kept + 4 > 10) is refused, with
-words that say why; alice's second kernel (4 + 4 <= 10) starts. Nothing is left behind: no grant of the refused
+words that say why; alice's second kernel (4 + 4 <= 10) starts. While bob's kernel runs a cell it keeps nothing
+idle, and his second kernel starts too. Nothing is left behind: no grant of the refused
 start, no kernel process of it, no more long polls than servers, the service's fds and threads counted before and
 after, and every grant and long poll gone with the servers.
 
@@ -125,7 +126,7 @@ def test_idle_memory_a_server_cannot_park_counts_against_its_users_budget_and_th
             hub = Hub(tmp_path, textwrap.dedent(text))
             hub.start()
             try:
-                asyncio.run(Scenario(hub, service, accounts, users, str(nvml_file)).run())
+                asyncio.run(Scenario(hub, service, accounts, users, str(nvml_file), shared).run())
             except BaseException:
                 print("---- jupyterhub log (tail) ----\n" + hub.log_tail(30000))
                 raise
@@ -163,8 +164,9 @@ def kernel_process(kernel_id: str) -> psutil.Process:
 
 
 class Scenario:
-    def __init__(self, hub: Hub, service, accounts, users: dict, nvml_file: str):
+    def __init__(self, hub: Hub, service, accounts, users: dict, nvml_file: str, shared: Path):
         self.hub, self.service, self.accounts, self.nvml_file = hub, service, accounts, nvml_file
+        self.shared = shared
         self.alice, self.bob = users["alice"], users["bob"]
         self.users = [self.alice, self.bob]
         self.tokens: dict = {}
@@ -187,6 +189,10 @@ class Scenario:
     async def start_kernel(self, user: str, ok=(201,)):
         body = {"name": "python3"}
         return await self.hub.api("POST", f"/user/{user}/api/kernels", body, token=self.tokens[user], ok=ok)
+
+    async def granted(self, kernel_id: str):
+        grants = {g["kernel_id"]: g for g in await self.grants()}
+        return kernel_id in grants and grants
 
     def service_process(self) -> psutil.Process:
         pid = self.service.pid()
@@ -274,16 +280,35 @@ class Scenario:
         _, alices_second = await self.start_kernel(self.alice)
         ka2 = alices_second["id"]
 
-        async def alices_granted():
-            grants = {g["kernel_id"]: g for g in await self.grants()}
-            return ka2 in grants and grants
-
-        grants = await wait_for(alices_granted, "alice's second kernel's grant")
+        grants = await wait_for(lambda: self.granted(ka2), "alice's second kernel's grant")
         assert {d["cap"] for d in grants[ka2]["devices"]} == {4 * GiB}, grants[ka2]
         assert sorted(grants) == sorted([ka, kb, ka2])  # nothing of bob's refused start
         assert {p.pid for p in kernel_processes(self.accounts.uid(self.bob))} == bobs_kernels
         _, bobs_list = await hub.api("GET", f"/user/{self.bob}/api/kernels", token=self.tokens[self.bob])
         assert [k["id"] for k in bobs_list] == [kb]
+
+        # What refused him was the idle memory he keeps: while his kernel runs a cell (until the test lets it end),
+        # it keeps nothing idle, and his second kernel (4 + 4 <= 10) starts.
+        go_on = self.shared / "bobs-cell-may-end"
+        code = f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n    time.sleep(0.05)\nprint('done')"
+        cell = asyncio.ensure_future(hub.execute(self.bob, self.tokens[self.bob], kb, code, timeout=2 * DEADLINE))
+        try:
+            async def busy_keeps_nothing():
+                status = await self.status()
+                rows = {k["kernel_id"]: k for k in status["kernels"]}
+                users = {u["name"]: u for u in status["users"]}
+                busy = (rows[kb].get("park") or {}).get("state") == "busy"
+                return busy and status["kept_idle"] == [] and users[self.bob]["kept_idle"] == 0 and status
+
+            await wait_for(busy_keeps_nothing, "bob's kernel busy, keeping no idle memory")
+            _, bobs_second = await self.start_kernel(self.bob)
+            kb2 = bobs_second["id"]
+        finally:
+            go_on.touch()
+        ran = await cell
+        assert ran["status"] == "ok" and ran["stdout"].strip() == "done", ran
+        grants = await wait_for(lambda: self.granted(kb2), "bob's second kernel's grant")
+        assert sorted(grants) == sorted([ka, kb, ka2, kb2]) and {d["cap"] for d in grants[kb2]["devices"]} == {HELD}
 
         # Counted after: no more long polls than servers, the service's fds and threads.
         status = await self.status()
