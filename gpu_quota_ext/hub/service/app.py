@@ -638,6 +638,8 @@ class GpuQuotaService(Application):
         if admin:
             room["long_polls"] = self.polls.count()
             room["refused_calls"] = self.guard.refused
+            # Host memory promised to parks under way (every user's: HostRoom.promise_host), not yet on the host.
+            room["host_memory"] = {"promised": self.room.host_promised()}
         return build_status(
             self.book,
             self.sampler.last,

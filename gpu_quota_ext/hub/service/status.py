@@ -10,7 +10,8 @@ whose the process is. The host's broker (room.py): each kernel's `park` state as
 the kernels `waiting` for device memory (how long, why), the `reservations` of resumes under way and the
 `park_requests` for idle kernels, and the `kept_idle` memory of kernels idle that could not be parked
 (limits.kept_idle: per kernel, and per user in their row); an admin also sees how many leases wait in a long poll
-(`long_polls`) and how many calls were answered 429 (`refused_calls`, guard.py).
+(`long_polls`), how many calls were answered 429 (`refused_calls`, guard.py) and the host memory promised to parks
+under way, every user's (`host_memory`: HostRoom.promise_host).
 """
 
 from __future__ import annotations
@@ -132,4 +133,5 @@ def build_status(
         "kept_idle": kept_idle,
         **({"long_polls": room["long_polls"]} if admin and "long_polls" in room else {}),
         **({"refused_calls": room["refused_calls"]} if admin and "refused_calls" in room else {}),
+        **({"host_memory": room["host_memory"]} if admin and "host_memory" in room else {}),
     }
