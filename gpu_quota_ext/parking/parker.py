@@ -38,7 +38,7 @@ import psutil
 
 from ..devices import Device
 from ..ledger import Ledger, UnknownKernel
-from ..shared.park_state import MOVING, ParkState
+from ..shared.park_state import ParkState
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
 from .broker import Demand as BrokerDemand
@@ -752,16 +752,15 @@ class Parker:
         record: Optional[ParkRecord],
         execution_state: Optional[str],
         last: Optional[float],
-        used: Mapping[int, int],
         sample: "Sample",
         now: float,
     ) -> Said:
         """What this server knows of one kernel for shown.shown_as: its record (or jupyter_server's busy/idle), as of
-        now. Its park's bytes are in the sample when the sample was taken before the park ended. A park done here is
-        known done (its driver call returned): only one under way is timed against park_time."""
+        now. Its park's bytes are in the sample when the sample was taken before the park ended. Its park is not timed
+        against park_time: this server sees its driver call, out until it returns or is marked stuck (the host
+        service, which cannot see it, times it; and ends its host promise by this server's report)."""
         held = record is not None and record.shows_park
         state = record.state if held else activity_state(execution_state)
-        moving = held and state in MOVING
         return Said(
             state=state,
             at=now,
@@ -769,9 +768,7 @@ class Parker:
             parkable=state == ParkState.IDLE
             and self.problem(kernel_id) is None
             and not (record is not None and record.refused),
-            park_since=record.since if moving and state == ParkState.PARKING else None,
-            park_bytes=max(sum(used.values()), sum(record.parked.values())) if moving else 0,
-            in_reading=moving and state == ParkState.PARKED and (sample.time is None or record.since >= sample.time),
+            in_reading=held and state == ParkState.PARKED and (sample.time is None or record.since >= sample.time),
             stuck=held and record.stuck is not None,
         )
 
@@ -799,7 +796,7 @@ class Parker:
             record = self.records.get(kernel_id)
             execution_state, last = kernel_activity(self.kernels, kernel_id)
             used = dict(sample.kernels.get(kernel_id, {})) if readable else {}
-            view = shown_as(self._said(kernel_id, record, execution_state, last, used, sample, now), now)
+            view = shown_as(self._said(kernel_id, record, execution_state, last, sample, now), now)
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,

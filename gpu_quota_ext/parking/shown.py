@@ -8,10 +8,11 @@ server's last report) and correct it with what the broker must not be told wrong
 - a kernel never heard of is BUSY (its memory and the headroom its cap allows are claimed) and never parked;
 - PARKED while the device's last reading still counts the park's bytes (the reading was taken before the park
   ended) is PARKING: its bytes are leaving, the broker waits for them and parks nobody else for them;
-- PARKING is believed no longer than a park can take (`park_time`: its bytes at PARK_RATE, plus PARK_MARGIN,
-  counted from when the park was first said to be under way) and not while its driver call is known not to have
-  returned (park_call_timeout): then it is BUSY, its bytes not waited for (they may never leave) and its headroom
-  claimed, so that one park that does not end never holds up everyone else's resume;
+- PARKING is believed while its driver call is out and has not been found stuck (park_call_timeout), where that
+  call can be seen (the parker's own); where it cannot (the host service, of other servers' kernels), no longer
+  than a park can take (`park_time`: its bytes at PARK_RATE, plus PARK_MARGIN, from when the park was first said
+  to be under way). Beyond that it is BUSY: its bytes are not waited for (they may never leave) and its headroom
+  is claimed, so that one park that does not end never holds up everyone else's resume;
 - idle time is the idle time said, plus how long ago it was said, and only of an IDLE kernel;
 - parkable only when IDLE and its own side says parking can work for it.
 
@@ -21,12 +22,14 @@ memory, taken no later than its server's first report of "parked" (the park ende
 later sample shows is what the driver leaves on the device, not the park's bytes).
 
 What changed when the two derivations became this one (issue 28, issue 32 item 1):
-- the parker: a park under way longer than `park_time` is shown BUSY (it was only once park_call_timeout, 600 s by
-  default, marked its driver call stuck); idle time is given for IDLE kernels only (a parked kernel's
-  jupyter_server idle time was given too, and read by nobody);
+- the parker: idle time is given for IDLE kernels only (a parked or pending kernel's jupyter_server idle time was
+  given too, and read by nobody: the broker looks at idle kernels' only, the host service dropped the others');
 - the host service: a kernel reported parked whose memory a sample taken after that report still shows is shown
   PARKED (it was PARKING, then BUSY once `park_time` had passed, claiming its whole cap's headroom: the fast park
   path leaves its CUDA context, ~0.6 GiB, on the device while parked).
+Not changed, on purpose: the parker does not time its own park under way against `park_time` (it sees the call;
+the property test of the model, tests/unit/test_room_model.py, found that timing it there makes its server report
+"busy" while the call is still out, and the host service end that park's host promise while its bytes still come).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Said:
     idle_for: Optional[float] = None  # seconds idle when it was said
     parkable: bool = False  # its own side: parking can work for it now
     park_since: Optional[float] = None  # when its park was first said to be under way (PARKING or PARKED); None:
-    # not timed (the parker's own park done: its driver call returned, only the reading is older than its end)
+    # not timed (the parker's own park: it sees its driver call, and `stuck` says when it has not returned)
     park_bytes: int = 0  # the bytes that park moves
     in_reading: bool = False  # the device's last reading still counts those bytes (taken before the park ended)
     stuck: bool = False  # its driver call has not returned within park_call_timeout

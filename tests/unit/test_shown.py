@@ -89,15 +89,17 @@ def test_the_host_service_counts_a_parked_kernels_leftover_on_the_device_as_park
     assert host_view(heard, 5 * GiB, sampled_at=None).state == ParkState.BUSY  # the sample's time unknown: as before
 
 
-def test_the_parker_times_a_park_under_way_as_the_host_service_does():
-    # Parker.round() and room._kernel_view() show the same state for the same facts: a park under way for longer than
-    # its bytes can take is busy on both sides (the parker waited for park_call_timeout, 600 s, to mark it stuck).
+def test_a_park_under_way_is_timed_only_where_its_driver_call_cannot_be_seen():
+    # The host service times another server's park (park_time); the parker sees its own call: parking until the call
+    # returns, or busy once park_call_timeout has marked it stuck. Timed there too, its server would report "busy"
+    # while the call is out, and the host service end the park's host promise while its bytes still come.
     now = time.time()
     over = park_time(5 * GiB) + 1
     reading = {0: DeviceReading(0, 5 * GiB)}
     sample = Sample(state="ok", time=now - 1, devices=reading, kernels={"B": {0: 5 * GiB}}, pids={})
-    for since, expected in ((now - over, ParkState.BUSY), (now - 1, ParkState.PARKING)):
-        record = ParkRecord(state="parking", since=since, op=1, pids=(7,), parked={0: 5 * GiB})
+    for stuck, expected in ((None, ParkState.PARKING), ("has not returned", ParkState.BUSY)):
+        record = ParkRecord(state="parking", since=now - over, op=1, pids=(7,), parked={0: 5 * GiB}, stuck=stuck)
         (kernel,) = parker_with({"B": record}, sample, {"B": "idle"}).round().kernels
-        heard = Heard(ParkReport("parking"), "bob", "", NOW - 1, since=NOW - (now - since))
-        assert kernel.state == host_view(heard, 5 * GiB, sampled_at=NOW - 1).state == expected
+        assert kernel.state == expected
+    heard = Heard(ParkReport("parking"), "bob", "", NOW - 1, since=NOW - over)
+    assert host_view(heard, 5 * GiB, sampled_at=NOW - 1).state == ParkState.BUSY

@@ -11,12 +11,14 @@ answers. What the service believes of each:
 - kernels: every grant the book holds; their usage the sampler's verified usage (processes of the kernel's own
   Unix user only, attribution.py); their park state, idle time and "parkable" the last report of their own
   server (the lease's or the room call's "park"): a server's word about its own kernels, which decides whether
-  they may be parked and whether a park of theirs is under way. A kernel never reported counts as running (its
-  headroom claimed) and is never parked. A report of "parked" while the sample still shows the kernel's memory
-  (taken before the park ended) counts as a park under way: its bytes are coming, no other kernel parks for them.
-  A park said to be under way while the sample shows the memory is believed no longer than a park can take (its
-  bytes at PARK_RATE, plus PARK_MARGIN), counted from the first report of a park not yet seen done: a blip of
-  "busy" between two "parking" reports does not start it again. Then the kernel counts as running. A kernel its
+  they may be parked and whether a park of theirs is under way, shown to the broker by the same rule as a server's
+  own parker uses (parking/shown.py). A kernel never reported counts as running (its headroom claimed) and is
+  never parked. A report of "parked" while the sample still shows the kernel's memory, taken no later than the
+  first report of "parked" (so before the park ended), counts as a park under way: its bytes are coming, no other
+  kernel parks for them; memory a later sample shows is what the driver leaves on the device (parked, not a park).
+  A park said to be under way is believed no longer than a park can take (its bytes at PARK_RATE, plus
+  PARK_MARGIN), counted from the first report of a park not yet seen done: a blip of "busy" between two
+  "parking" reports does not start it again. Then the kernel counts as running. A kernel its
   server took a park request for and, DECLINE_GRACE seconds later, still reports idle and parkable has declined
   it: it counts as not parkable until its server reports another state, and the broker chooses the next idle
   kernel at once (one server's word never stalls the others). A kernel its server took a park
