@@ -21,8 +21,10 @@ Deterministic in CI: hypothesis derandomized (the same examples every run), a fe
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional, Tuple
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -56,7 +58,7 @@ from gpu_quota_ext.parking.states import (
 from gpu_quota_ext.shared.park_state import CLAIMING, ParkState
 from gpu_quota_ext.shared.sizes import GiB
 
-KERNELS = ("k0", "k1", "k2", "k3")
+KERNELS = ("k0", "k1", "k2")
 DEVICE = Device(0, "Test GPU", "GPU-model-0", 16 * GiB)  # less than the caps together: room is short
 SETTINGS = BrokerSettings(device_margin=GiB, host_margin=2 * GiB, min_idle=30.0, wait_limit=300.0)
 IDLE_AFTER = 60.0  # the idle timer
@@ -67,8 +69,8 @@ class Room(RuleBasedStateMachine):
     @initialize(
         hub=st.booleans(),
         host_total=st.integers(4, 48).map(lambda g: g * GiB),
-        caps=st.lists(st.integers(3, 10).map(lambda g: g * GiB), min_size=len(KERNELS), max_size=len(KERNELS)),
-        shares=st.lists(st.floats(0.3, 1), min_size=len(KERNELS), max_size=len(KERNELS)),
+        caps=st.lists(st.integers(4, 12).map(lambda g: g * GiB), min_size=len(KERNELS), max_size=len(KERNELS)),
+        shares=st.lists(st.floats(0.1, 0.6), min_size=len(KERNELS), max_size=len(KERNELS)),
     )
     def start(self, hub, host_total, caps, shares):
         self.hub = hub  # the host service holds the host's account (host_park), else the server's own
@@ -91,6 +93,7 @@ class Room(RuleBasedStateMachine):
         self.sample_used = dict(self.used)
         self.sample_time: Optional[float] = None
         self.claimed: Dict[str, int] = {}  # kernel -> the most it may hold, as the broker's last round counted it
+        self.decide_soon = False
 
     # --- the world's facts ----------------------------------------------------------------------------------
 
@@ -129,7 +132,7 @@ class Room(RuleBasedStateMachine):
                 else:
                     self.calls[k] = ("restore", effect.op, sum(new.parked.values()), 0)
             elif isinstance(effect, Decide):
-                pass  # the broker_round rule decides, whenever it comes
+                self.decide_soon = True  # Parker.decide_soon: once this step is done
 
     def said(self, k: str) -> Said:
         """Parker._said, on the model's facts."""
@@ -174,8 +177,14 @@ class Room(RuleBasedStateMachine):
         return next((k for k in KERNELS if self.kid(k) == kernel_id), None)
 
     def report(self) -> None:
-        """On a hub host, every server reports its kernels' shown states (leases, room calls): the service's
-        promises end by these reports, and with the grants of kernels that are gone."""
+        """The end of a step: the broker decides if a change asked it to (or a sample came: on_sample); on a hub
+        host every server reports its kernels' shown states (leases, room calls): the service's promises end by
+        these reports, and with the grants of kernels that are gone."""
+        for _ in range(3):
+            if not self.decide_soon:
+                break
+            self.decide_soon = False
+            self.decide()
         if not self.hub:
             return
         reports = {}
@@ -198,6 +207,7 @@ class Room(RuleBasedStateMachine):
         self.now += seconds
         if sampled:
             self.sample()
+            self.decide_soon = True  # Parker.on_sample asks the broker
         self.report()
 
     def sample(self):
@@ -237,6 +247,11 @@ class Room(RuleBasedStateMachine):
 
     @rule()
     def broker_round(self):
+        """The broker decides at another's call (the host service decides for every user's servers at once)."""
+        self.decide()
+        self.report()
+
+    def decide(self) -> None:
         """The broker decides (the server's own, or the host service's for everyone: the same decide) and its plan
         is carried out as Parker.apply does; the parks it asks are the host service's parks on a hub host."""
         round_ = self.round_()
@@ -263,7 +278,6 @@ class Room(RuleBasedStateMachine):
             k = self.slot(kernel_id)
             if k is not None and self.record(k).state == ParkState.WAITING and not self.record(k).told:
                 self.handle(k, RoomWait(reason))
-        self.report()
 
     @precondition(lambda self: self.checks or self.calls)
     @rule(which=st.integers(0, 7), ok=st.integers(0, 3).map(bool))
@@ -391,3 +405,46 @@ def test_the_model_runs_the_shown_rule_of_both_callers():
     assert {k.state for k in model.round_().kernels} == {ParkState.IDLE}
     model.teardown()
 
+
+def a_resume_beside_a_growing_kernel(hub: bool) -> Room:
+    """k0 (8 GiB) parks and its cell asks it back at once; k1 (4 GiB, cap 12 GiB) then runs a cell that takes all
+    its cap allows, whatever the device has free, while k0's restore is under way."""
+    model = Room()
+    model.start(hub=hub, host_total=48 * GiB, caps=[10 * GiB, 12 * GiB, 4 * GiB], shares=[0.8, 1 / 3, 0.0])
+    model.asked("k0", "user park")
+    model.driver(0, True)  # its look before the driver: the host's memory promised
+    model.driver(0, True)  # the checkpoint returns
+    model.time_passes(1.0, True)
+    model.cell("k1", True, 0)  # busy at the broker's next round: its headroom claimed, then it grows
+    model.time_passes(1.0, True)
+    model.cell("k0", True, 0)  # k0 waits for room; the broker grants what k1's claim leaves
+    model.cell("k1", True, 12 * GiB)
+    for _ in range(3):
+        if model.calls:
+            model.driver(0, True)
+        model.time_passes(1.0, True)
+    return model
+
+
+def check(model: Room) -> None:
+    model.every_park_under_way_can_land_with_the_margin_free()
+    model.a_promise_is_held_exactly_while_its_driver_call_is_out()
+    model.never_two_holders_of_the_same_device_bytes()
+
+
+def test_a_resume_and_a_growing_kernel_never_hold_the_same_bytes():
+    for hub in (False, True):
+        model = a_resume_beside_a_growing_kernel(hub)
+        check(model)
+        # k1 ran a cell when the broker decided: its whole cap is counted, so k0 waits for room, told why.
+        assert model.record("k0").state == ParkState.WAITING and "k1-0 holds 12.0 GiB" in model.record("k0").reason
+        assert model.used["k1"] == 12 * GiB and not model.calls
+
+
+def test_the_invariants_catch_a_broker_that_forgets_a_claim(monkeypatch):
+    # The same steps with the broker counting no running kernel's headroom, and no fresh look before the restore:
+    # the restore is granted the bytes k1's cap still allows it, k1 takes them, and the model says so.
+    monkeypatch.setattr(KernelView, "headroom", lambda self, key: 0)
+    monkeypatch.setattr(sys.modules[__name__], "room_right_now", lambda *args: None)
+    with pytest.raises(AssertionError, match="two holders|<="):
+        check(a_resume_beside_a_growing_kernel(False))
