@@ -245,6 +245,16 @@ class Room(RuleBasedStateMachine):
             self.handle(k, AskResume())
         self.report()
 
+    @rule(k=st.sampled_from(KERNELS), ok=st.integers(0, 3).map(bool))
+    def parks_at_once(self, k, ok):
+        """A user's park that runs through before anything else happens: asked, looked at, its call returned."""
+        self.asked(k, "user park")
+        if k in self.checks:
+            self.park_checked(k)
+        if self.calls.get(k, ("",))[0] == "checkpoint":
+            self.returns(k, ok)
+        self.report()
+
     @rule()
     def broker_round(self):
         """The broker decides at another's call (the host service decides for every user's servers at once)."""
