@@ -18,6 +18,13 @@ Measured, in the units the literature uses (NotebookOS, ASPLOS '26):
 
     python benchmarks/device_day.py --out day.json                  # 8 kernels, 10 minutes, seed 28
     python benchmarks/device_day.py --schedule-only --out sched.json # the schedule alone (no GPU needed)
+
+On the lent device a call ends at 10 minutes, so a 10-minute day takes two calls on the warm machine: the first
+starts it detached and writes under /tmp (each call gets a fresh copy of the working tree, so ignored folders in
+it, .day/ say, are gone at the next call; /tmp stays while the machine is warm), the second, within the 30 s the
+machine stays warm, waits for the JSON and copies it to $OUT:
+    setsid nohup timeout 900 python3 benchmarks/device_day.py --deadline-s 840 --out /tmp/day/day.json \
+        > /tmp/day/log 2>&1 < /dev/null &
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ version = release = __version__
 
 extensions = ["myst_parser", "gpu_quota_docs"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "_ext"]
+exclude_patterns = ["_build", "_ext", "_templates"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 # Every cross-reference must resolve ({setting}`name` included): a dangling one is a warning, and the build
@@ -36,6 +36,10 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
-html_sidebars = {"index": []}
+# The left navigation: none on the home page (its "Where to start" list is one), the whole site everywhere else
+# (docs/_templates/sidebar-site-nav.html). The theme's default shows only the pages below the current top-level
+# page, which left Getting started, Measured, Contributing... with an empty sidebar.
+html_sidebars = {"index": [], "**": ["sidebar-site-nav"]}
+templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["gpu-quota.css"]

@@ -122,6 +122,14 @@ def launch_env(
     return out
 
 
+def preload(env: Mapping[str, str], library: str) -> Dict[str, str]:
+    """LD_PRELOAD with the fast park library first (fast_park on, Python kernels only: docs/admin/fast-park.md),
+    what the kernelspec or the server's environment preloads kept after it. First: the dynamic linker binds
+    torch's cudaMalloc to the first library that defines it."""
+    kept = [part for part in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if part and part != library]
+    return {"LD_PRELOAD": ":".join([library, *kept])}
+
+
 def kernel_environment(env: Mapping[str, str], variables: Mapping[str, str]) -> Dict[str, str]:
     """The kernel's whole environment: `env` (the kernelspec's merged into the server's) with `variables`
     (launch_env's), and without any other kernel-side variable of ours: a GPU_QUOTA_LAYERS, a CPU-only

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import HardLimitLayer, HardLimitSettings
-from .launch_env import is_python_kernel, launch_env
+from .launch_env import is_python_kernel, launch_env, preload
 from .ledger import ChangeOutcome, Grant, Ledger
 from .parking import (
     CheckpointDriver,
@@ -41,6 +41,7 @@ from .parking import (
     Parker,
     ParkSettings,
     RoomBroker,
+    preload_library,
 )
 from .policy import (
     CapSpec,
@@ -170,6 +171,7 @@ class GpuQuotaManager:
         # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
+        self._fast_park_library: Optional[asyncio.Future] = None  # fast_park on: its build, once per server
         if room_broker is None and isinstance(ledger, HostRooms):
             # On a hub host the host service brokers every user's device memory: one view, one decision-maker.
             room_broker = HostBroker(ledger, {d.index: d.uuid for d in devices})
@@ -373,10 +375,24 @@ class GpuQuotaManager:
             python_kernel=python,
             hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
         )
+        if python and self.parker.settings.fast_park == "on":
+            library = await self.fast_park_library()
+            if library is not None:  # a failed build said so once: the kernel parks the old way
+                updates.update(preload(env, library))
         lost = self.parker.lost_env(kernel_id) if python else None
         if lost is not None:  # restarted after its process ended while parked: its first cell says so
             updates[LOST] = lost
         return updates
+
+    async def fast_park_library(self) -> Optional[str]:
+        """The fast park library's path, built once into the cache folder (in a thread: a compile takes a second),
+        or None when it could not be built."""
+        if self._fast_park_library is None:
+            self._fast_park_library = off_loop(preload_library, name="gpu-quota-fast-park-build")
+        await asyncio.wait({self._fast_park_library})
+        if self._fast_park_library.exception() is not None:  # never a kernel's start refused for it
+            return None
+        return self._fast_park_library.result()
 
     async def release(self, kernel_id: str, holder: Optional[object] = None) -> Optional[Grant]:
         """Free the kernel's grant and secret; the grant that was released, or None. With `holder`, only

@@ -46,8 +46,9 @@ def clock(since: Optional[float]) -> str:
 
 def state_words(park: dict) -> str:
     """One kernel's park state as a person reads it: "running", "idle for 12 min", "parked since 14:02,
-    17.8 GiB on host", "resuming", "waiting for device memory for 12 s (limit 5 min): <reason>", "waited past
-    its limit (5 min): ...", "lost: <what to do>". The sidebar says the same (labextension/src/format.ts)."""
+    17.8 GiB on host" (with "(fast park: 612.0 MiB stays on the GPU)" where the fast path parked it),
+    "resuming", "waiting for device memory for 12 s (limit 5 min): <reason>", "waited past its limit (5 min):
+    ...", "lost: <what to do>". The sidebar says the same (labextension/src/format.ts)."""
     state = park.get("state")
     reason = park.get("reason")
     if state == "busy":
@@ -66,6 +67,10 @@ def state_words(park: dict) -> str:
             words += f" since {since}"
         if isinstance(park.get("host_bytes"), int):
             words += f", {format_bytes(park['host_bytes'])} on host"
+        path = park.get("path")
+        if isinstance(path, dict) and path.get("path") == "pages" and isinstance(path.get("stays_on_device"), int):
+            # The fast park leaves the CUDA context behind: the user sees it in nvidia-smi, so it is said.
+            words += f" (fast park: {format_bytes(path['stays_on_device'])} stays on the GPU)"
         return words
     if state == "resuming":
         return "resuming"

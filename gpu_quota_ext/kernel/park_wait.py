@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
-from . import lost_notice, room_check
+from . import fast_park, lost_notice, room_check
 from .park import clock, duration_words
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
@@ -90,6 +90,14 @@ class ParkWatch:
             self.maybe_parked.set()
             room_check.clear()  # parked, its room comes back with its resume
             return trim()
+        if action == "facts":
+            return fast_park.facts()
+        if action == "park":  # the fast path (fast_park.py): the library copies its pages to the host
+            self.maybe_parked.set()
+            room_check.clear()
+            return fast_park.park(content)
+        if action == "resume":
+            return fast_park.resume(content)
         if action == "room_flag":
             return room_check.on_flag(content)
         if action == lost_notice.ACTION:
@@ -106,11 +114,22 @@ class ParkWatch:
         while True:
             park = self.park_state()
             if park is None:  # no answer: the cell runs (if the kernel is parked, the driver holds its CUDA calls)
+                if fast_park.parked_here():  # ... but the fast path holds none: GPU work would find no memory
+                    raise CellNotRun(
+                        f"{PREFIX} the cell did not run: this kernel's GPU memory is parked on the host and its "
+                        "server does not answer; run the cell again once the server is back"
+                    )
                 return
             state = park.get("state")
             if state == "lost":
                 raise CellNotRun(f"{PREFIX} the cell did not run: {park.get('reason') or 'the restore failed'}")
             if state not in WAITING_STATES:
+                if fast_park.parked_here():  # the server does not know it parked (an answer that never came)
+                    raise CellNotRun(
+                        f"{PREFIX} the cell did not run: this kernel's GPU memory is still parked on the host, "
+                        "and the server does not know it (the kernel's answer to its park was lost): save what you "
+                        "need from host memory and restart the kernel"
+                    )
                 self.maybe_parked.clear()
                 if said is not None:
                     self.out(f"{PREFIX} back on the GPU after {time.monotonic() - began:.1f} s; the cell runs now")

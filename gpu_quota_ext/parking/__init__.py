@@ -8,8 +8,10 @@ the rules applied before the driver is asked (settings, parkable, idle timer); h
 memory as one account for every park; wording.py the words;
 parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
 this server's own; kernel_channel.py asks a kernel to empty its caches before it parks; host_room.py reads how
-much host memory there is; checkpoint.py is the driver, with its fakes for tests beside it (fake_checkpoint.py;
-fake_file_checkpoint.py for servers in processes of their own, sharing a file with devices.FileFakeNvml).
+much host memory there is; path.py chooses per kernel between the driver's checkpoint calls and the fast park
+library (pages/, through pages_driver.py and the kernel's control channel); checkpoint.py is the driver, with its
+fakes for tests beside it (fake_checkpoint.py; fake_file_checkpoint.py for servers in processes of their own,
+sharing a file with devices.FileFakeNvml).
 
     c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
 
@@ -39,6 +41,7 @@ from .host_account import HostAccount, HostReading
 from .host_broker import HostBroker, HostRooms
 from .host_room import host_room
 from .kernel_channel import KernelChannel
+from .pages.build import preload_library
 from .parker import OwnBroker, Parker, RoomBroker
 from .shown import PARK_MARGIN, PARK_RATE, Said, Shown, park_time, shown_as
 
@@ -47,6 +50,6 @@ __all__ = [
     "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
     "RoomBroker", "HostBroker",
     "HostRooms", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
-    "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading",
+    "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library",
     "PARK_MARGIN", "PARK_RATE", "Said", "Shown", "park_time", "shown_as",
 ]

@@ -1,7 +1,9 @@
 """The parker's word to a kernel, on the kernel's control channel: "empty your allocators' caches, you are about
 to park". The kernel side (kernel/park_wait.py) answers with what it freed and remembers that it may be parked,
 so that its next cell waits for the resume in Python (where it can say why and be interrupted) rather than in
-the driver.
+the driver. With fast_park on it carries three more requests (kernel/fast_park.py answers them): "facts" (what
+the choice of a park's path needs, path.py), and the fast path's "park" and "resume", which pages_driver.py asks
+from the parker's driver threads (threadsafe_ask) with a timeout as long as a driver call's.
 
 The control channel, not the shell: an idle kernel's control thread answers at once, and the request does not
 count as the user's activity (the extension adds its type to jupyter_server's untracked message types). A

@@ -32,6 +32,7 @@ import datetime
 import logging
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import psutil
@@ -64,6 +65,17 @@ from .host_broker import kernel_park
 from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
+from .pages_driver import PagesDriver, threadsafe_ask
+from .path import (
+    PAGES,
+    ParkPath,
+    arena_bytes,
+    choose_path,
+    host_need,
+    keep_arena,
+    kernel_facts,
+    resume_deferred_reason,
+)
 from .room_flags import RoomFlags
 from .shown import Said, shown_as
 from .states import (
@@ -235,6 +247,30 @@ def kernel_activity(kernels: ParkedKernels, kernel_id: str) -> Tuple[Optional[st
 # --- the parker -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ParkPlan:
+    """How a kernel's park goes (path.py's choice), kept from its check to its next park: the status shows it, and
+    its resume goes the same way. Only where fast_park is on."""
+
+    op: int  # the park's op (states.ParkRecord.op when it was checked)
+    choice: ParkPath
+    served: int = 0  # PAGES: what the library maps, what the park moves and the resume brings back
+    arena: int = 0  # PAGES: the arena the kernel makes where it has none big enough (path.arena_bytes)
+    host: int = 0  # host memory the park takes beyond what the kernel holds already (path.host_need)
+    park_seconds: Optional[float] = None  # PAGES: the library's copy, as the kernel timed it
+    resume_seconds: Optional[float] = None
+
+    def json(self) -> dict:
+        """The park object's "path" (shared.contract.PARK_PATH_FIELDS)."""
+        return {
+            "path": self.choice.path,
+            "reason": self.choice.reason,
+            "stays_on_device": self.choice.stays_on_device,
+            "park_seconds": self.park_seconds,
+            "resume_seconds": self.resume_seconds,
+        }
+
+
 def resident_bytes(pids: Tuple[int, ...]) -> int:
     """The processes' resident memory now (those gone count 0): where a park's bytes land on the host."""
     total = 0
@@ -306,6 +342,7 @@ class Parker:
         self._restart_hooks: Dict[str, Callable[[], None]] = {}  # kernel -> stops its restart callback
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
         self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
+        self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -358,7 +395,7 @@ class Parker:
             parkable = record.stuck is None and record.state != LOST
             return park_json(
                 record.state, record.since, idle_for, host_bytes, parkable, reason, waited, limit, record.told,
-                lost=notice_json(self.lost.get(kernel_id)),
+                lost=notice_json(self.lost.get(kernel_id)), path=self._path_json(kernel_id),
             )
         problem = self.problem(kernel_id)
         room = None
@@ -369,7 +406,14 @@ class Parker:
         )
         state = activity_state(execution_state)
         lost = notice_json(self.lost.get(kernel_id))
-        return park_json(state, last, idle_for, None, problem is None, reason, None, limit, room=room, lost=lost)
+        return park_json(
+            state, last, idle_for, None, problem is None, reason, None, limit, room=room, lost=lost,
+            path=self._path_json(kernel_id),
+        )
+
+    def _path_json(self, kernel_id: str) -> Optional[dict]:
+        plan = self._plans.get(kernel_id)
+        return plan.json() if plan is not None else None
 
     def holds_gpu_state(self, kernel_id: str) -> bool:
         """The driver holds (or is moving) this kernel's GPU state: its processes cannot run CUDA now."""
@@ -632,6 +676,7 @@ class Parker:
     def forget(self, kernel_id: str) -> None:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
         record = self.records.pop(kernel_id, None)
+        self._plans.pop(kernel_id, None)
         self._release_host(kernel_id)
         if record is not None and record.state in HELD:
             log.info(
@@ -926,17 +971,28 @@ class Parker:
                 check.set_result(None)
 
     async def _check_park(self, kernel_id: str, op: int) -> None:
+        # A kernel without the bootstrap (not a Python kernel) never had the library: it says so by having no say.
+        facts: Optional[dict] = {"preloaded": False}
         if self.channel is not None and self.bootstrapped(kernel_id):
             answer = await self.channel.ask(kernel_id, {"action": "trim"}, self.settings.trim_timeout)
             if answer and isinstance(answer.get("freed"), int) and answer["freed"] > 0:
                 log.info("gpu-quota-ext: kernel %s emptied %d bytes of cached GPU memory before parking",
                          kernel_id, answer["freed"])
+            facts = None
+            if self.settings.fast_park == "on":  # after the trim: what the library maps is what stays in use
+                facts = await self.channel.ask(kernel_id, {"action": "facts"}, self.settings.trim_timeout)
         await self._fresh_sample()
         if not self._current(kernel_id, op):
             return  # forgotten or changed meanwhile
         sample = self.monitor.latest
         pids = tuple(sample.pids.get(kernel_id, ()))
         parked = {i: n for i, n in sample.kernels.get(kernel_id, {}).items() if n > 0}
+        host_bytes = sum(parked.values())
+        plan = self._plan(kernel_id, op, facts, parked, len(pids))
+        if plan is not None and plan.choice.path == PAGES:
+            # What moves is what the library maps (the context stays); the host takes a new arena, or nothing.
+            parked = {index: plan.served for index in parked}
+            host_bytes = plan.host
         # One host check at a time, from the check to the promise (_carry_out's Checkpoint, in _handle): parks
         # checked in the same second see each other's bytes. Without a host service nothing in it awaits.
         if self._host_check is None:
@@ -948,24 +1004,61 @@ class Parker:
             if refused is not None:
                 refused = f"did not park: {refused}"
             else:
-                refused = self._host_refusal(kernel_id, sum(parked.values()))
+                refused = self._host_refusal(kernel_id, host_bytes)
                 ask_host = getattr(self.broker, "promise_host", None)
                 if refused is None and ask_host is not None:
                     # On a hub host the host service holds the account for every user's parks.
-                    refused, plan = await ask_host(self.round(), kernel_id, sum(parked.values()))
-                    self.apply(plan)
+                    refused, decided = await ask_host(self.round(), kernel_id, host_bytes)
+                    self.apply(decided)
                     if not self._current(kernel_id, op):
                         return  # changed meanwhile; the service's promise ends with its next report of the kernel
+            if plan is not None:
+                self._plans[kernel_id] = plan
             self._handle(kernel_id, ParkChecked(op, pids, parked, refused))
 
+    def _plan(
+        self, kernel_id: str, op: int, facts: Optional[dict], parked: Mapping[int, int], processes: int
+    ) -> Optional[ParkPlan]:
+        """The path of this park (path.choose_path on the kernel's facts and the sample's), None where fast_park
+        is off: then nothing about paths is said, and every kernel parks as it always has."""
+        if self.settings.fast_park != "on":
+            return None
+        known = kernel_facts(self.settings.fast_park, facts, parked, processes)
+        choice = choose_path(known)
+        if choice.path != PAGES:
+            return ParkPlan(op, choice)
+        served = known.served_bytes
+        arena_now = facts.get("arena_bytes") if isinstance(facts, dict) else 0
+        arena_now = arena_now if isinstance(arena_now, int) and not isinstance(arena_now, bool) else 0
+        return ParkPlan(op, choice, served, arena_bytes(served), host_need(served, arena_now))
+
+    def _pages_plan(self, kernel_id: str) -> Optional[ParkPlan]:
+        """The kernel's park went (or goes) through the fast path: its resume goes the same way."""
+        plan = self._plans.get(kernel_id)
+        record = self.records.get(kernel_id)
+        if plan is None or plan.choice.path != PAGES or record is None or record.op < plan.op:
+            return None
+        return plan
+
+    def _driver_for(self, kernel_id: str, plan: Optional[ParkPlan], keep: bool = True) -> CheckpointDriver:
+        """The driver of this park or resume: the checkpoint driver, or the fast path's through the kernel."""
+        if plan is None or self.channel is None:
+            return self.driver
+        ask = threadsafe_ask(self.channel, kernel_id, asyncio.get_running_loop())
+        return PagesDriver(ask, arena=plan.arena, keep_arena=keep, timeout=self.settings.call_timeout)
+
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
+        plan = self._pages_plan(kernel_id)
+        driver = self._driver_for(kernel_id, plan)
         try:
             outcome = await self._drive(
-                kernel_id, op, "checkpoint", park_processes, self.driver, pids, self.settings.lock_timeout_ms
+                kernel_id, op, "checkpoint", park_processes, driver, pids, self.settings.lock_timeout_ms
             )
         finally:
             self._release_host(kernel_id)  # returned (or cancelled): the host's reading holds what it moved
         error = failure_reason("park", outcome.code, str(outcome)) if isinstance(outcome, CheckpointError) else None
+        if plan is not None and isinstance(driver, PagesDriver) and self._plans.get(kernel_id) is plan:
+            self._plans[kernel_id] = replace(plan, park_seconds=driver.seconds, resume_seconds=None)
         self._handle_if_current(kernel_id, op, ParkDone(op, error))
 
     # --- host memory: one account for every park (host_account.py) ----------------------------------
@@ -982,6 +1075,9 @@ class Parker:
     def _promise_host(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
         record = self.records.get(kernel_id)
         nbytes = sum(record.parked.values()) if record is not None else 0
+        plan = self._pages_plan(kernel_id)
+        if plan is not None:
+            nbytes = plan.host  # the arena the kernel is about to make, before it makes it (or none: it has one)
         self.host_account = self.host_account.promise(kernel_id, nbytes)
         self._host_base[kernel_id] = (tuple(pids), resident_bytes(pids))
 
@@ -1043,16 +1139,32 @@ class Parker:
                     others[index] = others.get(index, 0) + nbytes
         totals = {index: device.total for index, device in self.devices.items()}
 
+        plan = self._pages_plan(kernel_id)
+        keep = True
+        if plan is not None:
+            # The arena is still held (in the reading): what the host would have without it is the reading plus it.
+            available = self.host_reading().least()
+            keep = available is not None and keep_arena(plan.arena, available + plan.arena, self.settings.host_margin)
+        driver = self._driver_for(kernel_id, plan, keep)
+
         def checked_restore() -> Any:
             with self._restoring:  # one restore at a time: each one's check sees the ones before it done
                 short = room_right_now(need, totals, self.monitor.device_used_now, others, self.settings.device_margin)
                 if short is not None:
                     return short
-                return resume_processes(self.driver, pids)
+                return resume_processes(driver, pids)
 
         outcome = await self._drive(kernel_id, op, "restore", checked_restore)
-        if isinstance(outcome, str):
+        if plan is not None and isinstance(driver, PagesDriver) and self._plans.get(kernel_id) is plan:
+            self._plans[kernel_id] = replace(plan, resume_seconds=driver.seconds)
+        if isinstance(outcome, CheckpointError) and plan is not None:
+            # The fast path's resume gives back what it took and keeps every byte on the host: the kernel is
+            # parked and whole, and waits for room again (the checkpoint path's failed restore is for good).
+            outcome = resume_deferred_reason(outcome.code, outcome.name, sum(need.values()))
+            log.warning("gpu-quota-ext: kernel %s: the fast resume did not go through: %s", kernel_id, outcome)
+        elif isinstance(outcome, str):
             log.warning("gpu-quota-ext: kernel %s: restore not asked: %s", kernel_id, outcome)
+        if isinstance(outcome, str):
             self._handle_if_current(kernel_id, op, RestoreDeferred(op, outcome))
             self.monitor.sample_soon()  # the broker decides again on a reading taken after this one
         elif isinstance(outcome, CheckpointError):

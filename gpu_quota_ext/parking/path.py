@@ -10,16 +10,18 @@ promises the room a park makes. Every doubt falls back to the checkpoint path, w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
 
 from ..shared.sizes import MiB, format_bytes
+
+CUDA_ERROR_OUT_OF_MEMORY = 2  # cuda.h; what the library answers when the device has no room for a resume
 
 PAGES = "pages"
 CHECKPOINT = "checkpoint"
 
-# What a CUDA context takes on the device, and stays through a fast park (about 514 MiB measured on an H200 under
-# MPS, docs/measurements.md); with torch's cuBLAS and cuDNN handles a little more.
+# What a CUDA context takes on the device, and stays through a fast park: 612 MiB measured with torch on the H200
+# (driver 580, benchmarks/results/fast_park_probe-20261204T0442Z-h200.json); about 514 MiB under MPS.
 CONTEXT_ALLOWANCE = 640 * MiB
 # Held outside the library beyond the context, still small enough to leave on the device through a park.
 FOREIGN_TOLERANCE = 256 * MiB
@@ -30,6 +32,7 @@ class KernelFacts:
     """What is known of one kernel when its park is asked for."""
 
     fast_park: str = "off"  # the setting: "on" or "off"
+    answered: bool = True  # the kernel answered the question about its facts (False: nothing below is known)
     preloaded: bool = False  # the library is in the kernel's process (started with LD_PRELOAD)
     library_problem: Optional[str] = None  # why the library serves nothing (it could not open the driver), or None
     torch_cuda: bool = False  # torch has made its CUDA context in the kernel
@@ -65,6 +68,8 @@ def choose_path(facts: KernelFacts) -> ParkPath:
 def _checkpoint_reason(facts: KernelFacts) -> Optional[str]:
     if facts.fast_park != "on":
         return "fast_park is off"
+    if not facts.answered:
+        return "the kernel did not say what it holds (no answer on its control channel in time)"
     if not facts.preloaded:
         return "the kernel started without the fast park library (before fast_park was on, or not a Python kernel)"
     if facts.library_problem:
@@ -98,3 +103,56 @@ def keep_arena(arena: int, host_available: int, host_margin: int) -> bool:
     """Whether a resumed kernel keeps its pinned arena for its next park (pinning again costs seconds: 1.55 s for
     20 GiB measured) or gives the host memory back: kept only while the host has the margin beside it."""
     return host_available - arena >= host_margin
+
+
+def kernel_facts(
+    fast_park: str,
+    answer: Optional[Mapping[str, Any]],
+    device_bytes: Mapping[int, int],
+    gpu_processes: int,
+) -> KernelFacts:
+    """The facts `choose_path` reads: the kernel's answer to {"action": "facts"} (kernel/fast_park.py, None when
+    it did not answer) and what the monitor's sample says its processes hold (bytes by device, how many)."""
+    held = {index: n for index, n in device_bytes.items() if n > 0}
+    base = KernelFacts(
+        fast_park=fast_park,
+        process_bytes=sum(held.values()),
+        gpu_processes=gpu_processes,
+        devices=len(held),
+    )
+    if fast_park != "on":
+        return base
+    if not isinstance(answer, Mapping) or "preloaded" not in answer:
+        return replace(base, answered=False)
+    problem = answer.get("library_problem")
+    return replace(
+        base,
+        preloaded=answer.get("preloaded") is True,
+        library_problem=str(problem) if problem else None,
+        torch_cuda=answer.get("torch_cuda") is True,
+        allocator_backend=str(answer.get("allocator_backend") or "native"),
+        expandable_segments=answer.get("expandable_segments") is True,
+        served_bytes=_count(answer.get("served_bytes")),
+    )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def host_need(served_bytes: int, arena_now: int) -> int:
+    """Host memory a fast park takes beyond what the kernel holds already: a new arena (`arena_bytes`) in place
+    of the one it has (freed first), or nothing when the one it has holds every served byte."""
+    if arena_now >= served_bytes:
+        return 0
+    return max(0, arena_bytes(served_bytes) - arena_now)
+
+
+def resume_deferred_reason(code: int, message: str, nbytes: int) -> str:
+    """Why a fast resume did not happen: the kernel stays parked, whole, and waits for room again (unlike the
+    checkpoint path, where a failed restore loses the kernel)."""
+    if code == CUDA_ERROR_OUT_OF_MEMORY:
+        why = f"the device had no room for its {format_bytes(nbytes)} when the resume ran ({message})"
+    else:
+        why = f"the fast resume failed ({message})"
+    return f"{why}; nothing was lost: the kernel stays parked with every byte on the host and waits for room again"

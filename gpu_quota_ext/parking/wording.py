@@ -61,6 +61,7 @@ def park_json(
     told: bool = False,
     room: Optional[str] = None,
     lost: Optional[dict] = None,
+    path: Optional[dict] = None,
 ) -> Dict[str, Any]:
     """A kernel's "park" object (shared.contract.PARK_FIELDS)."""
     answer = {
@@ -75,6 +76,7 @@ def park_json(
         "told": told,
         "room": room,
         "lost": lost,
+        "path": path,
     }
     assert tuple(answer) == PARK_FIELDS
     return answer

@@ -84,7 +84,10 @@ ROOM_SUFFIX = "room"
 # The server's requests to a kernel, on its control channel (kernel/park_wait.py answers them): content
 # {"action": "trim"} before a park (empty the allocators' caches; the kernel may be parked from now on) ->
 # {"freed": bytes, "reserved_before": bytes, "reserved_after": bytes, "frameworks": [...]}; {"action": "lost", "at":
-# wall clock, "words": text} after a restart that lost it (parking/lost.py) -> {"shown": bool}. The types are
+# wall clock, "words": text} after a restart that lost it (parking/lost.py) -> {"shown": bool}. With fast_park on
+# (kernel/fast_park.py answers): {"action": "facts"} -> kernel/fast_park.FACTS; {"action": "park", "arena": bytes,
+# "timeout": s} and {"action": "resume", "keep_arena": bool, "timeout": s} -> {"code": 0 or the library's or the
+# driver's code, "message", "seconds", "bytes"} (parking/pages_driver.py asks them). The types are
 # untracked by jupyter_server's activity monitor: they are not the user's activity.
 KERNEL_REQUEST = "gpu_quota_request"
 KERNEL_REPLY = "gpu_quota_reply"
@@ -103,6 +106,15 @@ PARK_FIELDS = (
     "told",  # true once its wait passed the limit: the cell that waits ends with `reason`, the kernel stays parked
     "room",  # a running kernel that asked for room (POST room): "asking", then "made" or "told"; null if none
     "lost",  # restarted after its process ended while parked: {"at", "why", "words"} until its next cell said it
+    "path",  # fast_park on: how its current or last park goes, PARK_PATH_FIELDS; null before one, or fast_park off
+)
+PARK_PATHS = ("pages", "checkpoint")  # the fast park library's copy, or the driver's checkpoint calls
+PARK_PATH_FIELDS = (
+    "path",  # one of PARK_PATHS (parking/path.py chooses per kernel, at each park)
+    "reason",  # why this path, in words
+    "stays_on_device",  # bytes a park leaves on the device (pages: its CUDA context), counted as still held there
+    "park_seconds",  # pages: the library's copy to the host, as the kernel timed it; null otherwise
+    "resume_seconds",  # pages: its copy back; null until a resume
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----

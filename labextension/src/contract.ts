@@ -155,6 +155,22 @@ export interface IKernelPark {
   room?: 'asking' | 'made' | 'told' | null;
   /** Its process ended while parked and jupyter_server restarted it: said until its next cell has said it. */
   lost?: IKernelLost | null;
+  /** fast_park on: how its current or last park goes (null before one, or with fast_park off). */
+  path?: IKernelParkPath | null;
+}
+
+/** Which way a kernel parks (gpu_quota_ext/parking/path.py), and what that leaves on the device. */
+export interface IKernelParkPath {
+  /** "pages": the fast park library's copy; "checkpoint": the driver's checkpoint calls. */
+  path: 'pages' | 'checkpoint';
+  /** Why this path, in words. */
+  reason: string;
+  /** Bytes a park leaves on the device (pages: its CUDA context), counted as still held there. */
+  stays_on_device: number;
+  /** pages: the library's copy to the host, in seconds, as the kernel timed it. */
+  park_seconds?: number | null;
+  /** pages: its copy back, in seconds; null until a resume. */
+  resume_seconds?: number | null;
 }
 
 /** A kernel restarted because its process ended while parked (gpu_quota_ext/parking/lost.py). */

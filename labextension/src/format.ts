@@ -228,6 +228,10 @@ export function parkWords(park: IKernelPark, reason?: string | null): string {
       if (isNumber(park.host_bytes)) {
         words += `, ${formatBytes(park.host_bytes)} on host`;
       }
+      // The fast park leaves the CUDA context behind: the user sees it in nvidia-smi, so it is said.
+      if (park.path && park.path.path === 'pages' && isNumber(park.path.stays_on_device)) {
+        words += ` (fast park: ${formatBytes(park.path.stays_on_device)} stays on the GPU)`;
+      }
       return words;
     }
     case ParkState.RESUMING:

@@ -29,6 +29,14 @@ describe('parkWords', () => {
     expect(parkWords(park('parked', { since, host_bytes: Math.round(17.8 * GiB) }))).toBe(
       'parked since 14:02, 17.8 GiB on host'
     );
+    const fast = { path: 'pages' as const, reason: 'torch', stays_on_device: 612 * 2 ** 20 };
+    expect(parkWords(park('parked', { since, host_bytes: 20 * GiB, path: fast }))).toBe(
+      'parked since 14:02, 20 GiB on host (fast park: 612 MiB stays on the GPU)'
+    );
+    const slow = { path: 'checkpoint' as const, reason: 'no torch', stays_on_device: 0 };
+    expect(parkWords(park('parked', { since, host_bytes: 20 * GiB, path: slow }))).toBe(
+      'parked since 14:02, 20 GiB on host'
+    );
     expect(parkWords(park('resuming'))).toBe('resuming');
     expect(parkWords(park('waiting', { reason: 'GPU 0 has 2 GiB free, 17.8 GiB needed' }))).toBe(
       'waiting for device memory: GPU 0 has 2 GiB free, 17.8 GiB needed'

@@ -21,6 +21,7 @@ MIRRORS = {
     "IKernelStatus": contract.KERNEL_FIELDS,
     "IKernelDevice": contract.KERNEL_DEVICE_FIELDS,
     "IKernelPark": contract.PARK_FIELDS,
+    "IKernelParkPath": contract.PARK_PATH_FIELDS,
     "IReason": contract.REASON_FIELDS,
     "IStatusReasons": contract.STATUS_REASONS,
     "IKernelReasons": contract.KERNEL_REASONS,

@@ -14,7 +14,10 @@ from gpu_quota_ext.parking.path import (
     KernelFacts,
     arena_bytes,
     choose_path,
+    host_need,
     keep_arena,
+    kernel_facts,
+    resume_deferred_reason,
 )
 from gpu_quota_ext.shared.sizes import GiB, MiB
 
@@ -39,6 +42,7 @@ def test_a_torch_kernel_with_the_library_parks_its_pages_and_says_what_stays():
     "change, words",
     [
         ({"fast_park": "off"}, "fast_park is off"),
+        ({"answered": False}, "did not say what it holds"),
         ({"preloaded": False}, "started without the fast park library"),
         ({"library_problem": "libcuda.so.1 cannot be loaded"}, "serves nothing in this kernel: libcuda.so.1"),
         ({"torch_cuda": False}, "no torch on the GPU"),
@@ -71,3 +75,61 @@ def test_the_arena_has_slack_and_is_kept_only_with_the_hosts_margin_beside_it():
     assert arena_bytes(20 * GiB) > 20 * GiB
     assert keep_arena(20 * GiB, host_available=40 * GiB, host_margin=2 * GiB)
     assert not keep_arena(20 * GiB, host_available=21 * GiB, host_margin=2 * GiB)
+
+
+# What the kernel answers to {"action": "facts"} (kernel/fast_park.py) for a torch kernel holding 20 GiB.
+ANSWER = {
+    "preloaded": True,
+    "library_problem": None,
+    "torch_cuda": True,
+    "allocator_backend": "native",
+    "expandable_segments": False,
+    "served_bytes": 20 * GiB,
+    "arena_bytes": 0,
+    "state": "running",
+}
+
+
+def test_the_facts_join_the_kernels_answer_and_the_samples():
+    facts = kernel_facts("on", ANSWER, {0: 20 * GiB + 520 * MiB, 1: 0}, 1)
+    assert facts == TORCH_KERNEL  # a device it holds nothing on is not one of its devices
+    assert choose_path(kernel_facts("on", ANSWER, {0: 20 * GiB, 1: GiB}, 1)).reason.endswith(
+        "maps one device's memory only"
+    )
+    assert "2 processes" in choose_path(kernel_facts("on", ANSWER, {0: 21 * GiB}, 2)).reason
+
+
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        (None, "did not say what it holds"),
+        ({"error": "unknown action 'facts'"}, "did not say what it holds"),  # a kernel of an older version
+        ({**ANSWER, "preloaded": False}, "started without the fast park library"),
+        ({**ANSWER, "library_problem": "libcuda.so.1 cannot be loaded"}, "libcuda.so.1 cannot be loaded"),
+        ({**ANSWER, "torch_cuda": False, "served_bytes": 0}, "no torch on the GPU"),
+        ({**ANSWER, "allocator_backend": "cudaMallocAsync"}, "cudaMallocAsync"),
+        ({**ANSWER, "served_bytes": "20 GiB"}, "held outside torch's allocator"),  # nonsense counts nothing
+    ],
+)
+def test_answers_that_do_not_show_a_torch_kernel_with_the_library_take_the_checkpoint_path(answer, words):
+    chosen = choose_path(kernel_facts("on", answer, {0: 20 * GiB + 520 * MiB}, 1))
+    assert chosen.path == CHECKPOINT
+    assert words in chosen.reason
+
+
+def test_with_fast_park_off_the_answer_is_not_read():
+    facts = kernel_facts("off", ANSWER, {0: 20 * GiB}, 1)
+    assert not facts.preloaded and choose_path(facts).reason == "fast_park is off"
+
+
+def test_the_host_gives_a_new_arena_or_nothing_when_the_kernel_keeps_one_big_enough():
+    assert host_need(20 * GiB, 0) == arena_bytes(20 * GiB)
+    assert host_need(20 * GiB, arena_bytes(20 * GiB)) == 0
+    assert host_need(20 * GiB, 20 * GiB) == 0
+    assert host_need(20 * GiB, 10 * GiB) == arena_bytes(20 * GiB) - 10 * GiB  # the old one is freed first
+
+
+def test_a_fast_resume_that_failed_says_nothing_was_lost():
+    words = resume_deferred_reason(2, "cannot resume: CUDA_ERROR_OUT_OF_MEMORY (2)", 20 * GiB)
+    assert "no room for its 20.0 GiB" in words and "nothing was lost" in words and "parked" in words
+    assert "the fast resume failed" in resume_deferred_reason(700, "cuMemcpyHtoDAsync failed", GiB)

@@ -26,7 +26,7 @@ from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
 def park(state="busy", **fields) -> dict:
     """A park object with exactly the contract's fields."""
     value = {"state": state, "since": None, "idle_seconds": None, "host_bytes": None, "parkable": True, "reason": None}
-    value.update(waited=None, wait_limit=300.0, told=False, room=None, lost=None)
+    value.update(waited=None, wait_limit=300.0, told=False, room=None, lost=None, path=None)
     value.update(fields)
     assert set(value) == set(PARK_FIELDS)
     return value
@@ -172,6 +172,14 @@ def test_state_words():
     assert state_words(park("idle", idle_seconds=12 * 60 + 5)) == "idle for 12 min"
     assert (
         state_words(park("parked", since=since, host_bytes=int(17.8 * GiB))) == "parked since 14:02, 17.8 GiB on host"
+    )
+    fast = {"path": "pages", "reason": "torch", "stays_on_device": 612 * 2**20}
+    assert state_words(park("parked", since=since, host_bytes=20 * GiB, path=fast)) == (
+        "parked since 14:02, 20.0 GiB on host (fast park: 612.0 MiB stays on the GPU)"
+    )
+    slow = {"path": "checkpoint", "reason": "no torch", "stays_on_device": 0}
+    assert state_words(park("parked", since=since, host_bytes=20 * GiB, path=slow)) == (
+        "parked since 14:02, 20.0 GiB on host"
     )
     assert state_words(park("resuming")) == "resuming"
     assert state_words(park("waiting", reason="GPU 0 has 2.0 GiB free, 17.8 GiB needed")) == (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -81,6 +82,20 @@ def library(rebuild: bool = False, folder: Optional[Path] = None) -> Path:
     if rebuild or not path.exists():
         build(path.parent)
     return path
+
+
+def preload_library(folder: Optional[Path] = None) -> Optional[str]:
+    """The library for kernels' LD_PRELOAD, built into the cache folder where it is not there yet; None (said
+    once, as a warning, by the caller's one call) when it cannot be built: every kernel then parks through the
+    driver's checkpoint calls. Blocking (a compile takes about a second): call it off the event loop."""
+    try:
+        return str(library(folder=folder))
+    except (BuildError, OSError, subprocess.SubprocessError) as error:
+        logging.getLogger("gpu_quota_ext").warning(
+            "gpu-quota-ext: fast_park is on, but the fast park library could not be built, so every kernel parks "
+            "through the driver's checkpoint calls: %s", error,
+        )
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,201 @@
+"""The kernel's side of a fast park (docs/admin/fast-park.md): the server's requests on the control channel,
+answered here in ipykernel's control thread (park_wait.ParkWatch dispatches them). Stdlib only; torch is read
+only where the user has imported it, and nothing here creates a CUDA context or opens the driver in a kernel
+that has not used CUDA.
+
+    {"action": "facts"}                -> what the parker's choice of path needs (FACTS below)
+    {"action": "park", "arena": bytes} -> the library parks the process into its arena (made first, of that
+                                          size, where the kernel has none big enough: the server reserved it)
+    {"action": "resume", "keep_arena": bool} -> the library maps and copies every byte back
+
+A park or resume answers {"code": 0 or the library's or driver's code, "message", "seconds", "bytes"}. It runs in
+a thread of its own (the library's copy releases the GIL; the control thread waits for it, at most the server's
+"timeout"), so a call that never returns leaves the control thread free to answer "still running".
+
+The library's Python wrapper (gpu_quota_ext/parking/pages/__init__.py) is the server's module, stdlib only and
+made to be loaded on its own (the probe does so on the GPU machine): it is loaded here from its file, since the
+kernel's side imports nothing of the server's package but shared/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+PAGES_MODULE = Path(__file__).resolve().parents[1] / "parking" / "pages" / "__init__.py"
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either (the second from 2.8)
+DEFAULT_TIMEOUT = 600.0
+E_STATE, E_ARENA = -1, -2  # the library's codes (pages.c), for refusals made here
+STILL_RUNNING = -100  # the call has not returned within the server's timeout; the kernel says so and goes on
+
+FACTS = (
+    "preloaded",  # the library is in this process (the kernel started with it in LD_PRELOAD)
+    "library_problem",  # why it serves nothing here (it could not open the driver), or None
+    "torch_cuda",  # torch has made its CUDA context here
+    "allocator_backend",  # torch's: "native" or "cudaMallocAsync"
+    "expandable_segments",  # torch maps its own virtual memory then: the library never sees it
+    "served_bytes",  # what the library maps: what a park moves
+    "arena_bytes",  # the pinned arena this kernel holds now (kept from its last park), 0: none
+    "state",  # the library's: "running", "parking", "parked", "resuming"; None without it
+)
+
+_module: Any = None
+_pages: Any = None
+_arena: Any = None
+_lock = threading.Lock()  # one park or resume at a time
+
+
+def _pages_module() -> Any:
+    global _module
+    if _module is None:
+        spec = importlib.util.spec_from_file_location("gpu_quota_ext_pages", PAGES_MODULE)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        _module = module
+    return _module
+
+
+def pages() -> Any:
+    """The library this process preloaded (its Pages wrapper), or None."""
+    global _pages
+    if _pages is None:
+        _pages = _pages_module().Pages.in_process()
+    return _pages
+
+
+def _torch_cuda() -> Optional[Any]:
+    torch = sys.modules.get("torch")
+    try:
+        return torch if torch is not None and torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+def expandable_segments(environ=os.environ) -> bool:
+    """torch's expandable segments, as its allocator settings in the environment turn them on."""
+    for name in ALLOC_CONF:
+        for part in (environ.get(name) or "").split(","):
+            key, _, value = part.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False
+
+
+def facts() -> dict:
+    """What this kernel says for the choice of its park's path (FACTS). Never raises."""
+    torch = _torch_cuda()
+    lib = pages()
+    answer = {name: None for name in FACTS}
+    answer.update(preloaded=lib is not None, torch_cuda=torch is not None, served_bytes=0, arena_bytes=0)
+    answer["allocator_backend"] = "native"
+    answer["expandable_segments"] = expandable_segments()
+    if torch is not None:
+        try:
+            answer["allocator_backend"] = str(torch.cuda.get_allocator_backend())
+        except Exception:
+            pass  # a torch before 2.0 has only its native allocator
+    if lib is not None:
+        answer["state"] = lib.state()
+        answer["arena_bytes"] = _arena.size if _arena is not None and _arena.handle else 0
+        # Whether the library could open the driver is asked only once CUDA is in use here: asking opens the
+        # driver (cuInit), which a kernel that never touched the GPU should not pay for.
+        if torch is not None:
+            if not lib.active():
+                answer["library_problem"] = lib.last_error() or "it could not open the CUDA driver"
+            answer["served_bytes"] = lib.mapped_bytes()
+    return answer
+
+
+def parked_here() -> bool:
+    """The library holds this process's memory on the host (or is moving it): no GPU work may run."""
+    try:
+        lib = pages()
+        return lib is not None and lib.state() != "running"
+    except Exception:
+        return False
+
+
+def park(content: dict) -> dict:
+    """The library parks the process into its arena; the arena is made first where there is none big enough,
+    of the size the server reserved for it (never bigger: the host's account holds that much)."""
+    return _in_thread(_park, content)
+
+
+def resume(content: dict) -> dict:
+    return _in_thread(_resume, content)
+
+
+def _park(content: dict) -> dict:
+    global _arena
+    lib = pages()
+    if lib is None:
+        return _answer(E_STATE, "the fast park library is not in this kernel's process")
+    moved = lib.mapped_bytes()
+    size = content.get("arena")
+    made = 0.0
+    if _arena is None or not _arena.handle or _arena.size < moved:
+        if not isinstance(size, int) or size < moved:
+            return _answer(
+                E_ARENA,
+                f"the kernel holds {moved} bytes now, more than the {size} bytes of arena reserved for it (it "
+                "allocated since the server looked)",
+            )
+        if _arena is not None:
+            _arena.close()
+            _arena = None
+        _arena = lib.arena(size)
+        made = _arena.populate_seconds + _arena.register_seconds
+    start = time.perf_counter()
+    lib.park(_arena)
+    return _answer(0, "parked", time.perf_counter() - start, moved, arena_seconds=made)
+
+
+def _resume(content: dict) -> dict:
+    global _arena
+    lib = pages()
+    if lib is None:
+        return _answer(E_STATE, "the fast park library is not in this kernel's process")
+    moved = lib.mapped_bytes()
+    start = time.perf_counter()
+    lib.resume()
+    seconds = time.perf_counter() - start
+    kept = content.get("keep_arena") is not False
+    if not kept and _arena is not None:
+        try:
+            _arena.close()  # the host needs its memory more than the next park needs the pinning saved
+        except Exception:
+            pass
+        _arena = None
+    return _answer(0, "resumed", seconds, moved, arena_kept=kept)
+
+
+def _answer(code: int, message: str, seconds: Optional[float] = None, nbytes: int = 0, **more: Any) -> dict:
+    answer = {"code": code, "message": message, "seconds": seconds, "bytes": nbytes}
+    answer.update(more)
+    return answer
+
+
+def _in_thread(call: Callable[[dict], dict], content: dict) -> dict:
+    """`call(content)` in a thread of its own; its answer, or "still running" after the server's timeout."""
+    timeout = content.get("timeout")
+    timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_TIMEOUT
+    result: dict = {}
+
+    def run() -> None:
+        with _lock:
+            try:
+                result.update(call(content))
+            except Exception as error:  # the wrapper's PagesError: the library's or the driver's code
+                result.update(_answer(getattr(error, "code", E_STATE), str(error)))
+
+    worker = threading.Thread(target=run, name=f"gpu-quota-{content.get('action')}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return _answer(STILL_RUNNING, f"still running after {timeout:.0f} s")
+    return dict(result)

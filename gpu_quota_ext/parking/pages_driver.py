@@ -1,0 +1,126 @@
+"""The fast park path as a CheckpointDriver (checkpoint.py's interface), so that the parker parks and resumes a
+kernel the same way whichever path it takes (parker.park_processes, resume_processes): here the kernel's own
+process does the work, through the fast park library it preloaded (kernel/fast_park.py answers on the kernel's
+control channel), instead of the driver's checkpoint calls from the server.
+
+    lock, unlock   nothing: the parker parks only idle kernels, and the library waits for the device's work
+                   itself (cuCtxSynchronize) before it copies anything
+    checkpoint     {"action": "park", "arena": bytes}: the kernel makes its arena (reserved in the host's
+                   account first) where it has none big enough, then the library parks
+    restore        {"action": "resume", "keep_arena": bool}
+    state          {"action": "facts"}: the library's state (CHECKPOINTED while parked)
+
+One driver per park or resume of one kernel (it knows the kernel, the arena and the answers' seconds). Its calls
+block (they run in the parker's threads, as the checkpoint driver's do); `ask` is the kernel channel called from
+such a thread (`threadsafe_ask`). A failure raises CheckpointError with the library's code (a positive one is the
+driver's CUresult: CUDA_ERROR_OUT_OF_MEMORY, 2, for a resume that found no room), the kernel as it was: a park
+that failed released nothing, a resume that failed keeps every byte on the host and the kernel parked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+import psutil
+
+from .checkpoint import (
+    CHECKPOINTED,
+    CUDA_ERROR_NOT_FOUND,
+    CUDA_ERROR_TIMEOUT,
+    DRIVER_RUNNING,
+    CheckpointDriver,
+    CheckpointError,
+)
+
+Ask = Callable[[dict, float], Optional[dict]]  # (content, timeout) -> the kernel's answer, None: no answer
+
+STILL_RUNNING = -100  # kernel/fast_park.py: the call had not returned when the kernel's wait ended
+CODE_NAMES = {
+    -1: "state", -2: "arena", -3: "driver", -4: "host memory", -5: "no context", STILL_RUNNING: "still running",
+    2: "CUDA_ERROR_OUT_OF_MEMORY",
+}
+
+
+def threadsafe_ask(channel: Any, kernel_id: str, loop: asyncio.AbstractEventLoop) -> Ask:
+    """The kernel channel's `ask`, callable from a thread: the request runs on the server's event loop."""
+
+    def ask(content: dict, timeout: float) -> Optional[dict]:
+        future = asyncio.run_coroutine_threadsafe(channel.ask(kernel_id, content, timeout), loop)
+        try:
+            return future.result(timeout + 5.0)
+        except Exception:
+            future.cancel()
+            return None
+
+    return ask
+
+
+class PagesDriver(CheckpointDriver):
+    """One kernel's fast park or resume, through its control channel."""
+
+    def __init__(self, ask: Ask, arena: int = 0, keep_arena: bool = True, timeout: float = 600.0):
+        self.ask = ask
+        self.arena = arena  # the arena's size, reserved in the host's account, for a kernel that has none
+        self.keep_arena = keep_arena  # after a resume (path.keep_arena)
+        self.timeout = timeout  # seconds the kernel's park or resume may take before it answers "still running"
+        self.seconds: Optional[float] = None  # the library's copy, as the kernel timed it (the last call)
+        self.answers: list = []
+
+    def open(self) -> None:
+        pass
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        pass
+
+    def unlock(self, pid: int) -> None:
+        pass
+
+    def checkpoint(self, pid: int) -> None:
+        answer = self._call("park", pid, {"action": "park", "arena": int(self.arena), "timeout": self.timeout})
+        if answer is None and self._library_state(pid) == "parked":
+            return  # the answer was lost, the park was not
+        self._check("park", pid, answer)
+
+    def restore(self, pid: int) -> None:
+        content = {"action": "resume", "keep_arena": bool(self.keep_arena), "timeout": self.timeout}
+        answer = self._call("resume", pid, content)
+        if answer is None and self._library_state(pid) == "running":
+            return
+        self._check("resume", pid, answer)
+
+    def state(self, pid: int) -> int:
+        """CHECKPOINTED while the library holds the process's memory on the host (or is moving it: a resume then
+        answers the library's own refusal), DRIVER_RUNNING once it is back."""
+        state = self._library_state(pid)
+        if state is None:
+            raise CheckpointError("facts", pid, CUDA_ERROR_TIMEOUT, "no answer from the kernel")
+        return DRIVER_RUNNING if state == "running" else CHECKPOINTED
+
+    def _call(self, action: str, pid: int, content: dict) -> Optional[dict]:
+        if not psutil.pid_exists(pid):
+            raise CheckpointError(action, pid, CUDA_ERROR_NOT_FOUND)
+        answer = self.ask(content, self.timeout + 5.0)
+        self.answers.append((action, answer))
+        if isinstance(answer, dict) and isinstance(answer.get("seconds"), (int, float)):
+            self.seconds = float(answer["seconds"])
+        return answer if isinstance(answer, dict) else None
+
+    def _library_state(self, pid: int) -> Optional[str]:
+        if not psutil.pid_exists(pid):
+            raise CheckpointError("facts", pid, CUDA_ERROR_NOT_FOUND)
+        answer = self.ask({"action": "facts"}, 10.0)
+        state = answer.get("state") if isinstance(answer, dict) else None
+        return state if isinstance(state, str) else None
+
+    @staticmethod
+    def _check(action: str, pid: int, answer: Optional[dict]) -> None:
+        if answer is None:
+            raise CheckpointError(action, pid, CUDA_ERROR_TIMEOUT, "no answer from the kernel")
+        code = answer.get("code")
+        if code == 0:
+            return
+        code = code if isinstance(code, int) else -1
+        message = str(answer.get("message") or answer.get("error") or "no message")
+        name = str(CODE_NAMES.get(code, f"code {code}"))
+        raise CheckpointError(f"the fast {action}", pid, code, message if name in message else f"{name}: {message}")

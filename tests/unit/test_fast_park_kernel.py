@@ -1,0 +1,149 @@
+"""The kernel's side of a fast park (gpu_quota_ext/kernel/fast_park.py, through park_wait.ParkWatch's control
+requests) in a process started as a kernel is with fast_park on: the library in LD_PRELOAD, over the tests' fake
+CUDA driver (tests/fake_cuda) instead of libcuda. torch is a stand-in that says its CUDA is in use (the memory
+is the library's own allocation, filled with random bytes): the facts, a park into an arena of the size the
+server reserved, a resume that finds no room (the kernel stays parked and whole), a resume once there is room,
+byte-exact, and the arena given back when the server says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_quota_ext.kernel import fast_park
+from gpu_quota_ext.parking.pages.build import BuildError, build
+from tests.fake_cuda import build_fake
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+KERNEL = r"""
+import ctypes, json, os, sys, types
+
+fake = ctypes.CDLL(os.environ["GQX_PAGES_LIBCUDA"])  # the instance the library opens (same path)
+fake.fake_device_used.restype = ctypes.c_size_t
+fake.fake_set_capacity.argtypes = [ctypes.c_size_t]
+
+from gpu_quota_ext.kernel import fast_park
+from gpu_quota_ext.kernel.park_wait import ParkWatch
+
+watch = ParkWatch(lambda: None)
+out = {"before_torch": watch.on_request({"action": "facts"})}
+
+# torch as a kernel holds it: CUDA in use, its native allocator (the memory itself comes below)
+cuda = types.SimpleNamespace(is_initialized=lambda: True, get_allocator_backend=lambda: "native")
+sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+
+lib = fast_park.pages().lib
+lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+pointer, size = ctypes.c_void_p(), 6 * (1 << 20) + 123
+assert lib.cudaMalloc(ctypes.byref(pointer), size) == 0, fast_park.pages().last_error()
+data = os.urandom(size)
+ctypes.memmove(pointer.value, data, size)
+
+out["facts"] = watch.on_request({"action": "facts"})
+arena = int(sys.argv[1])
+out["small_arena"] = watch.on_request({"action": "park", "arena": 1 << 20})
+out["park"] = watch.on_request({"action": "park", "arena": arena})
+out["parked_here"] = fast_park.parked_here()
+out["maybe_parked"] = watch.maybe_parked.is_set()
+out["used_while_parked"] = fake.fake_device_used()
+out["facts_parked"] = watch.on_request({"action": "facts"})
+fake.fake_set_capacity(1 << 20)  # a neighbour took the room
+out["resume_without_room"] = watch.on_request({"action": "resume", "keep_arena": True})
+out["state_after_refusal"] = fast_park.pages().state()
+fake.fake_set_capacity(1 << 40)
+out["resume"] = watch.on_request({"action": "resume", "keep_arena": False})
+out["exact"] = ctypes.string_at(pointer.value, size) == data
+out["facts_after"] = watch.on_request({"action": "facts"})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fast_park_kernel")
+    try:
+        return build(folder), build_fake(folder)
+    except BuildError as error:
+        pytest.fail(f"the fast park tests compile C with the system's compiler, and could not: {error}")
+
+
+def run_kernel(libraries, arena: int) -> dict:
+    pages_so, fake_so = libraries
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(pages_so),  # as launch_env.preload gives a Python kernel with fast_park on
+        GQX_PAGES_LIBCUDA=str(fake_so),
+        GQX_PAGES_CHUNK_BYTES=str(MiB),
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+    )
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL, str(arena)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_preloaded_kernel_says_its_facts_parks_waits_for_room_and_comes_back_whole(libraries):
+    size = 6 * MiB + 123
+    out = run_kernel(libraries, arena=8 * MiB)
+
+    # Before torch uses CUDA: the library is there, nothing is asked of the driver, nothing is served.
+    before = out["before_torch"]
+    assert before["preloaded"] is True and before["torch_cuda"] is False
+    assert before["served_bytes"] == 0 and before["library_problem"] is None
+
+    facts = out["facts"]
+    assert set(facts) == set(fast_park.FACTS)
+    assert facts["torch_cuda"] is True and facts["allocator_backend"] == "native"
+    assert facts["served_bytes"] == size and facts["arena_bytes"] == 0 and facts["state"] == "running"
+    assert facts["library_problem"] is None and facts["expandable_segments"] is False
+
+    # An arena smaller than what the kernel holds is refused before anything moves.
+    assert out["small_arena"]["code"] == fast_park.E_ARENA
+
+    park = out["park"]
+    assert park["code"] == 0, park
+    assert park["bytes"] == size and park["seconds"] >= 0 and park["arena_seconds"] >= 0
+    assert out["parked_here"] and out["maybe_parked"]  # its next cell asks the server before it runs
+    assert out["used_while_parked"] == 0
+    assert out["facts_parked"]["state"] == "parked" and out["facts_parked"]["arena_bytes"] >= 8 * MiB
+
+    refused = out["resume_without_room"]
+    assert refused["code"] == 2 and "CUDA_ERROR_OUT_OF_MEMORY" in refused["message"]
+    assert out["state_after_refusal"] == "parked"
+
+    resumed = out["resume"]
+    assert resumed["code"] == 0 and resumed["bytes"] == size and resumed["arena_kept"] is False
+    assert out["exact"] is True
+    assert out["facts_after"]["state"] == "running" and out["facts_after"]["arena_bytes"] == 0
+
+
+def test_without_the_library_a_park_is_refused_and_facts_say_so():
+    if fast_park.pages() is not None:
+        pytest.skip("this test process preloads the library")
+    assert fast_park.facts()["preloaded"] is False
+    assert fast_park.park({"arena": 1})["code"] == fast_park.E_STATE
+    assert fast_park.resume({})["code"] == fast_park.E_STATE
+    assert fast_park.parked_here() is False
+
+
+@pytest.mark.parametrize(
+    "environ, on",
+    [
+        ({}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments : true"}, True),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_ALLOC_CONF": "backend:native,expandable_segments:True"}, True),
+    ],
+)
+def test_expandable_segments_are_read_from_either_setting(environ, on):
+    assert fast_park.expandable_segments(environ) is on

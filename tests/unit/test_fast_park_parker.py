@@ -1,0 +1,348 @@
+"""The parker with fast_park on (issue 29), against a kernel played by a fake control channel: the path chosen per
+park from the kernel's facts and the sample's, shown in the status with what stays on the device; the arena
+promised in the host's account before the kernel makes it; the kernel's park and resume asked through the
+PagesDriver (the checkpoint driver never called for it); a resume that finds no room leaves it parked and whole,
+and the next grant brings it back; a kernel without torch on the GPU parks through the checkpoint driver and the
+status says why; with fast_park off nothing is asked and nothing is said. No server, no GPU: the harness of
+test_parker_states (a stand-in kernel manager, the fake NVML, an event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from types import SimpleNamespace
+from typing import List, Optional
+
+import pytest
+
+from gpu_quota_ext.devices import Device
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.parking import ParkSettings
+from gpu_quota_ext.parking.checkpoint import (
+    CHECKPOINTED,
+    CUDA_ERROR_NOT_FOUND,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    DRIVER_RUNNING,
+    CheckpointError,
+)
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.pages_driver import PagesDriver, threadsafe_ask
+from gpu_quota_ext.parking.parker import Parker
+from gpu_quota_ext.parking.path import arena_bytes
+from gpu_quota_ext.shared.contract import PARK_PATH_FIELDS
+from gpu_quota_ext.usage import Sample
+from gpu_quota_ext.usage.sampling import DeviceReading
+
+GiB, MiB = 1 << 30, 1 << 20
+KERNEL = "k1"
+UUID = "GPU-0"
+TOTAL = 16 * GiB
+PID = os.getpid()  # a live process: the drivers ask whether it still exists
+SERVED = 4 * GiB
+CONTEXT = 600 * MiB
+HOST = 64 * GiB
+
+
+class PagesKernel:
+    """A kernel with the library preloaded, as its control channel answers (kernel/fast_park.py's replies)."""
+
+    def __init__(self, torch_cuda: bool = True):
+        self.torch_cuda = torch_cuda
+        self.state = "running"
+        self.arena = 0
+        self.asked: List[dict] = []
+        self.refuse_resumes = 0  # resumes answered CUDA_ERROR_OUT_OF_MEMORY (a neighbour took the room)
+        FakeNvml.set_usage(PID, UUID, SERVED + CONTEXT)
+
+    async def ask(self, kernel_id: str, content: dict, timeout: float) -> Optional[dict]:
+        self.asked.append(dict(content))
+        action = content.get("action")
+        if action == "trim":
+            return {"freed": 0}
+        if action == "facts":
+            return {
+                "preloaded": True, "library_problem": None, "torch_cuda": self.torch_cuda,
+                "allocator_backend": "native", "expandable_segments": False,
+                "served_bytes": SERVED if self.torch_cuda else 0, "arena_bytes": self.arena, "state": self.state,
+            }
+        if action == "park":
+            if self.arena < SERVED:
+                self.arena = content["arena"]
+            self.state = "parked"
+            FakeNvml.set_usage(PID, UUID, CONTEXT)
+            return {"code": 0, "message": "parked", "seconds": 0.08, "bytes": SERVED}
+        if action == "resume":
+            if self.refuse_resumes:
+                self.refuse_resumes -= 1
+                return {"code": 2, "message": "cannot resume: CUDA_ERROR_OUT_OF_MEMORY (2)", "seconds": 0.01}
+            self.state = "running"
+            if not content.get("keep_arena"):
+                self.arena = 0
+            FakeNvml.set_usage(PID, UUID, SERVED + CONTEXT)
+            return {"code": 0, "message": "resumed", "seconds": 0.09, "bytes": SERVED}
+        return {"error": f"unknown action {action!r}"}
+
+    def actions(self) -> List[str]:
+        return [c["action"] for c in self.asked]
+
+
+class Kernels:
+    def __init__(self):
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.kernel = SimpleNamespace(execution_state="idle", last_activity=now)
+
+    def kernel_ids(self):
+        return [KERNEL]
+
+    def activity(self, kernel_id):
+        return self.kernel.execution_state, self.kernel.last_activity
+
+    def watch_status(self, kernel_id, on_state):
+        return None
+
+    def client(self, kernel_id):
+        raise KeyError(kernel_id)
+
+
+class Monitor:
+    def __init__(self):
+        self.latest = Sample(state="starting")
+
+    def sample_soon(self):
+        pass
+
+    def device_used_now(self, index):
+        return TOTAL - (FakeNvml.free(UUID) or 0)
+
+    def take(self):
+        held = FakeNvml.usage.get(PID, {}).get(UUID, 0)
+        self.latest = Sample(
+            state="ok",
+            time=datetime.datetime.now().timestamp(),
+            devices={0: DeviceReading(0, TOTAL - (FakeNvml.free(UUID) or 0))},
+            kernels={KERNEL: {0: held}} if held else {},
+            pids={KERNEL: (PID,)} if held else {},
+        )
+        return self.latest
+
+
+class Setup:
+    def __init__(self, fast_park: str = "on", torch_cuda: bool = True, bootstrapped: bool = True):
+        FakeNvml.reset()
+        FakeCheckpoint.reset()
+        FakeNvml.totals = {UUID: TOTAL}
+        self.loop = asyncio.new_event_loop()
+        self.kernel = PagesKernel(torch_cuda)
+        self.monitor = Monitor()
+        self.promised: List[int] = []
+        grant = SimpleNamespace(kernel_id=KERNEL, devices=(0,), caps={0: 8 * GiB})
+        ledger = SimpleNamespace(get=lambda kernel_id: grant, grants=lambda: [grant])
+        self.parker = Parker(
+            ParkSettings(fresh_sample_wait=0, min_idle=0, device_margin=GiB // 2, fast_park=fast_park),
+            FakeCheckpoint(),
+            Kernels(),
+            ledger,
+            {0: Device(index=0, name="fake", uuid=UUID, total=TOTAL, nvml_index=0)},
+            self.monitor,
+            host=lambda: (HOST, None),
+            channel=self.kernel,  # type: ignore[arg-type]
+            bootstrapped=lambda kernel_id: bootstrapped,
+        )
+        promise = self.parker._promise_host
+
+        def spy(kernel_id, pids):  # what the account holds for this park, right before its driver call
+            promise(kernel_id, pids)
+            self.promised.append(self.parker.host_account.outstanding())
+
+        self.parker._promise_host = spy  # type: ignore[method-assign]
+        self.run(self._start())
+
+    async def _start(self):
+        self.parker.start()
+        await self.parker.ready()
+        self.parker.on_sample(self.monitor.take())
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    def settle(self):
+        async def settle():
+            for _ in range(20):
+                if not self.parker._tasks:
+                    return
+                await asyncio.gather(*list(self.parker._tasks), return_exceptions=True)
+
+        self.run(settle())
+
+    def sample(self):
+        async def on_loop():
+            self.parker.on_sample(self.monitor.take())
+
+        self.run(on_loop())
+        self.settle()
+
+    def park(self) -> dict:
+        self.run(self.parker.request_park(KERNEL))
+        self.settle()
+        return self.parker.kernel_json(KERNEL)
+
+    def resume(self) -> dict:
+        self.run(self.parker.request_resume(KERNEL))
+        self.settle()
+        for _ in range(3):  # the broker's rounds follow the samples
+            self.sample()
+        return self.parker.kernel_json(KERNEL)
+
+    def close(self):
+        self.run(self.parker.stop())
+        self.loop.close()
+        FakeCheckpoint.reset()
+        FakeNvml.reset()
+
+
+@pytest.fixture
+def setup():
+    made: List[Setup] = []
+
+    def make(**kwargs) -> Setup:
+        made.append(Setup(**kwargs))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.close()
+
+
+def test_a_torch_kernel_with_the_library_parks_its_pages_and_the_status_says_so(setup):
+    s = setup()
+    park = s.park()
+    assert park["state"] == "parked", park
+    path = park["path"]
+    assert tuple(path) == PARK_PATH_FIELDS
+    assert path["path"] == "pages" and path["stays_on_device"] == CONTEXT
+    assert "4.0 GiB" in path["reason"] and "600.0 MiB" in path["reason"]
+    assert path["park_seconds"] == 0.08 and path["resume_seconds"] is None
+    assert park["host_bytes"] == SERVED  # what moved: the context stays
+    assert s.kernel.actions() == ["trim", "facts", "park"]
+    park_asked = s.kernel.asked[-1]
+    assert park_asked["arena"] == arena_bytes(SERVED)
+    assert s.promised == [arena_bytes(SERVED)]  # the arena, in the account before the kernel made it
+    assert FakeCheckpoint.calls == []  # the driver's checkpoint calls are not this kernel's path
+
+
+def test_a_resume_without_room_stays_parked_and_whole_and_the_next_grant_brings_it_back(setup):
+    s = setup()
+    assert s.park()["state"] == "parked"
+    s.kernel.refuse_resumes = 1
+    s.run(s.parker.request_resume(KERNEL))
+    s.settle()  # the broker granted the room it saw; the kernel found none when its resume ran
+    park = s.parker.kernel_json(KERNEL)
+    assert park["state"] == "waiting", park  # not lost: the library gave back what it took
+    assert "no room" in park["reason"] and "nothing was lost" in park["reason"]
+    assert s.kernel.state == "parked"
+    for _ in range(3):
+        s.sample()
+    park = s.parker.kernel_json(KERNEL)
+    assert park["state"] not in ("parked", "waiting", "lost"), park
+    assert s.kernel.state == "running"
+    assert park["path"]["resume_seconds"] == 0.09
+    assert s.kernel.actions().count("resume") == 2
+
+
+def test_the_arena_is_kept_for_the_next_park_and_no_host_memory_is_promised_again(setup):
+    s = setup()
+    s.park()
+    assert s.resume()["state"] not in ("parked", "waiting")
+    assert s.kernel.asked[-1] == {"action": "resume", "keep_arena": True, "timeout": 600.0}
+    assert s.kernel.arena == arena_bytes(SERVED)
+    s.park()
+    assert s.promised == [arena_bytes(SERVED), 0]
+
+
+def test_a_kernel_without_torch_on_the_gpu_parks_through_the_checkpoint_driver_and_says_why(setup):
+    s = setup(torch_cuda=False)
+    park = s.park()
+    assert park["state"] == "parked"
+    assert park["path"]["path"] == "checkpoint"
+    assert "no torch on the GPU" in park["path"]["reason"]
+    assert park["path"]["stays_on_device"] == 0 and park["path"]["park_seconds"] is None
+    assert "park" not in s.kernel.actions()
+    assert [call for call, _ in FakeCheckpoint.calls] == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint"]
+
+
+def test_with_fast_park_off_nothing_is_asked_and_nothing_is_said(setup):
+    s = setup(fast_park="off")
+    park = s.park()
+    assert park["state"] == "parked" and park["path"] is None
+    assert s.kernel.actions() == ["trim"]
+    assert park["host_bytes"] == SERVED + CONTEXT
+    assert [call for call, _ in FakeCheckpoint.calls] == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint"]
+
+
+# --- the driver alone, over a fake channel ---------------------------------------------------------------
+
+
+def driver_over(answers: dict, **kwargs) -> PagesDriver:
+    asked: list = []
+
+    def ask(content, timeout):
+        asked.append(content)
+        answer = answers.get(content["action"])
+        return answer(content) if callable(answer) else answer
+
+    driver = PagesDriver(ask, **kwargs)
+    driver.asked = asked  # type: ignore[attr-defined]
+    return driver
+
+
+def test_the_driver_raises_the_kernels_code_and_keeps_its_words():
+    driver = driver_over({"resume": {"code": 2, "message": "no room for 1073741824 bytes", "seconds": 0.01}})
+    with pytest.raises(CheckpointError) as failed:
+        driver.restore(PID)
+    assert failed.value.code == CUDA_ERROR_OUT_OF_MEMORY
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(failed.value) and "1073741824" in str(failed.value)
+    assert driver.seconds == 0.01
+
+
+def test_a_lost_answer_is_followed_by_the_librarys_state():
+    parked = driver_over({"park": None, "facts": {"state": "parked"}}, arena=5)
+    parked.checkpoint(PID)  # the answer was lost, the park was not
+    assert parked.asked == [{"action": "park", "arena": 5, "timeout": 600.0}, {"action": "facts"}]
+    silent = driver_over({"park": None, "facts": None})
+    with pytest.raises(CheckpointError, match="no answer"):
+        silent.checkpoint(PID)
+
+
+def test_the_drivers_state_is_the_librarys_and_a_gone_process_is_not_found():
+    assert driver_over({"facts": {"state": "parked"}}).state(PID) == CHECKPOINTED
+    assert driver_over({"facts": {"state": "running"}}).state(PID) == DRIVER_RUNNING
+    with pytest.raises(CheckpointError) as gone:
+        driver_over({}).state(2**22 + 12345)  # beyond any pid_max's default: no such process
+    assert gone.value.code == CUDA_ERROR_NOT_FOUND
+
+
+def test_lock_and_unlock_ask_nothing():
+    driver = driver_over({})
+    driver.lock(PID, 1000)
+    driver.unlock(PID)
+    assert driver.asked == []
+
+
+def test_the_channel_is_asked_on_the_loop_from_a_thread():
+    class Channel:
+        async def ask(self, kernel_id, content, timeout):
+            return {"kernel": kernel_id, **content}
+
+    async def main():
+        ask = threadsafe_ask(Channel(), "k9", asyncio.get_running_loop())
+        return await asyncio.get_running_loop().run_in_executor(None, ask, {"action": "facts"}, 1.0)
+
+    assert asyncio.run(main()) == {"kernel": "k9", "action": "facts"}
+
+
+def test_a_kernel_without_the_bootstrap_is_not_asked_and_takes_the_checkpoint_path(setup):
+    s = setup(bootstrapped=False)
+    park = s.park()
+    assert park["state"] == "parked" and s.kernel.actions() == []
+    assert park["path"]["path"] == "checkpoint" and "started without the fast park library" in park["path"]["reason"]
