@@ -75,7 +75,7 @@ MARGIN = SETTINGS.host_margin
 class Room(RuleBasedStateMachine):
     @initialize(
         hub=st.booleans(),
-        host_total=st.integers(4, 48).map(lambda g: g * GiB),
+        host_total=st.integers(4, 64).map(lambda g: g * GiB),
         caps=st.lists(st.integers(4, 12).map(lambda g: g * GiB), min_size=len(KERNELS), max_size=len(KERNELS)),
         shares=st.lists(st.floats(0.1, 0.6), min_size=len(KERNELS), max_size=len(KERNELS)),
     )
@@ -245,6 +245,14 @@ class Room(RuleBasedStateMachine):
             free = DEVICE.total - sum(self.used.values()) - unseen
             self.used[k] = max(self.used[k], min(want, self.caps[k], self.used[k] + max(0, free)))
         self.report()
+
+    @rule(which=st.integers(0, len(KERNELS) - 1))
+    def parked_kernels_cell(self, which):
+        """A cell of a kernel the parker holds starts (parked: it waits for room to come back to): the way most
+        resumes begin, drawn here among those kernels, so that the search spends its steps where room is granted."""
+        held = [k for k in KERNELS if self.record(k).state in (ParkState.PARKED, ParkState.PARKING)]
+        if held:
+            self.cell(held[which % len(held)], True, 0)
 
     @rule(k=st.sampled_from(KERNELS), who=st.sampled_from(["idle timer", "user park", "user resume"]))
     def asked(self, k, who):
