@@ -2,7 +2,8 @@
 and the broker that makes overcommit safe: which resume may run now (only into room reserved for it), which
 idle kernels park to make room.
 
-states.py is a kernel's parking as a pure state machine; broker.py the broker's pure decisions; decisions.py
+states.py is a kernel's parking as a pure state machine; shown.py the state the broker sees a kernel in (one rule
+for a server's parker and the host service); broker.py the broker's pure decisions; decisions.py
 the rules applied before the driver is asked (settings, parkable, idle timer); host_account.py the host's
 memory as one account for every park; wording.py the words;
 parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
@@ -15,11 +16,10 @@ sharing a file with devices.FileFakeNvml).
     c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
 
 The host service's broker (hub/service/room.py) runs the same decisions over every user's kernels: the broker's
-types, `decide` and `host_room` are this package's surface for it.
+types, `decide`, `shown_as` and `host_room` are this package's surface for it.
 """
 
 from .broker import (
-    RUNNING_STATES,
     BrokerSettings,
     Demand,
     DeviceView,
@@ -43,11 +43,13 @@ from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .pages.build import preload_library
 from .parker import OwnBroker, Parker, RoomBroker
+from .shown import PARK_MARGIN, PARK_RATE, Said, Shown, park_time, shown_as
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
     "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
     "RoomBroker", "HostBroker",
-    "HostRooms", "RUNNING_STATES", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
+    "HostRooms", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
     "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library",
+    "PARK_MARGIN", "PARK_RATE", "Said", "Shown", "park_time", "shown_as",
 ]

@@ -36,11 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+from ..shared.park_state import CLAIMING, ParkState
 from ..shared.sizes import format_bytes
-
-RUNNING_STATES = ("busy", "idle", "pending")  # on the device, free to allocate up to their caps
-CLAIMING_STATES = ("busy", "pending")  # running a cell: their headroom is claimed (idle ones ask at their next cell)
-PARKED_STATES = ("parked", "waiting")  # their bytes are on the host
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ class KernelView:
     """One kernel as the broker sees it."""
 
     kernel_id: str
-    state: str  # a park state (shared.contract.PARK_STATES) or "lost"
+    state: str  # a ParkState, as shown.shown_as gives it
     used: Mapping[Hashable, int] = field(default_factory=dict)  # NVML, by device
     caps: Mapping[Hashable, int] = field(default_factory=dict)  # its grant, by device
     idle_for: Optional[float] = None  # seconds since its last activity (idle kernels)
@@ -69,7 +66,7 @@ class KernelView:
         docstring). A kernel that holds none there (it never used that GPU) claims nothing: it could not be
         parked to give a claim back, and most kernels never touch the GPU at all. When it does start, it
         allocates like any newcomer (a device found full makes room for it where park_on_device_full is on)."""
-        if self.state not in CLAIMING_STATES or self.used.get(key, 0) <= 0:
+        if self.state not in CLAIMING or self.used.get(key, 0) <= 0:
             return 0
         return max(0, self.caps.get(key, 0) - self.used.get(key, 0))
 
@@ -161,7 +158,7 @@ def host_left(host: HostView, kernels: Sequence[KernelView]) -> Optional[int]:
     limits = [x for x in (host.available, host.cgroup_room) if x is not None]
     if not limits:
         return None
-    others = sum(k.host_bytes for k in kernels if k.state == "parking" and k.kernel_id not in host.promised_for)
+    others = sum(k.host_bytes for k in kernels if k.state == ParkState.PARKING and k.kernel_id not in host.promised_for)
     return min(limits) - host.promised - others
 
 
@@ -170,7 +167,11 @@ def candidates(kernels: Sequence[KernelView], min_idle: float) -> List[KernelVie
     idle = [
         k
         for k in kernels
-        if k.state == "idle" and k.parkable and k.host_bytes > 0 and k.idle_for is not None and k.idle_for >= min_idle
+        if k.state == ParkState.IDLE
+        and k.parkable
+        and k.host_bytes > 0
+        and k.idle_for is not None
+        and k.idle_for >= min_idle
     ]
     return sorted(idle, key=lambda k: (-(k.idle_for or 0.0), k.kernel_id))
 
@@ -205,7 +206,7 @@ def plan(
     # the parks under way and those chosen this round are done (whether more kernels must park).
     now_room: Dict[Hashable, Optional[int]] = {d.key: room(d, kernels, reservations, margin) for d in devices}
     coming: Dict[Hashable, int] = {
-        d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == "parking") for d in devices
+        d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == ParkState.PARKING) for d in devices
     }
     later_room: Dict[Hashable, Optional[int]] = {
         key: None if value is None else value + coming[key] for key, value in now_room.items()
@@ -250,7 +251,7 @@ def plan(
             continue  # only where the device has room now: it parks nobody
         short_later = {key: need[key] - own[key] - (later_room[key] or 0) for key in need}
         if all(s <= 0 for s in short_later.values()):
-            parking = [k.label or k.kernel_id for k in kernels if k.state == "parking" and _on(k, need)]
+            parking = [k.label or k.kernel_id for k in kernels if k.state == ParkState.PARKING and _on(k, need)]
             reason = _making_room(need, by_key, parking, "parking")
             _earmark(need, own, now_room, later_room)
             _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
@@ -420,13 +421,13 @@ def holders_words(
 
 def _when(kernel: KernelView, min_idle: float) -> str:
     """When the broker may park this kernel, in a few words."""
-    if kernel.state in CLAIMING_STATES:
+    if kernel.state in CLAIMING:
         return "running a cell: not parked while it runs"
-    if kernel.state == "parking":
+    if kernel.state == ParkState.PARKING:
         return "parking now"
-    if kernel.state == "resuming":
+    if kernel.state == ParkState.RESUMING:
         return "coming back from the host"
-    if kernel.state != "idle":
+    if kernel.state != ParkState.IDLE:
         return kernel.state
     if not kernel.parkable:
         return "idle, cannot be parked"

@@ -42,9 +42,10 @@ ERROR_NAMES = {
     CUDA_ERROR_TIMEOUT: "CUDA_ERROR_TIMEOUT",
 }
 
-# CUprocessState (cuda.h)
-RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
-STATE_NAMES = {RUNNING: "running", LOCKED: "locked", CHECKPOINTED: "checkpointed", FAILED: "failed"}
+# CUprocessState (cuda.h): one process as the driver has it; DRIVER_RUNNING so that it is never taken for a kernel's
+# park state (shared/park_state.py) or the parker's record state (states.RUNNING)
+DRIVER_RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
+STATE_NAMES = {DRIVER_RUNNING: "running", LOCKED: "locked", CHECKPOINTED: "checkpointed", FAILED: "failed"}
 
 CALLS = (
     "cuCheckpointProcessLock",
@@ -92,7 +93,7 @@ class CheckpointDriver:
         raise NotImplementedError
 
     def state(self, pid: int) -> int:
-        """RUNNING, LOCKED, CHECKPOINTED or FAILED."""
+        """DRIVER_RUNNING, LOCKED, CHECKPOINTED or FAILED."""
         raise NotImplementedError
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from ..settings import PARK, validated
+from ..shared.park_state import ParkState
 from ..shared.sizes import GiB
 from .broker import BrokerSettings
 
@@ -74,7 +75,7 @@ def build_park_settings(*args: Any, **given: Any) -> ParkSettings:
 
 def activity_state(execution_state: Optional[str]) -> str:
     """jupyter_server's execution state as a park state: busy, or idle (starting, unknown, dead: not busy)."""
-    return "busy" if execution_state == "busy" else "idle"
+    return ParkState.BUSY if execution_state == "busy" else ParkState.IDLE
 
 
 def idle_seconds(execution_state: Optional[str], last_activity: Optional[float], now: float) -> Optional[float]:

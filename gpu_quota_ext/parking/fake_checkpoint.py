@@ -33,8 +33,8 @@ from .checkpoint import (
     CUDA_ERROR_NOT_PERMITTED,
     CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
+    DRIVER_RUNNING,
     LOCKED,
-    RUNNING,
     CheckpointDriver,
     CheckpointError,
     CheckpointUnavailable,
@@ -43,7 +43,7 @@ from .checkpoint import (
 
 class FakeCheckpoint(CheckpointDriver):
     _lock = threading.RLock()
-    states: Dict[int, int] = {}  # pid -> LOCKED / CHECKPOINTED (absent: RUNNING)
+    states: Dict[int, int] = {}  # pid -> LOCKED / CHECKPOINTED (absent: DRIVER_RUNNING)
     host: Dict[int, Dict[str, int]] = {}  # pid -> device uuid -> bytes moved to host memory
     refusal: Optional[int] = None  # every lock fails with this CUresult
     foreign: Set[int] = set()
@@ -97,7 +97,7 @@ class FakeCheckpoint(CheckpointDriver):
             self.calls.append((call, pid))
         if not psutil.pid_exists(pid):
             raise CheckpointError(call, pid, CUDA_ERROR_NOT_FOUND)
-        return self.states.get(pid, RUNNING)
+        return self.states.get(pid, DRIVER_RUNNING)
 
     def _expect(self, call: str, pid: int, state: int, wanted: int) -> None:
         if state != wanted:
@@ -110,7 +110,7 @@ class FakeCheckpoint(CheckpointDriver):
             raise CheckpointError(call, pid, CUDA_ERROR_NOT_PERMITTED)
         if self.refusal is not None:
             raise CheckpointError(call, pid, self.refusal)
-        self._expect(call, pid, state, RUNNING)
+        self._expect(call, pid, state, DRIVER_RUNNING)
         with self._lock:
             self.states[pid] = LOCKED
 

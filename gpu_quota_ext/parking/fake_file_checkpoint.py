@@ -37,8 +37,8 @@ from .checkpoint import (
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
+    DRIVER_RUNNING,
     LOCKED,
-    RUNNING,
     CheckpointDriver,
     CheckpointError,
     CheckpointUnavailable,
@@ -148,7 +148,7 @@ class FileFakeCheckpoint(CheckpointDriver):
                 state["host"].pop(str(pid), None)
                 state["states"].pop(str(pid), None)
                 raise CheckpointError(call, pid, CUDA_ERROR_NOT_FOUND)
-            yield usage, state, int(state["states"].get(str(pid), RUNNING))
+            yield usage, state, int(state["states"].get(str(pid), DRIVER_RUNNING))
 
     @staticmethod
     def _expect(call: str, pid: int, now: int, wanted: int) -> None:
@@ -158,7 +158,7 @@ class FileFakeCheckpoint(CheckpointDriver):
     def lock(self, pid: int, timeout_ms: int) -> None:
         call = "cuCheckpointProcessLock"
         with self._call(call, pid) as (_, state, now):
-            self._expect(call, pid, now, RUNNING)
+            self._expect(call, pid, now, DRIVER_RUNNING)
             state["states"][str(pid)] = LOCKED
 
     def checkpoint(self, pid: int) -> None:

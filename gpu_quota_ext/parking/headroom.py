@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, Optional, Sequence
 
-from .broker import RUNNING_STATES, KernelView, Round, candidates, room
+from ..shared.park_state import ON_DEVICE
+from .broker import KernelView, Round, candidates, room
 
 UNKNOWN = object()  # short_of_room's value for a kernel whose device could not be read this round
 
@@ -76,5 +77,5 @@ def short_kernels(round_: Round, kernel_ids: Optional[Sequence[str]] = None) -> 
     return {
         k.kernel_id: short_on(k, round_)
         for k in round_.kernels
-        if k.state in RUNNING_STATES and k.caps and (wanted is None or k.kernel_id in wanted)
+        if k.state in ON_DEVICE and k.caps and (wanted is None or k.kernel_id in wanted)
     }

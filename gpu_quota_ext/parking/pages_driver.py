@@ -28,7 +28,7 @@ from .checkpoint import (
     CHECKPOINTED,
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_TIMEOUT,
-    RUNNING,
+    DRIVER_RUNNING,
     CheckpointDriver,
     CheckpointError,
 )
@@ -91,11 +91,11 @@ class PagesDriver(CheckpointDriver):
 
     def state(self, pid: int) -> int:
         """CHECKPOINTED while the library holds the process's memory on the host (or is moving it: a resume then
-        answers the library's own refusal), RUNNING once it is back."""
+        answers the library's own refusal), DRIVER_RUNNING once it is back."""
         state = self._library_state(pid)
         if state is None:
             raise CheckpointError("facts", pid, CUDA_ERROR_TIMEOUT, "no answer from the kernel")
-        return RUNNING if state == "running" else CHECKPOINTED
+        return DRIVER_RUNNING if state == "running" else CHECKPOINTED
 
     def _call(self, action: str, pid: int, content: dict) -> Optional[dict]:
         if not psutil.pid_exists(pid):

@@ -39,6 +39,7 @@ import psutil
 
 from ..devices import Device
 from ..ledger import Ledger, UnknownKernel
+from ..shared.park_state import ParkState
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
 from .broker import Demand as BrokerDemand
@@ -76,6 +77,7 @@ from .path import (
     resume_deferred_reason,
 )
 from .room_flags import RoomFlags
+from .shown import Said, shown_as
 from .states import (
     HELD,
     LOST,
@@ -795,6 +797,32 @@ class Parker:
             if not self._decide_again or self._stopped:
                 return
 
+    def _said(
+        self,
+        kernel_id: str,
+        record: Optional[ParkRecord],
+        execution_state: Optional[str],
+        last: Optional[float],
+        sample: "Sample",
+        now: float,
+    ) -> Said:
+        """What this server knows of one kernel for shown.shown_as: its record (or jupyter_server's busy/idle), as of
+        now. Its park's bytes are in the sample when the sample was taken before the park ended. Its park is not timed
+        against park_time: this server sees its driver call, out until it returns or is marked stuck (the host
+        service, which cannot see it, times it; and ends its host promise by this server's report)."""
+        held = record is not None and record.shows_park
+        state = record.state if held else activity_state(execution_state)
+        return Said(
+            state=state,
+            at=now,
+            idle_for=idle_seconds(execution_state, last, now),
+            parkable=state == ParkState.IDLE
+            and self.problem(kernel_id) is None
+            and not (record is not None and record.refused),
+            in_reading=held and state == ParkState.PARKED and (sample.time is None or record.since >= sample.time),
+            stuck=held and record.stuck is not None,
+        )
+
     def round(self) -> Round:
         """This server's view for the broker: its GPUs, its kernels, who waits, what is reserved."""
         sample = self.monitor.latest
@@ -818,34 +846,28 @@ class Parker:
             kernel_id = grant.kernel_id
             record = self.records.get(kernel_id)
             execution_state, last = kernel_activity(self.kernels, kernel_id)
-            shown = record.state if record is not None and record.shows_park else activity_state(execution_state)
             used = dict(sample.kernels.get(kernel_id, {})) if readable else {}
-            if shown == "parked" and record is not None and (sample.time is None or record.since >= sample.time):
-                # Parked after this sample was taken: its bytes are in the reading, and leaving. The broker counts
-                # them as a park under way, not as memory someone holds (or it would park another kernel).
-                shown = "parking"
-            if shown == "parking" and record is not None and record.stuck:
-                shown = "busy"  # its driver call has not returned: its bytes may never leave, nobody waits for them
+            view = shown_as(self._said(kernel_id, record, execution_state, last, sample, now), now)
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,
-                    state=shown,
+                    state=view.state,
                     used=used,
                     caps=dict(grant.caps),
-                    idle_for=idle_seconds(execution_state, last, now),
-                    parkable=shown == "idle" and self.problem(kernel_id) is None and not (record and record.refused),
+                    idle_for=view.idle_for,
+                    parkable=view.parkable,
                     label=f"kernel {kernel_id[:8]}",
                 )
             )
             if record is None:
                 continue
-            if record.state == "waiting" and record.deferred_at is None:
+            if record.state == ParkState.WAITING and record.deferred_at is None:
                 demands.append(BrokerDemand(kernel_id, dict(record.parked), record.waiting_since or now))
             if record.room:
                 reservations.append(Reservation(kernel_id, dict(record.room)))
-            if record.room_need and record.state in (RUNNING, "pending"):
+            if record.room_need and record.state in (RUNNING, ParkState.PENDING):
                 demands.append(BrokerDemand(kernel_id, dict(record.room_need), record.room_asked or now, running=True))
-            if self.host_short_since is not None and record.state == "parked":
+            if self.host_short_since is not None and record.state == ParkState.PARKED:
                 demands.append(BrokerDemand(kernel_id, dict(record.parked), self.host_short_since, background=True))
         available, cgroup = self.host()
         self._note_landing()

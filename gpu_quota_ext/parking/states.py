@@ -27,10 +27,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Tuple, Union
 
-RUNNING = "running"  # the parker holds nothing of it: busy or idle, as jupyter_server sees it
-LOST = "lost"  # a restore failed: its GPU state cannot come back
-STATES = (RUNNING, "pending", "parking", "parked", "waiting", "resuming", LOST)
-HELD = ("parking", "parked", "waiting", "resuming", LOST)  # the driver holds (or is moving) its GPU state
+from ..shared.park_state import ParkState
+
+# The record's states: ParkState's, where the parker holds (or is about to move) the kernel's GPU state, and RUNNING,
+# where it holds nothing: the record's own word, never on the wire (the kernel is shown as jupyter_server's BUSY or
+# IDLE; shown.py decides what the broker sees).
+RUNNING = "running"
+LOST = ParkState.LOST  # a restore failed: its GPU state cannot come back
+# HELD: the driver holds (or is moving) its GPU state
+HELD = (ParkState.PARKING, ParkState.PARKED, ParkState.WAITING, ParkState.RESUMING, LOST)
+STATES = (RUNNING, ParkState.PENDING) + HELD
 CELL, REQUEST = "cell", "request"  # why a parked kernel waits for room: a cell of its own, or a resume request
 
 
@@ -38,7 +44,7 @@ CELL, REQUEST = "cell", "request"  # why a parked kernel waits for room: a cell 
 class ParkRecord:
     """What the parker knows of one kernel beyond jupyter_server's busy/idle."""
 
-    state: str = RUNNING
+    state: str = RUNNING  # RUNNING or a ParkState (STATES)
     since: float = 0.0  # wall clock when the state began
     pids: Tuple[int, ...] = ()  # the processes parked together
     parked: Mapping[int, int] = field(default_factory=dict)  # device -> bytes moved (or moving) to the host
@@ -240,20 +246,20 @@ def transition(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord
             return replace(record, room={}, room_until=None), (Decide(),)
         return record, ()
     if isinstance(event, Stuck):
-        if event.op != record.op or state not in ("parking", "resuming"):
+        if event.op != record.op or state not in (ParkState.PARKING, ParkState.RESUMING):
             return record, ()
         return replace(record, stuck=event.reason), ()
     if state == RUNNING:
         return _running(record, event, now)
-    if state == "pending":
+    if state == ParkState.PENDING:
         return _pending(record, event, now)
-    if state == "parking":
+    if state == ParkState.PARKING:
         return _parking(record, event, now)
-    if state == "parked":
+    if state == ParkState.PARKED:
         return _parked(record, event, now)
-    if state == "waiting":
+    if state == ParkState.WAITING:
         return _waiting(record, event, now)
-    if state == "resuming":
+    if state == ParkState.RESUMING:
         return _resuming(record, event, now)
     return record, ()  # lost: nothing brings it back; a restart or shutdown forgets it
 
@@ -261,7 +267,7 @@ def transition(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord
 def _begin_park(record: ParkRecord, now: float, why: Optional[str], automatic: bool) -> Tuple[ParkRecord, Effects]:
     op = record.op + 1
     parking = moved(
-        record, "parking", now, op=op, reason=why, refused=False, resume_wanted=None, pids=(), parked={},
+        record, ParkState.PARKING, now, op=op, reason=why, refused=False, resume_wanted=None, pids=(), parked={},
         room_need={}, room_asked=None, room_outcome=None, automatic=automatic,
     )
     return parking, (StartPark(op),)
@@ -291,7 +297,7 @@ def _running(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
             return replace(record, refused=True, reason=event.problem), ()
         if event.busy:
             reason = f"parks when its current cell has finished ({event.why})"
-            return moved(record, "pending", now, reason=reason, refused=False), ()
+            return moved(record, ParkState.PENDING, now, reason=reason, refused=False), ()
         return _begin_park(record, now, event.why if event.automatic else None, event.automatic)
     return record, ()
 
@@ -311,7 +317,7 @@ def _parking(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
         if record.resume_wanted == CELL and not record.automatic:
             # A cell began before the driver was asked: a user's park waits for it to finish, as asked while busy.
             reason = "parks when its current cell has finished (user request)"
-            return moved(record, "pending", now, reason=reason, resume_wanted=None), ()
+            return moved(record, ParkState.PENDING, now, reason=reason, resume_wanted=None), ()
         if record.resume_wanted is not None:
             # A cell began (or a resume was asked) before the driver was asked: a busy kernel is not parked.
             return running(record, now), (Decide(),)
@@ -319,7 +325,7 @@ def _parking(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
     if isinstance(event, ParkDone) and event.op == record.op:
         if event.error is not None:
             return running(record, now, reason=event.error, refused=True), (Decide(),)
-        parked = moved(record, "parked", now, reason=None, stuck=None)
+        parked = moved(record, ParkState.PARKED, now, reason=None, stuck=None)
         if record.resume_wanted is not None:
             return _want_room(parked, record.resume_wanted, now)
         return replace(parked, resume_wanted=None), (Decide(),)
@@ -337,7 +343,7 @@ def _parking(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
 def _want_room(record: ParkRecord, demand: str, now: float) -> Tuple[ParkRecord, Effects]:
     waiting = moved(
         record,
-        "waiting",
+        ParkState.WAITING,
         now,
         demand=demand,
         waiting_since=now,
@@ -359,7 +365,9 @@ def _parked(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, E
 def _back_to_parked(record: ParkRecord, now: float, reason: Optional[str], told: bool = False) -> ParkRecord:
     """Parked again, nobody waiting. `told`: it got here because its wait passed the limit, which stays said
     (the status's `told`, with the reason) until its next wait begins."""
-    return moved(record, "parked", now, demand=None, waiting_since=None, told=told, reason=reason, deferred_at=None)
+    return moved(
+        record, ParkState.PARKED, now, demand=None, waiting_since=None, told=told, reason=reason, deferred_at=None
+    )
 
 
 def _waiting(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, Effects]:
@@ -367,7 +375,7 @@ def _waiting(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
         if record.deferred_at is not None:
             return record, ()  # a grant decided on the reading that was found wrong: wait for a newer one
         op = record.op + 1
-        resuming = moved(record, "resuming", now, op=op, reason=None, room=dict(record.parked), room_until=None)
+        resuming = moved(record, ParkState.RESUMING, now, op=op, reason=None, room=dict(record.parked), room_until=None)
         return resuming, (Restore(op, record.pids),)
     if isinstance(event, RoomWait):
         return (replace(record, reason=event.reason) if event.reason != record.reason else record), ()
@@ -389,7 +397,7 @@ def _waiting(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, 
 def _resuming(record: ParkRecord, event: Event, now: float) -> Tuple[ParkRecord, Effects]:
     if isinstance(event, RestoreDeferred) and event.op == record.op:
         # Nothing was asked of the driver: the kernel waits for room again, as long as it has waited already.
-        waiting = moved(record, "waiting", now, reason=event.reason, room={}, room_until=None, stuck=None)
+        waiting = moved(record, ParkState.WAITING, now, reason=event.reason, room={}, room_until=None, stuck=None)
         return replace(waiting, deferred_at=now), ()
     if not isinstance(event, ResumeDone) or event.op != record.op:
         return record, ()

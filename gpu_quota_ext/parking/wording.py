@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ..shared.contract import PARK_FIELDS
+from ..shared.park_state import ParkState
 from ..shared.sizes import format_bytes
 from .checkpoint import (
     CUDA_ERROR_NOT_FOUND,
@@ -84,7 +85,7 @@ def park_json(
 def describe_transition(kernel_id: str, old: str, new: str, record: ParkRecord) -> str:
     """One log line for a transition."""
     line = f"gpu-quota-ext: kernel {kernel_id} park state {old} -> {new}"
-    if new == "parked" and old == "parking":
+    if new == ParkState.PARKED and old == ParkState.PARKING:
         processes = ", ".join(map(str, record.pids))
         moved = sum(record.parked.values())
         line += f": {format_bytes(moved)} of GPU memory moved to host memory (processes {processes})"

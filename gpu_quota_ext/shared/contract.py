@@ -7,6 +7,8 @@ Paths are relative to the server's base_url.
 
 from __future__ import annotations
 
+from .park_state import ParkState
+
 API_PREFIX = "/api/gpu-quota"
 STATUS_PATH = API_PREFIX + "/status"  # GET: devices, kernels, policy, monitor (the sidebar's poll)
 KERNELS_PATH = API_PREFIX + "/kernels"  # + "/<kernel id>": GET a grant, PUT a cap; + "/usage": POST a usage report
@@ -89,17 +91,9 @@ ROOM_SUFFIX = "room"
 # untracked by jupyter_server's activity monitor: they are not the user's activity.
 KERNEL_REQUEST = "gpu_quota_request"
 KERNEL_REPLY = "gpu_quota_reply"
-# A kernel's park state, in the status answer (each kernel's "park") and in the park/resume answers.
-PARK_STATES = (
-    "busy",  # running a cell (or a widget message): holds its GPU memory, as it should
-    "idle",  # holds GPU memory, runs nothing (for `idle_seconds`)
-    "pending",  # asked to park: parks as soon as its current cell has finished
-    "parking",  # the driver is moving its GPU memory to host memory
-    "parked",  # its GPU memory is on the host (`host_bytes`), its grant kept
-    "resuming",  # the driver is moving it back
-    "waiting",  # waits for the broker to make room to come back to (`reason` says what for, `waited` how long)
-    "lost",  # its restore failed: what was on the GPU cannot come back (`reason` says what the user can do)
-)
+# A kernel's park state, in the status answer (each kernel's "park") and in the park/resume answers: the words of
+# park_state.ParkState (what each means is said there), in its order.
+PARK_STATES = tuple(state.value for state in ParkState)
 PARK_FIELDS = (
     "state",  # one of PARK_STATES
     "since",  # wall clock (seconds) the state began

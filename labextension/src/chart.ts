@@ -7,7 +7,7 @@
  * for its tooltip. No JupyterLab imports, no DOM.
  */
 
-import { IHistoryPoint } from './contract';
+import { IHistoryPoint, ParkState } from './contract';
 import { formatBytes, formatClock, formatDuration } from './format';
 
 /** The box the paths are drawn in (the SVG's viewBox); the row stretches it to its width. */
@@ -16,7 +16,7 @@ export const CHART_HEIGHT = 40;
 const PAD = 1.5; // so that a line at the top or at 0 is not cut in half
 
 /** Park states whose period the chart marks: the kernel's GPU memory is (going) on the host. */
-const PARKED = new Set(['parking', 'parked', 'resuming']);
+const PARKED: ReadonlySet<string> = new Set([ParkState.PARKING, ParkState.PARKED, ParkState.RESUMING]);
 
 /** What a band marks: parked (parking, parked, resuming), waiting (a resume waiting for device memory), or
  * lost (its restore failed: what was on the GPU is gone). */
@@ -24,7 +24,7 @@ export type BandState = 'parked' | 'waiting' | 'lost';
 
 /** The band a park state draws, or null for a kernel on its device (busy, idle, pending). */
 export function bandOf(park: string): BandState | null {
-  if (park === 'waiting' || park === 'lost') {
+  if (park === ParkState.WAITING || park === ParkState.LOST) {
     return park;
   }
   return PARKED.has(park) ? 'parked' : null;

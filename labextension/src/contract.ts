@@ -116,18 +116,22 @@ export interface IKernelStatus {
 export const PARK_SUFFIX = 'park';
 export const RESUME_SUFFIX = 'resume';
 
-/** A kernel's park state, as the contract lists them (PARK_STATES). */
-export const PARK_STATES = [
-  'busy',
-  'idle',
-  'pending',
-  'parking',
-  'parked',
-  'resuming',
-  'waiting',
-  'lost'
-] as const;
-export type ParkState = (typeof PARK_STATES)[number];
+/**
+ * A kernel's park state: the names and words of gpu_quota_ext/shared/park_state.py `ParkState`, in its order
+ * (a test checks both lists). The contract's PARK_STATES are its words.
+ */
+export const ParkState = {
+  BUSY: 'busy',
+  IDLE: 'idle',
+  PENDING: 'pending',
+  PARKING: 'parking',
+  PARKED: 'parked',
+  RESUMING: 'resuming',
+  WAITING: 'waiting',
+  LOST: 'lost'
+} as const;
+export type ParkState = (typeof ParkState)[keyof typeof ParkState];
+export const PARK_STATES: readonly ParkState[] = Object.values(ParkState);
 
 export interface IKernelPark {
   state: ParkState;
@@ -344,7 +348,7 @@ function normalizePoints(raw: unknown): IHistoryPoint[] {
       reserved: sizeOrNull(p.reserved),
       cap: sizeOrNull(p.cap),
       hard_limit: sizeOrNull(p.hard_limit),
-      park: (PARK_STATES as readonly string[]).includes(p.park) ? p.park : 'idle'
+      park: (PARK_STATES as readonly string[]).includes(p.park) ? p.park : ParkState.IDLE
     });
   }
   // In time order, as the server keeps them (a reply is not trusted to be).

@@ -5,7 +5,7 @@
  * Resume buttons it offers, and whether it offers a cap. No JupyterLab imports.
  */
 
-import { IKernelDevice, IKernelPark, IKernelStatus, IQuotaStatus, isNumber } from './contract';
+import { IKernelDevice, IKernelPark, IKernelStatus, IQuotaStatus, isNumber, ParkState } from './contract';
 import { capitalised, formatBytes, formatPair, lostWords, parkWords, reasonText, refusalText } from './format';
 import { IState } from './state';
 
@@ -211,7 +211,7 @@ export function kernelLine(kernel: IKernelStatus): IKernelLine | null {
   }
   const said = reasonText(kernel.reasons?.park, park.reason);
   // A lost kernel is not parkable either (the server says so), but "not parkable" is not its news.
-  if (park.parkable === false && park.state !== 'lost') {
+  if (park.parkable === false && park.state !== ParkState.LOST) {
     const words = said?.words || '';
     return { kind: 'not-parkable', words, detail: said?.detail || '', level: 'ok', state: park.state };
   }
@@ -254,7 +254,7 @@ export const WAITING_TITLE =
  * back, only a restart or a shutdown helps it. No park object (a server that does not park): neither button.
  */
 export function parkButtons(park: IKernelPark | null | undefined): IParkButtons {
-  if (!park || park.state === 'lost') {
+  if (!park || park.state === ParkState.LOST) {
     return { park: HIDDEN, resume: HIDDEN };
   }
   if (park.parkable === false) {
@@ -262,17 +262,17 @@ export function parkButtons(park: IKernelPark | null | undefined): IParkButtons 
     return { park: { visible: true, enabled: false, title: why }, resume: HIDDEN };
   }
   switch (park.state) {
-    case 'busy':
-    case 'idle':
+    case ParkState.BUSY:
+    case ParkState.IDLE:
       return { park: { visible: true, enabled: true, title: PARK_TITLE }, resume: HIDDEN };
-    case 'pending':
-    case 'parking':
+    case ParkState.PENDING:
+    case ParkState.PARKING:
       return { park: { visible: true, enabled: false, title: parkWords(park) }, resume: HIDDEN };
-    case 'parked':
+    case ParkState.PARKED:
       return { park: HIDDEN, resume: { visible: true, enabled: true, title: RESUME_TITLE } };
-    case 'waiting':
+    case ParkState.WAITING:
       return { park: HIDDEN, resume: { visible: true, enabled: false, title: WAITING_TITLE } };
-    case 'resuming':
+    case ParkState.RESUMING:
       return { park: HIDDEN, resume: { visible: true, enabled: false, title: 'resuming' } };
     default:
       return { park: HIDDEN, resume: HIDDEN };
@@ -284,7 +284,7 @@ export function parkButtons(park: IKernelPark | null | undefined): IParkButtons 
  * lost one (no GPU call of it will return: only a restart or a shutdown helps it).
  */
 export function offersCap(kernel: IKernelStatus): boolean {
-  return kernel.devices.length > 0 && kernel.park?.state !== 'lost';
+  return kernel.devices.length > 0 && kernel.park?.state !== ParkState.LOST;
 }
 
 export interface IParkFeedback {

@@ -5,7 +5,7 @@
  * No JupyterLab imports, so the unit tests run in plain Node.
  */
 
-import { IKernelLost, IKernelPark, IReason, isNumber } from './contract';
+import { IKernelLost, IKernelPark, IReason, isNumber, ParkState } from './contract';
 
 const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
 
@@ -211,15 +211,15 @@ export const LOST_WORDS = 'its GPU memory could not be brought back; restart the
 export function parkWords(park: IKernelPark, reason?: string | null): string {
   const said = reason || (typeof park.reason === 'string' && park.reason ? shorten(park.reason) : '');
   switch (park.state) {
-    case 'busy':
+    case ParkState.BUSY:
       return 'running';
-    case 'idle':
+    case ParkState.IDLE:
       return isNumber(park.idle_seconds) ? `idle for ${formatDuration(park.idle_seconds)}` : 'idle';
-    case 'pending':
+    case ParkState.PENDING:
       return 'parks when its current cell ends';
-    case 'parking':
+    case ParkState.PARKING:
       return 'parking: its GPU memory is moving to host memory';
-    case 'parked': {
+    case ParkState.PARKED: {
       let words = 'parked';
       const since = formatClock(park.since);
       if (since) {
@@ -234,11 +234,11 @@ export function parkWords(park: IKernelPark, reason?: string | null): string {
       }
       return words;
     }
-    case 'resuming':
+    case ParkState.RESUMING:
       return 'resuming';
-    case 'waiting':
+    case ParkState.WAITING:
       return park.told === true ? toldWords(park) : waitingWords(park, said);
-    case 'lost':
+    case ParkState.LOST:
       return `lost: ${said || LOST_WORDS}`;
     default:
       return String(park.state || 'unknown');

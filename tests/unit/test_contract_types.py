@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpu_quota_ext.shared import contract
+from gpu_quota_ext.shared.park_state import ParkState
 
 CONTRACT_TS = Path(__file__).resolve().parents[2] / "labextension" / "src" / "contract.ts"
 
@@ -58,16 +59,34 @@ def string_constant(source: str, name: str) -> str:
     return match.group(1)
 
 
-def test_the_park_and_history_routes_and_the_park_states_are_the_contracts():
+def test_the_park_and_history_routes_are_the_contracts():
     source = CONTRACT_TS.read_text()
     assert string_constant(source, "PARK_SUFFIX") == contract.PARK_SUFFIX
     assert string_constant(source, "RESUME_SUFFIX") == contract.RESUME_SUFFIX
     assert string_constant(source, "HISTORY_SUFFIX") == contract.HISTORY_SUFFIX
     assert contract.HISTORY_PATH == contract.API_PREFIX + "/" + contract.HISTORY_SUFFIX  # the sidebar joins them
     assert string_constant(source, "HISTORY_SINCE") == contract.HISTORY_SINCE
-    match = re.search(r"export const PARK_STATES = \[(.*?)\] as const;", source, re.S)
-    assert match, f"PARK_STATES is not declared in {CONTRACT_TS.name}"
-    assert tuple(re.findall(r"'(\w+)'", match.group(1))) == contract.PARK_STATES
+
+
+def declared_park_states(source: str) -> list:
+    """(NAME, word) of `export const ParkState = { NAME: 'word', ... } as const;`, in order."""
+    match = re.search(r"export const ParkState = \{(.*?)\} as const;", source, re.S)
+    assert match, f"ParkState is not declared in {CONTRACT_TS.name}"
+    body = re.sub(r"/\*.*?\*/|//[^\n]*", "", match.group(1), flags=re.S)
+    return re.findall(r"^\s*(\w+)\s*:\s*'([^']*)'\s*,?\s*$", body, re.M)
+
+
+def test_the_park_states_are_one_enum_on_the_wire_in_python_and_in_typescript():
+    source = CONTRACT_TS.read_text()
+    assert declared_park_states(source) == [(state.name, state.value) for state in ParkState]
+    assert contract.PARK_STATES == tuple(state.value for state in ParkState)
+    # The sidebar's list of words is the enum's, not a second list that could drift from it.
+    assert re.search(r"export const PARK_STATES: readonly ParkState\[\] = Object\.values\(ParkState\);", source)
+
+
+def test_the_park_states_parser_sees_a_changed_word():
+    source = "export const ParkState = {\n  BUSY: 'busy',\n  // OLD: 'old',\n  IDLE: 'idle2'\n} as const;\n"
+    assert declared_park_states(source) == [("BUSY", "busy"), ("IDLE", "idle2")]
 
 
 def test_the_parser_sees_a_missing_field():

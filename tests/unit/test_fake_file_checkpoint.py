@@ -13,7 +13,7 @@ from gpu_quota_ext.parking.checkpoint import (
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
-    RUNNING,
+    DRIVER_RUNNING,
     CheckpointError,
 )
 from gpu_quota_ext.parking.fake_file_checkpoint import FileFakeCheckpoint, read_state, set_usage, write_totals
@@ -52,7 +52,7 @@ def test_a_park_moves_the_usage_the_fake_nvml_reads_to_the_host_and_back(files):
     assert read_state()["host"] == {str(a): {UUID: 6 * GiB}}
     driver.restore(a)
     driver.unlock(a)
-    assert nvml.device_used(UUID) == 9 * GiB and driver.state(a) == RUNNING
+    assert nvml.device_used(UUID) == 9 * GiB and driver.state(a) == DRIVER_RUNNING
     (restore,) = read_state()["restores"]
     assert (restore["need"], restore["free"], restore["ok"]) == ({UUID: 6 * GiB}, {UUID: 7 * GiB}, True)
     assert failure(driver.unlock, a) == CUDA_ERROR_ILLEGAL_STATE  # not locked

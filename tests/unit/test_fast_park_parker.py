@@ -23,7 +23,7 @@ from gpu_quota_ext.parking.checkpoint import (
     CHECKPOINTED,
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_OUT_OF_MEMORY,
-    RUNNING,
+    DRIVER_RUNNING,
     CheckpointError,
 )
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
@@ -316,7 +316,7 @@ def test_a_lost_answer_is_followed_by_the_librarys_state():
 
 def test_the_drivers_state_is_the_librarys_and_a_gone_process_is_not_found():
     assert driver_over({"facts": {"state": "parked"}}).state(PID) == CHECKPOINTED
-    assert driver_over({"facts": {"state": "running"}}).state(PID) == RUNNING
+    assert driver_over({"facts": {"state": "running"}}).state(PID) == DRIVER_RUNNING
     with pytest.raises(CheckpointError) as gone:
         driver_over({}).state(2**22 + 12345)  # beyond any pid_max's default: no such process
     assert gone.value.code == CUDA_ERROR_NOT_FOUND

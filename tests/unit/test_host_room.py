@@ -11,8 +11,6 @@ from gpu_quota_ext.hub.service.book import Owned
 from gpu_quota_ext.hub.service.room import (
     DECLINE_GRACE,
     OTHERS,
-    PARK_MARGIN,
-    PARK_RATE,
     RESERVATION_MARGIN,
     HostRoom,
     ParkReport,
@@ -23,7 +21,7 @@ from gpu_quota_ext.hub.service.room import (
     reservation_timeout,
 )
 from gpu_quota_ext.ledger import Grant
-from gpu_quota_ext.parking import BrokerSettings, HostReading, HostView, decide
+from gpu_quota_ext.parking import PARK_MARGIN, PARK_RATE, BrokerSettings, HostReading, HostView, decide
 from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE
 

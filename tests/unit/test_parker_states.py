@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking import ParkSettings
-from gpu_quota_ext.parking.checkpoint import CHECKPOINTED, LOCKED, RUNNING
+from gpu_quota_ext.parking.checkpoint import CHECKPOINTED, DRIVER_RUNNING, LOCKED
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.parking.states import HELD
@@ -230,10 +230,10 @@ class ParkerMachine(RuleBasedStateMachine):
             return  # only between settled steps
         park = self.parker.kernel_json(KERNEL)
         assert park["state"] in PARK_STATES
-        states = {pid: FakeCheckpoint.states.get(pid, RUNNING) for pid in PIDS}
+        states = {pid: FakeCheckpoint.states.get(pid, DRIVER_RUNNING) for pid in PIDS}
         record = self.parker.records.get(KERNEL)
         if record is None or record.state in ("running", "pending"):
-            assert set(states.values()) == {RUNNING}, states  # nothing left locked or parked
+            assert set(states.values()) == {DRIVER_RUNNING}, states  # nothing left locked or parked
             assert all(pid in FakeNvml.usage for pid in PIDS)
             assert park["host_bytes"] is None
         elif record.state in ("parked", "waiting"):
@@ -244,7 +244,7 @@ class ParkerMachine(RuleBasedStateMachine):
                 assert park["reason"] and park["waited"] is not None
         else:
             raise AssertionError(f"unsettled state {record.state} ({states})")
-        assert set(states.values()) <= {RUNNING, CHECKPOINTED, LOCKED}
+        assert set(states.values()) <= {DRIVER_RUNNING, CHECKPOINTED, LOCKED}
 
 
 ParkerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)

@@ -18,8 +18,8 @@ from gpu_quota_ext.parking.checkpoint import (
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
+    DRIVER_RUNNING,
     LOCKED,
-    RUNNING,
     CheckpointError,
     CheckpointUnavailable,
     CudaCheckpointDriver,
@@ -173,7 +173,7 @@ def test_every_process_parks_to_0_bytes_and_comes_back(fake, children):
     assert FakeCheckpoint.parked_pids() == {pid: {"GPU-0": GiB} for pid in children}
     resume_processes(fake, children)
     assert FakeNvml.usage == {pid: {"GPU-0": GiB} for pid in children}
-    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert all(fake.state(pid) == DRIVER_RUNNING for pid in children)
 
 
 def test_a_refused_process_leaves_every_process_of_the_kernel_running(fake, children):
@@ -183,7 +183,7 @@ def test_a_refused_process_leaves_every_process_of_the_kernel_running(fake, chil
     with pytest.raises(CheckpointError) as refused:
         park_processes(fake, children, 1000)
     assert refused.value.code == 800
-    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert all(fake.state(pid) == DRIVER_RUNNING for pid in children)
     assert set(FakeNvml.usage) == set(children)
 
 
@@ -222,7 +222,7 @@ def test_a_restore_with_room_brings_every_process_back(fake, children):
     park_processes(fake, children, 1000)
     FakeNvml.set_usage(os.getpid(), "GPU-0", GiB)  # others may hold what the parked kernel does not need
     assert resume_processes(fake, children) is True
-    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert all(fake.state(pid) == DRIVER_RUNNING for pid in children)
 
 
 def test_a_process_that_exited_while_parked_is_skipped_on_resume_and_its_host_state_is_gone(fake):
@@ -289,4 +289,4 @@ def test_a_later_processes_failed_checkpoint_never_restores_an_earlier_one_blind
     assert fake.state(children[0]) == CHECKPOINTED and fake.state(children[1]) == LOCKED
     FakeNvml.clear_usage(os.getpid())  # room again (the broker reserves it before it asks)
     assert resume_processes(driver, children) is True
-    assert all(fake.state(pid) == RUNNING for pid in children)
+    assert all(fake.state(pid) == DRIVER_RUNNING for pid in children)

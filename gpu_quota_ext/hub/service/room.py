@@ -11,12 +11,14 @@ answers. What the service believes of each:
 - kernels: every grant the book holds; their usage the sampler's verified usage (processes of the kernel's own
   Unix user only, attribution.py); their park state, idle time and "parkable" the last report of their own
   server (the lease's or the room call's "park"): a server's word about its own kernels, which decides whether
-  they may be parked and whether a park of theirs is under way. A kernel never reported counts as running (its
-  headroom claimed) and is never parked. A report of "parked" while the sample still shows the kernel's memory
-  (taken before the park ended) counts as a park under way: its bytes are coming, no other kernel parks for them.
-  A park said to be under way while the sample shows the memory is believed no longer than a park can take (its
-  bytes at PARK_RATE, plus PARK_MARGIN), counted from the first report of a park not yet seen done: a blip of
-  "busy" between two "parking" reports does not start it again. Then the kernel counts as running. A kernel its
+  they may be parked and whether a park of theirs is under way, shown to the broker by the same rule as a server's
+  own parker uses (parking/shown.py). A kernel never reported counts as running (its headroom claimed) and is
+  never parked. A report of "parked" while the sample still shows the kernel's memory, taken no later than the
+  first report of "parked" (so before the park ended), counts as a park under way: its bytes are coming, no other
+  kernel parks for them; memory a later sample shows is what the driver leaves on the device (parked, not a park).
+  A park said to be under way is believed no longer than a park can take (its bytes at PARK_RATE, plus
+  PARK_MARGIN), counted from the first report of a park not yet seen done: a blip of "busy" between two
+  "parking" reports does not start it again. Then the kernel counts as running. A kernel its
   server took a park request for and, DECLINE_GRACE seconds later, still reports idle and parkable has declined
   it: it counts as not parkable until its server reports another state, and the broker chooses the next idle
   kernel at once (one server's word never stalls the others). A kernel its server took a park
@@ -54,7 +56,6 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 from ...devices import Device
 from ...parking import (
-    RUNNING_STATES,
     BrokerSettings,
     Demand,
     DeviceView,
@@ -65,16 +66,17 @@ from ...parking import (
     Plan,
     Reservation,
     Round,
+    Said,
+    park_time,
+    shown_as,
 )
+from ...shared.park_state import MOVING, ON_DEVICE, ParkState
 from ...shared.service_contract import CONTEXT_ALLOWANCE
 from .book import Owned
 
 RESTORE_RATE = 2e9  # bytes per second a restore is counted to take at the slowest (an H200 measured ~5.5 GB/s)
 RESERVATION_MARGIN = 30.0  # seconds a reservation is held beyond that
 REQUEST_TTL = 60.0  # seconds a park request waits for its server's lease, or for its server's next report
-PARK_RATE = 0.5e9  # bytes per second a park is counted to take at the slowest (an H200 measured 1.1 to 2.2 GB/s) ...
-PARK_MARGIN = 60.0  # ... plus this: a park said to be under way for longer is not believed (its bytes not waited for)
-PARKING = ("parking", "parked")  # reports of one park, under way or done
 DECLINE_GRACE = 5.0  # seconds after its server took a park request before a report of "idle, parkable" declines it
 OTHERS = "of another user"  # how the words name another user's kernel
 
@@ -105,6 +107,7 @@ class Heard:
     server: str
     at: float  # when the service heard it
     since: float = 0.0  # when the service first heard this state (parking and parked: one park) without a break
+    parked_at: Optional[float] = None  # when it first heard "parked" without a break: the park ended before this
 
 
 @dataclass(frozen=True)
@@ -274,14 +277,14 @@ def host_round(
         took = (taken or {}).get(kernel_id)
         if (
             report is not None
-            and report.report.state == "idle"
+            and report.report.state == ParkState.IDLE
             and took is not None
             and sampled_at is not None
             and sampled_at > took
             and not any(n > 0 for n in used.values())
         ):
-            report = replace(report, report=ParkReport("parked"))  # asked, and its memory has left the device
-        kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now))
+            report = replace(report, report=ParkReport(ParkState.PARKED))  # asked, and its memory has left the device
+        kernels.append(_kernel_view(kernel_id, caps, used, report, grant.user == viewer, now, sampled_at))
     held = {r.kernel_id for r in reservations}
     # A resume is a parked kernel's, which holds nothing on a device: a demand of a kernel the sample shows there
     # (a server's word against the service's own reading, or a sample taken before its park ended) waits for one
@@ -303,24 +306,34 @@ def host_round(
 
 
 def _kernel_view(
-    kernel_id: str, caps: Mapping[str, int], used: Mapping[str, int], heard: Optional[Heard], own: bool, now: float
+    kernel_id: str,
+    caps: Mapping[str, int],
+    used: Mapping[str, int],
+    heard: Optional[Heard],
+    own: bool,
+    now: float,
+    sampled_at: Optional[float] = None,
 ) -> KernelView:
+    """One kernel as the broker sees it: its server's last report, shown as parking/shown.py rules (the same rule as
+    a server's own parker). Its park's bytes are in the sample while the sample shows its memory and was taken no
+    later than the first report of the park done (or the sample's time is unknown)."""
     label = kernel_id[:8] if own else OTHERS
-    if heard is None:
-        return KernelView(kernel_id, "busy", used, caps, None, False, label)  # never reported: running, kept
-    report = heard.report
-    state = report.state
-    if state == "parked" and any(n > 0 for n in used.values()):
-        state = "parking"  # the sample predates the park's end: its bytes are leaving
-    if state == "parking" and now - heard.since > PARK_MARGIN + sum(used.values()) / PARK_RATE:
-        # Said to be parking for longer than a park takes while the sample shows its memory: a server's word that
-        # would hold up everyone else's resume (its bytes waited for, not another kernel parked) for as long as it
-        # is said. Counted as running: its memory and what its cap still allows are claimed.
-        state = "busy"
-    idle_for = None
-    if state == "idle" and report.idle_for is not None:
-        idle_for = report.idle_for + max(0.0, now - heard.at)
-    return KernelView(kernel_id, state, used, caps, idle_for, report.parkable and state == "idle", label)
+    shows = any(n > 0 for n in used.values())
+    said = Said(None, now)  # never reported: running, kept
+    if heard is not None:
+        report = heard.report
+        moving = report.state in MOVING
+        said = Said(
+            state=report.state,
+            at=heard.at,
+            idle_for=report.idle_for,
+            parkable=report.parkable,
+            park_since=heard.since if moving else None,
+            park_bytes=sum(used.values()),
+            in_reading=shows and (sampled_at is None or heard.parked_at is None or sampled_at <= heard.parked_at),
+        )
+    view = shown_as(said, now)
+    return KernelView(kernel_id, view.state, used, caps, view.idle_for, view.parkable, label)
 
 
 class HostRoom:
@@ -349,15 +362,21 @@ class HostRoom:
             for kernel_id, report in reports.items():
                 old = self._heard.get(kernel_id)
                 same = old is not None and (
-                    old.report.state == report.state or (old.report.state in PARKING and report.state in PARKING)
+                    old.report.state == report.state or (old.report.state in MOVING and report.state in MOVING)
                 )
-                self._heard[kernel_id] = Heard(report, user, server, now, old.since if same and old else now)
-                if report.state in PARKING:
+                parked_at = None
+                if report.state == ParkState.PARKED:
+                    again = old is not None and old.report.state == ParkState.PARKED and old.parked_at is not None
+                    parked_at = old.parked_at if again and old else now
+                self._heard[kernel_id] = Heard(
+                    report, user, server, now, old.since if same and old else now, parked_at
+                )
+                if report.state in MOVING:
                     self._claimed.setdefault(kernel_id, now)
-                if report.state != "idle":
+                if report.state != ParkState.IDLE:
                     self._declined.pop(kernel_id, None)  # a change: it may be asked again
                 asked = self._asked.get(kernel_id)
-                acted = not (report.state == "idle" and report.parkable)  # parks, or cannot now
+                acted = not (report.state == ParkState.IDLE and report.parkable)  # parks, or cannot now
                 if asked is not None and asked.delivered is not None and asked.delivered < now and acted:
                     del self._asked[kernel_id]  # its server has acted on it since: it may be asked again
                 elif asked is not None and asked.delivered is not None and now - asked.delivered >= DECLINE_GRACE:
@@ -365,11 +384,11 @@ class HostRoom:
                     del self._asked[kernel_id]
                     self._declined[kernel_id] = now
                 held = self._held.get(kernel_id)
-                if held is not None and held.running_seen is None and report.state in RUNNING_STATES:
+                if held is not None and held.running_seen is None and report.state in ON_DEVICE:
                     self._held[kernel_id] = replace(held, running_seen=now)
-                if lease and report.state != "waiting":
+                if lease and report.state != ParkState.WAITING:
                     self._waiting.pop(kernel_id, None)
-                if report.state != "parking" and kernel_id in self._host_until:
+                if report.state != ParkState.PARKING and kernel_id in self._host_until:
                     # Parked (its bytes are in the host's reading now), or running again: its promise has ended.
                     self._host = self._host.release(kernel_id)
                     del self._host_until[kernel_id]
@@ -461,7 +480,7 @@ class HostRoom:
             others = sum(
                 self._latest.get(k, 0)
                 for k, heard in self._heard.items()
-                if heard.report.state == "parking" and k not in promised and k != kernel_id
+                if heard.report.state == ParkState.PARKING and k not in promised and k != kernel_id
             )
             less = lambda x: None if x is None else x - others  # noqa: E731
             refused = self._host.refusal(
@@ -469,7 +488,7 @@ class HostRoom:
             )
             if refused is None:
                 self._host = self._host.promise(kernel_id, nbytes)
-                self._host_until[kernel_id] = now + nbytes / PARK_RATE + PARK_MARGIN
+                self._host_until[kernel_id] = now + park_time(nbytes)
             return refused
 
     def host_promised(self) -> int:
@@ -491,7 +510,7 @@ class HostRoom:
             taken = {k: a.delivered for k, a in self._asked.items() if a.delivered is not None}
             heard = dict(self._heard)
             for kernel_id, h in heard.items():
-                if h.report.state in PARKING and kernel_id in self._claimed:
+                if h.report.state in MOVING and kernel_id in self._claimed:
                     heard[kernel_id] = replace(h, since=min(h.since, self._claimed[kernel_id]))
                 if kernel_id in self._declined:
                     heard[kernel_id] = replace(heard[kernel_id], report=replace(h.report, parkable=False))
@@ -598,11 +617,11 @@ class HostRoom:
         park = {}
         for kernel_id, h in heard.items():
             idle_for = h.report.idle_for
-            if h.report.state == "idle" and idle_for is not None:
+            if h.report.state == ParkState.IDLE and idle_for is not None:
                 idle_for = round(idle_for + max(0.0, now - h.at), 1)  # idle since the report, as far as anyone knows
             park[kernel_id] = {
                 "state": h.report.state,
-                "idle_for": idle_for if h.report.state == "idle" else None,
+                "idle_for": idle_for if h.report.state == ParkState.IDLE else None,
                 "parkable": h.report.parkable,
                 "reported": round(now - h.at, 1),  # seconds ago
                 # seconds since its server was seen not to carry out a park request it took (None: not so)
