@@ -29,7 +29,8 @@ class ParkState(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__  # f"{state}" is the word on 3.9 and 3.12 alike
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)  # f"{state}" is the word on 3.9 and 3.12 alike
 
 
 # Groups the decisions use, by what they mean for the device's memory.
