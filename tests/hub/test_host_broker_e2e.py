@@ -240,9 +240,6 @@ class Scenario:
         status = await self.status()
         assert len(status["kernels"]) == 3 and status["waiting"] == [] and status["reservations"] == []
         assert status["long_polls"] <= 3
-        # The admin page is built in one worker thread of its own (hub/service/snapshots.py), made at its first
-        # load and kept: loaded once here, so the count below sees only threads this scenario would leak.
-        await hub.api("GET", self.service.prefix)
         process = self.service_process()
         fds, threads = process.num_fds(), process.num_threads()
         calls_before = len(read_state(self.nvml_file)["calls"])

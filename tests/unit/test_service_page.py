@@ -151,3 +151,19 @@ def test_a_build_runs_off_the_event_loop():
 
     asyncio.run(scenario())
     snapshots.close()
+
+
+def test_the_page_thread_is_made_with_the_service_and_is_the_only_one_its_loads_use():
+    """The service's threads are a fixed set from its start: the page's worker is there before any load, and loads
+    of the page add none (a thread appearing at an admin's first load would read as a leak)."""
+    before = {t.ident for t in threading.enumerate()}
+    snapshots = Snapshots(lambda view: f"page {view}", seconds=0.0, clock=Clock())
+    made = [t for t in threading.enumerate() if t.ident not in before]
+    assert [t.name.startswith("gpu-quota-page") for t in made] == [True], made
+
+    async def loads():
+        return [await snapshots.get(view) for view in ("admin", "alice", "admin")]
+
+    assert asyncio.run(loads()) == ["page admin", "page alice", "page admin"]
+    assert {t.ident for t in threading.enumerate()} - before == {made[0].ident}
+    snapshots.close()

@@ -32,6 +32,9 @@ class Snapshots:
         self._kept: Dict[Hashable, Tuple[float, str]] = {}
         self._building: Dict[Hashable, asyncio.Future] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-quota-page")
+        # Its thread is made now, with the service, not at an admin's first load: the service's threads are then
+        # a fixed set from its start, and one that appears later is a leak.
+        self._worker.submit(lambda: None).result()
 
     async def get(self, view: Hashable) -> str:
         kept = self._kept.get(view)
