@@ -270,12 +270,37 @@ def plan(
             reason = _making_room(need, by_key, [v.label or v.kernel_id for v in picks], "parks now")
             _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
             continue
+        if demand.running and not _room_may_come(need, demand.kernel_id, kernels, reservations, chosen, short_later):
+            # Nothing under way or idle could give a running kernel's cell its room: waiting gains nothing, so it
+            # runs as it is (headroom.short_on lets such a cell run in the first place). It took nothing: no earmark.
+            go.append(demand.kernel_id)
+            continue
         # Room cannot be made now. This demand holds nothing back for itself: the others go on, and it is
         # looked at again next round (kernels turn idle, parks finish, others end).
         reason = _why_not(need, own, now_room, later_room, by_key, pool, chosen, host_refused, settings)
         reason += holders_words(need, kernels, reservations, demand.kernel_id, settings.min_idle)
         _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
     return Plan(go=tuple(go), park=tuple(park), waiting=waiting, told=told)
+
+
+def _room_may_come(
+    need: Mapping[Hashable, int],
+    asking: str,
+    kernels: Sequence[KernelView],
+    reservations: Sequence[Reservation],
+    chosen: Sequence[str],
+    short_later: Mapping[Hashable, int],
+) -> bool:
+    """Whether anything may yet give a running kernel's demand its room on its devices: a restore under way there
+    (its reservation: once it lands its bytes are known), a park under way there, or idle kernels whose parks would
+    cover the shortfall once they have been idle long enough."""
+    for key in need:
+        if any(r.kernel_id != asking and r.held.get(key, 0) > 0 for r in reservations):
+            return True
+        if any(k.state == ParkState.PARKING and k.used.get(key, 0) > 0 for k in kernels):
+            return True
+    idle = [k for k in candidates(kernels, 0.0) if k.kernel_id != asking and k.kernel_id not in chosen]
+    return all(short_later[key] <= sum(k.frees(key) for k in idle) for key in need)
 
 
 def _on(kernel: KernelView, need: Mapping[Hashable, int]) -> bool:

@@ -63,6 +63,11 @@ def short_on(kernel: KernelView, round_: Round) -> object:
             continue
         if need <= free:
             continue
+        if any(_bytes(r.held.get(key)) > 0 for r in reservations):
+            # A restore under way was given room its cap would reach into: the allocator shows those bytes free
+            # until the restore has taken them. The cell waits until it has landed (then the broker lets it run,
+            # making room if it can), or the restore finds its room gone and the kernel being restored is lost.
+            return key
         could = sum(k.frees(key) for k in parkable) + sum(
             _bytes(k.used.get(key)) for k in others if k.state == "parking"
         )

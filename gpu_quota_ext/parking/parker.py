@@ -923,6 +923,7 @@ class Parker:
             # A kernel id of this server's own broker, or the host service's words ("another kernel of this host").
             whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
             self._ask_park(victim, f"to make room for {whom}", automatic=True)
+        granted = False
         for kernel_id in plan.go:
             record = self.records.get(kernel_id)
             if record is not None and record.state == "parked" and self.host_short_since is not None:
@@ -930,6 +931,11 @@ class Parker:
                 self._handle(kernel_id, AskResume("host memory is short"))
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
+                granted = True
+        if granted:
+            # A restore's room is reserved from now: the running kernels whose caps reach into it are told at once
+            # (not at the next sample), so that none starts a cell that takes those bytes while the restore copies.
+            self._tell_room_flags(self._kernel_ids())
         for kernel_id, message in plan.told.items():
             if self._waits(kernel_id) and not self.records[kernel_id].told:
                 log.warning("gpu-quota-ext: kernel %s %s", kernel_id, message)

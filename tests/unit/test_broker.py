@@ -379,3 +379,19 @@ def test_a_kernel_that_asked_for_room_is_never_parked_to_make_it():
     decided = plan([device(132 * GiB)], kernels, [demand], [], HostView(), SETTINGS, now=1130.0)
     assert decided.park == () and decided.go == ()
     assert "X" in decided.waiting
+
+
+def test_a_running_kernel_waits_while_a_restore_under_way_holds_the_room_then_runs_when_nothing_more_can_come():
+    # A's cell found the device full; B's restore was given 60 GiB and is copying. Nothing idle could be parked. While
+    # the restore holds its room A waits (its cell would take the restore's bytes); once it has landed nothing more
+    # can come, and A's cell runs as it is instead of waiting out the limit for nothing.
+    a = kernel("A", "busy", used=20 * GiB, cap=60 * GiB)
+    demand = Demand("A", {0: 40 * GiB}, since=1000.0, running=True)
+    restoring = [a, kernel("B", "resuming", used=0, cap=60 * GiB), kernel("C", "busy", used=50 * GiB, cap=50 * GiB)]
+    during = plan(
+        [device(70 * GiB)], restoring, [demand], [Reservation("B", {0: 60 * GiB})], HostView(), SETTINGS, now=1001.0
+    )
+    assert during.go == () and during.park == () and "A" in during.waiting, during
+    landed = [a, kernel("B", "busy", used=60 * GiB, cap=60 * GiB), kernel("C", "busy", used=50 * GiB, cap=50 * GiB)]
+    after = plan([device(130 * GiB)], landed, [demand], [], HostView(), SETTINGS, now=1010.0)
+    assert after.go == ("A",) and after.park == () and after.waiting == {}, after

@@ -18,11 +18,12 @@ What must hold whatever the order:
 
 What the model assumes, as the design does: a kernel that was not running a cell when the broker last decided
 allocates only room nobody was granted (its room check before the cell knows the latest grants). Without that,
-the model finds (and found, 2026-12-04) a kernel whose park was refused, or an idle kernel whose headroom no park
-could cover (headroom.short_on says "not short" then), starting a cell while a restore granted into its unclaimed
-headroom is still copying: the allocator has those bytes free, the restore then finds too little and the kernel
-being restored is lost. The room flags are pushed per sample, so the window is from the grant to the restore's own
-allocation, plus a sample. The last test below states it on headroom.short_on itself (strict xfail until fixed).
+the model found (2026-12-04) an idle kernel whose headroom no park could cover (headroom.short_on said "not
+short" then) starting a cell while a restore granted into its unclaimed headroom was still copying: the allocator
+had those bytes free, the restore then found too little and the kernel being restored was lost. Since then
+short_on says "short" while a restore under way holds room on the device (the cell waits until it has landed, then
+the broker lets it run: broker._room_may_come), and the parker pushes the room flags right after a grant as well as
+at each sample. The last test below states it on headroom.short_on itself.
 
 Deterministic in CI: hypothesis derandomized (the same examples every run), a few seconds in all.
 """
@@ -487,8 +488,6 @@ def test_the_invariants_catch_a_broker_that_forgets_a_claim(monkeypatch):
         check(a_resume_beside_a_growing_kernel(False))
 
 
-@pytest.mark.xfail(strict=True, reason="found by this model on 2026-12-04: headroom.short_on says 'not short' where no "
-                   "park could make the room, and the room check does not count restores under way (see the docstring)")
 def test_a_kernel_its_room_check_lets_run_never_takes_the_bytes_of_a_restore_under_way():
     # k0's restore (8 GiB) was granted and is copying; idle k1 (2 GiB held, cap 12 GiB: its headroom unclaimed) starts
     # a cell. Nothing idle could be parked for it, so its room check lets it run, and the device's allocator has 14 GiB
