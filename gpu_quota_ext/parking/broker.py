@@ -59,6 +59,7 @@ class KernelView:
     idle_for: Optional[float] = None  # seconds since its last activity (idle kernels)
     parkable: bool = False  # parking can work for it now (driver, not an MPS client, its own user, holds memory)
     label: str = ""  # how the words name it ("kernel 1a2b…", "alice's kernel 1a2b…")
+    stays: int = 0  # parked by the fast path: what its park left on the device (its CUDA context), else 0
 
     def headroom(self, key: Hashable) -> int:
         """What its cap still lets it take on `key` while it runs a cell and holds memory there. An idle kernel

@@ -29,20 +29,25 @@ class HostRooms(Protocol):
         """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
 
 
-def kernel_park(kernel_id: str, state: str, idle_for: Any, parkable: bool) -> dict:
-    """KERNEL_PARK of the wire: one kernel's park state as the host's broker reads it."""
-    return {
+def kernel_park(kernel_id: str, state: str, idle_for: Any, parkable: bool, stays: int = 0) -> dict:
+    """KERNEL_PARK of the wire: one kernel's park state as the host's broker reads it. "stays" only where a fast
+    park left bytes on the device: services older than it refuse a key they do not know, and only a server with
+    fast_park on sends it."""
+    entry = {
         "kernel_id": kernel_id,
         "state": state,
         "idle_for": None if idle_for is None else round(float(idle_for), 1),
         "parkable": bool(parkable),
     }
+    if stays > 0:
+        entry["stays"] = int(stays)
+    return entry
 
 
 def room_request(round_: Round, uuid_of: Mapping[Hashable, str]) -> dict:
     """This server's demands and kernels, devices named by UUID."""
     return {
-        "park": [kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable) for k in round_.kernels],
+        "park": [kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in round_.kernels],
         "demands": [
             {"kernel_id": d.kernel_id, "need": {uuid_of[i]: n for i, n in d.need.items() if i in uuid_of}}
             for d in round_.demands

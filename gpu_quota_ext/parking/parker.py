@@ -857,6 +857,7 @@ class Parker:
                     idle_for=view.idle_for,
                     parkable=view.parkable,
                     label=f"kernel {kernel_id[:8]}",
+                    stays=self._stays(kernel_id, view.state),
                 )
             )
             if record is None:
@@ -896,7 +897,7 @@ class Parker:
         try:
             at = time.time()
             kernels = self.round().kernels
-            report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable) for k in kernels)
+            report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in kernels)
         except Exception as error:
             log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
             return
@@ -1065,6 +1066,13 @@ class Parker:
         arena_now = facts.get("arena_bytes") if isinstance(facts, dict) else 0
         arena_now = arena_now if isinstance(arena_now, int) and not isinstance(arena_now, bool) else 0
         return ParkPlan(op, choice, served, arena_bytes(served), host_need(served, arena_now))
+
+    def _stays(self, kernel_id: str, shown: str) -> int:
+        """What the kernel's park left on the device, as it is shown now: the fast path's context while parked."""
+        plan = self._pages_plan(kernel_id)
+        if plan is None or shown not in (ParkState.PARKED, ParkState.WAITING):
+            return 0
+        return plan.choice.stays_on_device
 
     def _pages_plan(self, kernel_id: str) -> Optional[ParkPlan]:
         """The kernel's park went (or goes) through the fast path: its resume goes the same way."""

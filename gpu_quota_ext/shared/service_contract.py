@@ -58,7 +58,9 @@ LEASE_PATH = API + "lease"
 #   has "host_park": {"kernel_id": str, "refused": null | why}: null promises the park its host memory (at least
 #   what the service's last sample saw the kernel hold) until its server reports it parked or running again; the
 #   server asks the driver only then. Servers older than this never send it; services older than this answer 400.
-# KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool}
+# KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool, and for a
+#   kernel the fast park parked "stays": bytes its park left on the device (its CUDA context; 0 to CONTEXT_ALLOWANCE)
+#   while the state is parked or waiting: the service does not take those bytes for a park still under way}
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)
 # GET: users, kernels (with their park states as last reported), devices, caps, usage, unmanaged usage, last

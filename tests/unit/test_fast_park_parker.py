@@ -231,6 +231,23 @@ def test_a_torch_kernel_with_the_library_parks_its_pages_and_the_status_says_so(
     assert FakeCheckpoint.calls == []  # the driver's checkpoint calls are not this kernel's path
 
 
+def test_the_host_service_is_told_what_a_fast_park_left_on_the_device_while_parked_and_nothing_after(setup):
+    # On a hub host the service holds up the resume of a kernel its sample still shows on the device: a fast-parked
+    # kernel's context stays there, so its server says how much ("stays"), and only while it is parked.
+    s = setup()
+    assert s.park()["state"] == "parked"
+    s.sample()
+    s.parker.publish_host_report()
+    (kernel,) = s.parker.round().kernels
+    assert kernel.stays == CONTEXT
+    assert s.parker.host_report() == [
+        {"kernel_id": KERNEL, "state": "parked", "idle_for": None, "parkable": False, "stays": CONTEXT}
+    ]
+    assert s.resume()["state"] not in ("parked", "waiting")
+    s.parker.publish_host_report()
+    assert "stays" not in s.parker.host_report()[0] and s.parker.round().kernels[0].stays == 0
+
+
 def test_a_resume_without_room_stays_parked_and_whole_and_the_next_grant_brings_it_back(setup):
     s = setup()
     assert s.park()["state"] == "parked"

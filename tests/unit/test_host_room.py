@@ -320,6 +320,23 @@ def test_a_demand_of_a_kernel_the_sample_shows_on_the_device_parks_nobody():
     assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: CAP}}).wake == (("alice", ""),)
 
 
+def test_a_fast_parked_kernel_whose_context_stays_on_the_device_is_decided_but_not_one_that_holds_more():
+    # Bob's kernel was parked by the fast path: its CUDA context (612 MiB) stays on the device, and his server says
+    # so ("stays"). His resume is decided like any parked kernel's (without the word it would wait for bytes that
+    # never leave). A server whose kernel holds more than it says stays is not believed: it waits, parks nobody.
+    context = 612 * 2**20
+    host = Host({"ka-alice": {UUID: 5 * GiB}, "kb-bob": {UUID: context}, "kc-carol": {UUID: GiB}})
+    host.lease("alice", {"ka-alice": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    waiting = ParkReport("waiting", stays=context)
+    assert host.call("bob", {"kb-bob": waiting}, {"kb-bob": {UUID: CAP}}).wake == (("alice", ""),)
+    host = Host({"ka-alice": {UUID: 5 * GiB}, "kb-bob": {UUID: context + GiB}, "kc-carol": {UUID: GiB}})
+    host.lease("alice", {"ka-alice": IDLE(100.0)})
+    host.lease("carol", {"kc-carol": IDLE(100.0)})
+    answer = host.call("bob", {"kb-bob": waiting}, {"kb-bob": {UUID: CAP}})
+    assert answer.go == () and answer.wake == () and not host.room.pending("alice", "")
+
+
 def test_a_report_of_parking_that_never_ends_does_not_hold_up_another_users_resume_for_good():
     # Bob's server reports his running kernel (5 GiB on the device) as parking, or parked, at every renewal. The
     # broker counts those bytes as coming and waits for them rather than park carol's idle kernel: believed for

@@ -11,7 +11,8 @@ from gpu_quota_ext.hub.service.handlers import (
     parse_room_request,
 )
 from gpu_quota_ext.hub.service.room import ParkReport
-from gpu_quota_ext.shared.service_contract import LEASE_RENEW
+from gpu_quota_ext.parking.host_broker import kernel_park
+from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE, LEASE_RENEW
 
 
 def status_of(call, body):
@@ -96,6 +97,14 @@ def test_a_lease_may_carry_its_kernels_park_states_and_a_bounded_wait():
         assert status_of(parse_lease_request, {**body, "wait": wait}) == 400, wait
 
 
+def test_a_fast_parked_kernel_may_say_what_its_park_left_on_the_device():
+    entry = {**PARK, "state": "parked", "idle_for": None, "parkable": False, "stays": 612 << 20}
+    body = {"server": "nb", "kernels": [], "park": [entry]}
+    assert parse_lease_request(body)[2] == {"k1": ParkReport("parked", None, False, 612 << 20)}
+    assert kernel_park("k1", "parked", None, False, 612 << 20) == entry  # what a server sends, the service reads
+    assert "stays" not in kernel_park("k1", "parked", None, False)  # never sent otherwise: older services refuse it
+
+
 @pytest.mark.parametrize(
     "entry",
     [
@@ -104,6 +113,10 @@ def test_a_lease_may_carry_its_kernels_park_states_and_a_bounded_wait():
         {**PARK, "idle_for": "long"},
         {**PARK, "idle_for": 1e12},
         {**PARK, "parkable": 1},
+        {**PARK, "stays": -1},
+        {**PARK, "stays": CONTEXT_ALLOWANCE + 1},
+        {**PARK, "stays": True},
+        {**PARK, "stays": 612.5},
         {**PARK, "kernel_id": "../x"},
         {**PARK, "extra": 1},
         "k1",

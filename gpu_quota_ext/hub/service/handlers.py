@@ -40,7 +40,7 @@ from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
 from ...shared.contract import PARK_STATES
 from ...shared.request_body import BodyRefused, BoundedBody
-from ...shared.service_contract import ADMIN_SCOPE, LEASE_RENEW
+from ...shared.service_contract import ADMIN_SCOPE, CONTEXT_ALLOWANCE, LEASE_RENEW
 from .book import Forbidden
 from .guard import TooMany
 from .room import ParkReport, RoomRefused
@@ -287,10 +287,10 @@ def parse_park_reports(entries: Any) -> Dict[str, ParkReport]:
         raise web.HTTPError(400, f'"park" must be a list of at most {MAX_KERNELS} KERNEL_PARK objects')
     reports: Dict[str, ParkReport] = {}
     for entry in entries:
-        if not isinstance(entry, dict) or set(entry) - {"kernel_id", "state", "idle_for", "parkable"}:
+        if not isinstance(entry, dict) or set(entry) - {"kernel_id", "state", "idle_for", "parkable", "stays"}:
             raise web.HTTPError(
                 400, 'each "park" entry must be {"kernel_id": str, "state": str, "idle_for": seconds | null, '
-                '"parkable": bool}'
+                '"parkable": bool, "stays": bytes (optional)}'
             )
         kernel_id = _string(entry, "kernel_id", pattern=KERNEL_ID)
         state, idle_for, parkable = entry.get("state"), entry.get("idle_for"), entry.get("parkable", False)
@@ -300,9 +300,15 @@ def parse_park_reports(entries: Any) -> Dict[str, ParkReport]:
             raise web.HTTPError(400, f'"idle_for" of kernel {kernel_id} must be null or seconds, not {shown(idle_for)}')
         if not isinstance(parkable, bool):
             raise web.HTTPError(400, f'"parkable" of kernel {kernel_id} must be true or false')
+        stays = entry.get("stays", 0)
+        if not isinstance(stays, int) or isinstance(stays, bool) or not 0 <= stays <= CONTEXT_ALLOWANCE:
+            # A server's word: what a fast park leaves is a CUDA context, never more than the allowance for one.
+            raise web.HTTPError(
+                400, f'"stays" of kernel {kernel_id} must be bytes from 0 to {CONTEXT_ALLOWANCE}, not {shown(stays)}'
+            )
         if kernel_id in reports:
             raise web.HTTPError(400, f"kernel {kernel_id} is reported twice")
-        reports[kernel_id] = ParkReport(state, None if idle_for is None else float(idle_for), parkable)
+        reports[kernel_id] = ParkReport(state, None if idle_for is None else float(idle_for), parkable, stays)
     return reports
 
 

@@ -70,7 +70,7 @@ from ...parking import (
     park_time,
     shown_as,
 )
-from ...shared.park_state import MOVING, ON_DEVICE, ParkState
+from ...shared.park_state import MOVING, ON_DEVICE, ON_HOST, ParkState
 from ...shared.service_contract import CONTEXT_ALLOWANCE
 from .book import Owned
 
@@ -98,6 +98,7 @@ class ParkReport:
     state: str
     idle_for: Optional[float] = None
     parkable: bool = False
+    stays: int = 0  # parked by the fast path: bytes its park left on the device (at most CONTEXT_ALLOWANCE)
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,13 @@ def host_round(
     # A resume is a parked kernel's, which holds nothing on a device: a demand of a kernel the sample shows there
     # (a server's word against the service's own reading, or a sample taken before its park ended) waits for one
     # that shows it gone, and neither goes nor makes anyone park meanwhile.
-    on_device = {k for k, per in kernel_used.items() if any(n > 0 for n in per.values())}
+    # A kernel the fast path parked keeps its CUDA context there: what its server says stays (bounded by the
+    # parser) is not counted as its park still under way.
+    on_device = {
+        k
+        for k, per in kernel_used.items()
+        if sum(n for n in per.values() if n > 0) > _stays(heard.get(k))
+    }
     return Round(
         devices=views,
         kernels=tuple(kernels),
@@ -303,6 +310,13 @@ def host_round(
         settings=settings,
         now=now,
     )
+
+
+def _stays(heard: Optional[Heard]) -> int:
+    """What a kernel reported parked (or waiting to come back) said its park left on the device."""
+    if heard is None or heard.report.state not in ON_HOST:
+        return 0
+    return heard.report.stays
 
 
 def _kernel_view(
