@@ -289,3 +289,28 @@ def test_the_host_brokers_settings_are_the_servers_rows_defaults_and_a_bad_one_i
     with pytest.raises(PolicyError) as refused:
         service(park_device_margin="lots")
     assert str(refused.value).startswith("c.GpuQuotaService.park_device_margin = 'lots': ")
+
+
+def test_a_refused_call_keeps_its_connection_for_the_next_call_on_it(service):
+    """The hub's proxy pools its connections to the service: a call refused (no token, 401) must not close the
+    connection it came on, or the next user's call sent on it meets a reset (the proxy answers 503)."""
+
+    async def scenario():
+        server, port = listen_here(service.web_app("/services/gpu-quota/"))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = f"GET /services/gpu-quota/{STATUS_PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+            answers = []
+            for _ in range(2):  # the second call on the same connection, as a keep-alive pool sends it
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                lines = head.split(b"\r\n")
+                length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+                await asyncio.wait_for(reader.readexactly(length), 10)
+                answers.append(head.split(b"\r\n")[0])
+            writer.close()
+            assert answers == [b"HTTP/1.1 401 Unauthorized"] * 2, answers
+        finally:
+            server.stop()
+
+    asyncio.run(scenario())

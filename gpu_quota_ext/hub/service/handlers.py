@@ -123,10 +123,12 @@ class ApiHandler(web.RequestHandler):
                 await self.service.guard.hold(refusal)
                 raise
         except web.HTTPError as refusal:
-            if not self._body.follows:
-                raise
+            # Answered by the method, once the request is all read (its first look at `who` or `body()` raises it),
+            # never from here: tornado closes the connection of an answer written before the request was read, and
+            # the hub's proxy pools its connections, so the next user's call on that connection would get a 503.
             self._refusal = refusal
-            self._body.drop()
+            if self._body.follows:
+                self._body.drop()
 
     @property
     def who(self) -> Who:
