@@ -11,6 +11,8 @@
  *   ancestor that clips its overflow cuts it off.
  * - On a phone no page scrolls sideways.
  *
+ * Each width's Getting started page is saved as a screenshot (build/ui/docs-getting-started-WIDTH.png).
+ *
  * Needs no Jupyter server: the pages are files. The build uses the Python that run.sh's venv puts first on
  * PATH (GQ_DOCS_PYTHON overrides it), with warnings as errors as tests/docs/test_docs_build.py builds it.
  */
@@ -19,6 +21,8 @@ import { execFileSync } from 'child_process';
 import * as fs from 'fs';
 import * as os from 'os';
 import * as path from 'path';
+
+import { shot } from './helpers';
 
 const ROOT = path.resolve(__dirname, '..', '..', '..');
 const DESKTOP_WIDTHS = [1280, 1400, 1600, 1920];
@@ -117,6 +121,9 @@ for (const width of ALL_WIDTHS) {
         }
       }
     }
+    // What a reader sees at this width, kept with the run's other screenshots (build/ui, ignored by git).
+    await page.goto(url('getting-started.html'));
+    await page.screenshot({ path: shot(`docs-getting-started-${width}.png`) });
     expect(problems).toEqual([]);
   });
 }
