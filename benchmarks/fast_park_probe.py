@@ -701,7 +701,7 @@ class Probe:
             p2, c2 = self.spawn("pages-2", True), self.spawn("plain-2", False)
             phases += [
                 ("2 GiB", lambda: self.size_phase(2, 3, p2, c2)),
-                ("overhead", lambda: self.bench_phase(p2, c2)),
+                ("overhead", lambda: self.bench_phase(p2, c2, self.args.bench_rounds)),
                 ("checkpoint on preloaded", lambda: self.compatibility_phase(p2)),
                 ("retire 2", lambda: self.retire(p2, c2)),
             ]
@@ -865,6 +865,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="no GPU: MiB for GiB, CPU tensors, the tests' fake CUDA driver"
+    )
+    parser.add_argument(
+        "--bench-rounds", type=int, default=3, help="paired rounds of the allocation loops and the training step"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
