@@ -187,6 +187,7 @@ class GpuQuotaManager:
             broker=room_broker,
             channel=KernelChannel(kernels),
             bootstrapped=self._bootstrapped.__contains__,
+            reports_to_host=isinstance(ledger, Subscribable),
         )
         self.monitor.on_sample(self.parker.on_sample)
         if isinstance(ledger, Subscribable):

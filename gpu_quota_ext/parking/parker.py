@@ -296,8 +296,11 @@ class Parker:
         broker: Optional[RoomBroker] = None,
         channel: Optional[KernelChannel] = None,
         bootstrapped: Callable[[str], bool] = lambda kernel_id: False,
+        reports_to_host: bool = False,
     ):
         self.settings = settings
+        # A lease reads the park report (a hub host's server): only then is it published after samples and changes.
+        self.reports_to_host = reports_to_host
         self.driver = driver
         self.kernels = kernels  # usage.KernelManagerView: ids, activity, the kernel manager (iopub, control)
         self.ledger = ledger
@@ -621,7 +624,8 @@ class Parker:
             self._review(sample)
         except Exception as error:
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
-        self.publish_host_report()
+        if self.reports_to_host:
+            self.publish_host_report()
 
     def _review(self, sample: "Sample") -> None:
         if getattr(sample, "state", None) in ("ok", "degraded") and self._sampled is not None:
@@ -905,7 +909,7 @@ class Parker:
 
     def _publish_host_report_soon(self) -> None:
         """A record changed: publish once the loop's current turn is done (one publish for many changes)."""
-        if self._host_report_due or self._stopped:
+        if self._host_report_due or self._stopped or not self.reports_to_host:
             return
         try:
             loop = asyncio.get_running_loop()

@@ -237,6 +237,7 @@ def test_the_host_service_is_told_what_a_fast_park_left_on_the_device_while_park
     s = setup()
     assert s.park()["state"] == "parked"
     s.sample()
+    assert s.parker.host_report() == []  # no lease reads it here: samples and changes publish nothing
     s.parker.publish_host_report()
     (kernel,) = s.parker.round().kernels
     assert kernel.stays == CONTEXT

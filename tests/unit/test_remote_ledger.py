@@ -741,7 +741,10 @@ def test_the_lease_thread_sends_the_parkers_report_as_the_event_loop_published_i
     )
     monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda index: None)
     devices = {d.index: d for d in SERVER_DEVICES}
-    parker = Parker(ParkSettings(), FakeCheckpoint(), kernels, ledger, devices, monitor, host=lambda: (None, None))
+    parker = Parker(
+        ParkSettings(), FakeCheckpoint(), kernels, ledger, devices, monitor, host=lambda: (None, None),
+        reports_to_host=True,  # as the manager makes it where a lease reads the report
+    )
     parker.driver_problem = None
     rounds, reads = [], []
     real_round, real_report = parker.round, parker.host_report
