@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import secrets
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_
 
 from .. import waiting
 from . import unix_users
+from .fake_gpu_hub import hub_config, write_single_user_config
 from .hubtools import Hub
 from .quota_service import quota_service_config
 
@@ -52,34 +51,7 @@ LEASE = 12.0  # seconds: renewals, each a long poll, every 3 s
 POLL = 0.5  # the service's and the servers' samples
 DEADLINE = 90.0  # seconds an event may take on a busy 2-core machine (a deadline, not a measurement)
 
-SINGLE_USER_CONFIG = """
-c.ServerApp.jpserver_extensions = {{"gpu_quota_ext": True}}
-c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-c.StaticInventory.devices = {devices!r}
-c.GpuQuota.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
-c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_file_checkpoint.FileFakeCheckpoint"
-c.GpuQuota.poll_interval = {poll}
-c.GpuQuota.park_idle_after = "off"
-"""
 
-HUB_CONFIG = """
-c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
-c.LocalProcessSpawner.env_keep = ["LANG", "LC_ALL"]  # no PYTHONPATH: the users' servers run their own install
-c.Spawner.cmd = [{python!r}, "-m", "jupyterhub.singleuser"]
-c.Spawner.args = ["--config={single_user_config}"]
-from gpu_quota_ext.hub.service.configure import configure_host_service
-
-entry = configure_host_service(
-    c,
-    default={{"default_cap": "0.45", "max_cap": "0.5", "on_full": "refuse"}},
-    port={port},
-    args=["--config={service_config}"],
-    admin_roles=["hub-test-admin"],
-)
-entry["environment"]["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["PATH"] = {path!r}
-"""
 
 
 @pytest.mark.timeout(600)
@@ -92,8 +64,7 @@ def test_a_resume_parks_another_users_least_recently_active_idle_kernel_through_
     nvml_file = shared / "nvml.json"
     try:
         config = shared / "single_user_config.py"
-        config.write_text(SINGLE_USER_CONFIG.format(devices=list(DEVICES), poll=POLL))
-        config.chmod(0o644)
+        write_single_user_config(config, DEVICES, POLL)
         write_totals({UUID: 12 * GiB}, str(nvml_file))
         settings = {
             "nvml_class": "gpu_quota_ext.devices.fake_nvml.FileFakeNvml",
@@ -105,16 +76,9 @@ def test_a_resume_parks_another_users_least_recently_active_idle_kernel_through_
             "park_wait_limit": "5min",
         }
         _, service = quota_service_config(tmp_path, devices=DEVICES, settings=settings)
-        text = HUB_CONFIG.format(
-            python=python,
-            single_user_config=config,
-            port=service.port,
-            service_config=service.config_path,
-            nvml_file=str(nvml_file),
-            path=os.path.dirname(python) + ":/usr/local/bin:/usr/bin:/bin",
-        )
+        text = hub_config(python, config, service, nvml_file)
         with unix_users.UnixUsers(list(users.values())) as accounts:
-            hub = Hub(tmp_path, textwrap.dedent(text))
+            hub = Hub(tmp_path, text)
             hub.start()
             try:
                 asyncio.run(Scenario(hub, service, accounts, users, str(nvml_file)).run())

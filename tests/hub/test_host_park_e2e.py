@@ -29,10 +29,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import os
 import secrets
 import tempfile
-import textwrap
 from pathlib import Path
 
 import psutil
@@ -47,6 +45,7 @@ from gpu_quota_ext.shared.sizes import format_bytes
 
 from .. import waiting
 from . import unix_users
+from .fake_gpu_hub import hub_config, write_single_user_config
 from .hubtools import Hub
 from .quota_service import quota_service_config
 
@@ -55,34 +54,7 @@ POLL = 0.5  # the service's and the servers' samples
 DEADLINE = 90.0  # seconds an event may take on a busy 2-core machine (a deadline, not a measurement)
 RENEW = float(LEASE_RENEW)  # the default lease (60 s): each server reports in a long poll every 15 s
 
-SINGLE_USER_CONFIG = """
-c.ServerApp.jpserver_extensions = {{"gpu_quota_ext": True}}
-c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-c.StaticInventory.devices = {devices!r}
-c.GpuQuota.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
-c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_file_checkpoint.FileFakeCheckpoint"
-c.GpuQuota.poll_interval = {poll}
-c.GpuQuota.park_idle_after = "off"
-"""
 
-HUB_CONFIG = """
-c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
-c.LocalProcessSpawner.env_keep = ["LANG", "LC_ALL"]  # no PYTHONPATH: the users' servers run their own install
-c.Spawner.cmd = [{python!r}, "-m", "jupyterhub.singleuser"]
-c.Spawner.args = ["--config={single_user_config}"]
-from gpu_quota_ext.hub.service.configure import configure_host_service
-
-entry = configure_host_service(
-    c,
-    default={{"default_cap": "0.45", "max_cap": "0.5", "on_full": "refuse"}},
-    port={port},
-    args=["--config={service_config}"],
-    admin_roles=["hub-test-admin"],
-)
-entry["environment"]["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["PATH"] = {path!r}
-"""
 
 
 @pytest.mark.timeout(600)
@@ -101,8 +73,7 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_the_host_s
     nvml_file = shared / "nvml.json"
     try:
         config = shared / "single_user_config.py"
-        config.write_text(SINGLE_USER_CONFIG.format(devices=list(devices), poll=POLL))
-        config.chmod(0o644)
+        write_single_user_config(config, devices, POLL)
         write_totals({UUID: total * GiB}, str(nvml_file))
         settings = {
             "nvml_class": "gpu_quota_ext.devices.fake_nvml.FileFakeNvml",
@@ -112,16 +83,9 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_the_host_s
             "park_host_margin": str(margin),
         }
         _, service = quota_service_config(tmp_path, devices=devices, settings=settings)
-        text = HUB_CONFIG.format(
-            python=python,
-            single_user_config=config,
-            port=service.port,
-            service_config=service.config_path,
-            nvml_file=str(nvml_file),
-            path=os.path.dirname(python) + ":/usr/local/bin:/usr/bin:/bin",
-        )
+        text = hub_config(python, config, service, nvml_file)
         with unix_users.UnixUsers(list(users.values())) as accounts:
-            hub = Hub(tmp_path, textwrap.dedent(text))
+            hub = Hub(tmp_path, text)
             hub.start()
             try:
                 asyncio.run(Scenario(hub, service, accounts, users, str(nvml_file), margin).run())

@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import html
-import os
 import secrets
 import tempfile
-import textwrap
 from pathlib import Path
 
 import psutil
@@ -41,6 +39,7 @@ from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 
 from .. import waiting
 from . import unix_users
+from .fake_gpu_hub import hub_config, write_single_user_config
 from .hubtools import Hub
 from .quota_service import quota_service_config
 
@@ -51,42 +50,18 @@ LEASE = 12.0  # seconds: renewals, each a long poll, every 3 s
 POLL = 0.5  # the service's and the servers' samples
 DEADLINE = 90.0  # seconds an event may take on a busy 2-core machine (a deadline, not a measurement)
 
+
+
+
 # Bob's server (its config runs in his server's process) gets a driver that does not open: parking unavailable.
-SINGLE_USER_CONFIG = """
+UNPARKABLE = """
 import getpass
-c.ServerApp.jpserver_extensions = {{"gpu_quota_ext": True}}
-c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-c.StaticInventory.devices = {devices!r}
-c.GpuQuota.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
-c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_file_checkpoint.FileFakeCheckpoint"
-c.GpuQuota.poll_interval = {poll}
-c.GpuQuota.park_idle_after = "off"
 if getpass.getuser() == {unparkable!r}:
     from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 
     FakeCheckpoint.unavailable = "no checkpoint API on this server (the test's driver for {unparkable})"
     c.GpuQuota.checkpoint_class = "gpu_quota_ext.parking.fake_checkpoint.FakeCheckpoint"
 """
-
-HUB_CONFIG = """
-c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
-c.LocalProcessSpawner.env_keep = ["LANG", "LC_ALL"]  # no PYTHONPATH: the users' servers run their own install
-c.Spawner.cmd = [{python!r}, "-m", "jupyterhub.singleuser"]
-c.Spawner.args = ["--config={single_user_config}"]
-from gpu_quota_ext.hub.service.configure import configure_host_service
-
-entry = configure_host_service(
-    c,
-    default={{"default_cap": "4GiB", "max_cap": "0.5", "on_full": "refuse"}},
-    port={port},
-    args=["--config={service_config}"],
-    admin_roles=["hub-test-admin"],
-)
-entry["environment"]["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["GPU_QUOTA_FAKE_NVML_FILE"] = {nvml_file!r}
-c.Spawner.environment["PATH"] = {path!r}
-"""
-
 
 @pytest.mark.timeout(600)
 def test_idle_memory_a_server_cannot_park_counts_against_its_users_budget_and_the_admin_page_names_him(
@@ -100,8 +75,7 @@ def test_idle_memory_a_server_cannot_park_counts_against_its_users_budget_and_th
     nvml_file = shared / "nvml.json"
     try:
         config = shared / "single_user_config.py"
-        config.write_text(SINGLE_USER_CONFIG.format(devices=list(DEVICES), poll=POLL, unparkable=users["bob"]))
-        config.chmod(0o644)
+        write_single_user_config(config, DEVICES, POLL, UNPARKABLE.format(unparkable=users["bob"]))
         write_totals({UUID: 24 * GiB}, str(nvml_file))
         settings = {
             "nvml_class": "gpu_quota_ext.devices.fake_nvml.FileFakeNvml",
@@ -114,16 +88,10 @@ def test_idle_memory_a_server_cannot_park_counts_against_its_users_budget_and_th
             "page_loads_per_second": 0.0,  # this test loads the page until it shows what it waits for
         }
         _, service = quota_service_config(tmp_path, devices=DEVICES, settings=settings)
-        text = HUB_CONFIG.format(
-            python=python,
-            single_user_config=config,
-            port=service.port,
-            service_config=service.config_path,
-            nvml_file=str(nvml_file),
-            path=os.path.dirname(python) + ":/usr/local/bin:/usr/bin:/bin",
-        )
+        default = {"default_cap": "4GiB", "max_cap": "0.5", "on_full": "refuse"}
+        text = hub_config(python, config, service, nvml_file, default)
         with unix_users.UnixUsers(list(users.values())) as accounts:
-            hub = Hub(tmp_path, textwrap.dedent(text))
+            hub = Hub(tmp_path, text)
             hub.start()
             try:
                 asyncio.run(Scenario(hub, service, accounts, users, str(nvml_file), shared).run())
