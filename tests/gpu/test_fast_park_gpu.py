@@ -25,6 +25,7 @@ from gpu_quota_ext.parking.pages import build as pages_build
 
 from ..integration.kernels import execute, shutdown_kernel, start_kernel
 from .conftest import kernel_pid, nvml_used_by_pid, record
+from .test_launch_gpu import ALLOCATE  # 0.19 of the device, then 0.21, under a cap of 0.2
 from .test_park_gpu import CHECK, HOLD, last_line, park, seen_on_gpu, wait_park
 
 pytestmark = pytest.mark.gpu
@@ -132,20 +133,6 @@ async def test_a_cupy_kernel_parks_through_the_checkpoint_calls_and_says_why(jp_
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
-ALLOCATE = """
-import torch
-total = torch.cuda.get_device_properties(0).total_memory
-def try_alloc(fraction):
-    try:
-        x = torch.empty(int(fraction * total), dtype=torch.int8, device="cuda")
-        del x
-        torch.cuda.empty_cache()
-        return "ok"
-    except torch.OutOfMemoryError as error:
-        torch.cuda.empty_cache()
-        return "OOM " + ("allowed;" in str(error) and "(cap)" or "(device)")
-print(try_alloc(0.19), "|", try_alloc(0.21))
-"""
 
 
 async def test_the_cap_holds_at_allocation_with_the_library_preloaded(jp_fetch, jp_serverapp, fast_park_library):
