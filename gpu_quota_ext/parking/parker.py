@@ -59,6 +59,18 @@ from .decisions import (
     idle_seconds,
     not_parkable,
 )
+from .events import (
+    BROKER,
+    HOST_MEMORY,
+    HOST_SERVICE,
+    TIMER,
+    USER,
+    EventSink,
+    Seen,
+    loss_event,
+    send,
+    transition_event,
+)
 from .headroom import UNKNOWN, short_kernels
 from .host_account import HostAccount, HostReading, host_short, host_short_words
 from .host_broker import kernel_park
@@ -67,6 +79,7 @@ from .kernel_channel import KernelChannel
 from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
 from .pages_driver import PagesDriver, threadsafe_ask
 from .path import (
+    CHECKPOINT,
     PAGES,
     ParkPath,
     arena_bytes,
@@ -350,6 +363,10 @@ class Parker:
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
         self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
         self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
+        # Structured events (events.py) for an admin's tools: jupyter_server's event logger once the server
+        # extension hands it over (send_events), and who asked for each kernel's latest park or resume.
+        self.events: Optional[EventSink] = None
+        self._asked_by: Dict[str, str] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -374,6 +391,11 @@ class Parker:
             # (the park state and the status still carry the reason).
             level = logging.INFO if self.devices else logging.DEBUG
             log.log(level, "gpu-quota-ext: parking is not possible on this server: %s", detail)
+
+    def send_events(self, sink: Optional[EventSink]) -> None:
+        """Emit park, resume, refusal and loss events to `sink` (events.park_event_logger: the server's event
+        logger, None where it has none) from now on."""
+        self.events = sink
 
     async def ready(self) -> None:
         """Wait for the driver to be opened (or found missing)."""
@@ -488,6 +510,7 @@ class Parker:
             log.info("%s", describe_transition(kernel_id, old_shown, new_shown, new))
         elif new.state == RUNNING and new.refused and new.reason and new.reason != old.reason:
             log.info("gpu-quota-ext: kernel %s: %s", kernel_id, new.reason)
+        send(self.events, transition_event(kernel_id, old, new, self._seen(kernel_id, old_shown, new_shown)))
         watched = new.state in HELD or new.state == "pending"
         if watched and kernel_id not in self._streams:
             self._watch(kernel_id)
@@ -498,6 +521,18 @@ class Parker:
         elif new.state not in HELD:
             self._unhook_restart(kernel_id)
         self._publish_host_report_soon()
+
+    def _seen(self, kernel_id: str, shown_before: str, shown_after: str) -> Seen:
+        """What an event says beside the records: the states shown, who asked, the way the park went."""
+        plan = self._pages_plan(kernel_id)
+        return Seen(
+            shown_before,
+            shown_after,
+            asked_by=self._asked_by.get(kernel_id),
+            path=plan.choice.path if plan is not None else CHECKPOINT,
+            host_bytes=plan.host if plan is not None else None,
+            at=time.time(),
+        )
 
     def _carry_out(self, kernel_id: str, effect: Effect) -> None:
         if isinstance(effect, StartPark):
@@ -530,14 +565,15 @@ class Parker:
         record = self.records.get(kernel_id)
         if (record is None or not record.shows_park) and self.problem(kernel_id) is not None:
             await self._fresh_sample()  # the last sample may predate what the kernel holds now
-        record = self._ask_park(kernel_id, f"{who} request", automatic=False)
+        record = self._ask_park(kernel_id, f"{who} request", automatic=False, asked_by=USER)
         if record.state == "parking" and not record.pids:
             check = self._checks.setdefault((kernel_id, record.op), asyncio.get_running_loop().create_future())
             await asyncio.wait({check}, timeout=self.settings.trim_timeout + self.settings.fresh_sample_wait + 5)
         return self._accepted(kernel_id), self.kernel_json(kernel_id)
 
-    def _ask_park(self, kernel_id: str, why: str, automatic: bool) -> ParkRecord:
+    def _ask_park(self, kernel_id: str, why: str, automatic: bool, asked_by: str) -> ParkRecord:
         busy = self._activity(kernel_id) == "busy"
+        self._asked_by[kernel_id] = asked_by
         return self._handle(kernel_id, AskPark(why, self.problem(kernel_id), busy, automatic))
 
     def _accepted(self, kernel_id: str) -> bool:
@@ -551,6 +587,7 @@ class Parker:
         record = self.records.get(kernel_id)
         if record is None or record.state == RUNNING:
             return self.problem(kernel_id) is None, self.kernel_json(kernel_id)
+        self._asked_by[kernel_id] = USER
         self._handle(kernel_id, AskResume(f"{who} request"))
         return record.state != LOST, self.kernel_json(kernel_id)
 
@@ -600,7 +637,8 @@ class Parker:
                 continue
             if reported is not None and last is not None and last > reported:
                 continue  # active since: the service's park_min_idle no longer holds; its next report says so
-            self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True)
+            self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True,
+                           asked_by=HOST_SERVICE)
 
     # --- the kernel's activity -------------------------------------------------------------------
 
@@ -662,7 +700,9 @@ class Parker:
                 continue  # it did not park last time: not again until it has been busy
             if due_for_park(self.settings, state, idle_seconds(execution_state, last, now)):
                 if self.problem(kernel_id) is None:
-                    self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
+                    self._ask_park(
+                        kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True, asked_by=TIMER
+                    )
         if self.host_short_since is not None or any(
             r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()
         ):
@@ -687,6 +727,7 @@ class Parker:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
         record = self.records.pop(kernel_id, None)
         self._plans.pop(kernel_id, None)
+        self._asked_by.pop(kernel_id, None)
         self._release_host(kernel_id)
         if record is not None and record.state in HELD:
             log.info(
@@ -730,6 +771,7 @@ class Parker:
         self._lost_held.pop(kernel_id, None)
         log.warning("gpu-quota-ext: kernel %s: %s; jupyter_server restarts it, and its user is told so at its next "
                     "cell", kernel_id, notice.why)
+        send(self.events, loss_event(kernel_id, record, notice.why, exit_code))
 
     def lost_env(self, kernel_id: str) -> Optional[str]:
         """The notice for the kernel's new process, given in its environment at launch (shared.env_vars.LOST), so
@@ -927,12 +969,14 @@ class Parker:
                 continue
             # A kernel id of this server's own broker, or the host service's words ("another kernel of this host").
             whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
-            self._ask_park(victim, f"to make room for {whom}", automatic=True)
+            asked_by = BROKER if isinstance(self.broker, OwnBroker) else HOST_SERVICE
+            self._ask_park(victim, f"to make room for {whom}", automatic=True, asked_by=asked_by)
         granted = False
         for kernel_id in plan.go:
             record = self.records.get(kernel_id)
             if record is not None and record.state == "parked" and self.host_short_since is not None:
                 # A background resume (host memory short): asked as the server's own, then granted its room.
+                self._asked_by[kernel_id] = HOST_MEMORY
                 self._handle(kernel_id, AskResume("host memory is short"))
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
