@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional, Protocol
 
-from jsonschema.exceptions import ValidationError
+from jsonschema.exceptions import ValidationError  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from ..shared.park_state import ParkState
 from .path import CHECKPOINT

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple
 
 import psutil
 
@@ -249,6 +249,12 @@ def _quietly(call: Callable[[int], None], pid: int) -> None:
         call(pid)
     except CheckpointError as error:
         log.warning("gpu-quota-ext: undoing a park: %s", error)
+
+
+def keyed(by_index: Mapping[int, int]) -> Dict[Hashable, int]:
+    """A copy of bytes by device index, as the broker takes them: its keys are any device name (the host service's
+    are UUIDs), ours are indexes."""
+    return dict(by_index.items())
 
 
 def kernel_activity(kernels: ParkedKernels, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
@@ -475,7 +481,9 @@ class Parker:
     def _kernel_ids(self) -> set:
         try:
             return set(self.kernels.kernel_ids())
-        except Exception:
+        except Exception as error:  # a kernel manager that cannot list (stopping): parking must not stop with it
+            log.debug("gpu-quota-ext: parking: the server's kernels were not listed (%r); the kernels with a park "
+                      "record are taken as its kernels", error)
             return set(self.records)
 
     def _activity(self, kernel_id: str) -> str:
@@ -660,7 +668,7 @@ class Parker:
             return
         try:
             self._review(sample)
-        except Exception as error:
+        except Exception as error:  # whatever it was, the watchdog after us must see this sample; the next one retries
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
         if self.reports_to_host:
             self.publish_host_report()
@@ -838,7 +846,7 @@ class Parker:
                 round_ = self.round()
                 plan = await self.broker.decide(round_)
                 self.apply(plan)
-            except Exception as error:
+            except Exception as error:  # the host service's broker is over HTTP; the next sample asks again
                 log.warning("gpu-quota-ext: the parking broker skipped a round: %r", error)
             if not self._decide_again or self._stopped:
                 return
@@ -856,8 +864,8 @@ class Parker:
         now. Its park's bytes are in the sample when the sample was taken before the park ended. Its park is not timed
         against park_time: this server sees its driver call, out until it returns or is marked stuck (the host
         service, which cannot see it, times it; and ends its host promise by this server's report)."""
-        held = record is not None and record.shows_park
-        state = record.state if held else activity_state(execution_state)
+        held = record if record is not None and record.shows_park else None
+        state = held.state if held is not None else activity_state(execution_state)
         return Said(
             state=state,
             at=now,
@@ -865,8 +873,10 @@ class Parker:
             parkable=state == ParkState.IDLE
             and self.problem(kernel_id) is None
             and not (record is not None and record.refused),
-            in_reading=held and state == ParkState.PARKED and (sample.time is None or record.since >= sample.time),
-            stuck=held and record.stuck is not None,
+            in_reading=held is not None
+            and state == ParkState.PARKED
+            and (sample.time is None or held.since >= sample.time),
+            stuck=held is not None and held.stuck is not None,
         )
 
     def round(self) -> Round:
@@ -892,14 +902,14 @@ class Parker:
             kernel_id = grant.kernel_id
             record = self.records.get(kernel_id)
             execution_state, last = kernel_activity(self.kernels, kernel_id)
-            used = dict(sample.kernels.get(kernel_id, {})) if readable else {}
+            used = keyed(sample.kernels.get(kernel_id, {})) if readable else {}
             view = shown_as(self._said(kernel_id, record, execution_state, last, sample, now), now)
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,
                     state=view.state,
                     used=used,
-                    caps=dict(grant.caps),
+                    caps=keyed(grant.caps),
                     idle_for=view.idle_for,
                     parkable=view.parkable,
                     label=f"kernel {kernel_id[:8]}",
@@ -909,13 +919,13 @@ class Parker:
             if record is None:
                 continue
             if record.state == ParkState.WAITING and record.deferred_at is None:
-                demands.append(BrokerDemand(kernel_id, dict(record.parked), record.waiting_since or now))
+                demands.append(BrokerDemand(kernel_id, keyed(record.parked), record.waiting_since or now))
             if record.room:
-                reservations.append(Reservation(kernel_id, dict(record.room)))
+                reservations.append(Reservation(kernel_id, keyed(record.room)))
             if record.room_need and record.state in (RUNNING, ParkState.PENDING):
-                demands.append(BrokerDemand(kernel_id, dict(record.room_need), record.room_asked or now, running=True))
+                demands.append(BrokerDemand(kernel_id, keyed(record.room_need), record.room_asked or now, running=True))
             if self.host_short_since is not None and record.state == ParkState.PARKED:
-                demands.append(BrokerDemand(kernel_id, dict(record.parked), self.host_short_since, background=True))
+                demands.append(BrokerDemand(kernel_id, keyed(record.parked), self.host_short_since, background=True))
         available, cgroup = self.host()
         self._note_landing()
         return Round(
@@ -944,7 +954,7 @@ class Parker:
             at = time.time()
             kernels = self.round().kernels
             report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in kernels)
-        except Exception as error:
+        except Exception as error:  # the lease's thread reads the last report, which stays as it was
             log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
             return
         self._host_report = (at, report)
