@@ -518,7 +518,8 @@ class Parker:
             log.info("%s", describe_transition(kernel_id, old_shown, new_shown, new))
         elif new.state == RUNNING and new.refused and new.reason and new.reason != old.reason:
             log.info("gpu-quota-ext: kernel %s: %s", kernel_id, new.reason)
-        send(self.events, transition_event(kernel_id, old, new, self._seen(kernel_id, old_shown, new_shown)))
+        if self.events is not None:  # the same change as the log line, for an admin's tools (events.py)
+            send(self.events, transition_event(kernel_id, old, new, self._seen(kernel_id, old_shown, new_shown)))
         watched = new.state in HELD or new.state == "pending"
         if watched and kernel_id not in self._streams:
             self._watch(kernel_id)
