@@ -18,6 +18,7 @@ Measured, in the units the literature uses (NotebookOS, ASPLOS '26):
 
     python benchmarks/device_day.py --out day.json                  # 8 kernels, 10 minutes, seed 28
     python benchmarks/device_day.py --schedule-only --out sched.json # the schedule alone (no GPU needed)
+    python benchmarks/device_day.py --fast-park on --out day.json   # torch kernels park by the fast path
 
 On the lent device a call ends at 10 minutes, so a 10-minute day takes two calls on the warm machine: the first
 starts it detached and writes under /tmp (each call gets a fresh copy of the working tree, so ignored folders in
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -240,6 +243,18 @@ def oom_kills() -> int:
     return sum(1 for line in out.splitlines() if "Out of memory: Killed process" in line or "oom-kill:" in line)
 
 
+def use_pages_library(workdir: Path, given: str) -> None:
+    """The server's cache folder (a fresh one, in the environment the server inherits), holding the fast park
+    library given where there is one: the GPU machine may have no C compiler (docs/admin/fast-park.md)."""
+    from gpu_quota_ext.parking.pages import build as pages_build
+
+    os.environ["XDG_CACHE_HOME"] = str(workdir / "cache")
+    if Path(given).exists():
+        target = pages_build.cache_dir() / pages_build.LIBRARY_NAME
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(given, target)
+
+
 def day(options) -> dict:
     from park_bench import BenchServer, device_name
 
@@ -259,6 +274,9 @@ def day(options) -> dict:
         f"--GpuQuota.park_min_idle={options.min_idle}s",
         f"--GpuQuota.park_wait_limit={options.wait_limit}s",
     ]
+    if options.fast_park == "on":
+        settings.append("--GpuQuota.fast_park=on")
+        use_pages_library(workdir, options.pages_library)
     kills = oom_kills()
     server = BenchServer(workdir, settings)
     import pynvml
@@ -323,6 +341,7 @@ def day(options) -> dict:
         "device": device_name(),
         "schedule": asdict(plan),
         "settings": settings,
+        "fast_park": options.fast_park,
         "device_total": total,
         "elapsed_s": round(elapsed, 1),
         "cells": len(delays),
@@ -358,6 +377,12 @@ def main() -> None:
     parser.add_argument("--idle-after", type=float, default=30.0, help="park_idle_after, seconds")
     parser.add_argument("--min-idle", type=float, default=10.0, help="park_min_idle, seconds")
     parser.add_argument("--wait-limit", type=float, default=300.0, help="park_wait_limit, seconds")
+    parser.add_argument("--fast-park", choices=("off", "on"), default="off", help="the server's fast_park setting")
+    parser.add_argument(
+        "--pages-library",
+        default=str(Path(__file__).resolve().parents[1] / ".probe" / "libgqx_pages.so"),
+        help="with --fast-park on: a fast park library built elsewhere, for a machine without a C compiler",
+    )
     parser.add_argument("--schedule-only", action="store_true", help="write the schedule and stop (no GPU)")
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument(

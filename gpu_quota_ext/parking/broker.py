@@ -60,6 +60,10 @@ class KernelView:
     parkable: bool = False  # parking can work for it now (driver, not an MPS client, its own user, holds memory)
     label: str = ""  # how the words name it ("kernel 1a2b…", "alice's kernel 1a2b…")
     stays: int = 0  # parked by the fast path: what its park left on the device (its CUDA context), else 0
+    # Host memory its park would take beyond what it holds on the host already; None: all of its device bytes.
+    # A kernel resumed by the fast path may keep its pinned arena for its next park (path.keep_arena): that
+    # memory is already out of the host's available memory, and parking it again takes no more.
+    host_cost: Optional[int] = None
 
     def headroom(self, key: Hashable) -> int:
         """What its cap still lets it take on `key` while it runs a cell and holds memory there. An idle kernel
@@ -78,6 +82,11 @@ class KernelView:
     @property
     def host_bytes(self) -> int:
         return sum(self.used.values())
+
+    @property
+    def host_need(self) -> int:
+        """Host memory its park would take now: what the host guard counts when it picks it."""
+        return self.host_bytes if self.host_cost is None else max(0, min(self.host_cost, self.host_bytes))
 
 
 @dataclass(frozen=True)
@@ -263,7 +272,7 @@ def plan(
                 chosen.append(victim.kernel_id)
                 park.append((victim.kernel_id, demand.kernel_id))
                 if host_room is not None:
-                    host_room -= victim.host_bytes
+                    host_room -= victim.host_need
                 for key in later_room:
                     if later_room[key] is not None:
                         later_room[key] = (later_room[key] or 0) + victim.frees(key)
@@ -338,12 +347,12 @@ def _pick(
             break
         if kernel.kernel_id in chosen or not any(left[key] > 0 and kernel.frees(key) > 0 for key in left):
             continue
-        if host is not None and host < kernel.host_bytes + host_margin:
+        if host is not None and host < kernel.host_need + host_margin:
             refused.append(kernel)
             continue
         picks.append(kernel)
         if host is not None:
-            host -= kernel.host_bytes
+            host -= kernel.host_need
         for key in left:
             left[key] -= kernel.frees(key)
     return (picks if all(v <= 0 for v in left.values()) else None), refused

@@ -278,6 +278,7 @@ class ParkPlan:
     host: int = 0  # host memory the park takes beyond what the kernel holds already (path.host_need)
     park_seconds: Optional[float] = None  # PAGES: the library's copy, as the kernel timed it
     resume_seconds: Optional[float] = None
+    arena_kept: int = 0  # PAGES, after a resume: the pinned arena the running kernel kept for its next park
 
     def json(self) -> dict:
         """The park object's "path" (shared.contract.PARK_PATH_FIELDS)."""
@@ -915,6 +916,7 @@ class Parker:
                     parkable=view.parkable,
                     label=f"kernel {kernel_id[:8]}",
                     stays=self._stays(kernel_id, view.state),
+                    host_cost=self._host_cost(kernel_id, used),
                 )
             )
             if record is None:
@@ -1133,6 +1135,15 @@ class Parker:
             return 0
         return plan.choice.stays_on_device
 
+    def _host_cost(self, kernel_id: str, used: Mapping[int, int]) -> Optional[int]:
+        """Host memory the kernel's next park would take where it kept its arena after a fast resume (the arena
+        is pinned already, out of the host's available memory); None: all its bytes, as for any other kernel."""
+        plan = self._plans.get(kernel_id)
+        if plan is None or plan.arena_kept <= 0:
+            return None
+        # What the next park moves: all it holds but its CUDA context, which stays on the device.
+        return max(0, sum(used.values()) - plan.choice.stays_on_device - plan.arena_kept)
+
     def _pages_plan(self, kernel_id: str) -> Optional[ParkPlan]:
         """The kernel's park went (or goes) through the fast path: its resume goes the same way."""
         plan = self._plans.get(kernel_id)
@@ -1257,7 +1268,10 @@ class Parker:
 
         outcome = await self._drive(kernel_id, op, "restore", checked_restore)
         if plan is not None and isinstance(driver, PagesDriver) and self._plans.get(kernel_id) is plan:
-            self._plans[kernel_id] = replace(plan, resume_seconds=driver.seconds)
+            back = outcome is True  # resume_processes: every process back (a str: not asked; an error)
+            self._plans[kernel_id] = replace(
+                plan, resume_seconds=driver.seconds, arena_kept=plan.arena if back and keep else 0
+            )
         if isinstance(outcome, CheckpointError) and plan is not None:
             # The fast path's resume gives back what it took and keeps every byte on the host: the kernel is
             # parked and whole, and waits for room again (the checkpoint path's failed restore is for good).

@@ -6,8 +6,14 @@ Each test prints `FIGURE name = value` lines; the runner collects them into benc
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+
+from gpu_quota_ext.parking.pages import build as pages_build
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cuda_available() -> bool:
@@ -69,3 +75,20 @@ def nvml_used_by_pid() -> dict:
 def kernel_pid(serverapp, kernel_id: str) -> int:
     km = serverapp.kernel_manager.get_kernel(kernel_id)
     return km.provisioner.pid
+
+
+@pytest.fixture
+def fast_park_library(tmp_path_factory, monkeypatch):
+    """The server's cache folder, a temporary one, holding the library where this machine cannot compile it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("fast_park_cache")))
+    target = pages_build.cache_dir() / pages_build.LIBRARY_NAME
+    given = os.environ.get("GQX_PAGES_LIBRARY") or str(REPO / ".probe" / pages_build.LIBRARY_NAME)
+    if Path(given).exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(given, target)
+    else:
+        try:
+            pages_build.build(target.parent)
+        except pages_build.BuildError as error:
+            pytest.fail(f"no fast park library: set GQX_PAGES_LIBRARY to one built elsewhere ({error})")
+    return target

@@ -128,6 +128,57 @@ class TestThreeKernelsOfFourTenths:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+class TestThreeKernelsOfFourTenthsFastPark:
+    """The same scene with fast_park on (issue 29): the cells' waits beside the checkpoint path's (A's cell 40.8
+    to 43.0 s, B's 36.3 to 41.9 s on 2026-12-02). Which kernel parks for B's cell is the broker's choice here: A
+    kept its pinned arena when it came back (its next park takes no more host memory), C would need a new arena
+    the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process."""
+
+    @pytest.fixture
+    def jp_server_config(self, fast_park_library):
+        config = broker_config(0.45, "4min")
+        config.GpuQuota.fast_park = "on"
+        return config
+
+    async def test_every_cell_gets_room_in_seconds_and_finds_its_tensor(self, jp_fetch, jp_serverapp):
+        size = int(0.4 * device_total())
+        kernels = {name: await start_kernel(jp_fetch) for name in "ABC"}
+        pids = {name: kernel_pid(jp_serverapp, k) for name, k in kernels.items()}
+        sums = {}
+        lowest = host_available()
+        try:
+            sums["A"] = await hold(jp_serverapp, kernels["A"], size)
+            seconds, parked = await park(jp_fetch, kernels["A"])
+            record("fast 3x0.4: park A (0.4 of the device, arena made), s", round(seconds, 2))
+            record("fast 3x0.4: A's park: path / library copy s / host GiB",
+                   f"{parked['path']['path']} / {parked['path']['park_seconds']} / "
+                   f"{round(parked['host_bytes'] / GiB, 2)}")
+            assert parked["path"]["path"] == "pages", parked
+            for name in "BC":
+                sums[name] = await hold(jp_serverapp, kernels[name], size)
+            lowest = min(lowest, host_available())
+            for name, victim_of in (("A", "B"), ("B", None), ("C", None), ("A", None)):
+                seconds, ran = await timed_cell(jp_serverapp, kernels[name], CHECK)
+                lowest = min(lowest, host_available())
+                states = {n: (await park_state(jp_fetch, k))["state"] for n, k in kernels.items()}
+                record(f"fast 3x0.4: {name}'s cell, s", round(seconds, 2))
+                record(f"fast 3x0.4: states after {name}'s cell", states)
+                assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums[name], (name, ran)
+                assert states[name] in ("idle", "busy"), states
+                if victim_of is not None:  # the first swap: B, idle longest, parks for A (as on the checkpoint path)
+                    assert states[victim_of] == "parked", states
+                assert "lost" not in states.values(), states
+            for name, kernel_id in kernels.items():
+                park_path = (await park_state(jp_fetch, kernel_id))["path"]
+                record(f"fast 3x0.4: {name}'s last copies (park / resume, s)",
+                       park_path and (park_path["park_seconds"], park_path["resume_seconds"]))
+                assert kernel_pid(jp_serverapp, kernel_id) == pids[name], f"{name}'s kernel was restarted"
+            record("fast 3x0.4: host available, lowest seen, GiB", round(lowest / GiB, 1))
+        finally:
+            for kernel_id in kernels.values():
+                await shutdown_kernel(jp_fetch, kernel_id)
+
+
 class TestTwoKernelsOfFiftyFiveHundredths:
     @pytest.fixture
     def jp_server_config(self):

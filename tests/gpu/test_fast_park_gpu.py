@@ -13,15 +13,10 @@ benchmarks/fast_park_probe.py --build-only --out .probe` here, .probe carried ov
 used by default when it is there) and it is put in the cache folder first, as docs/admin/fast-park.md says.
 """
 
-import os
-import shutil
 import time
-from pathlib import Path
 
 import pytest
 from traitlets.config import Config
-
-from gpu_quota_ext.parking.pages import build as pages_build
 
 from ..integration.kernels import execute, shutdown_kernel, start_kernel
 from .conftest import kernel_pid, nvml_used_by_pid, record
@@ -32,25 +27,7 @@ pytestmark = pytest.mark.gpu
 
 GiB = 1 << 30
 POLL = 0.5
-REPO = Path(__file__).resolve().parents[2]
 PARKED_AT_MOST = int(0.7 * GiB)  # the CUDA context: 612 MiB measured on the H200 (driver 580)
-
-
-@pytest.fixture
-def fast_park_library(tmp_path_factory, monkeypatch):
-    """The server's cache folder, a temporary one, holding the library where this machine cannot compile it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("fast_park_cache")))
-    target = pages_build.cache_dir() / pages_build.LIBRARY_NAME
-    given = os.environ.get("GQX_PAGES_LIBRARY") or str(REPO / ".probe" / pages_build.LIBRARY_NAME)
-    if Path(given).exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(given, target)
-    else:
-        try:
-            pages_build.build(target.parent)
-        except pages_build.BuildError as error:
-            pytest.fail(f"no fast park library: set GQX_PAGES_LIBRARY to one built elsewhere ({error})")
-    return target
 
 
 @pytest.fixture

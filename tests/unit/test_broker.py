@@ -116,6 +116,21 @@ def test_the_host_guard_keeps_a_victim_from_parking_and_says_so():
     assert decided.park == () and "host's memory cannot take 1 idle kernel" in decided.waiting["A"]
 
 
+def test_a_kernel_that_kept_its_pinned_arena_parks_where_the_host_could_take_no_other():
+    # The three-kernel scene with fast park: A came back and kept its 56 GiB arena (pinned, already out of the
+    # host's available memory); the host has 12 GiB left. C, idle longest, would need 56 GiB more of the host:
+    # refused. A's park takes nothing more from the host: it is the one that parks for B.
+    kept = replace(kernel("A", "idle", used=56 * GiB, idle_for=90), host_cost=0)
+    kernels = [kernel("B", "waiting"), kernel("C", "idle", used=56 * GiB, idle_for=600), kept]
+    decided = plan(
+        [device(113 * GiB)], kernels, [Demand("B", {0: 56 * GiB}, 0.0)], [], HostView(12 * GiB), SETTINGS, 1.0
+    )
+    assert decided.park == (("A", "B"),)
+    assert kept.host_need == 0 and kernels[1].host_need == 56 * GiB
+    # What it says it would take is never more than what it holds.
+    assert replace(kept, host_cost=80 * GiB).host_need == 56 * GiB
+
+
 def test_at_the_limit_the_kernel_is_told_and_no_longer_holds_up_the_others():
     kernels = [kernel("A", "waiting"), kernel("D", "waiting"), kernel("B", "busy", used=100 * GiB, cap=100 * GiB)]
     demands = [Demand("A", {0: 60 * GiB}, 0.0), Demand("D", {0: 20 * GiB}, 100.0)]

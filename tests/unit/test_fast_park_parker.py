@@ -27,6 +27,7 @@ from gpu_quota_ext.parking.checkpoint import (
     CheckpointError,
 )
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.host_account import HostReading
 from gpu_quota_ext.parking.pages_driver import PagesDriver, threadsafe_ask
 from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.parking.path import arena_bytes
@@ -276,6 +277,29 @@ def test_the_arena_is_kept_for_the_next_park_and_no_host_memory_is_promised_agai
     assert s.kernel.arena == arena_bytes(SERVED)
     s.park()
     assert s.promised == [arena_bytes(SERVED), 0]
+
+
+def test_a_kernel_that_kept_its_arena_is_shown_to_the_broker_as_costing_the_host_nothing_more(setup):
+    s = setup()
+    (kernel,) = s.parker.round().kernels
+    assert kernel.host_cost is None  # never parked: its park would take all it holds
+    s.park()
+    assert s.resume()["state"] not in ("parked", "waiting")
+    s.sample()
+    (kernel,) = s.parker.round().kernels
+    assert kernel.host_bytes > 0 and kernel.host_need == 0  # the arena it kept holds every byte it serves
+
+
+def test_a_kernel_that_gave_its_arena_back_costs_the_host_all_its_bytes_again(setup):
+    s = setup()
+    s.park()
+    # The host has less than the margin beside the arena: the resumed kernel gives it back.
+    s.parker.host_reading = lambda: HostReading(available=1 << 20)  # type: ignore[method-assign]
+    assert s.resume()["state"] not in ("parked", "waiting")
+    assert s.kernel.asked[-1]["keep_arena"] is False
+    s.sample()
+    (kernel,) = s.parker.round().kernels
+    assert kernel.host_cost is None and kernel.host_need == kernel.host_bytes
 
 
 def test_a_kernel_without_torch_on_the_gpu_parks_through_the_checkpoint_driver_and_says_why(setup):
