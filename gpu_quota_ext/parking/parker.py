@@ -1135,7 +1135,7 @@ class Parker:
             return 0
         return plan.choice.stays_on_device
 
-    def _host_cost(self, kernel_id: str, used: Mapping[int, int]) -> Optional[int]:
+    def _host_cost(self, kernel_id: str, used: Mapping[Hashable, int]) -> Optional[int]:
         """Host memory the kernel's next park would take where it kept its arena after a fast resume (the arena
         is pinned already, out of the host's available memory); None: all its bytes, as for any other kernel."""
         plan = self._plans.get(kernel_id)
