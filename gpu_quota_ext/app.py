@@ -40,7 +40,7 @@ from .hard_limit import (
 )
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
-from .parking import ParkSettings, build_park_settings, on_device_full_for
+from .parking import ParkSettings, build_park_settings, on_device_full_for, park_event_logger
 from .policy import Policy, PolicyError, build_policy, parse_value
 from .settings import (
     CAP,
@@ -383,6 +383,7 @@ class GpuQuota(ExtensionApp):
             checkpoint=self.checkpoint_class(),
         )
         self.settings[SETTINGS_KEY] = manager
+        manager.parker.send_events(park_event_logger(self.serverapp))  # parking/events.py
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -5,7 +5,8 @@ idle kernels park to make room.
 states.py is a kernel's parking as a pure state machine; shown.py the state the broker sees a kernel in (one rule
 for a server's parker and the host service); broker.py the broker's pure decisions; decisions.py
 the rules applied before the driver is asked (settings, parkable, idle timer); host_account.py the host's
-memory as one account for every park; wording.py the words;
+memory as one account for every park; wording.py the words; events.py the same changes as structured events
+(jupyter_server's event system, a schema per event in event_schemas/);
 parker.py carries them out for a server's kernels; host_broker.py asks the host service's broker instead of
 this server's own; kernel_channel.py asks a kernel to empty its caches before it parks; host_room.py reads how
 much host memory there is; path.py chooses per kernel between the driver's checkpoint calls and the fast park
@@ -37,6 +38,7 @@ from .checkpoint import (
     CudaCheckpointDriver,
 )
 from .decisions import ParkSettings, build_park_settings, on_device_full_for
+from .events import park_event_logger
 from .host_account import HostAccount, HostReading
 from .host_broker import HostBroker, HostRooms
 from .host_room import host_room
@@ -51,5 +53,5 @@ __all__ = [
     "RoomBroker", "HostBroker",
     "HostRooms", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
     "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library",
-    "PARK_MARGIN", "PARK_RATE", "Said", "Shown", "park_time", "shown_as",
+    "PARK_MARGIN", "PARK_RATE", "Said", "Shown", "park_time", "shown_as", "park_event_logger",
 ]

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple
 
 import psutil
 
@@ -59,6 +59,18 @@ from .decisions import (
     idle_seconds,
     not_parkable,
 )
+from .events import (
+    BROKER,
+    HOST_MEMORY,
+    HOST_SERVICE,
+    TIMER,
+    USER,
+    EventSink,
+    Seen,
+    loss_event,
+    send,
+    transition_event,
+)
 from .headroom import UNKNOWN, short_kernels
 from .host_account import HostAccount, HostReading, host_short, host_short_words
 from .host_broker import kernel_park
@@ -67,6 +79,7 @@ from .kernel_channel import KernelChannel
 from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
 from .pages_driver import PagesDriver, threadsafe_ask
 from .path import (
+    CHECKPOINT,
     PAGES,
     ParkPath,
     arena_bytes,
@@ -238,6 +251,12 @@ def _quietly(call: Callable[[int], None], pid: int) -> None:
         log.warning("gpu-quota-ext: undoing a park: %s", error)
 
 
+def keyed(by_index: Mapping[int, int]) -> Dict[Hashable, int]:
+    """A copy of bytes by device index, as the broker takes them: its keys are any device name (the host service's
+    are UUIDs), ours are indexes."""
+    return dict(by_index.items())
+
+
 def kernel_activity(kernels: ParkedKernels, kernel_id: str) -> Tuple[Optional[str], Optional[float]]:
     """(execution state, wall clock of its last activity) from KernelManagerView.activity."""
     state, last = kernels.activity(kernel_id)
@@ -351,6 +370,10 @@ class Parker:
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
         self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
         self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
+        # Structured events (events.py) for an admin's tools: jupyter_server's event logger once the server
+        # extension hands it over (send_events), and who asked for each kernel's latest park or resume.
+        self.events: Optional[EventSink] = None
+        self._asked_by: Dict[str, str] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -375,6 +398,11 @@ class Parker:
             # (the park state and the status still carry the reason).
             level = logging.INFO if self.devices else logging.DEBUG
             log.log(level, "gpu-quota-ext: parking is not possible on this server: %s", detail)
+
+    def send_events(self, sink: Optional[EventSink]) -> None:
+        """Emit park, resume, refusal and loss events to `sink` (events.park_event_logger: the server's event
+        logger, None where it has none) from now on."""
+        self.events = sink
 
     async def ready(self) -> None:
         """Wait for the driver to be opened (or found missing)."""
@@ -454,7 +482,9 @@ class Parker:
     def _kernel_ids(self) -> set:
         try:
             return set(self.kernels.kernel_ids())
-        except Exception:
+        except Exception as error:  # a kernel manager that cannot list (stopping): parking must not stop with it
+            log.debug("gpu-quota-ext: parking: the server's kernels were not listed (%r); the kernels with a park "
+                      "record are taken as its kernels", error)
             return set(self.records)
 
     def _activity(self, kernel_id: str) -> str:
@@ -489,6 +519,8 @@ class Parker:
             log.info("%s", describe_transition(kernel_id, old_shown, new_shown, new))
         elif new.state == RUNNING and new.refused and new.reason and new.reason != old.reason:
             log.info("gpu-quota-ext: kernel %s: %s", kernel_id, new.reason)
+        if self.events is not None:  # the same change as the log line, for an admin's tools (events.py)
+            send(self.events, transition_event(kernel_id, old, new, self._seen(kernel_id, old_shown, new_shown)))
         watched = new.state in HELD or new.state == "pending"
         if watched and kernel_id not in self._streams:
             self._watch(kernel_id)
@@ -499,6 +531,18 @@ class Parker:
         elif new.state not in HELD:
             self._unhook_restart(kernel_id)
         self._publish_host_report_soon()
+
+    def _seen(self, kernel_id: str, shown_before: str, shown_after: str) -> Seen:
+        """What an event says beside the records: the states shown, who asked, the way the park went."""
+        plan = self._pages_plan(kernel_id)
+        return Seen(
+            shown_before,
+            shown_after,
+            asked_by=self._asked_by.get(kernel_id),
+            path=plan.choice.path if plan is not None else CHECKPOINT,
+            host_bytes=plan.host if plan is not None else None,
+            at=time.time(),
+        )
 
     def _carry_out(self, kernel_id: str, effect: Effect) -> None:
         if isinstance(effect, StartPark):
@@ -531,14 +575,15 @@ class Parker:
         record = self.records.get(kernel_id)
         if (record is None or not record.shows_park) and self.problem(kernel_id) is not None:
             await self._fresh_sample()  # the last sample may predate what the kernel holds now
-        record = self._ask_park(kernel_id, f"{who} request", automatic=False)
+        record = self._ask_park(kernel_id, f"{who} request", automatic=False, asked_by=USER)
         if record.state == "parking" and not record.pids:
             check = self._checks.setdefault((kernel_id, record.op), asyncio.get_running_loop().create_future())
             await asyncio.wait({check}, timeout=self.settings.trim_timeout + self.settings.fresh_sample_wait + 5)
         return self._accepted(kernel_id), self.kernel_json(kernel_id)
 
-    def _ask_park(self, kernel_id: str, why: str, automatic: bool) -> ParkRecord:
+    def _ask_park(self, kernel_id: str, why: str, automatic: bool, asked_by: str) -> ParkRecord:
         busy = self._activity(kernel_id) == "busy"
+        self._asked_by[kernel_id] = asked_by
         return self._handle(kernel_id, AskPark(why, self.problem(kernel_id), busy, automatic))
 
     def _accepted(self, kernel_id: str) -> bool:
@@ -552,6 +597,7 @@ class Parker:
         record = self.records.get(kernel_id)
         if record is None or record.state == RUNNING:
             return self.problem(kernel_id) is None, self.kernel_json(kernel_id)
+        self._asked_by[kernel_id] = USER
         self._handle(kernel_id, AskResume(f"{who} request"))
         return record.state != LOST, self.kernel_json(kernel_id)
 
@@ -601,7 +647,8 @@ class Parker:
                 continue
             if reported is not None and last is not None and last > reported:
                 continue  # active since: the service's park_min_idle no longer holds; its next report says so
-            self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True)
+            self._ask_park(kernel_id, "to make room for another kernel of this host", automatic=True,
+                           asked_by=HOST_SERVICE)
 
     # --- the kernel's activity -------------------------------------------------------------------
 
@@ -623,7 +670,7 @@ class Parker:
             return
         try:
             self._review(sample)
-        except Exception as error:
+        except Exception as error:  # whatever it was, the watchdog after us must see this sample; the next one retries
             log.warning("gpu-quota-ext: parking skipped one sample: %r", error)
         if self.reports_to_host:
             self.publish_host_report()
@@ -663,7 +710,9 @@ class Parker:
                 continue  # it did not park last time: not again until it has been busy
             if due_for_park(self.settings, state, idle_seconds(execution_state, last, now)):
                 if self.problem(kernel_id) is None:
-                    self._ask_park(kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True)
+                    self._ask_park(
+                        kernel_id, f"idle for {self.settings.idle_after:.0f} s", automatic=True, asked_by=TIMER
+                    )
         if self.host_short_since is not None or any(
             r.state in ("waiting", "parking") or r.room or r.room_need for r in self.records.values()
         ):
@@ -688,6 +737,7 @@ class Parker:
         """The kernel's processes are gone (shut down, restarted, dead): nothing of its parking remains."""
         record = self.records.pop(kernel_id, None)
         self._plans.pop(kernel_id, None)
+        self._asked_by.pop(kernel_id, None)
         self._release_host(kernel_id)
         if record is not None and record.state in HELD:
             log.info(
@@ -731,6 +781,7 @@ class Parker:
         self._lost_held.pop(kernel_id, None)
         log.warning("gpu-quota-ext: kernel %s: %s; jupyter_server restarts it, and its user is told so at its next "
                     "cell", kernel_id, notice.why)
+        send(self.events, loss_event(kernel_id, record, notice.why, exit_code))
 
     def lost_env(self, kernel_id: str) -> Optional[str]:
         """The notice for the kernel's new process, given in its environment at launch (shared.env_vars.LOST), so
@@ -797,7 +848,7 @@ class Parker:
                 round_ = self.round()
                 plan = await self.broker.decide(round_)
                 self.apply(plan)
-            except Exception as error:
+            except Exception as error:  # the host service's broker is over HTTP; the next sample asks again
                 log.warning("gpu-quota-ext: the parking broker skipped a round: %r", error)
             if not self._decide_again or self._stopped:
                 return
@@ -815,8 +866,8 @@ class Parker:
         now. Its park's bytes are in the sample when the sample was taken before the park ended. Its park is not timed
         against park_time: this server sees its driver call, out until it returns or is marked stuck (the host
         service, which cannot see it, times it; and ends its host promise by this server's report)."""
-        held = record is not None and record.shows_park
-        state = record.state if held else activity_state(execution_state)
+        held = record if record is not None and record.shows_park else None
+        state = held.state if held is not None else activity_state(execution_state)
         return Said(
             state=state,
             at=now,
@@ -824,8 +875,10 @@ class Parker:
             parkable=state == ParkState.IDLE
             and self.problem(kernel_id) is None
             and not (record is not None and record.refused),
-            in_reading=held and state == ParkState.PARKED and (sample.time is None or record.since >= sample.time),
-            stuck=held and record.stuck is not None,
+            in_reading=held is not None
+            and state == ParkState.PARKED
+            and (sample.time is None or held.since >= sample.time),
+            stuck=held is not None and held.stuck is not None,
         )
 
     def round(self) -> Round:
@@ -851,14 +904,14 @@ class Parker:
             kernel_id = grant.kernel_id
             record = self.records.get(kernel_id)
             execution_state, last = kernel_activity(self.kernels, kernel_id)
-            used = dict(sample.kernels.get(kernel_id, {})) if readable else {}
+            used = keyed(sample.kernels.get(kernel_id, {})) if readable else {}
             view = shown_as(self._said(kernel_id, record, execution_state, last, sample, now), now)
             kernels.append(
                 KernelView(
                     kernel_id=kernel_id,
                     state=view.state,
                     used=used,
-                    caps=dict(grant.caps),
+                    caps=keyed(grant.caps),
                     idle_for=view.idle_for,
                     parkable=view.parkable,
                     label=f"kernel {kernel_id[:8]}",
@@ -869,13 +922,13 @@ class Parker:
             if record is None:
                 continue
             if record.state == ParkState.WAITING and record.deferred_at is None:
-                demands.append(BrokerDemand(kernel_id, dict(record.parked), record.waiting_since or now))
+                demands.append(BrokerDemand(kernel_id, keyed(record.parked), record.waiting_since or now))
             if record.room:
-                reservations.append(Reservation(kernel_id, dict(record.room)))
+                reservations.append(Reservation(kernel_id, keyed(record.room)))
             if record.room_need and record.state in (RUNNING, ParkState.PENDING):
-                demands.append(BrokerDemand(kernel_id, dict(record.room_need), record.room_asked or now, running=True))
+                demands.append(BrokerDemand(kernel_id, keyed(record.room_need), record.room_asked or now, running=True))
             if self.host_short_since is not None and record.state == ParkState.PARKED:
-                demands.append(BrokerDemand(kernel_id, dict(record.parked), self.host_short_since, background=True))
+                demands.append(BrokerDemand(kernel_id, keyed(record.parked), self.host_short_since, background=True))
         available, cgroup = self.host()
         self._note_landing()
         return Round(
@@ -904,7 +957,7 @@ class Parker:
             at = time.time()
             kernels = self.round().kernels
             report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in kernels)
-        except Exception as error:
+        except Exception as error:  # the lease's thread reads the last report, which stays as it was
             log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
             return
         self._host_report = (at, report)
@@ -929,12 +982,14 @@ class Parker:
                 continue
             # A kernel id of this server's own broker, or the host service's words ("another kernel of this host").
             whom = for_kernel if " " in for_kernel else f"kernel {for_kernel[:8]}"
-            self._ask_park(victim, f"to make room for {whom}", automatic=True)
+            asked_by = BROKER if isinstance(self.broker, OwnBroker) else HOST_SERVICE
+            self._ask_park(victim, f"to make room for {whom}", automatic=True, asked_by=asked_by)
         granted = False
         for kernel_id in plan.go:
             record = self.records.get(kernel_id)
             if record is not None and record.state == "parked" and self.host_short_since is not None:
                 # A background resume (host memory short): asked as the server's own, then granted its room.
+                self._asked_by[kernel_id] = HOST_MEMORY
                 self._handle(kernel_id, AskResume("host memory is short"))
             if self._waits(kernel_id):
                 self._handle(kernel_id, RoomGranted())
@@ -1080,7 +1135,7 @@ class Parker:
             return 0
         return plan.choice.stays_on_device
 
-    def _host_cost(self, kernel_id: str, used: Mapping[int, int]) -> Optional[int]:
+    def _host_cost(self, kernel_id: str, used: Mapping[Hashable, int]) -> Optional[int]:
         """Host memory the kernel's next park would take where it kept its arena after a fast resume (the arena
         is pinned already, out of the host's available memory); None: all its bytes, as for any other kernel."""
         plan = self._plans.get(kernel_id)
