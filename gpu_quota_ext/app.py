@@ -41,7 +41,7 @@ from .hard_limit import (
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
 from .parking import ParkSettings, build_park_settings, on_device_full_for
-from .policy import Policy, PolicyError, build_policy, parse_value
+from .policy import Policy, build_policy
 from .settings import (
     CAP,
     CHOICE,
@@ -61,9 +61,11 @@ from .settings import (
     SettingError,
     as_text,
     names_of,
+    parse_value,
     server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
+from .shared.sizes import PolicyError
 from .shared.spelling import is_section_key, unknown_settings
 from .usage import (
     KernelManagerView,

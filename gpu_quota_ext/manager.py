@@ -43,17 +43,9 @@ from .parking import (
     RoomBroker,
     preload_library,
 )
-from .policy import (
-    CapSpec,
-    Policy,
-    PolicyDecision,
-    default_decision,
-    format_bytes,
-    resolve,
-    resolve_answer,
-    shown,
-)
+from .policy import Policy, PolicyDecision, default_decision, resolve, resolve_answer
 from .shared.env_vars import LOST
+from .shared.sizes import CapSpec, format_bytes, shown
 from .status import COLLECTOR, StatusView, host_memory_families, park_families
 from .threads import off_loop
 from .usage import (

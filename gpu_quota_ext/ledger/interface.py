@@ -26,7 +26,8 @@ from typing import (
 )
 
 from ..devices import Device
-from ..policy import CapSpec, PolicyDecision
+from ..policy import PolicyDecision
+from ..shared.sizes import CapSpec
 
 
 class AdmissionRefused(Exception):

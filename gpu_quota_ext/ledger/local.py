@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..devices import Device
-from ..policy import CapSpec, Policy, PolicyDecision, PolicyError, format_bytes, shown
+from ..policy import Policy, PolicyDecision
+from ..shared.sizes import CapSpec, PolicyError, format_bytes, shown
 from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
 
 

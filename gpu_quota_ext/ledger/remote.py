@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..devices import Device
-from ..policy import CapSpec, PolicyDecision, PolicyError, shown
+from ..policy import PolicyDecision
 from ..shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from ..shared.service_contract import (
     CALL_TIMEOUT,
@@ -41,6 +41,7 @@ from ..shared.service_contract import (
     START_RETRIES,
     STATUS_PATH,
 )
+from ..shared.sizes import CapSpec, PolicyError, shown
 from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
 from .lease import Lease, LeaseHooks
 from .transport import RETRY_DELAY, ServiceTransport, Unreachable, url_problem

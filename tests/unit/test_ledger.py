@@ -7,7 +7,8 @@ import pytest
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
 from gpu_quota_ext.ledger.local import LocalLedger
-from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
+from gpu_quota_ext.policy import build_policy, resolve
+from gpu_quota_ext.shared.sizes import GiB, PolicyError, parse_cap
 
 TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b", 80 * GiB, 1)]
 
