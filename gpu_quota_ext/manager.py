@@ -31,12 +31,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env, preload
-from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger, Subscribable
+from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger
 from .parking import (
     CheckpointDriver,
     CudaCheckpointDriver,
     HostBroker,
-    HostRooms,
     KernelChannel,
     Parker,
     ParkSettings,
@@ -161,13 +160,14 @@ class GpuQuotaManager:
             hard_cap=self.hard_cap,
             kernels=kernels,
         )
-        # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
         self._fast_park_library: Optional[asyncio.Future] = None  # fast_park on: its build, once per server
-        if room_broker is None and isinstance(ledger, HostRooms):
-            # On a hub host the host service brokers every user's device memory: one view, one decision-maker.
-            room_broker = HostBroker(ledger, {d.index: d.uuid for d in devices})
+        # The ledger says whether a host service stands behind it (a user server of a hub host): then that service
+        # brokers every user's device memory (one view, one decision-maker) and its lease carries the park states.
+        host = ledger.host_service()
+        if room_broker is None and host is not None:
+            room_broker = HostBroker(host, {d.index: d.uuid for d in devices})
         self.parker = Parker(
             park_settings,
             checkpoint or CudaCheckpointDriver(),
@@ -179,13 +179,12 @@ class GpuQuotaManager:
             broker=room_broker,
             channel=KernelChannel(kernels),
             bootstrapped=self._bootstrapped.__contains__,
-            reports_to_host=isinstance(ledger, Subscribable),
+            reports_to_host=host is not None,
         )
-        self.monitor.on_sample(self.parker.on_sample)
-        if isinstance(ledger, Subscribable):
-            # A hub host's lease: it names each kernel's processes (found as the monitor finds them), carries the
-            # parker's published park states, and hands the host's park requests to the event loop.
-            ledger.subscribe(
+        if host is not None:
+            # The lease names each kernel's processes (found as the monitor finds them), carries the parker's
+            # published park states, and hands the host's park requests to the event loop.
+            host.subscribe(
                 LeaseHooks(
                     processes=lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots()),
                     park_report=self.parker.host_report,
@@ -194,10 +193,19 @@ class GpuQuotaManager:
             )
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
         self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
-        # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
-        self.history = UsageHistory()
-        self.monitor.on_sample(self._record_history)
-        self.monitor.on_sample(self._review)
+        self.history = UsageHistory()  # each kernel's usage over the last minutes
+        # What each sample feeds, in this order (the monitor calls them in the order subscribed; one that raises
+        # does not keep the next from its turn):
+        # 1. parking: this sample's park states (reservations, activity, idle timers, the broker);
+        # 2. the usage history: a point carries the kernel's park state, so this sample's, after parking;
+        # 3. the review: forget kernels that are gone and let the watchdog act, last, on what parking made of it.
+        self.sample_consumers: Tuple[Callable[[Sample], None], ...] = (
+            self.parker.on_sample,
+            self._record_history,
+            self._review,
+        )
+        for consume in self.sample_consumers:
+            self.monitor.on_sample(consume)
 
     # --- start and stop (event loop) ----------------------------------------------------------
 

@@ -185,6 +185,9 @@ class LocalLedger(HeldGrants):
     def decided_by(self) -> Optional[str]:
         return None  # this server's own policy decides
 
+    def host_service(self) -> None:
+        return None  # no host service: this server's own broker decides, and there is no lease
+
     def close(self) -> None:
         """Nothing runs in the background: the record is memory only."""
 

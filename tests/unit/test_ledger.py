@@ -244,6 +244,8 @@ def test_local_ledger_implements_the_ledger_interface():
     # Every method of the interface has the same parameters in the local ledger.
     import inspect
 
-    for name in ("grant", "change", "reset", "release", "get", "grants", "device_grants", "decided_by", "close"):
+    for name in (
+        "grant", "change", "reset", "release", "get", "grants", "device_grants", "decided_by", "host_service", "close"
+    ):
         expected = list(inspect.signature(getattr(Ledger, name)).parameters)
         assert list(inspect.signature(getattr(LocalLedger, name)).parameters) == expected, name
