@@ -101,7 +101,7 @@ class GpuQuotaManager:
     def __init__(
         self,
         policy: Policy,
-        devices: List[Device],
+        devices: Sequence[Device],
         ledger: Ledger,
         kernels: KernelManagerView,
         backend: NvmlBackend,
@@ -520,10 +520,11 @@ class GpuQuotaManager:
         in a thread, never on the event loop; if it fails, hangs or answers nonsense, the kernel gets the
         default policy and the log one warning line."""
         policy = self.policy
-        if not callable(policy.rules):
+        rules = policy.rules
+        if not callable(rules):
             return resolve(policy, self.user, kernelspec)
         try:
-            return resolve_answer(policy, await self._call_caps(kernelspec))
+            return resolve_answer(policy, await self._call_caps(rules, kernelspec))
         except Exception as error:
             log.warning(
                 "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the "
@@ -534,12 +535,13 @@ class GpuQuotaManager:
             )
             return default_decision(policy, "default (caps callable failed)")
 
-    async def _call_caps(self, kernelspec: str) -> Any:
+    async def _call_caps(self, rules: Callable[[str, str], Any], kernelspec: str) -> Any:
+        # The admin's callable answers anything (Any): resolve_answer checks what it is.
         # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
         answered = off_loop(
-            self.policy.rules, self.user, kernelspec, name="gpu-quota-caps-callable", finished=self._caps_slots.release
+            rules, self.user, kernelspec, name="gpu-quota-caps-callable", finished=self._caps_slots.release
         )
         try:
             return await asyncio.wait_for(answered, self.caps_timeout)
