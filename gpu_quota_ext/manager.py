@@ -88,7 +88,7 @@ def server_user() -> str:
     """The user this server runs for: JupyterHub's name for them when spawned by a hub."""
     try:
         fallback = getpass.getuser()
-    except Exception:
+    except (KeyError, OSError, ImportError):  # a uid without a name (a container's), OSError from Python 3.13 on
         fallback = "unknown"
     return os.environ.get("JUPYTERHUB_USER") or fallback
 
@@ -287,6 +287,8 @@ class GpuQuotaManager:
         try:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:
+            # Any Ledger's close (the interface's, of any implementation): the server stops all the same, and a
+            # remote ledger's grants end with its lease at the service.
             log.warning("gpu-quota-ext: closing the ledger failed: %r", error)
 
     def _record_history(self, sample: Sample) -> None:
@@ -362,7 +364,7 @@ class GpuQuotaManager:
                         self.ledger.grant, kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env)
                     ),
                 )
-            except BaseException:
+            except BaseException:  # not swallowed (raised again), cancellation included: the id is free again
                 with self._holders_lock:
                     if self._holders.get(kernel_id) is holder:
                         del self._holders[kernel_id]
@@ -525,7 +527,7 @@ class GpuQuotaManager:
             return resolve(policy, self.user, kernelspec)
         try:
             return resolve_answer(policy, await self._call_caps(rules, kernelspec))
-        except Exception as error:
+        except Exception as error:  # the admin's code may raise anything: logged, and the kernel starts all the same
             log.warning(
                 "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the "
                 "default policy",
@@ -578,6 +580,6 @@ def _one_line(error: BaseException) -> str:
     """An exception as one short line for the log (no traceback: the admin's bug, not ours)."""
     try:
         text = " ".join(str(error).split())
-    except Exception:  # the admin's exception may not even print
+    except Exception:  # the admin's exception may not even print: the line names its class only
         text = ""
     return f"{error.__class__.__name__}: {text[:200]}" if text else error.__class__.__name__

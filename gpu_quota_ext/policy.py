@@ -152,7 +152,7 @@ def resolve(policy: Policy, user: str, kernelspec: str) -> PolicyDecision:
     if callable(policy.rules):
         try:
             answer = policy.rules(user, kernelspec)
-        except Exception as error:
+        except Exception as error:  # the admin's code may raise anything: not swallowed, a PolicyError naming it
             raise PolicyError(
                 f"c.GpuQuota.caps callable failed for user {shown(user)}, kernelspec {shown(kernelspec)}: "
                 f"{shown(error)}"
