@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Sequence, Tuple, cast
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -132,6 +132,12 @@ class StartParts:
         self.ledger.close()
 
 
+class SettingsOwner(Protocol):
+    """What holds setting traits (GpuQuota): each one's default, read from its environment variable."""
+
+    def _from_env(self, name: str) -> object: ...
+
+
 class _SettingTrait(TraitType):
     """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
     value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
@@ -143,10 +149,10 @@ class _SettingTrait(TraitType):
         """The setting's name: the trait's, once it is a GpuQuota attribute (the row's, which is the same, before)."""
         return self.name or self.row.name
 
-    def default(self, obj: Any = None) -> Any:
+    def default(self, obj: Optional[SettingsOwner] = None) -> object:
         return super().default(obj) if obj is None else obj._from_env(self.setting)
 
-    def validate(self, obj: Any, value: Any) -> Any:
+    def validate(self, obj: object, value: object) -> object:
         try:
             typed = self.coerce(value)
             # A mixin: validate is the trait class's after this one in the MRO (CaselessStrEnum, Float, ...), which
@@ -155,16 +161,16 @@ class _SettingTrait(TraitType):
         except (TraitError, ValueError, PolicyError):
             raise TraitError(str(SettingError(self.setting, value, self.row.must))) from None
 
-    def coerce(self, value: Any) -> Any:
+    def coerce(self, value: object) -> object:
         """A value as written in a config file, on the command line or in the environment, made the trait's type."""
         return value
 
 
 class ChoiceEnum(_SettingTrait, CaselessStrEnum):
-    def from_string(self, s: str) -> Any:
+    def from_string(self, s: str) -> str:
         return s  # validate reads the text, so that a refusal shows it as written
 
-    def coerce(self, value: Any) -> Any:
+    def coerce(self, value: object) -> object:
         return value.strip() if isinstance(value, str) else value
 
 
@@ -172,10 +178,10 @@ class Number(_SettingTrait, Float):
     """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number,
     by policy.parse_value as the hub's mapping is: True is no number, NaN is in no range."""
 
-    def from_string(self, s: str) -> Any:
+    def from_string(self, s: str) -> str:
         return s  # validate reads the text, so that a refusal shows it as written
 
-    def coerce(self, value: Any) -> Any:
+    def coerce(self, value: object) -> object:
         return parse_value(self.setting, value)
 
 
@@ -183,7 +189,7 @@ class SizeOrFraction(_SettingTrait, UnionTrait):
     """A string ("0.25", "25%", "12GiB") or a number (0.25, 2**30), kept as the text the environment
     variable would carry: policy.py parses a number from a config file as it parses the same text."""
 
-    def validate(self, obj: Any, value: Any) -> Any:
+    def validate(self, obj: object, value: object) -> object:
         value = super().validate(obj, value)
         return value if isinstance(value, (str, bool)) else as_text(value)
 
@@ -302,7 +308,7 @@ class GpuQuota(ExtensionApp):
         except TraitError as error:
             self._stop_server(str(error))
 
-    def _from_env(self, name: str) -> Any:
+    def _from_env(self, name: str) -> object:
         """A setting's default: its environment variable when set, read as the command line reads a value;
         else the built-in default. An invalid variable is refused in one line that names it."""
         row = SETTINGS[name]

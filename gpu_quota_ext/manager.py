@@ -287,8 +287,8 @@ class GpuQuotaManager:
         try:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:
-            # Any Ledger's close (the interface's, of any implementation): the server stops all the same, and a
-            # remote ledger's grants end with its lease at the service.
+            # Whatever a Ledger's close raises (any implementation of the interface): the server stops all the same,
+            # and a remote ledger's grants end with its lease at the service.
             log.warning("gpu-quota-ext: closing the ledger failed: %r", error)
 
     def _record_history(self, sample: Sample) -> None:
@@ -538,7 +538,7 @@ class GpuQuotaManager:
             return default_decision(policy, "default (caps callable failed)")
 
     async def _call_caps(self, rules: Callable[[str, str], Any], kernelspec: str) -> Any:
-        # The admin's callable answers anything (Any): resolve_answer checks what it is.
+        # The admin's callable may answer anything: resolve_answer checks what it is.
         # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
