@@ -31,7 +31,8 @@ from gpu_quota_ext.devices.inventory import read_nvml_devices
 from gpu_quota_ext.devices.nvml import PynvmlBackend  # noqa: E402
 from gpu_quota_ext.ledger.local import LocalLedger  # noqa: E402
 from gpu_quota_ext.manager import GpuQuotaManager  # noqa: E402
-from gpu_quota_ext.policy import GiB, build_policy, resolve  # noqa: E402
+from gpu_quota_ext.policy import build_policy, resolve  # noqa: E402
+from gpu_quota_ext.shared.sizes import GiB  # noqa: E402
 from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings  # noqa: E402
 
 

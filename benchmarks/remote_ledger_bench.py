@@ -35,7 +35,7 @@ from _common import add_save_options, percentile, ratio_of_medians_ci, report  #
 
 from gpu_quota_ext.devices import Device  # noqa: E402
 from gpu_quota_ext.ledger.remote import RemoteLedger  # noqa: E402
-from gpu_quota_ext.policy import GiB, parse_cap  # noqa: E402
+from gpu_quota_ext.shared.sizes import GiB, parse_cap  # noqa: E402
 from tests.hub.hubtools import Hub, missing_setup  # noqa: E402
 from tests.hub.quota_service import quota_service_config  # noqa: E402
 

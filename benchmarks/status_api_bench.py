@@ -57,7 +57,7 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
 
     from gpu_quota_ext.devices.fake_nvml import FakeNvml
     from gpu_quota_ext.manager import SETTINGS_KEY
-    from gpu_quota_ext.policy import GiB
+    from gpu_quota_ext.shared.sizes import GiB
 
     config = Config(
         {

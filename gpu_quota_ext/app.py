@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Sequence, Tuple, cast
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -41,7 +41,7 @@ from .hard_limit import (
 from .ledger import Ledger, LocalLedger, RemoteLedger
 from .manager import SETTINGS_KEY, GpuQuotaManager
 from .parking import ParkSettings, build_park_settings, on_device_full_for, park_event_logger
-from .policy import Policy, PolicyError, build_policy, parse_value
+from .policy import Policy, build_policy
 from .settings import (
     CAP,
     CHOICE,
@@ -61,9 +61,11 @@ from .settings import (
     SettingError,
     as_text,
     names_of,
+    parse_value,
     server_setting_names,
 )
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
+from .shared.sizes import PolicyError
 from .shared.spelling import is_section_key, unknown_settings
 from .usage import (
     KernelManagerView,
@@ -130,32 +132,45 @@ class StartParts:
         self.ledger.close()
 
 
+class SettingsOwner(Protocol):
+    """What holds setting traits (GpuQuota): each one's default, read from its environment variable."""
+
+    def _from_env(self, name: str) -> object: ...
+
+
 class _SettingTrait(TraitType):
     """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
     value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
 
     row: Setting
 
-    def default(self, obj=None):
-        return super().default(obj) if obj is None else obj._from_env(self.name)
+    @property
+    def setting(self) -> str:
+        """The setting's name: the trait's, once it is a GpuQuota attribute (the row's, which is the same, before)."""
+        return self.name or self.row.name
 
-    def validate(self, obj, value):
+    def default(self, obj: Optional[SettingsOwner] = None) -> object:
+        return super().default(obj) if obj is None else obj._from_env(self.setting)
+
+    def validate(self, obj: object, value: object) -> object:
         try:
             typed = self.coerce(value)
-            return typed if typed is None and self.allow_none else super().validate(obj, typed)
+            # A mixin: validate is the trait class's after this one in the MRO (CaselessStrEnum, Float, ...), which
+            # traitlets' TraitType itself does not declare.
+            return typed if typed is None and self.allow_none else super().validate(obj, typed)  # type: ignore[misc]
         except (TraitError, ValueError, PolicyError):
-            raise TraitError(str(SettingError(self.name, value, self.row.must))) from None
+            raise TraitError(str(SettingError(self.setting, value, self.row.must))) from None
 
-    def coerce(self, value):
+    def coerce(self, value: object) -> object:
         """A value as written in a config file, on the command line or in the environment, made the trait's type."""
         return value
 
 
 class ChoiceEnum(_SettingTrait, CaselessStrEnum):
-    def from_string(self, s):
+    def from_string(self, s: str) -> str:
         return s  # validate reads the text, so that a refusal shows it as written
 
-    def coerce(self, value):
+    def coerce(self, value: object) -> object:
         return value.strip() if isinstance(value, str) else value
 
 
@@ -163,18 +178,18 @@ class Number(_SettingTrait, Float):
     """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number,
     by policy.parse_value as the hub's mapping is: True is no number, NaN is in no range."""
 
-    def from_string(self, s):
+    def from_string(self, s: str) -> str:
         return s  # validate reads the text, so that a refusal shows it as written
 
-    def coerce(self, value):
-        return parse_value(self.name, value)
+    def coerce(self, value: object) -> object:
+        return parse_value(self.setting, value)
 
 
 class SizeOrFraction(_SettingTrait, UnionTrait):
     """A string ("0.25", "25%", "12GiB") or a number (0.25, 2**30), kept as the text the environment
     variable would carry: policy.py parses a number from a config file as it parses the same text."""
 
-    def validate(self, obj, value):
+    def validate(self, obj: object, value: object) -> object:
         value = super().validate(obj, value)
         return value if isinstance(value, (str, bool)) else as_text(value)
 
@@ -197,17 +212,20 @@ def setting_trait(name: str) -> TraitType:
     row = SETTINGS[name]
     read_from = f" Read from ${row.env} when neither config nor the command line sets it." if row.env else ""
     help_text = row.help + read_from
-    common = dict(default_value=row.default, help=help_text)
+    # Keyword arguments as a dict: traitlets' overloads want allow_none as a literal True or False, the row says which.
+    common: Dict[str, Any] = dict(default_value=row.default, help=help_text)
+    nullable: Dict[str, Any] = dict(allow_none=row.default is None, **common)
+    trait: _SettingTrait
     if row.kind == CHOICE:
         trait = ChoiceEnum(row.choices, **common)
     elif row.kind in (SECONDS, FACTOR):
-        trait = Number(min=row.low, max=row.high, allow_none=row.default is None, **common)
+        trait = Number(min=row.low, max=row.high, **nullable)
     elif row.kind in (CAP, SIZE, SLACK):
         trait = SizeOrFraction([Unicode(), Int(), Float()], **common)
     elif row.kind == RULES:
         trait = RulesOrCallable([List(), Callable()], **common)
     elif row.kind == TEXT:
-        trait = Text(allow_none=row.default is None, **common)
+        trait = Text(**nullable)
     elif row.kind == CLASS:
         trait = PluginClass(klass=row.klass, **common)
     else:
@@ -253,14 +271,19 @@ class GpuQuota(ExtensionApp):
     checkpoint_class = setting_trait("checkpoint_class")
 
     @classmethod
-    def unknown_settings(cls, config) -> list:
+    def unknown_settings(cls, config: Config) -> list:
         """One line per name under c.GpuQuota that is not a setting, with the closest one that is: what
         `jupyter gpu-quota check` refuses and the server warns of (traitlets keeps such a name as config that
         nobody reads, and the server runs on the default the admin meant to change)."""
         section = config[cls.__name__] if cls.__name__ in config else {}
         return unknown_settings(cls.__name__, section, cls.class_trait_names(config=True))
 
-    def _load_config(self, cfg, section_names=None, traits=None):
+    def _load_config(
+        self,
+        cfg: Config,
+        section_names: Optional[list[str]] = None,
+        traits: Optional[dict[str, TraitType]] = None,
+    ) -> None:
         # traitlets warns of an unknown name at every load of the config (twice in a server's start), in
         # words that guess between unrelated traits; the names go to it without them, and we say it once.
         lines = self.unknown_settings(cfg)
@@ -285,14 +308,14 @@ class GpuQuota(ExtensionApp):
         except TraitError as error:
             self._stop_server(str(error))
 
-    def _from_env(self, name: str):
+    def _from_env(self, name: str) -> object:
         """A setting's default: its environment variable when set, read as the command line reads a value;
         else the built-in default. An invalid variable is refused in one line that names it."""
         row = SETTINGS[name]
         if row.env is None or row.env not in os.environ:
             return copy.deepcopy(row.default)
         text = os.environ[row.env]
-        trait = self.traits()[name]
+        trait = cast(_SettingTrait, self.traits()[name])  # every setting's trait is made by setting_trait
         try:
             return trait.validate(self, trait.from_string(text))
         except (TraitError, ValueError):
@@ -362,13 +385,16 @@ class GpuQuota(ExtensionApp):
             self._stop_server(f"c.GpuQuota.hard_cap = 'mps' needs a usable NVIDIA MPS control daemon: {error}")
         return StartParts(policy, enforcement, parking, inventory, devices, ledger, hard_layer)
 
-    def initialize_settings(self):
+    def initialize_settings(self) -> None:
+        serverapp = self.serverapp
+        if serverapp is None:  # jupyter_server links its app to the extension before it initializes the settings
+            raise RuntimeError("gpu-quota-ext: the extension's settings are initialized without a server")
         self._log_through_the_server()
-        parts = self.start_parts(self.serverapp.runtime_dir if self.serverapp else None)
+        parts = self.start_parts(serverapp.runtime_dir)
         policy, enforcement = parts.policy, parts.enforcement
-        kernels = KernelManagerView(self.serverapp.kernel_manager)
+        kernels = KernelManagerView(serverapp.kernel_manager)
         # The parker's requests on a kernel's control channel are not the user's activity.
-        untrack_kernel_requests(self.serverapp.kernel_manager)
+        untrack_kernel_requests(serverapp.kernel_manager)
         manager = GpuQuotaManager(
             policy,
             parts.devices,
@@ -416,12 +442,12 @@ class GpuQuota(ExtensionApp):
         if manager is not None:
             manager.start()
 
-    async def stop_extension(self):
+    async def stop_extension(self) -> None:
         manager = self.settings.get(SETTINGS_KEY)
         if manager is not None:
             await manager.close()
 
-    def initialize_handlers(self):
+    def initialize_handlers(self) -> None:
         self.handlers.extend(HANDLERS)
 
     def _log_through_the_server(self) -> None:
@@ -435,9 +461,9 @@ class GpuQuota(ExtensionApp):
         package_log.parent = self.serverapp.log
         package_log.setLevel(logging.NOTSET)  # the server's level; also clears logging's level cache
 
-    def _api_url(self):
+    def _api_url(self) -> Optional[str]:
         app = self.serverapp
-        if app is None or getattr(app, "sock", ""):
+        if app is None or app.sock:
             return None  # a Unix socket: urllib cannot reach it (%gpucap says so)
         return kernel_api_url(app.ip, app.port, app.base_url, bool(app.certfile))
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Collection, Dict, Optional
+from types import TracebackType
+from typing import Any, Callable, Collection, Dict, Optional, Tuple, Type, TypeVar, Union
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.services.sessions.handlers import SessionRootHandler
@@ -24,7 +25,7 @@ from tornado import web
 from tornado.httputil import responses
 
 from .ledger import UnknownKernel
-from .manager import SETTINGS_KEY
+from .manager import SETTINGS_KEY, GpuQuotaManager
 from .shared.cap_request import read_cap_request
 from .shared.contract import (
     HISTORY_PATH,
@@ -41,13 +42,15 @@ from .shared.contract import (
     USAGE_SUFFIX,
 )
 from .shared.request_body import BodyRefused, BoundedBody
-from .shared.sizes import PolicyError, shown
+from .shared.sizes import CapSpec, PolicyError, shown
+
+FuncT = TypeVar("FuncT", bound=Callable[..., Any])  # a handler's method, as jupyter_server's decorators take it
 
 try:  # jupyter_server >= 2.13: keep the kernel-secret route usable when unauthenticated access is off
     from jupyter_server.auth.decorator import allow_unauthenticated
 except ImportError:  # pragma: no cover
 
-    def allow_unauthenticated(method):
+    def allow_unauthenticated(method: FuncT) -> FuncT:
         return method
 
 
@@ -60,12 +63,13 @@ class GpuQuotaHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
-    def manager(self):
+    def manager(self) -> GpuQuotaManager:
         """The extension's GpuQuotaManager (never reached by a request refused before its body)."""
         self.answer_refusal()
         return self.settings[SETTINGS_KEY]
 
-    async def prepare(self):
+    # No keyword: as jupyter_server's own APIHandler.prepare, which drops JupyterHandler's _redirect_to_login.
+    async def prepare(self) -> None:  # type: ignore[override]
         self._body = BoundedBody(self.request.headers)
         self._refusal: Optional[web.HTTPError] = None
         if self._body.malformed is not None:
@@ -112,7 +116,7 @@ class GpuQuotaHandler(APIHandler):
     def kernel_token(self) -> Optional[str]:
         return self.request.headers.get(KERNEL_TOKEN_HEADER)
 
-    def check_xsrf_cookie(self):
+    def check_xsrf_cookie(self) -> None:
         # A kernel's secret travels in a header, never in a cookie: a browser cannot forge it cross-site.
         if self.kernel_token() is not None:
             return None
@@ -140,10 +144,15 @@ class GpuQuotaHandler(APIHandler):
     async def session_paths(self) -> dict:
         """kernel id -> notebook path, through jupyter_server's session manager (its public list_sessions)."""
         sessions = self.settings.get("session_manager")
+        if sessions is None:
+            return {}
         try:
             listed = await sessions.list_sessions()
             return {s["kernel"]["id"]: s.get("path") for s in listed if s.get("kernel")}
-        except Exception:  # no session manager, or another implementation of it: paths are optional
+        except Exception as error:
+            # Another implementation of the session manager may raise anything, or list other shapes: the paths are
+            # optional (kernels are shown without them), and the sidebar asks every few seconds: debug, not warning.
+            self.log.debug("gpu-quota-ext: kernels shown without notebook paths: listing sessions failed: %r", error)
             return {}
 
     def read_json_body(self) -> Any:
@@ -155,14 +164,14 @@ class GpuQuotaHandler(APIHandler):
 
 class StatusHandler(GpuQuotaHandler):
     @web.authenticated
-    async def get(self):
+    async def get(self) -> None:
         self.require_user("read")
         self.finish(json.dumps(self.manager.status_answer(await self.session_paths())))
 
 
 class KernelHandler(GpuQuotaHandler):
     @allow_unauthenticated
-    async def get(self, kernel_id: str):
+    async def get(self, kernel_id: str) -> None:
         """The server's user, or the kernel itself with its secret (it checks for caps changed elsewhere)."""
         self.require_user_or_kernel(kernel_id, "read")
         grant = self.manager.grant_of(kernel_id)
@@ -171,7 +180,7 @@ class KernelHandler(GpuQuotaHandler):
         self.finish(json.dumps(self.manager.kernel_status(grant, await self.session_paths())))
 
     @allow_unauthenticated
-    async def put(self, kernel_id: str):
+    async def put(self, kernel_id: str) -> None:
         """Body: {"cap": "0.3" | "30%" | "12GiB" | bytes, "device": optional server device index}
         or {"reset": true}. Answers 200 with the outcome ("granted" / "clamped"), 409 when refused."""
         who = self.require_user_or_kernel(kernel_id, "write")
@@ -179,7 +188,7 @@ class KernelHandler(GpuQuotaHandler):
         request = parse_cap_request(body)
         manager = self.manager
         try:
-            if request == "reset":
+            if isinstance(request, str):  # RESET, the one text read_cap_request answers
                 result = await manager.reset(kernel_id, source=f"{who} request")
             else:
                 cap, device = request
@@ -198,7 +207,7 @@ class KernelHandler(GpuQuotaHandler):
 
 class UsageHandler(GpuQuotaHandler):
     @allow_unauthenticated
-    def post(self, kernel_id: str):
+    def post(self, kernel_id: str) -> None:
         """A kernel reports its own allocator after a cell: {"devices": [{"index": 0, "allocated": int,
         "reserved": int, "peak": int}]}. Stored with the usage (reports), never the ledger (caps).
         Answers with the kernel's last watchdog action, so the kernel can tell its user."""
@@ -214,7 +223,7 @@ class UsageHandler(GpuQuotaHandler):
 
 class HistoryHandler(GpuQuotaHandler):
     @web.authenticated
-    def get(self):
+    def get(self) -> None:
         """Every kernel's usage history, the points newer than ?since= (all kept points without it)."""
         self.require_user("read")
         self.set_header("Content-Type", "application/json")
@@ -223,7 +232,7 @@ class HistoryHandler(GpuQuotaHandler):
 
 class KernelHistoryHandler(GpuQuotaHandler):
     @allow_unauthenticated
-    def get(self, kernel_id: str):
+    def get(self, kernel_id: str) -> None:
         """One kernel's usage history: the server's user, or the kernel itself with its secret (%gpucap panel)."""
         self.require_user_or_kernel(kernel_id, "read")
         answer = self.manager.kernel_usage_history(kernel_id, parse_since(self))
@@ -282,7 +291,7 @@ def parse_usage_report(body: Any, granted: Collection[int]) -> list:
         if index in seen:
             raise web.HTTPError(400, f"{where}: device {index} is listed twice")
         seen.add(index)
-        clean = {"index": index}
+        clean: Dict[str, Optional[int]] = {"index": index}
         for name in USAGE_FIELDS:
             value = entry.get(name)
             if value is not None and (
@@ -294,7 +303,7 @@ def parse_usage_report(body: Any, granted: Collection[int]) -> list:
     return entries
 
 
-def parse_cap_request(body: Any):
+def parse_cap_request(body: Any) -> Union[str, Tuple[CapSpec, Optional[int]]]:
     """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
     try:
         return read_cap_request(
@@ -309,11 +318,11 @@ def parse_cap_request(body: Any):
 class _ParkRoute(GpuQuotaHandler):
     action = "park"
 
-    async def _request(self, kernel_id: str, who: str):
+    async def _request(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         raise NotImplementedError
 
     @allow_unauthenticated
-    async def post(self, kernel_id: str):
+    async def post(self, kernel_id: str) -> None:
         who = self.require_user_or_kernel(kernel_id, "write")
         body = self.read_json_body()
         if body not in (None, {}):
@@ -335,14 +344,14 @@ class _ParkRoute(GpuQuotaHandler):
 class ParkHandler(_ParkRoute):
     action = "park"
 
-    async def _request(self, kernel_id, who):
+    async def _request(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         return await self.manager.request_park(kernel_id, who)
 
 
 class ResumeHandler(_ParkRoute):
     action = "resume"
 
-    async def _request(self, kernel_id, who):
+    async def _request(self, kernel_id: str, who: str) -> Tuple[bool, dict]:
         return await self.manager.request_resume(kernel_id, who)
 
 
@@ -350,7 +359,7 @@ class RoomHandler(GpuQuotaHandler):
     """POST kernels/<id>/room {"device": index | null}: the kernel found the GPU full (shared.contract ROOM_SUFFIX)."""
 
     @allow_unauthenticated
-    async def post(self, kernel_id: str):
+    async def post(self, kernel_id: str) -> None:
         who = self.require_user_or_kernel(kernel_id, "write")
         body = self.read_json_body()
         if body is None:
@@ -388,7 +397,9 @@ class SessionsHandler(SessionRootHandler):
             status_code = refusal.status_code
         super().send_error(status_code, **kwargs)
 
-    def log_exception(self, typ, value, tb) -> None:
+    def log_exception(
+        self, typ: Optional[Type[BaseException]], value: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         refusal = _start_refusal(value)
         if refusal is not None:
             typ, value, tb = type(refusal), refusal, refusal.__traceback__

@@ -31,29 +31,20 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env, preload
-from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger, Subscribable
+from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger
 from .parking import (
     CheckpointDriver,
     CudaCheckpointDriver,
     HostBroker,
-    HostRooms,
     KernelChannel,
     Parker,
     ParkSettings,
     RoomBroker,
     preload_library,
 )
-from .policy import (
-    CapSpec,
-    Policy,
-    PolicyDecision,
-    default_decision,
-    format_bytes,
-    resolve,
-    resolve_answer,
-    shown,
-)
+from .policy import Policy, PolicyDecision, default_decision, resolve, resolve_answer
 from .shared.env_vars import LOST
+from .shared.sizes import CapSpec, format_bytes, shown
 from .status import COLLECTOR, StatusView, host_memory_families, park_families
 from .threads import off_loop
 from .usage import (
@@ -97,7 +88,7 @@ def server_user() -> str:
     """The user this server runs for: JupyterHub's name for them when spawned by a hub."""
     try:
         fallback = getpass.getuser()
-    except Exception:
+    except (KeyError, OSError, ImportError):  # a uid without a name (a container's), OSError from Python 3.13 on
         fallback = "unknown"
     return os.environ.get("JUPYTERHUB_USER") or fallback
 
@@ -110,7 +101,7 @@ class GpuQuotaManager:
     def __init__(
         self,
         policy: Policy,
-        devices: List[Device],
+        devices: Sequence[Device],
         ledger: Ledger,
         kernels: KernelManagerView,
         backend: NvmlBackend,
@@ -169,13 +160,14 @@ class GpuQuotaManager:
             hard_cap=self.hard_cap,
             kernels=kernels,
         )
-        # Parking: sees each sample before the watchdog's review; its state is each kernel's "park".
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
         self._fast_park_library: Optional[asyncio.Future] = None  # fast_park on: its build, once per server
-        if room_broker is None and isinstance(ledger, HostRooms):
-            # On a hub host the host service brokers every user's device memory: one view, one decision-maker.
-            room_broker = HostBroker(ledger, {d.index: d.uuid for d in devices})
+        # The ledger says whether a host service stands behind it (a user server of a hub host): then that service
+        # brokers every user's device memory (one view, one decision-maker) and its lease carries the park states.
+        host = ledger.host_service()
+        if room_broker is None and host is not None:
+            room_broker = HostBroker(host, {d.index: d.uuid for d in devices})
         self.parker = Parker(
             park_settings,
             checkpoint or CudaCheckpointDriver(),
@@ -187,13 +179,12 @@ class GpuQuotaManager:
             broker=room_broker,
             channel=KernelChannel(kernels),
             bootstrapped=self._bootstrapped.__contains__,
-            reports_to_host=isinstance(ledger, Subscribable),
+            reports_to_host=host is not None,
         )
-        self.monitor.on_sample(self.parker.on_sample)
-        if isinstance(ledger, Subscribable):
-            # A hub host's lease: it names each kernel's processes (found as the monitor finds them), carries the
-            # parker's published park states, and hands the host's park requests to the event loop.
-            ledger.subscribe(
+        if host is not None:
+            # The lease names each kernel's processes (found as the monitor finds them), carries the parker's
+            # published park states, and hands the host's park requests to the event loop.
+            host.subscribe(
                 LeaseHooks(
                     processes=lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots()),
                     park_report=self.parker.host_report,
@@ -202,10 +193,19 @@ class GpuQuotaManager:
             )
         self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
         self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
-        # Each kernel's usage over the last minutes: after the parker, so a point has this sample's park state.
-        self.history = UsageHistory()
-        self.monitor.on_sample(self._record_history)
-        self.monitor.on_sample(self._review)
+        self.history = UsageHistory()  # each kernel's usage over the last minutes
+        # What each sample feeds, in this order (the monitor calls them in the order subscribed; one that raises
+        # does not keep the next from its turn):
+        # 1. parking: this sample's park states (reservations, activity, idle timers, the broker);
+        # 2. the usage history: a point carries the kernel's park state, so this sample's, after parking;
+        # 3. the review: forget kernels that are gone and let the watchdog act, last, on what parking made of it.
+        self.sample_consumers: Tuple[Callable[[Sample], None], ...] = (
+            self.parker.on_sample,
+            self._record_history,
+            self._review,
+        )
+        for consume in self.sample_consumers:
+            self.monitor.on_sample(consume)
 
     # --- start and stop (event loop) ----------------------------------------------------------
 
@@ -287,6 +287,8 @@ class GpuQuotaManager:
         try:
             await off_loop(self.ledger.close, name="gpu-quota-ledger-close")
         except Exception as error:
+            # Whatever a Ledger's close raises (any implementation of the interface): the server stops all the same,
+            # and a remote ledger's grants end with its lease at the service.
             log.warning("gpu-quota-ext: closing the ledger failed: %r", error)
 
     def _record_history(self, sample: Sample) -> None:
@@ -362,7 +364,7 @@ class GpuQuotaManager:
                         self.ledger.grant, kernel_id, self.user, kernelspec, resolved, allowed=self._pinned_devices(env)
                     ),
                 )
-            except BaseException:
+            except BaseException:  # not swallowed (raised again), cancellation included: the id is free again
                 with self._holders_lock:
                     if self._holders.get(kernel_id) is holder:
                         del self._holders[kernel_id]
@@ -520,11 +522,12 @@ class GpuQuotaManager:
         in a thread, never on the event loop; if it fails, hangs or answers nonsense, the kernel gets the
         default policy and the log one warning line."""
         policy = self.policy
-        if not callable(policy.rules):
+        rules = policy.rules
+        if not callable(rules):
             return resolve(policy, self.user, kernelspec)
         try:
-            return resolve_answer(policy, await self._call_caps(kernelspec))
-        except Exception as error:
+            return resolve_answer(policy, await self._call_caps(rules, kernelspec))
+        except Exception as error:  # the admin's code may raise anything: logged, and the kernel starts all the same
             log.warning(
                 "gpu-quota-ext: c.GpuQuota.caps callable failed for user %s, kernelspec %s: %s; the kernel gets the "
                 "default policy",
@@ -534,12 +537,13 @@ class GpuQuotaManager:
             )
             return default_decision(policy, "default (caps callable failed)")
 
-    async def _call_caps(self, kernelspec: str) -> Any:
+    async def _call_caps(self, rules: Callable[[str, str], Any], kernelspec: str) -> Any:
+        # The admin's callable may answer anything: resolve_answer checks what it is.
         # At most CAPS_CALLABLE_THREADS calls run at once, so hung callables cannot pile up threads.
         if not self._caps_slots.acquire(blocking=False):
             raise TimeoutError(f"{CAPS_CALLABLE_THREADS} earlier calls have not returned yet")
         answered = off_loop(
-            self.policy.rules, self.user, kernelspec, name="gpu-quota-caps-callable", finished=self._caps_slots.release
+            rules, self.user, kernelspec, name="gpu-quota-caps-callable", finished=self._caps_slots.release
         )
         try:
             return await asyncio.wait_for(answered, self.caps_timeout)
@@ -576,6 +580,6 @@ def _one_line(error: BaseException) -> str:
     """An exception as one short line for the log (no traceback: the admin's bug, not ours)."""
     try:
         text = " ".join(str(error).split())
-    except Exception:  # the admin's exception may not even print
+    except Exception:  # the admin's exception may not even print: the line names its class only
         text = ""
     return f"{error.__class__.__name__}: {text[:200]}" if text else error.__class__.__name__

@@ -3,7 +3,7 @@
 Pure: no I/O, no Jupyter imports, stdlib only. Each setting's name, default, choices, range and parsing come
 from the table in `settings` (`parse_value`, used by the server's start, `jupyter gpu-quota check` and the hub
 alike); here are the rules and how the settings hold together. Sizes and their parsing live in `shared.sizes`
-(the kernel's `%gpucap` uses them too); they are imported here so the policy's callers find them in one place.
+(the kernel's `%gpucap` uses them too): import each name from the module where it lives.
 """
 
 from __future__ import annotations
@@ -13,23 +13,15 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
-from .settings import (  # noqa: F401  (parse_slack, parse_value re-exported: callers read values with the policy)
+from .settings import (
     DEFAULTS,
     POLICY,
-    parse_slack,
-    parse_value,
     parsed,
     validated,
 )
-from .shared.sizes import (  # noqa: F401  (re-exported: the server side imports sizes with the policy)
-    MIN_CAP,
+from .shared.sizes import (
     CapSpec,
-    GiB,
-    KiB,
-    MiB,
     PolicyError,
-    TiB,
-    format_bytes,
     parse_cap,
     shown,
 )
@@ -160,7 +152,7 @@ def resolve(policy: Policy, user: str, kernelspec: str) -> PolicyDecision:
     if callable(policy.rules):
         try:
             answer = policy.rules(user, kernelspec)
-        except Exception as error:
+        except Exception as error:  # the admin's code may raise anything: not swallowed, a PolicyError naming it
             raise PolicyError(
                 f"c.GpuQuota.caps callable failed for user {shown(user)}, kernelspec {shown(kernelspec)}: "
                 f"{shown(error)}"

@@ -23,9 +23,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..devices import Device, parse_cuda_visible_devices
 from ..ledger import Grant
-from ..policy import GiB, MiB, Policy, format_bytes
+from ..policy import Policy
 from ..settings import DEFAULTS, HARD_CAP, default_of, validated
 from ..shared.env_vars import LAYERS
+from ..shared.sizes import GiB, MiB, format_bytes
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where MPS looks when CUDA_MPS_PIPE_DIRECTORY is unset
 # 640 MiB: the measured context is 514 MiB (538,968,064 B) on an H200, CUDA 13

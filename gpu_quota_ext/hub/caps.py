@@ -43,8 +43,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from ..policy import PolicyError, build_policy, parse_value
-from ..settings import DEFAULTS, HOST, POLICY, SETTINGS, as_text, names_of
+from ..policy import build_policy
+from ..settings import DEFAULTS, HOST, POLICY, SETTINGS, as_text, names_of, parse_value
+from ..shared.sizes import PolicyError
 from ..shared.spelling import did_you_mean
 
 # The keys of the mapping: setting name (as in c.GpuQuota) -> the environment variable the extension reads

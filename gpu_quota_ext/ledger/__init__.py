@@ -1,6 +1,7 @@
 """The ledger: the one record of every kernel's grant (admission, placement, caps).
 
-interface.py is what the rest of the server depends on (the `Ledger` Protocol, `Grant`, the errors);
+interface.py is what the rest of the server depends on (the `Ledger` Protocol, `Grant`, the errors, and what a host
+service behind a ledger offers: `HostService`, `LeaseHooks`);
 local.py is a server's own ledger; remote.py asks the host service's ledger for a hub host, through transport.py
 (HTTP to the service) and lease.py (the renewals that keep its grants alive, and what the server tells them).
 """
@@ -10,10 +11,11 @@ from .interface import (
     ChangeOutcome,
     Grant,
     HeldGrants,
+    HostService,
+    LeaseHooks,
     Ledger,
     UnknownKernel,
 )
-from .lease import LeaseHooks, Subscribable
 from .local import LocalLedger
 from .remote import RemoteLedger
 
@@ -22,10 +24,10 @@ __all__ = [
     "ChangeOutcome",
     "Grant",
     "HeldGrants",
+    "HostService",
     "Ledger",
     "UnknownKernel",
     "LeaseHooks",
     "LocalLedger",
     "RemoteLedger",
-    "Subscribable",
 ]

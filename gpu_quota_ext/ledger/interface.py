@@ -15,18 +15,21 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from typing import (
+    Callable,
     Dict,
     List,
     Mapping,
     Optional,
     Protocol,
     Sequence,
+    Set,
     Tuple,
     runtime_checkable,
 )
 
 from ..devices import Device
-from ..policy import CapSpec, PolicyDecision
+from ..policy import PolicyDecision
+from ..shared.sizes import CapSpec
 
 
 class AdmissionRefused(Exception):
@@ -97,6 +100,47 @@ class HeldGrants:
             return list(self._grants.values())
 
 
+def _no_processes(kernel_ids: Set[str]) -> Dict[str, List[int]]:
+    return {}
+
+
+def _no_park_report() -> Sequence[dict]:
+    return []
+
+
+def _no_park_requests(kernel_ids: List[str]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LeaseHooks:
+    """What the server tells a host service's lease (lease.py), and what it does with the lease's answers; each is
+    called in the lease's thread and must not raise past a log line (the lease goes on without it)."""
+
+    # kernel ids -> {kernel id: its processes' PIDs} (usage.attribution, as for the monitor)
+    processes: Callable[[Set[str]], Dict[str, List[int]]] = _no_processes
+    # this server's kernels' park states (KERNEL_PARK of the wire), as the event loop last published them
+    park_report: Callable[[], Sequence[dict]] = _no_park_report
+    # the kernels of this server the service asks to park (the parker decides, on the event loop)
+    on_park_requests: Callable[[List[str]], None] = _no_park_requests
+
+
+class HostService(Protocol):
+    """The host's quota service behind a ledger (a user server of a hub host, remote.py): beyond the grants it
+    brokers the host's device memory (`brokers`, `room`: what parking.HostRooms asks) and keeps a lease that
+    carries this server's park states and the service's park requests (`subscribe`, once, by the manager)."""
+
+    @property
+    def brokers(self) -> bool:
+        """False for a service of an older version that cannot broker (no room route, no park requests)."""
+
+    def room(self, body: dict) -> dict:
+        """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
+
+    def subscribe(self, hooks: LeaseHooks) -> None:
+        """What the lease reports and whom it tells about park requests, from the next renewal on."""
+
+
 @runtime_checkable
 class Ledger(Protocol):
     """What the server needs of a ledger. Writes raise AdmissionRefused, PolicyError or UnknownKernel."""
@@ -137,6 +181,10 @@ class Ledger(Protocol):
     def decided_by(self) -> Optional[str]:
         """Who decides caps and admission when this server does not (its own c.GpuQuota policy then does not
         apply): a line for the status API, e.g. "the host's GPU quota service at <url>"; None: this server."""
+
+    def host_service(self) -> Optional[HostService]:
+        """The host's quota service this ledger asks (it brokers device memory for every user of the host and
+        takes this server's lease hooks), or None: this server decides alone. The manager wires parking by it."""
 
     def close(self) -> None:
         """The server stops: end whatever the ledger runs in the background (a remote ledger's lease)."""

@@ -9,9 +9,9 @@
   answer is followed by the next renewal at once. A service that does not know these keys (an older one answers
   400) gets plain renewals from then on (`brokers` turns False).
 - What the server gives the lease (the kernels' processes, their park report, what to do with park requests) comes
-  in one `LeaseHooks`, given once through `subscribe` (the manager's wiring); until then the lease lists no
-  processes, reports no park states and ignores park requests. The hooks run in the lease's thread: they read
-  what the event loop published and hand work to the loop, never touch its state (manager.py, parking.Parker).
+  in one `LeaseHooks` (interface.py), given once through `subscribe` (the manager's wiring); until then the lease
+  lists no processes, reports no park states and ignores park requests. The hooks run in the lease's thread: they
+  read what the event loop published and hand work to the loop, never touch its state (manager.py, parking.Parker).
 - The thread never touches the event loop; it ends when the transport closes (the ledger's close()).
 """
 
@@ -20,45 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 from ..shared.service_contract import LEASE_PATH, LEASE_RENEW
+from .interface import LeaseHooks
 from .transport import RETRY_DELAY, ServiceTransport, Unreachable
 
 log = logging.getLogger("gpu_quota_ext")
-
-
-def _no_processes(kernel_ids: Set[str]) -> Dict[str, List[int]]:
-    return {}
-
-
-def _no_park_report() -> Sequence[dict]:
-    return []
-
-
-def _no_park_requests(kernel_ids: List[str]) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class LeaseHooks:
-    """What the server tells the lease, and what it does with the lease's answers; each is called in the lease's
-    thread and must not raise past a log line (the lease goes on without it)."""
-
-    # kernel ids -> {kernel id: its processes' PIDs} (usage.attribution, as for the monitor)
-    processes: Callable[[Set[str]], Dict[str, List[int]]] = _no_processes
-    # this server's kernels' park states (KERNEL_PARK of the wire), as the event loop last published them
-    park_report: Callable[[], Sequence[dict]] = _no_park_report
-    # the kernels of this server the service asks to park (the parker decides, on the event loop)
-    on_park_requests: Callable[[List[str]], None] = _no_park_requests
-
-
-@runtime_checkable
-class Subscribable(Protocol):
-    """A ledger whose lease the server subscribes to (RemoteLedger): the manager gives its hooks once."""
-
-    def subscribe(self, hooks: LeaseHooks) -> None: ...
 
 
 class LeaseHolder(Protocol):

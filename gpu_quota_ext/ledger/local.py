@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..devices import Device
-from ..policy import CapSpec, Policy, PolicyDecision, PolicyError, format_bytes, shown
+from ..policy import Policy, PolicyDecision
+from ..shared.sizes import CapSpec, PolicyError, format_bytes, shown
 from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
 
 
@@ -183,6 +184,9 @@ class LocalLedger(HeldGrants):
 
     def decided_by(self) -> Optional[str]:
         return None  # this server's own policy decides
+
+    def host_service(self) -> None:
+        return None  # no host service: this server's own broker decides, and there is no lease
 
     def close(self) -> None:
         """Nothing runs in the background: the record is memory only."""

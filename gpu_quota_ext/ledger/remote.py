@@ -12,7 +12,7 @@ the token, timeouts); the grants stay alive through the lease (lease.py), starte
 - Devices are UUIDs on the wire and this server's indexes here.
 - The host's broker (parking.HostRooms): `room(body)` asks the service's broker for this server's kernels
   that wait for device memory; the lease carries their park states and the service's park requests
-  (`subscribe`, the manager's wiring).
+  (`subscribe`, the manager's wiring). `host_service()` says so: the manager wires parking by it.
 - A kernel start while the service cannot be reached is retried START_RETRIES times, then refused with
   "the GPU quota service at <url> is unreachable: ...": never a kernel started without a cap silently.
   Whatever the service granted of it all the same (it answered just as this server gave up) is given back
@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..devices import Device
-from ..policy import CapSpec, PolicyDecision, PolicyError, shown
+from ..policy import PolicyDecision
 from ..shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from ..shared.service_contract import (
     CALL_TIMEOUT,
@@ -41,8 +41,9 @@ from ..shared.service_contract import (
     START_RETRIES,
     STATUS_PATH,
 )
-from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, UnknownKernel
-from .lease import Lease, LeaseHooks
+from ..shared.sizes import CapSpec, PolicyError, shown
+from .interface import AdmissionRefused, ChangeOutcome, Grant, HeldGrants, HostService, LeaseHooks, UnknownKernel
+from .lease import Lease
 from .transport import RETRY_DELAY, ServiceTransport, Unreachable, url_problem
 from .transport import ssl_context as hub_tls
 
@@ -331,6 +332,10 @@ class RemoteLedger(HeldGrants):
 
     def decided_by(self) -> Optional[str]:
         return f"the host's GPU quota service at {self.url}"
+
+    def host_service(self) -> HostService:
+        """This ledger is the service's client: its room calls and its lease (the manager wires parking to them)."""
+        return self
 
     def close(self) -> None:
         """Stop renewing (the server is stopping); a renewal under way (a long poll) ends at once. Idempotent."""

@@ -171,11 +171,15 @@ def _tracked_handlers(connections: _Connections, ssl_context: Optional[ssl.SSLCo
     """urllib's HTTP and HTTPS handlers, their connections known to `connections`."""
 
     class Http(urllib.request.HTTPHandler):
-        def do_open(self, http_class, req, **kwargs):
+        def do_open(
+            self, http_class: Callable[..., http.client.HTTPConnection], req: urllib.request.Request, **kwargs: Any
+        ) -> http.client.HTTPResponse:
             return super().do_open(connections.factory(http_class), req, **kwargs)
 
     class Https(urllib.request.HTTPSHandler):
-        def do_open(self, http_class, req, **kwargs):
+        def do_open(
+            self, http_class: Callable[..., http.client.HTTPConnection], req: urllib.request.Request, **kwargs: Any
+        ) -> http.client.HTTPResponse:
             return super().do_open(connections.factory(http_class), req, **kwargs)
 
     return [Http(), Https(context=ssl_context)]

@@ -1,7 +1,8 @@
 """The host's broker, asked by a user server of a hub host: on such a host the budget is one, so the view is one.
 The host service (hub/service/room.py) runs the same decisions (broker.py) over every user's kernels and its own
 NVML, and answers for this server's kernels that wait; it reaches this server's idle kernels it chose to park
-through the lease's answer (ledger/remote.py hands them to `Parker.park_for_host`).
+through the lease's answer (ledger/lease.py hands them to the manager's `on_park_requests` hook, which passes them
+to `Parker.park_for_host` on the event loop). The room calls go over ledger/transport.py (HTTP to the service).
 
 This module only translates: a Round of this server (device indexes) to the wire (device UUIDs,
 shared.service_contract ROOM_PATH), and the answer back to a Plan. The call itself blocks (HTTP to the service):
@@ -19,7 +20,7 @@ from .broker import Plan, Round, told_words
 
 @runtime_checkable
 class HostRooms(Protocol):
-    """What a ledger offers when its host service also brokers device memory (ledger/remote.py)."""
+    """What a ledger's host service offers for brokering device memory (ledger.HostService; RemoteLedger)."""
 
     @property
     def brokers(self) -> bool:

@@ -15,7 +15,7 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.policy import format_bytes
+from gpu_quota_ext.shared.sizes import format_bytes
 
 from ..integration.cell_output import run_cell
 from ..integration.kernels import start_kernel

@@ -34,9 +34,9 @@ import pytest
 
 from gpu_quota_ext.parking.checkpoint import CHECKPOINTED
 from gpu_quota_ext.parking.fake_file_checkpoint import read_state, set_usage, write_totals
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
+from gpu_quota_ext.shared.sizes import GiB
 
 from .. import waiting
 from . import unix_users

@@ -20,13 +20,13 @@ import time
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.service_contract import (
     GRANTS_PATH,
     LEASE_PATH,
     METRICS_PATH,
     STATUS_PATH,
 )
+from gpu_quota_ext.shared.sizes import GiB
 
 from .hubtools import Hub
 from .quota_service import quota_service_config

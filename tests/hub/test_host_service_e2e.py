@@ -32,8 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, START_RETRIES, STATUS_PATH
+from gpu_quota_ext.shared.sizes import GiB
 
 from . import unix_users
 from .hubtools import Hub

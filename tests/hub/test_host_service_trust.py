@@ -39,9 +39,9 @@ import psutil
 import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.env_vars import KERNEL_ID
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, METRICS_PATH, STATUS_PATH
+from gpu_quota_ext.shared.sizes import GiB
 
 from .. import waiting
 from . import unix_users

@@ -20,8 +20,7 @@ from traitlets.config import Config
 from gpu_quota_ext.devices.downward import parse_annotations
 from gpu_quota_ext.devices.pod_share import read_share
 from gpu_quota_ext.hub.kube import ClaimTemplateError, configure_kubespawner_gpu
-from gpu_quota_ext.policy import PolicyError
-from gpu_quota_ext.shared.sizes import MiB
+from gpu_quota_ext.shared.sizes import MiB, PolicyError
 
 from .kube_tools import DRA_VERSIONS, build_pod, container, group, kubelet_annotations_file, record_of, spawner_for
 

@@ -12,7 +12,7 @@ import pytest
 from traitlets.config import Config
 
 from gpu_quota_ext.hub.kube import configure_kubespawner_gpu
-from gpu_quota_ext.policy import PolicyError
+from gpu_quota_ext.shared.sizes import PolicyError
 
 from .kube_tools import build_pod, container, group, record_of, spawner_for
 

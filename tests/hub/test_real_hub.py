@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .hubtools import Hub
 

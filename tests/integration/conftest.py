@@ -8,7 +8,7 @@ import pytest
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import json
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import POLL, fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
 from .kernels import execute, shutdown_kernel, start_child_process, start_kernel

@@ -9,7 +9,7 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from ..kernel_transport import short_directory
 from .kernels import kernel_env, start_kernel, static_devices_config

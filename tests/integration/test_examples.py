@@ -25,7 +25,7 @@ from nbclient import NotebookClient
 from traitlets.config import Config
 from traitlets.config.loader import PyFileConfigLoader
 
-from gpu_quota_ext.policy import format_bytes
+from gpu_quota_ext.shared.sizes import format_bytes
 
 from .kernels import start_kernel
 from .test_magic import repeated_words

@@ -10,7 +10,7 @@ import pytest
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.pages import build as pages_build
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 from tests.fake_cuda import build_fake
 
 from .fake_gpu import fake_gpu_config, manager_of

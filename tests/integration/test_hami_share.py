@@ -16,7 +16,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.devices import inventory as devices_module
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .kernels import execute, kernel_env, start_kernel, static_devices_config
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_quota_ext.policy import GiB, MiB
+from gpu_quota_ext.shared.sizes import GiB, MiB
 from gpu_quota_ext.usage import KernelManagerView
 
 from .fake_gpu import manager_of, status, wait_for

@@ -10,8 +10,8 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared import contract
+from gpu_quota_ext.shared.sizes import GiB
 from gpu_quota_ext.usage.history import POINTS_MAX
 
 from .fake_gpu import POLL, fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for

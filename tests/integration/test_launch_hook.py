@@ -13,9 +13,9 @@ from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
 from gpu_quota_ext.manager import SETTINGS_KEY
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared import env_vars
 from gpu_quota_ext.shared.env_vars import KERNEL_SIDE
+from gpu_quota_ext.shared.sizes import GiB
 
 from .kernels import (
     execute,

@@ -17,8 +17,8 @@ from tornado.httpclient import HTTPClientError
 from traitlets.config import Config
 
 from gpu_quota_ext.kernel.magic import NO_SERVER
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER  # noqa: E402
+from gpu_quota_ext.shared.sizes import GiB
 
 from ..kernel_transport import short_directory
 from .cell_output import CellOutput, run_cell

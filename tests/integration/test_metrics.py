@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 from gpu_quota_ext.status import collector as gpu_metrics
 
 from .fake_gpu import fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for

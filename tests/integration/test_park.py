@@ -17,8 +17,8 @@ from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_FIELDS
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
 from .kernels import (

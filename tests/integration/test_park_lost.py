@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import fake_gpu_config, manager_of, wait_for
 from .kernels import execute, restart_kernel, run_cell, start_kernel

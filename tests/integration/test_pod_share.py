@@ -13,7 +13,7 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .kernels import kernel_env, start_kernel, static_devices_config
 

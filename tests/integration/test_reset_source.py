@@ -8,8 +8,8 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER as TOKEN_HEADER
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import manager_of
 from .kernels import start_kernel, static_devices_config

@@ -11,7 +11,7 @@ import pytest
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import fake_gpu_config, manager_of, next_samples, wait_for
 from .kernels import execute, run_cell, start_kernel

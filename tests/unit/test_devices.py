@@ -4,7 +4,7 @@ import pytest
 
 from gpu_quota_ext.devices import Device, devices_named, parse_cuda_visible_devices, select_visible
 from gpu_quota_ext.devices.inventory import parse_static_devices
-from gpu_quota_ext.policy import GiB, PolicyError
+from gpu_quota_ext.shared.sizes import GiB, PolicyError
 
 FOUR = [Device(i, "H200", f"GPU-{i}{i}{i}{i}-uuid", 140 * GiB, i) for i in range(4)]
 

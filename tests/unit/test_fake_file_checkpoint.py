@@ -17,7 +17,7 @@ from gpu_quota_ext.parking.checkpoint import (
     CheckpointError,
 )
 from gpu_quota_ext.parking.fake_file_checkpoint import FileFakeCheckpoint, read_state, set_usage, write_totals
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 UUID = "GPU-file-0"
 

@@ -17,7 +17,8 @@ from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
 from gpu_quota_ext.parking import ParkSettings
 from gpu_quota_ext.parking.pages import build as pages_build
-from gpu_quota_ext.policy import GiB, build_policy
+from gpu_quota_ext.policy import build_policy
+from gpu_quota_ext.shared.sizes import GiB
 
 DEVICES = [Device(0, "H200", "GPU-0000aaaa-uuid", 140 * GiB, nvml_index=0)]
 PYTHON = ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]

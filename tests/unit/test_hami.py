@@ -12,7 +12,7 @@ import pytest
 from gpu_quota_ext.devices import Device, HamiInventory, NvmlInventory, StaticInventory
 from gpu_quota_ext.devices import inventory as devices_module
 from gpu_quota_ext.devices.hami import parse_hami_size, read_pod_share, share_devices
-from gpu_quota_ext.policy import GiB, KiB, MiB, PolicyError
+from gpu_quota_ext.shared.sizes import GiB, KiB, MiB, PolicyError
 
 H200 = 143_771_287_552  # bytes NVML reports for an H200 (141 GiB class)
 

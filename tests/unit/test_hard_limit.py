@@ -22,7 +22,8 @@ from gpu_quota_ext.hard_limit.decisions import (
 )
 from gpu_quota_ext.launch_env import launch_env
 from gpu_quota_ext.ledger import Grant
-from gpu_quota_ext.policy import GiB, MiB, PolicyError, build_policy
+from gpu_quota_ext.policy import build_policy
+from gpu_quota_ext.shared.sizes import GiB, MiB, PolicyError
 
 TOTAL = 140 * GiB
 DEVICES = {

@@ -22,8 +22,8 @@ from gpu_quota_ext.hub.service.room import (
 )
 from gpu_quota_ext.ledger import Grant
 from gpu_quota_ext.parking import PARK_MARGIN, PARK_RATE, BrokerSettings, HostReading, HostView, decide
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE
+from gpu_quota_ext.shared.sizes import GiB
 
 UUID = "GPU-room-0"
 DEVICES = {0: Device(0, "Test GPU", UUID, 12 * GiB)}

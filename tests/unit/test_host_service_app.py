@@ -19,8 +19,8 @@ from gpu_quota_ext.hub.service.handlers import Who
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.ledger import AdmissionRefused
 from gpu_quota_ext.ledger.remote import RemoteLedger
-from gpu_quota_ext.policy import parse_cap
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
+from gpu_quota_ext.shared.sizes import parse_cap
 from tests.hub.hubtools import listen_here
 
 
@@ -196,7 +196,7 @@ def test_each_host_sample_adds_a_point_to_the_users_history_and_a_user_sees_only
 
     from gpu_quota_ext.devices.fake_nvml import FakeNvml
     from gpu_quota_ext.hub.service.user_policy import user_policy
-    from gpu_quota_ext.policy import GiB
+    from gpu_quota_ext.shared.sizes import GiB
 
     config = Config()
     config.GpuQuotaService.state_dir = str(tmp_path / "state")
@@ -264,7 +264,7 @@ def test_a_body_over_the_limit_or_not_json_is_refused_and_nothing_granted(servic
 
 def test_the_host_brokers_settings_are_the_servers_rows_defaults_and_a_bad_one_is_one_line(tmp_path):
     from gpu_quota_ext.parking import ParkSettings
-    from gpu_quota_ext.policy import PolicyError
+    from gpu_quota_ext.shared.sizes import PolicyError
 
     def service(**settings):
         config = Config()

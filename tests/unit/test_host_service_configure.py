@@ -8,7 +8,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.hub.service.configure import configure_host_service
 from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV
-from gpu_quota_ext.policy import PolicyError
+from gpu_quota_ext.shared.sizes import PolicyError
 
 ACCESS = "access:services!service=gpu-quota"
 

@@ -5,7 +5,8 @@ import pytest
 
 from gpu_quota_ext.hub import HubGroup, hub_caps
 from gpu_quota_ext.hub.service.user_policy import user_policy
-from gpu_quota_ext.policy import PolicyError, build_policy
+from gpu_quota_ext.policy import build_policy
+from gpu_quota_ext.shared.sizes import PolicyError
 
 HOST = build_policy("0.1", "0.5", overcommit=1.0, on_full="cpu-only")
 CAPS = hub_caps(

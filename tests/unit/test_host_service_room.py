@@ -30,7 +30,7 @@ from gpu_quota_ext.ledger import LeaseHooks
 from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, HostView, KernelView, Round
 from gpu_quota_ext.parking.broker import BrokerSettings
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 from tests import waiting
 from tests.hub.hubtools import listen_here, unused_port
 

@@ -12,7 +12,8 @@ from gpu_quota_ext.hub.service.page import render_page
 from gpu_quota_ext.hub.service.sampler import Action, Sample
 from gpu_quota_ext.hub.service.status import build_status
 from gpu_quota_ext.hub.service.user_policy import UserPolicy
-from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
+from gpu_quota_ext.policy import PolicyDecision, build_policy
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
 DEVICE = Device(0, "Test GPU", "GPU-a", 80 * GiB, 0)
 POLICY = UserPolicy(PolicyDecision(parse_cap("0.25"), parse_cap("0.5"), 1, "test"), "cpu-only")

@@ -14,7 +14,8 @@ from gpu_quota_ext.hub.service.book import Forbidden, HostBook
 from gpu_quota_ext.hub.service.store import Store
 from gpu_quota_ext.hub.service.user_policy import UserPolicy
 from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
-from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
+from gpu_quota_ext.policy import PolicyDecision, build_policy
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
 DEVICES = [Device(0, "Test GPU", "GPU-aaaa", 80 * GiB, 0), Device(1, "Test GPU", "GPU-bbbb", 80 * GiB, 1)]
 POLICY = build_policy("0.25", "1.0", overcommit=1.0)

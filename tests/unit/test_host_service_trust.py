@@ -35,7 +35,8 @@ from gpu_quota_ext.hub.service.user_policy import (
     user_policy,
 )
 from gpu_quota_ext.ledger import AdmissionRefused, Grant
-from gpu_quota_ext.policy import GiB, PolicyDecision, PolicyError, build_policy, parse_cap
+from gpu_quota_ext.policy import PolicyDecision, build_policy
+from gpu_quota_ext.shared.sizes import GiB, PolicyError, parse_cap
 
 DEVICES = [Device(0, "Test GPU", "GPU-0", 80 * GiB, 0), Device(1, "Test GPU", "GPU-1", 80 * GiB, 1)]
 HOST = build_policy("0.25", "1.0", overcommit=1.0)

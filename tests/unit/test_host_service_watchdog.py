@@ -15,7 +15,7 @@ from gpu_quota_ext.hub.service.attribution import (
     hub_user_of,
 )
 from gpu_quota_ext.hub.service.sampler import HostSampler, unix_uid_of
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 GRANTED = {"k1": ("alice", ("GPU-a",)), "k2": ("bob", ("GPU-b",))}
 

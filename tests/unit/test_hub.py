@@ -23,7 +23,7 @@ from gpu_quota_ext.hub.kube import (
     pod_gpu,
     settle_limits,
 )
-from gpu_quota_ext.policy import PolicyError
+from gpu_quota_ext.shared.sizes import PolicyError
 
 DEFAULT = "GPU_QUOTA_DEFAULT_CAP"
 MAX = "GPU_QUOTA_MAX_CAP"

@@ -5,9 +5,9 @@ import json
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.launch_env import STARTUP_FILE, is_python_kernel, kernel_environment, launch_env
 from gpu_quota_ext.ledger import Grant
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared import env_vars
 from gpu_quota_ext.shared.env_vars import KERNEL_SIDE
+from gpu_quota_ext.shared.sizes import GiB
 
 DEVICES = {0: Device(0, "H200", "GPU-aaaa", 140 * GiB, 0), 1: Device(1, "H200", "GPU-bbbb", 140 * GiB, 1)}
 

@@ -7,7 +7,8 @@ import pytest
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.ledger import AdmissionRefused, UnknownKernel
 from gpu_quota_ext.ledger.local import LocalLedger
-from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
+from gpu_quota_ext.policy import build_policy, resolve
+from gpu_quota_ext.shared.sizes import GiB, PolicyError, parse_cap
 
 TWO_GPUS = [Device(0, "GPU 0", "GPU-a", 80 * GiB, 0), Device(1, "GPU 1", "GPU-b", 80 * GiB, 1)]
 
@@ -243,6 +244,8 @@ def test_local_ledger_implements_the_ledger_interface():
     # Every method of the interface has the same parameters in the local ledger.
     import inspect
 
-    for name in ("grant", "change", "reset", "release", "get", "grants", "device_grants", "decided_by", "close"):
+    for name in (
+        "grant", "change", "reset", "release", "get", "grants", "device_grants", "decided_by", "host_service", "close"
+    ):
         expected = list(inspect.signature(getattr(Ledger, name)).parameters)
         assert list(inspect.signature(getattr(LocalLedger, name)).parameters) == expected, name

@@ -19,7 +19,7 @@ from gpu_quota_ext.kernel.client import CapAnswer
 from gpu_quota_ext.kernel.magic import GpuCap, format_table
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
 from gpu_quota_ext.kernel.torch_cap import merge_alloc_conf
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_torch import fake_torch
 
@@ -33,7 +33,7 @@ class FakeClient:
         self.max_cap, self.refuse, self.calls = max_cap, refuse, []
 
     def request_cap(self, cap_text, device_index=None):
-        from gpu_quota_ext.policy import parse_cap
+        from gpu_quota_ext.shared.sizes import parse_cap
 
         self.calls.append((cap_text, device_index))
         wanted = parse_cap(cap_text).to_bytes(TOTAL)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_quota_ext.kernel.command import Command, CommandError, help_text, parse_command
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import json
 
 from gpu_quota_ext.kernel.layers import layer_line, read_layers, restart_note
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 TOTAL = 80 * GiB
 

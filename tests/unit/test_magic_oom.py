@@ -11,7 +11,7 @@ import pytest
 from gpu_quota_ext.kernel import oom
 from gpu_quota_ext.kernel.oom import CAP, DEVICE, explain_after_cell, explain_oom, read_oom, which_wall
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_torch import fake_torch
 

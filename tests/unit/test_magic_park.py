@@ -19,8 +19,8 @@ from gpu_quota_ext.kernel.park import (
     table_line,
 )
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
-from gpu_quota_ext.policy import GiB
 from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
+from gpu_quota_ext.shared.sizes import GiB
 
 
 def park(state="busy", **fields) -> dict:

@@ -7,7 +7,7 @@ import pytest
 from IPython.core.events import EventManager, available_events
 
 from gpu_quota_ext.kernel import stub
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_torch import fake_torch
 

@@ -22,7 +22,7 @@ from gpu_quota_ext.kernel.usage import (
     report_to_server,
     usage_report,
 )
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_torch import fake_torch
 

@@ -13,8 +13,9 @@ from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.ledger import UnknownKernel
 from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
-from gpu_quota_ext.policy import GiB, build_policy, parse_cap, resolve
+from gpu_quota_ext.policy import build_policy, resolve
 from gpu_quota_ext.shared.contract import KERNEL_FIELDS
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 from gpu_quota_ext.status.view import VIEW_FIELDS
 from gpu_quota_ext.usage import PidResolver
 from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings

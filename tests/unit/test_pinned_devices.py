@@ -10,7 +10,8 @@ from gpu_quota_ext.devices import Device
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.manager import GpuQuotaManager
-from gpu_quota_ext.policy import GiB, build_policy
+from gpu_quota_ext.policy import build_policy
+from gpu_quota_ext.shared.sizes import GiB
 
 # The server runs with CUDA_VISIBLE_DEVICES=2,3 on a four-GPU machine: its devices 0 and 1 are NVML's 2 and 3.
 SERVER_VISIBLE = "2,3"

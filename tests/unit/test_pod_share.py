@@ -18,8 +18,8 @@ from gpu_quota_ext.devices.downward import RECORD_ANNOTATION, parse_annotations,
 from gpu_quota_ext.devices.kai import parse_quantity
 from gpu_quota_ext.devices.pod_share import read_share
 from gpu_quota_ext.devices.share import PodShare, share_devices
-from gpu_quota_ext.policy import GiB, MiB, PolicyError
 from gpu_quota_ext.shared import contract
+from gpu_quota_ext.shared.sizes import GiB, MiB, PolicyError
 
 H100 = 85_520_809_984  # bytes NVML reports for an H100 80GB
 

@@ -4,18 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_quota_ext.policy import (
-    CapSpec,
-    GiB,
-    MiB,
-    PolicyError,
-    TiB,
-    build_policy,
-    format_bytes,
-    parse_cap,
-    resolve,
-    resolve_answer,
-)
+from gpu_quota_ext.policy import build_policy, resolve, resolve_answer
+from gpu_quota_ext.shared.sizes import CapSpec, GiB, MiB, PolicyError, TiB, format_bytes, parse_cap
 
 TOTAL = 80 * GiB
 

@@ -23,7 +23,7 @@ from gpu_quota_ext.ledger import AdmissionRefused, LeaseHooks, Ledger, UnknownKe
 from gpu_quota_ext.ledger.local import LocalLedger
 from gpu_quota_ext.ledger.remote import SERVICE_URL_ENV, RemoteLedger
 from gpu_quota_ext.parking import HostRooms
-from gpu_quota_ext.policy import GiB, PolicyError, build_policy, parse_cap, resolve
+from gpu_quota_ext.policy import build_policy, resolve
 from gpu_quota_ext.shared.service_contract import (
     GRANTS_PATH,
     LEASE_PATH,
@@ -31,6 +31,7 @@ from gpu_quota_ext.shared.service_contract import (
     START_RETRIES,
     STATUS_PATH,
 )
+from gpu_quota_ext.shared.sizes import GiB, PolicyError, parse_cap
 from gpu_quota_ext.usage import processes_by_kernel
 
 TOTAL = 80 * GiB

@@ -8,7 +8,8 @@ from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.room import ParkReport
 from gpu_quota_ext.hub.service.user_policy import UserLimits, UserPolicy
 from gpu_quota_ext.parking import HostReading
-from gpu_quota_ext.policy import GiB, PolicyDecision, parse_cap
+from gpu_quota_ext.policy import PolicyDecision
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
 T0 = 1_000_000.0
 

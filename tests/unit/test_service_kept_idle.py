@@ -14,7 +14,8 @@ from gpu_quota_ext.hub.service.status import build_status
 from gpu_quota_ext.hub.service.store import Store
 from gpu_quota_ext.hub.service.user_policy import UserLimits, UserPolicy
 from gpu_quota_ext.ledger import AdmissionRefused
-from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
+from gpu_quota_ext.policy import PolicyDecision, build_policy
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
 DEVICE = Device(0, "Test GPU", "GPU-0", 80 * GiB, 0)
 LIMITS = UserLimits(16, parse_cap("0.3"))  # 24 GiB of the device per user

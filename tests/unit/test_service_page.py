@@ -14,7 +14,8 @@ from gpu_quota_ext.hub.service.page import CHART_POINTS, PAGE_USERS, downsample,
 from gpu_quota_ext.hub.service.snapshots import Snapshots
 from gpu_quota_ext.hub.service.status import build_status
 from gpu_quota_ext.hub.service.user_policy import UserLimits, UserPolicy
-from gpu_quota_ext.policy import GiB, PolicyDecision, build_policy, parse_cap
+from gpu_quota_ext.policy import PolicyDecision, build_policy
+from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
 DEVICE = Device(0, "Test GPU", "GPU-a", 80 * GiB, 0)
 POLICY = UserPolicy(

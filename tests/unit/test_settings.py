@@ -15,7 +15,7 @@ import gpu_quota_ext.hub.caps as hub
 from gpu_quota_ext.app import GpuQuota
 from gpu_quota_ext.hard_limit import HardLimitSettings, build_hard_limit_settings
 from gpu_quota_ext.parking import ParkSettings, build_park_settings
-from gpu_quota_ext.policy import GiB, MiB, Policy, PolicyError, build_policy
+from gpu_quota_ext.policy import Policy, build_policy
 from gpu_quota_ext.settings import (
     CAP,
     CHOICE,
@@ -34,6 +34,7 @@ from gpu_quota_ext.settings import (
     server_setting_names,
 )
 from gpu_quota_ext.shared import env_vars
+from gpu_quota_ext.shared.sizes import GiB, MiB, PolicyError
 from gpu_quota_ext.usage.watchdog_settings import (
     WatchdogSettings,
     build_watchdog_settings,

@@ -5,7 +5,8 @@ import pytest
 
 from gpu_quota_ext.app import GpuQuota
 from gpu_quota_ext.hub.caps import hub_caps
-from gpu_quota_ext.policy import PolicyError, build_policy
+from gpu_quota_ext.policy import build_policy
+from gpu_quota_ext.shared.sizes import PolicyError
 from gpu_quota_ext.shared.spelling import closest, did_you_mean, unknown_settings
 
 SETTINGS = GpuQuota.class_trait_names(config=True)

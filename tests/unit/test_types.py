@@ -1,4 +1,4 @@
-"""The pure modules pass the type checker: mypy with the modules and options pyproject.toml lists ([tool.mypy]).
+"""The listed modules pass the type checker: mypy with the modules and options pyproject.toml lists ([tool.mypy]).
 A finding fails the test command with mypy's own lines."""
 
 import subprocess

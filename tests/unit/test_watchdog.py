@@ -2,7 +2,8 @@
 
 import pytest
 
-from gpu_quota_ext.policy import GiB, MiB, PolicyError, parse_slack
+from gpu_quota_ext.settings import parse_slack
+from gpu_quota_ext.shared.sizes import GiB, MiB, PolicyError
 from gpu_quota_ext.usage.watchdog import (
     OverLimitEpisode,
     Watchdog,

@@ -39,7 +39,7 @@ from ...devices import (
     StaticInventory,
 )
 from ...parking import BrokerSettings, HostReading, HostView, decide
-from ...policy import PolicyError, build_policy, shown
+from ...policy import build_policy
 from ...settings import DEFAULTS, SETTINGS, parse_value
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
 from ...shared.service_contract import (
@@ -54,6 +54,7 @@ from ...shared.service_contract import (
     SERVICE_NAME,
     STATUS_PATH,
 )
+from ...shared.sizes import PolicyError, shown
 from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
 from .accept import GuardedHTTPServer, raise_descriptor_limit
 from .attribution import UNMANAGED_ACTIONS

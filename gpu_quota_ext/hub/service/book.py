@@ -30,7 +30,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, 
 
 from ...devices import Device
 from ...ledger import AdmissionRefused, ChangeOutcome, Grant, LocalLedger, UnknownKernel
-from ...policy import CapSpec, Policy, PolicyError, format_bytes
+from ...policy import Policy
+from ...shared.sizes import CapSpec, PolicyError, format_bytes
 from .attribution import Registration
 from .limits import kernels_refusal, over_budget, room_for, user_totals
 from .user_policy import BUILT_IN_LIMITS, UserLimits, UserPolicy

@@ -36,11 +36,11 @@ from tornado import web
 from tornado.httputil import responses
 
 from ...ledger import AdmissionRefused, UnknownKernel
-from ...policy import PolicyError, shown
 from ...shared.cap_request import read_cap_request
 from ...shared.contract import PARK_STATES
 from ...shared.request_body import BodyRefused, BoundedBody
 from ...shared.service_contract import ADMIN_SCOPE, CONTEXT_ALLOWANCE, LEASE_RENEW
+from ...shared.sizes import PolicyError, shown
 from .book import Forbidden
 from .guard import TooMany
 from .room import ParkReport, RoomRefused

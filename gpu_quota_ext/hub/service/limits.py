@@ -11,7 +11,7 @@ from typing import Dict, Iterable, Mapping, Optional
 
 from ...devices import Device
 from ...ledger import Grant
-from ...policy import format_bytes
+from ...shared.sizes import format_bytes
 from .user_policy import UserLimits
 
 

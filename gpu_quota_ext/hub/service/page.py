@@ -17,8 +17,8 @@ from html import escape
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
 from urllib.parse import quote
 
-from ...policy import format_bytes
 from ...shared.chart import chart_of, chart_svg, legend_html, window
+from ...shared.sizes import format_bytes
 from .history import POINTS_MAX, WORDS
 
 PAGE_USERS = 25  # users (their rows, charts and kernels) on one page

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from ...devices import Device
-from ...policy import CapSpec, Policy, PolicyDecision, parse_cap, parse_value
-from ...settings import DEFAULTS
+from ...policy import Policy, PolicyDecision
+from ...settings import DEFAULTS, parse_value
+from ...shared.sizes import CapSpec, parse_cap
 from ..caps import HubCaps, choose_settings, environment_of
 
 USER_KEYS = ("default_cap", "max_cap", "on_full")  # what a kernel's grant says it came from
