@@ -25,22 +25,17 @@ from urllib.parse import urlparse
 from jupyter_core.paths import jupyter_data_dir
 from tornado import web
 from tornado.ioloop import IOLoop, PeriodicCallback
-from traitlets import Bool, Enum, Float, Int, Type, Unicode
-from traitlets import Dict as DictTrait
 from traitlets import default as default_value
 from traitlets.config import Application
 
 from ... import __version__, parking
 from ...devices import (
-    DeviceInventory,
-    NvmlBackend,
     NvmlInventory,
-    PynvmlBackend,
     StaticInventory,
 )
 from ...parking import BrokerSettings, HostReading, HostView, decide
 from ...policy import PolicyError, build_policy, shown
-from ...settings import DEFAULTS, SETTINGS, parse_value
+from ...settings import SETTINGS, parse_value
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
 from ...shared.service_contract import (
     ADMIN_PAGE,
@@ -48,15 +43,13 @@ from ...shared.service_contract import (
     GRANTS_PATH,
     LEASE_PATH,
     LEASE_RENEW,
-    LEASE_SECONDS,
     METRICS_PATH,
     ROOM_PATH,
     SERVICE_NAME,
     STATUS_PATH,
 )
-from ..caps import HOST_KEYS, PROPERTY_KEY, hub_caps
+from ..caps import HOST_KEYS, hub_caps
 from .accept import GuardedHTTPServer, raise_descriptor_limit
-from .attribution import UNMANAGED_ACTIONS
 from .book import HostBook
 from .guard import AUTH, Guard, GuardSettings, token_digest
 from .handlers import (
@@ -82,19 +75,12 @@ from .sampler import HostSampler
 from .snapshots import Snapshots
 from .status import build_status
 from .store import StateDirError, Store
+from .traits import service_trait
 from .user_policy import UserPolicy, host_limits, user_policy
 
 log = logging.getLogger("gpu_quota_ext")
 
 BROKER_ROWS = ("park_min_idle", "park_wait_limit", "park_device_margin", "park_host_margin")  # settings.py's rows
-
-
-def _broker_trait(name: str) -> Unicode:
-    """A trait of the host's broker: the server's setting of the same name, its default and meaning."""
-    return Unicode(
-        str(DEFAULTS[name]),
-        help=SETTINGS[name].help + " Here: for every user's kernels at once, on the host's broker.",
-    ).tag(config=True)
 
 
 def _read_at(sample) -> float:
@@ -118,139 +104,49 @@ class GpuQuotaService(Application):
     hub (c.JupyterHub.services, see gpu_quota_ext.hub.service.spec.service_entry) or as an external service
     with the JUPYTERHUB_* variables set."""
 
-    config_file = Unicode("", help="A Python config file with c.GpuQuotaService settings.").tag(config=True)
-    state_dir = Unicode(help="Where the ledger's database lives (created 0700, owned by the service's user).").tag(
-        config=True
-    )
-    users = DictTrait(help="Per-user settings, as configure_hub_caps takes them.").tag(config=True)
-    groups = DictTrait(help="Per-group settings (first group in this order wins), as configure_hub_caps.").tag(
-        config=True
-    )
-    default = DictTrait(help="Settings for everyone else, as configure_hub_caps.").tag(config=True)
-    property_key = Unicode(
-        PROPERTY_KEY, allow_none=True, help="Group property read for live settings; None: ignore properties."
-    ).tag(config=True)
-    default_cap = Unicode(str(DEFAULTS["default_cap"]), help="A kernel's cap where the mapping sets none.").tag(
-        config=True
-    )
-    max_cap = Unicode(str(DEFAULTS["max_cap"]), help="The most a kernel may ask for where the mapping sets none.").tag(
-        config=True
-    )
-    overcommit = Float(
-        1.0, allow_none=True, help="Budget per device = its memory × this; None: no admission control."
-    ).tag(config=True)
-    placement = Enum(
-        SETTINGS["placement"].choices, DEFAULTS["placement"], help="How kernels are placed on the host's GPUs."
-    ).tag(config=True)
-    on_full = Enum(
-        SETTINGS["on_full"].choices,
-        DEFAULTS["on_full"],
-        help="A full host: refuse the kernel, or start it CPU-only (per user in the mapping).",
-    ).tag(config=True)
-    on_over_max = Enum(
-        SETTINGS["on_over_max"].choices, DEFAULTS["on_over_max"], help="A request above max_cap: clamp it or refuse it."
-    ).tag(config=True)
-    inventory_class = Type(
-        NvmlInventory, klass=DeviceInventory, help="The host's GPUs (StaticInventory for tests)."
-    ).tag(config=True)
-    nvml_class = Type(PynvmlBackend, klass=NvmlBackend, help="NVML for the host watchdog (FakeNvml for tests).").tag(
-        config=True
-    )
-    poll_interval = Float(5.0, help="Seconds between host samples.").tag(config=True)
-    stall_after = Float(10.0, help="A sample out longer than this: the watchdog is 'stalled'.").tag(config=True)
-    max_kernels = Int(
-        DEFAULTS["max_kernels"],
-        min=int(SETTINGS["max_kernels"].low),
-        max=int(SETTINGS["max_kernels"].high),
-        help=SETTINGS["max_kernels"].help + " Where the mapping sets none.",
-    ).tag(config=True)
-    user_budget = Unicode(
-        str(DEFAULTS["user_budget"]), help=SETTINGS["user_budget"].help + " Where the mapping sets none."
-    ).tag(config=True)
-    idle_held = Enum(
-        ("release", "keep"),
-        "release",
-        help="""A grant that no live process of its user (a PID its server registered, verified by its uid) has
-        held for a lease period: release it, or keep it and show it as idle-held on the admin's page. A lease
-        renewed with empty PID lists keeps nothing under "release".""",
-    ).tag(config=True)
-    unmanaged_action = Enum(
-        UNMANAGED_ACTIONS,
-        "warn",
-        help="GPU memory outside every grant: warn, or kill the process after unmanaged_grace.",
-    ).tag(config=True)
-    unmanaged_grace = Float(30.0, help="Seconds an unmanaged process is seen before 'kill' acts.").tag(config=True)
-    unix_user_template = Unicode("{username}", help="A hub user's Unix user name ('jupyter-{username}' on TLJH).").tag(
-        config=True
-    )
-    lease_seconds = Float(float(LEASE_SECONDS), help="A server not heard of this long loses its grants.").tag(
-        config=True
-    )
-    start_grace = Float(30.0, help="A grant this young is kept even when its server's lease does not list it yet.").tag(
-        config=True
-    )
-    hub_cache_seconds = Float(10.0, help="How long the hub's answers (tokens, users, groups) are kept.").tag(
-        config=True
-    )
-    sampler_enabled = Bool(True, help="Run the host watchdog.").tag(config=True)
-    room_calls_per_second = Float(
-        20.0,
-        help="""Room calls (api/room) one user's servers may make a second, together (0: no limit). A server calls
-        once a sample while a kernel of its waits, and once per park; more is answered 429 with Retry-After.""",
-    ).tag(config=True)
-    grant_calls_per_second = Float(
-        20.0,
-        help="Grant calls (api/grants: starts, cap changes, releases, lists) one user may make a second (0: no limit).",
-    ).tag(config=True)
-    lease_calls_per_second = Float(
-        5.0,
-        help=f"""Lease renewals (api/lease) one user's servers may make a second, together (0: no limit); a server
-        renews every {LEASE_RENEW} s.""",
-    ).tag(config=True)
-    status_calls_per_second = Float(
-        10.0, help="Status and metrics calls one user (or service) may make a second (0: no limit)."
-    ).tag(config=True)
-    page_loads_per_second = Float(
-        1.0, help="Loads of the admin's page one user may make a second (0: no limit); past it, 429."
-    ).tag(config=True)
-    failed_auth_per_second = Float(
-        2.0,
-        help="""Failed authentications (no token, a token the hub does not know or that was not given access)
-        taken a second from one address; past it, a token the hub has not confirmed in the last hour is answered
-        429 without asking the hub (0: no limit).""",
-    ).tag(config=True)
-    rate_burst_seconds = Float(
-        5.0, help="Each of the limits above lets this many seconds' worth of calls through at once."
-    ).tag(config=True)
-    max_open_requests = Int(
-        64, help="Requests of one user open at once, long polls included (0: no limit); past it, 429."
-    ).tag(config=True)
-    refusal_hold_seconds = Float(
-        15.0,
-        help="""A call answered 429 gets its answer after up to the time it was told to wait, at most this long (1024
-        held at once per caller; past that, answered at once and disconnected): a client that calls again as soon
-        as it is answered makes one call per connection per hold. 0: answered at once.""",
-    ).tag(config=True)
-    max_long_polls = Int(
-        16, help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit)."
-    ).tag(config=True)
-    unparkable_idle = Enum(
-        ("count", "show"),
-        "count",
-        help="""GPU memory of a kernel idle at least park_min_idle that cannot be parked (its server reports it not
-        parkable, or it declined a park request): "count" it, for its user, against the user's user_budget once
-        more, on top of the grant that holds it (for their new kernels, raised caps and resumes), so that memory
-        nobody else can get back costs its keeper; or only "show" it on the admin's page.""",
-    ).tag(config=True)
-    page_cache_seconds = Float(
-        2.0,
-        help="""The admin's page is built (in a thread of its own, off the path that answers grants) at most once
-        this often per view; every load meanwhile gets that build. 0: built for each load.""",
-    ).tag(config=True)
-    park_min_idle = _broker_trait("park_min_idle")
-    park_wait_limit = _broker_trait("park_wait_limit")
-    park_device_margin = _broker_trait("park_device_margin")
-    park_host_margin = _broker_trait("park_host_margin")
+    # Every setting's trait, from its row in settings.SERVICE_SETTINGS (type, default, help).
+    config_file = service_trait("config_file")
+    state_dir = service_trait("state_dir")
+    users = service_trait("users")
+    groups = service_trait("groups")
+    default = service_trait("default")
+    property_key = service_trait("property_key")
+    default_cap = service_trait("default_cap")
+    max_cap = service_trait("max_cap")
+    overcommit = service_trait("overcommit")
+    placement = service_trait("placement")
+    on_full = service_trait("on_full")
+    on_over_max = service_trait("on_over_max")
+    inventory_class = service_trait("inventory_class")
+    nvml_class = service_trait("nvml_class")
+    poll_interval = service_trait("poll_interval")
+    stall_after = service_trait("stall_after")
+    max_kernels = service_trait("max_kernels")
+    user_budget = service_trait("user_budget")
+    idle_held = service_trait("idle_held")
+    unmanaged_action = service_trait("unmanaged_action")
+    unmanaged_grace = service_trait("unmanaged_grace")
+    unix_user_template = service_trait("unix_user_template")
+    lease_seconds = service_trait("lease_seconds")
+    start_grace = service_trait("start_grace")
+    hub_cache_seconds = service_trait("hub_cache_seconds")
+    sampler_enabled = service_trait("sampler_enabled")
+    room_calls_per_second = service_trait("room_calls_per_second")
+    grant_calls_per_second = service_trait("grant_calls_per_second")
+    lease_calls_per_second = service_trait("lease_calls_per_second")
+    status_calls_per_second = service_trait("status_calls_per_second")
+    page_loads_per_second = service_trait("page_loads_per_second")
+    failed_auth_per_second = service_trait("failed_auth_per_second")
+    rate_burst_seconds = service_trait("rate_burst_seconds")
+    max_open_requests = service_trait("max_open_requests")
+    refusal_hold_seconds = service_trait("refusal_hold_seconds")
+    max_long_polls = service_trait("max_long_polls")
+    unparkable_idle = service_trait("unparkable_idle")
+    page_cache_seconds = service_trait("page_cache_seconds")
+    park_min_idle = service_trait("park_min_idle")
+    park_wait_limit = service_trait("park_wait_limit")
+    park_device_margin = service_trait("park_device_margin")
+    park_host_margin = service_trait("park_host_margin")
 
     aliases = {"config": "GpuQuotaService.config_file", "state-dir": "GpuQuotaService.state_dir"}
     classes = [StaticInventory, NvmlInventory]
