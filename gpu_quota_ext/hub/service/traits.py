@@ -6,7 +6,7 @@ start, where build() reads it (the policy's and the broker's rows are parsed the
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 from traitlets import Bool, Enum, Float, Int, TraitType, Type, Unicode
 from traitlets import Dict as DictTrait
@@ -38,17 +38,18 @@ def _bounds(row: Setting, whole: bool = False) -> Dict[str, float]:
 def service_trait(name: str) -> TraitType:
     """The trait of one row of the service's settings table (config=True)."""
     row = SERVICE_SETTINGS[name]
-    nullable = row.nullable or row.default is None
+    # traitlets' stubs type allow_none as a literal: given through a mapping, it is the row's.
+    common: Dict[str, Any] = {"help": row.help, "allow_none": row.nullable or row.default is None}
     trait: TraitType
     if row.kind == CHOICE:
-        trait = Enum(row.choices, row.default, allow_none=nullable, help=row.help)
+        trait = Enum(row.choices, row.default, **common)
     elif row.kind in (SECONDS, FACTOR, RATE):
-        trait = Float(row.default, allow_none=nullable, help=row.help, **_bounds(row))
+        trait = Float(row.default, **common, **_bounds(row))
     elif row.kind == COUNT:
-        trait = Int(row.default, help=row.help, **_bounds(row, whole=True))
+        trait = Int(row.default, **common, **_bounds(row, whole=True))
     elif row.kind in (CAP, SIZE, SLACK, TEXT):
         # A cap or a size as its text ("0.25", "1GiB"): parsed where the service builds its policy and broker.
-        trait = Unicode(row.default, allow_none=nullable, help=row.help)
+        trait = Unicode(row.default, **common)
     elif row.kind == CLASS:
         trait = Type(row.default, klass=row.klass, help=row.help)
     elif row.kind == FLAG:
