@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from jupyter_core.paths import jupyter_data_dir
 from tornado import web
 from tornado.ioloop import IOLoop, PeriodicCallback
+from tornado.platform.asyncio import BaseAsyncIOLoop
 from traitlets import default as default_value
 from traitlets.config import Application
 
@@ -48,7 +49,6 @@ from ...shared.service_contract import (
 )
 from ..caps import HOST_KEYS, hub_caps
 from .accept import GuardedHTTPServer, raise_descriptor_limit
-from .attribution import Verified
 from .auth import ServiceAuth, Who
 from .book import HostBook
 from .broker import HostBroker
@@ -79,6 +79,7 @@ from .user_policy import UserPolicy, host_limits
 
 log = logging.getLogger("gpu_quota_ext")
 
+PageView = Tuple[str, bool, Optional[str], int]  # a snapshot of the admin's page: (viewer, admin, user, page)
 BROKER_ROWS = ("park_min_idle", "park_wait_limit", "park_device_margin", "park_host_margin")  # the broker's rows
 
 
@@ -141,26 +142,6 @@ class GpuQuotaService(Application):
     park_wait_limit = service_trait("park_wait_limit")
     park_device_margin = service_trait("park_device_margin")
     park_host_margin = service_trait("park_host_margin")
-
-    aliases = {"config": "GpuQuotaService.config_file", "state-dir": "GpuQuotaService.state_dir"}
-    classes = [StaticInventory, NvmlInventory]
-
-    @default_value("state_dir")
-    def _state_dir(self):
-        return os.path.join(jupyter_data_dir(), "gpu_quota_service")
-
-    def _caps_mapping(self) -> dict:
-        mapping = {"users": self.users, "groups": self.groups, "default": self.default}
-        raw = os.environ.get(CAPS_ENV)
-        if raw and not any(mapping.values()):
-            try:
-                given = json.loads(raw)
-            except ValueError:
-                raise PolicyError(f"{CAPS_ENV} is not JSON") from None
-            if not isinstance(given, dict) or set(given) - {"users", "groups", "default"}:
-                raise PolicyError(f'{CAPS_ENV} must be {{"users": ..., "groups": ..., "default": ...}}')
-            mapping.update({k: v for k, v in given.items() if v is not None})
-        return mapping
 
     aliases = {"config": "GpuQuotaService.config_file", "state-dir": "GpuQuotaService.state_dir"}
     classes = [StaticInventory, NvmlInventory]
@@ -242,7 +223,7 @@ class GpuQuotaService(Application):
         self.history = UserHistory()
         self._history_failed = False  # said once in the log, not every sample
         self.guard = Guard(self._guard_settings())
-        self.snapshots = Snapshots(self._page_body, self.page_cache_seconds)
+        self.snapshots: Snapshots[PageView] = Snapshots(self._page_body, self.page_cache_seconds)
         self.registry = registry_for(lambda: self.status_now("metrics", True))
 
     def _guard_settings(self) -> GuardSettings:
@@ -267,7 +248,7 @@ class GpuQuotaService(Application):
                 raise PolicyError(f"c.GpuQuotaService.{name} = {shown(value)}: {error}") from None
         return BrokerSettings(**values)
 
-    def _on_round(self, verified: Verified, now: float) -> None:
+    def _on_round(self, verified: Mapping[str, Tuple[int, ...]], now: float) -> None:
         """After each host sample (the sampler's thread): the book hears which grants a live process holds, the
         host's broker which resumes the sample shows done, then each user's usage and grants of this sample go
         into the admin page's history."""
@@ -348,7 +329,7 @@ class GpuQuotaService(Application):
         body = await self.snapshots.get(("" if who.admin else who.name, who.admin, user, page))
         return page_around(who.name, who.admin, body)
 
-    def _page_body(self, view: Tuple[str, bool, Optional[str], int]) -> str:
+    def _page_body(self, view: PageView) -> str:
         """In the page's own thread: the status read under the book's and the broker's locks, then rendered."""
         name, admin, user, page = view
         status = self.status_now(name or "admin", admin)
@@ -374,7 +355,7 @@ class GpuQuotaService(Application):
             (prefix + ADMIN_PAGE, PageHandler),
         ]
         return web.Application(
-            handlers,  # type: ignore[arg-type]  # tornado's stubs take a list of rules of one handler type
+            handlers,
             gpu_quota_service=self,
             hub_auth=self.auth.hub_auth,
             hub_oauth=self.auth.hub_oauth,
@@ -439,6 +420,7 @@ def stop_on_signal() -> None:
     import signal
 
     loop = IOLoop.current()
+    assert isinstance(loop, BaseAsyncIOLoop)  # tornado 5 and later: every IOLoop runs on asyncio
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.asyncio_loop.add_signal_handler(signum, loop.stop)
 

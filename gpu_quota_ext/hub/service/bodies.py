@@ -233,7 +233,7 @@ def check_model(body: Any, model: Model) -> Dict[str, Any]:
     return values
 
 
-def _each(items: List[Any], field: Field) -> List[Dict[str, Any]]:
+def _each(items: Any, field: Field) -> List[Dict[str, Any]]:
     assert field.each is not None
     entries: List[Dict[str, Any]] = []
     for item in items:

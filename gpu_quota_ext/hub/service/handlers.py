@@ -21,7 +21,7 @@ import socket
 import time
 from html import escape
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Type, TypeVar
 
 try:
     from jupyterhub.services.auth import (  # type: ignore[import-untyped]
@@ -49,7 +49,7 @@ from .room import RoomRefused
 if TYPE_CHECKING:
     from .app import GpuQuotaService
 
-ExcInfo = Tuple[Optional[Type[BaseException]], Optional[BaseException], Optional[TracebackType]]
+T = TypeVar("T")
 
 
 def _error_message(status_code: int, error: Optional[BaseException]) -> str:
@@ -239,7 +239,7 @@ class GrantsHandler(ApiHandler):
 class GrantHandler(ApiHandler):
     route = "grants"
 
-    def _call(self, method: Any, kernel_id: str, *args: Any) -> Any:
+    def _call(self, method: Callable[..., T], kernel_id: str, *args: Any) -> T:
         try:
             return method(self.who.name, kernel_id, self.who.admin, *args)
         except Forbidden:
@@ -257,7 +257,7 @@ class GrantHandler(ApiHandler):
         request = parse_change_request(self.body())
         book = self.service.book
         self.give_up_if_caller_gone(f"kernel {kernel_id}'s cap was changed")
-        if request == "reset":
+        if isinstance(request, str):  # "reset"
             outcome = self._call(book.reset, kernel_id)
         else:
             cap, uuid = request
@@ -332,7 +332,7 @@ class MetricsHandler(ApiHandler):
         self.finish(generate_latest(self.service.registry))
 
 
-class ServiceOAuth(HubOAuthenticated):  # type: ignore[misc]  # JupyterHub's mixin is untyped
+class ServiceOAuth(HubOAuthenticated):
     """The OAuth side of the service's handlers, bound to the app's own HubOAuth (settings["hub_oauth"]), as
     JupyterHub's single-user server binds its own. The mixin's default, HubOAuth.instance(), is another
     object: JupyterHub 6 keeps each login's PKCE code verifier in the HubOAuth that began the login, and a
@@ -345,7 +345,7 @@ class ServiceOAuth(HubOAuthenticated):  # type: ignore[misc]  # JupyterHub's mix
         return self.settings["hub_oauth"]
 
 
-class OAuthCallbackHandler(ServiceOAuth, Refusals, HubOAuthCallbackHandler):  # type: ignore[misc]
+class OAuthCallbackHandler(ServiceOAuth, Refusals, HubOAuthCallbackHandler):
     """JupyterHub's own end of the login (state check, code for token, the login cookie), at oauth_callback."""
 
 

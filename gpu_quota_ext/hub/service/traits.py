@@ -29,7 +29,7 @@ from ...settings import (
 )
 
 
-def _bounds(row: Setting, whole: bool = False) -> Dict[str, float]:
+def _bounds(row: Setting, whole: bool = False) -> Dict[str, Any]:
     """The row's range as the trait's min and max, where it has one (traitlets' own default is no bound)."""
     bounds = {"min": row.low, "max": row.high}
     return {key: int(value) if whole else value for key, value in bounds.items() if value is not None}
