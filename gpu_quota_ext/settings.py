@@ -12,15 +12,22 @@ name when not its own, `parser` how its value is read when its kind does not say
 setting_trait("name")` in GpuQuota (app.py), the docs' reference follows from the row;
 tests/unit/test_settings.py checks that all of these agree. A row of the HOST part is the host service's
 instead: a trait of GpuQuotaService (hub/service/app.py) and a key of the hub's mapping.
+
+The host service's own settings (c.GpuQuotaService) are a second table of the same rows, SERVICE_SETTINGS: a
+trait each (hub/service/traits.py builds it from the row, as app.py's setting_trait does the server's), none
+read from the environment; where the service takes a server setting (the policy's, the broker's, the HOST
+rows) its row is the server's, with the service's help. To add one: a row there and a line `name =
+service_trait("name")` in GpuQuotaService; tests/unit/test_host_service_settings.py checks that they agree.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from .shared.durations import parse_duration
+from .shared.service_contract import LEASE_RENEW, LEASE_SECONDS
 from .shared.sizes import CapSpec, GiB, PolicyError, format_bytes, parse_cap, shown
 
 # Kinds: what values a setting takes (the trait that holds it, app.py) and what it must be.
@@ -34,6 +41,10 @@ TEXT = "text"
 RULES = "rules"  # a list of rule dicts, or a callable
 CLASS = "class"  # a subclass of `klass`, or its import path
 COUNT = "count"  # a whole number from `low` to `high`
+# Kinds only the host service's table uses.
+FLAG = "flag"  # True or False
+MAPPING = "mapping"  # a dict (the hub's mapping: users, groups, default)
+RATE = "rate"  # calls a second; 0: no limit
 
 # Parts: which validated object a setting belongs to (its builder takes the setting as an argument, `validated`).
 POLICY = "policy"  # policy.build_policy -> Policy
@@ -44,6 +55,7 @@ PLUGINS = "plugins"  # the classes the extension instantiates
 # The host service's limits on each user (hub/service/user_policy.py). The hub's mapping sets them per user
 # and group; no user's server reads them (they never reach its environment) and c.GpuQuota has no trait for them.
 HOST = "host"
+SERVICE = "service"  # the host service's own settings (SERVICE_SETTINGS): c.GpuQuotaService, not a user's server
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class Setting:
     per_user: bool = False  # the hub's mapping may set it per user and group (hub/caps.py)
     attribute: Optional[str] = None  # the validated object's attribute that holds it; None: the setting's name
     parser: Optional[Callable[[Any], Any]] = None  # how its value is read, where its kind alone does not say
+    nullable: bool = False  # None is a value too, though not the default (the host service's overcommit)
 
     def parse(self, value: Any) -> Any:
         """The value as its part holds it (choices and ranges from the row); PolicyError says why not."""
@@ -82,9 +95,13 @@ class Setting:
             return f"must be a positive number up to {self.high:g} (1.0 = never grant more than the device) or None"
         if self.kind == CLASS:
             return f"must be a subclass of {self.klass} (the class or its import path)"
-        if self.kind == COUNT:
+        if self.kind == COUNT and self.low is not None and self.high is not None:
             return f"must be a whole number from {self.low:g} to {self.high:g}"
         return {
+            COUNT: "must be a whole number",
+            FLAG: "must be True or False",
+            MAPPING: "must be a dict",
+            RATE: "must be a number of calls a second (0: no limit)",
             CAP: "must be a fraction like '0.25', a percentage like '25%', a size like '12GiB', or bytes",
             SIZE: "must be a size like '640MiB', bytes, or 0",
             SLACK: "must be a size like '1GiB', bytes, or a fraction of the kernel's cap like '10%'",
@@ -193,6 +210,17 @@ def _as_given(row: Setting, value: Any) -> Any:
     return value  # CLASS: the trait (traitlets' Type) has checked and imported it
 
 
+def _of_type(*types: type) -> Callable[[Setting, Any], Any]:
+    """A value taken as it is when it has one of `types` (the host service's own kinds: its traits check them)."""
+
+    def parse(row: Setting, value: Any) -> Any:
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise PolicyError(row.must)
+        return value
+
+    return parse
+
+
 _KIND_PARSERS: Dict[str, Callable[[Setting, Any], Any]] = {
     CHOICE: _choice,
     SECONDS: _seconds,
@@ -204,6 +232,9 @@ _KIND_PARSERS: Dict[str, Callable[[Setting, Any], Any]] = {
     TEXT: _text,
     CLASS: _as_given,
     COUNT: _count,
+    FLAG: _of_type(bool),
+    MAPPING: _of_type(dict),
+    RATE: _of_type(int, float),
 }
 
 
@@ -585,6 +616,212 @@ SETTINGS: Dict[str, Setting] = _table(
 )
 
 DEFAULTS: Dict[str, Any] = {name: row.default for name, row in SETTINGS.items()}
+
+
+# --- the host service's own settings (c.GpuQuotaService) -------------------------------------------------
+
+BROKER_HELP = " Here: for every user's kernels at once, on the host's broker."
+
+
+def _on_the_host(name: str, help: str, **changes: Any) -> Setting:
+    """A server row as the host service takes it: the same kind, choices and default, the service's help, never
+    read from the environment (the service's settings come from its config file and command line only)."""
+    return replace(SETTINGS[name], part=SERVICE, env=None, help=help, **changes)
+
+
+SERVICE_SETTINGS: Dict[str, Setting] = _table(
+    Setting("config_file", TEXT, SERVICE, "", help="A Python config file with c.GpuQuotaService settings."),
+    # Its default is computed at start (the Jupyter data directory): GpuQuotaService._state_dir.
+    Setting(
+        "state_dir",
+        TEXT,
+        SERVICE,
+        "",
+        help="Where the ledger's database lives (created 0700, owned by the service's user).",
+    ),
+    Setting("users", MAPPING, SERVICE, {}, help="Per-user settings, as configure_hub_caps takes them."),
+    Setting(
+        "groups",
+        MAPPING,
+        SERVICE,
+        {},
+        help="Per-group settings (first group in this order wins), as configure_hub_caps.",
+    ),
+    Setting("default", MAPPING, SERVICE, {}, help="Settings for everyone else, as configure_hub_caps."),
+    # hub/caps.py's PROPERTY_KEY (a test checks they agree: settings.py imports nothing of hub/).
+    Setting(
+        "property_key",
+        TEXT,
+        SERVICE,
+        "gpu_quota",
+        nullable=True,
+        help="Group property read for live settings; None: ignore properties.",
+    ),
+    _on_the_host("default_cap", "A kernel's cap where the mapping sets none."),
+    _on_the_host("max_cap", "The most a kernel may ask for where the mapping sets none."),
+    _on_the_host(
+        "overcommit",
+        "Budget per device = its memory × this; None: no admission control.",
+        default=1.0,
+        nullable=True,
+        low=None,
+        high=None,
+    ),
+    _on_the_host("placement", "How kernels are placed on the host's GPUs."),
+    _on_the_host("on_full", "A full host: refuse the kernel, or start it CPU-only (per user in the mapping)."),
+    _on_the_host("on_over_max", "A request above max_cap: clamp it or refuse it."),
+    _on_the_host("inventory_class", "The host's GPUs (StaticInventory for tests)."),
+    _on_the_host("nvml_class", "NVML for the host watchdog (FakeNvml for tests)."),
+    Setting("poll_interval", SECONDS, SERVICE, 5.0, help="Seconds between host samples."),
+    Setting("stall_after", SECONDS, SERVICE, 10.0, help="A sample out longer than this: the watchdog is 'stalled'."),
+    _on_the_host("max_kernels", SETTINGS["max_kernels"].help + " Where the mapping sets none."),
+    _on_the_host("user_budget", SETTINGS["user_budget"].help + " Where the mapping sets none."),
+    Setting(
+        "idle_held",
+        CHOICE,
+        SERVICE,
+        "release",
+        choices=("release", "keep"),
+        help="""A grant that no live process of its user (a PID its server registered, verified by its uid) has
+        held for a lease period: release it, or keep it and show it as idle-held on the admin's page. A lease
+        renewed with empty PID lists keeps nothing under "release".""",
+    ),
+    # The choices are hub/service/attribution.py's UNMANAGED_ACTIONS (it reads them here).
+    Setting(
+        "unmanaged_action",
+        CHOICE,
+        SERVICE,
+        "warn",
+        choices=("warn", "kill"),
+        help="GPU memory outside every grant: warn, or kill the process after unmanaged_grace.",
+    ),
+    Setting("unmanaged_grace", SECONDS, SERVICE, 30.0, help="Seconds an unmanaged process is seen before 'kill' acts."),
+    Setting(
+        "unix_user_template",
+        TEXT,
+        SERVICE,
+        "{username}",
+        help="A hub user's Unix user name ('jupyter-{username}' on TLJH).",
+    ),
+    Setting(
+        "lease_seconds",
+        SECONDS,
+        SERVICE,
+        float(LEASE_SECONDS),
+        help="A server not heard of this long loses its grants.",
+    ),
+    Setting(
+        "start_grace",
+        SECONDS,
+        SERVICE,
+        30.0,
+        help="A grant this young is kept even when its server's lease does not list it yet.",
+    ),
+    Setting(
+        "hub_cache_seconds", SECONDS, SERVICE, 10.0, help="How long the hub's answers (tokens, users, groups) are kept."
+    ),
+    Setting("sampler_enabled", FLAG, SERVICE, True, help="Run the host watchdog."),
+    Setting(
+        "room_calls_per_second",
+        RATE,
+        SERVICE,
+        20.0,
+        help="""Room calls (api/room) one user's servers may make a second, together (0: no limit). A server calls
+        once a sample while a kernel of its waits, and once per park; more is answered 429 with Retry-After.""",
+    ),
+    Setting(
+        "grant_calls_per_second",
+        RATE,
+        SERVICE,
+        20.0,
+        help="Grant calls (api/grants: starts, cap changes, releases, lists) one user may make a second (0: no limit).",
+    ),
+    Setting(
+        "lease_calls_per_second",
+        RATE,
+        SERVICE,
+        5.0,
+        help=f"""Lease renewals (api/lease) one user's servers may make a second, together (0: no limit); a server
+        renews every {LEASE_RENEW} s.""",
+    ),
+    Setting(
+        "status_calls_per_second",
+        RATE,
+        SERVICE,
+        10.0,
+        help="Status and metrics calls one user (or service) may make a second (0: no limit).",
+    ),
+    Setting(
+        "page_loads_per_second",
+        RATE,
+        SERVICE,
+        1.0,
+        help="Loads of the admin's page one user may make a second (0: no limit); past it, 429.",
+    ),
+    Setting(
+        "failed_auth_per_second",
+        RATE,
+        SERVICE,
+        2.0,
+        help="""Failed authentications (no token, a token the hub does not know or that was not given access)
+        taken a second from one address; past it, a token the hub has not confirmed in the last hour is answered
+        429 without asking the hub (0: no limit).""",
+    ),
+    Setting(
+        "rate_burst_seconds",
+        SECONDS,
+        SERVICE,
+        5.0,
+        help="Each of the limits above lets this many seconds' worth of calls through at once.",
+    ),
+    Setting(
+        "max_open_requests",
+        COUNT,
+        SERVICE,
+        64,
+        help="Requests of one user open at once, long polls included (0: no limit); past it, 429.",
+    ),
+    Setting(
+        "refusal_hold_seconds",
+        SECONDS,
+        SERVICE,
+        15.0,
+        help="""A call answered 429 gets its answer after up to the time it was told to wait, at most this long (1024
+        held at once per caller; past that, answered at once and disconnected): a client that calls again as soon
+        as it is answered makes one call per connection per hold. 0: answered at once.""",
+    ),
+    Setting(
+        "max_long_polls",
+        COUNT,
+        SERVICE,
+        16,
+        help="Lease renewals of one user waiting at once (one per server is what servers make; 0: no limit).",
+    ),
+    Setting(
+        "unparkable_idle",
+        CHOICE,
+        SERVICE,
+        "count",
+        choices=("count", "show"),
+        help="""GPU memory of a kernel idle at least park_min_idle that cannot be parked (its server reports it not
+        parkable, or it declined a park request): "count" it, for its user, against the user's user_budget once
+        more, on top of the grant that holds it (for their new kernels, raised caps and resumes), so that memory
+        nobody else can get back costs its keeper; or only "show" it on the admin's page.""",
+    ),
+    Setting(
+        "page_cache_seconds",
+        SECONDS,
+        SERVICE,
+        2.0,
+        help="""The admin's page is built (in a thread of its own, off the path that answers grants) at most once
+        this often per view; every load meanwhile gets that build. 0: built for each load.""",
+    ),
+    # The host's broker: the server's settings of the same name, as text (parsed as the server parses them).
+    *(
+        _on_the_host(name, SETTINGS[name].help + BROKER_HELP, default=str(DEFAULTS[name]))
+        for name in ("park_min_idle", "park_wait_limit", "park_device_margin", "park_host_margin")
+    ),
+)
 
 
 def names_of(part: str) -> Tuple[str, ...]:

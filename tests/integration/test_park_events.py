@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpu_quota_ext.parking.events import LOSS, PARK, REFUSAL, RESUME, SCHEMA_IDS, schema_path
-from gpu_quota_ext.policy import GiB
+from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_gpu import fake_gpu_config, wait_for
 from .kernels import execute, start_kernel

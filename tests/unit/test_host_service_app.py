@@ -15,7 +15,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.hub.service import app as service_app
 from gpu_quota_ext.hub.service.app import GpuQuotaService
-from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.auth import Who
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.ledger import AdmissionRefused
 from gpu_quota_ext.ledger.remote import RemoteLedger
@@ -80,11 +80,11 @@ def test_a_start_its_server_gave_up_on_is_not_granted_when_the_hung_service_resu
     async def identify(handler):  # the hub's answer for alice's token, without a hub
         return Who("alice", False, {"kind": "user", "name": "alice"})
 
-    async def policy_for(name):
+    async def policy_for(name, directory=None):
         return user_policy(service.caps, service.host_policy, name, [], service.limits)
 
     monkeypatch.setattr(service, "identify", identify)
-    monkeypatch.setattr(service, "policy_for", policy_for)
+    monkeypatch.setattr(service.policies, "policy_for", policy_for)
     answered = []  # (status, method, path) of every request the service answered
     monkeypatch.setattr(
         service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
@@ -127,11 +127,11 @@ def test_a_cap_change_its_server_gave_up_on_is_not_made_when_the_blocked_service
     async def identify(handler):
         return Who("alice", False, {"kind": "user", "name": "alice"})
 
-    async def policy_for(name):
+    async def policy_for(name, directory=None):
         return user_policy(service.caps, service.host_policy, name, [], service.limits)
 
     monkeypatch.setattr(service, "identify", identify)
-    monkeypatch.setattr(service, "policy_for", policy_for)
+    monkeypatch.setattr(service.policies, "policy_for", policy_for)
     answered = []
     monkeypatch.setattr(
         service_app, "_access_log", lambda h: answered.append((h.get_status(), h.request.method, h.request.path))
@@ -168,16 +168,16 @@ def test_a_lease_does_not_run_out_for_the_time_the_service_itself_did_not_run(se
     policy = user_policy(service.caps, service.host_policy, "alice", [], service.limits)
     lease_seconds = service.book.lease_seconds
     service.book.grant("alice", "", "k1", "python3", policy, None, time.time() - lease_seconds - 5)
-    service._expiry_every = 5.0
-    service._expired_at = time.monotonic() - 30  # the last check: 30 s ago, six periods
-    service._expire()
+    service.expiry.every = 5.0
+    service.expiry.last = time.monotonic() - 30  # the last check: 30 s ago, six periods
+    service.expiry.tick()
     assert [o.grant.kernel_id for o in service.book.owned()] == ["k1"]
     (lease,) = service.book.leases()
     assert lease.expires >= time.time() + lease_seconds - 5
     # Checked on time, the same lease run out is the end of its grants.
     service.book.restore((), [replace(lease, expires=time.time() - 1)], 0)
-    service._expired_at = time.monotonic()
-    service._expire()
+    service.expiry.last = time.monotonic()
+    service.expiry.tick()
     assert service.book.owned() == [] and service.book.leases() == []
 
 
@@ -226,7 +226,7 @@ def test_each_host_sample_adds_a_point_to_the_users_history_and_a_user_sees_only
 def test_a_body_over_the_limit_or_not_json_is_refused_and_nothing_granted(service, monkeypatch):
     """The service's API keeps a body only up to 64 KiB, declared or chunked (413), and refuses one that is not
     JSON, however deep (400). The hub is down here: the token's owner is given."""
-    from gpu_quota_ext.hub.service.handlers import Who
+    from gpu_quota_ext.hub.service.auth import Who
 
     async def identify(handler):
         return Who("alice", False, {"kind": "user", "name": "alice"})

@@ -3,7 +3,7 @@
 import pytest
 from tornado import web
 
-from gpu_quota_ext.hub.service.handlers import (
+from gpu_quota_ext.hub.service.bodies import (
     MAX_KERNELS,
     parse_change_request,
     parse_grant_request,

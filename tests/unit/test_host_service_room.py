@@ -24,7 +24,7 @@ from traitlets.config import Config
 from gpu_quota_ext import parking
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hub.service.app import GpuQuotaService
-from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.auth import Who
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.ledger import LeaseHooks
 from gpu_quota_ext.ledger.remote import RemoteLedger
@@ -76,11 +76,11 @@ def service(tmp_path, monkeypatch):
         name = TOKENS[header[len("token "):]]
         return Who(name, False, {"kind": "user", "name": name})
 
-    async def policy_for(name):
+    async def policy_for(name, directory=None):
         return user_policy(app.caps, app.host_policy, name, [], app.limits)
 
     monkeypatch.setattr(app, "identify", identify)
-    monkeypatch.setattr(app, "policy_for", policy_for)
+    monkeypatch.setattr(app.policies, "policy_for", policy_for)
     app.nvml_file = nvml_file
     yield app
     app.store.close()
@@ -168,7 +168,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             for server in servers.values():
                 assert await asyncio.to_thread(server.ledger.lease.renew)
             # Their renewers' long polls wait now.
-            await wait_for(lambda: service.polls.count() == 3, "three leases waiting in their long polls")
+            await wait_for(lambda: service.broker.polls.count() == 3, "three leases waiting in their long polls")
             fds, threads = len(os.listdir("/proc/self/fd")), ours()
 
             # Alice's cell: her server asks the host's broker.
@@ -225,7 +225,7 @@ def test_a_resume_parks_another_users_idle_kernel_through_its_lease_and_nothing_
             for server in servers.values():
                 await asyncio.to_thread(server.close)
             closing = time.monotonic() - started
-            await wait_for(lambda: service.polls.count() == 0, "every long poll ended with its server")
+            await wait_for(lambda: service.broker.polls.count() == 0, "every long poll ended with its server")
             assert not [t for t in threading.enumerate() if t.name == "gpu-quota-lease"]
             print(f"park request to bob's server {to_bob * 1000:.0f} ms after alice's room call; "
                   f"three servers closed in {closing:.2f} s")
@@ -263,16 +263,16 @@ def test_two_users_parks_in_the_same_second_get_the_hosts_memory_from_one_accoun
             refused = [words for words, _ in answers if words is not None]
             assert len(refused) == 1, answers  # 9 GiB: one park of 5 GiB and the 2 GiB margin, not two
             assert "parks under way will still bring 5.0 GiB" in refused[0], refused
-            assert service.room.host_promised() == 5 * GiB
+            assert service.broker.room.host_promised() == 5 * GiB
             # Carol names bob's kernel: 403, nothing promised.
             words, _ = await brokers["carol"].promise_host(empty, "kb", GiB)
             assert words is not None and "another user's" in words, words
-            assert service.room.host_promised() == 5 * GiB
+            assert service.broker.room.host_promised() == 5 * GiB
             # The park that got its promise reports itself parked: the promise ends, the next park may have it.
             promised = "bob" if answers[0][0] is None else "carol"
             servers[promised].reports("parked")
             assert await asyncio.to_thread(servers[promised].ledger.lease.renew)
-            assert service.room.host_promised() == 0
+            assert service.broker.room.host_promised() == 0
         finally:
             for server in servers.values():
                 server.close()

@@ -18,7 +18,7 @@ from traitlets.config import Config
 
 from gpu_quota_ext.hub.service import accept
 from gpu_quota_ext.hub.service.app import GpuQuotaService
-from gpu_quota_ext.hub.service.handlers import Who
+from gpu_quota_ext.hub.service.auth import Who
 from gpu_quota_ext.hub.service.rate import OpenRequests
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
@@ -55,11 +55,11 @@ def service(tmp_path, monkeypatch):
             raise web.HTTPError(403, "the hub does not know this token")
         return Who(USERS[token], False, {"kind": "user", "name": USERS[token]})
 
-    async def policy_for(name):
+    async def policy_for(name, directory=None):
         return user_policy(app.caps, app.host_policy, name, [], app.limits)
 
-    monkeypatch.setattr(app, "_identify", identify)
-    monkeypatch.setattr(app, "policy_for", policy_for)
+    monkeypatch.setattr(app.auth, "_identify", identify)
+    monkeypatch.setattr(app.policies, "policy_for", policy_for)
     app.asked_hub = asked
     yield app
     app.store.close()
@@ -191,7 +191,7 @@ def test_concurrent_calls_with_one_token_share_one_check_with_the_hub(service, m
         await held.wait()
         return Who(USERS[token], False, {"kind": "user", "name": USERS[token]})
 
-    monkeypatch.setattr(service, "_identify", identify)
+    monkeypatch.setattr(service.auth, "_identify", identify)
     arrived = []  # the guard is asked first, then (with no await between) the check under way is joined
     before_hub = service.guard.before_hub
     monkeypatch.setattr(service.guard, "before_hub", lambda *args: (arrived.append(1), before_hub(*args)))
@@ -216,7 +216,7 @@ def test_a_users_long_polls_are_bounded(service):
         waiting = [asyncio.ensure_future(call(client, base + LEASE_PATH, "bob-token", dict(lease, server=s)))
                    for s in ("a", "b")]
         deadline = time.monotonic() + 10
-        while service.polls.count() < 2:
+        while service.broker.polls.count() < 2:
             assert time.monotonic() < deadline, "the two long polls never waited"
             await asyncio.sleep(0.01)
         code, retry, data = await call(client, base + LEASE_PATH, "bob-token", dict(lease, server="c"))
@@ -224,7 +224,7 @@ def test_a_users_long_polls_are_bounded(service):
         assert ("bob", "c") not in {(x.user, x.server) for x in service.book.leases()}  # nothing renewed
         # carol's long poll is not bob's
         carol = asyncio.ensure_future(call(client, base + LEASE_PATH, "carol-token", lease))
-        while service.polls.count() < 3:
+        while service.broker.polls.count() < 3:
             assert time.monotonic() < deadline, "carol's long poll was not taken"
             await asyncio.sleep(0.01)
         assert [r[0] for r in await asyncio.gather(*waiting, carol)] == [200, 200, 200]

@@ -25,10 +25,10 @@ def test_the_admins_status_shows_the_host_memory_promised_to_parks_under_way_unt
         policy = UserPolicy(PolicyDecision(parse_cap("8GiB"), parse_cap("1.0"), 1, "test"), "refuse", UserLimits(16))
         app.book.grant("bob", "", "kb", "python3", policy, None, T0)
         assert app.status_now("carol", True)["host_memory"] == {"promised": 0}
-        assert app.room.promise_host("kb", 5 * GiB, HostReading(20 * GiB, None), 2 * GiB, T0) is None
+        assert app.broker.room.promise_host("kb", 5 * GiB, HostReading(20 * GiB, None), 2 * GiB, T0) is None
         assert app.status_now("carol", True)["host_memory"] == {"promised": 5 * GiB}
         assert "host_memory" not in app.status_now("bob", False)  # every user's parks: the admin's to see
-        app.room.hear("bob", "", {"kb": ParkReport("parked", None, False)}, T0 + 2, lease=True)
+        app.broker.room.hear("bob", "", {"kb": ParkReport("parked", None, False)}, T0 + 2, lease=True)
         assert app.status_now("carol", True)["host_memory"] == {"promised": 0}  # parked: the host's reading has it
     finally:
         app.store.close()

@@ -113,11 +113,11 @@ def test_the_service_notes_kept_idle_memory_at_each_sample_and_counts_it_as_its_
         app.book.grant("bob", "", "b1", "python3", policy(), None, T0)
         app.book.grant("bob", "", "b2", "python3", policy(), None, T0)
         reports = {"b1": ParkReport("idle", 600.0, False), "b2": ParkReport("idle", 600.0, True)}
-        app.room.hear("bob", "", reports, T0, lease=True)
+        app.broker.room.hear("bob", "", reports, T0, lease=True)
         used = {"b1": {"GPU-0": 6 * GiB}, "b2": {"GPU-0": GiB}}
         sample = SimpleNamespace(attributed=SimpleNamespace(kernel_used=used))
-        app._note_kept_idle(sample, T0 + 1)
-        assert app.kept_idle == {"b1": {"GPU-0": 6 * GiB}}  # b2 can park: the broker can make room with it
+        app.broker.note_kept_idle(sample, T0 + 1)
+        assert app.broker.kept_idle == {"b1": {"GPU-0": 6 * GiB}}  # b2 can park: the broker can make room with it
         assert app.book.kept_idle_of("bob") == ({0: 6 * GiB} if setting == "count" else {})
         (row,) = app.status_now("carol", True)["kept_idle"]
         assert (row["user"], row["kernel_id"], row["counted"]) == ("bob", "b1", setting == "count")

@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-UNMANAGED_ACTIONS = ("warn", "kill")
+from ...settings import SERVICE_SETTINGS
+
+UNMANAGED_ACTIONS = SERVICE_SETTINGS["unmanaged_action"].choices  # ("warn", "kill"): the setting's row says
 
 
 @dataclass(frozen=True)

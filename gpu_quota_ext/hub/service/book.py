@@ -170,6 +170,15 @@ class HostBook:
     def devices(self) -> Dict[int, Device]:
         return {d.index: d for d in self.ledger.devices}
 
+    def device_indexes(self, uuids: Iterable[str]) -> List[int]:
+        """The indexes of the host's devices among `uuids`, in the host's order (others are not this host's)."""
+        wanted = set(uuids)
+        return [d.index for d in self.ledger.devices if d.uuid in wanted]
+
+    def device_index(self, uuid: str) -> Optional[int]:
+        """The index of the host's device `uuid`; None: not one of this host's."""
+        return next((d.index for d in self.ledger.devices if d.uuid == uuid), None)
+
     def record(self, grant: Grant) -> dict:
         return grant_to_record(grant, self.devices)
 

@@ -1,6 +1,6 @@
 """The host's broker: one view of every user's kernels for the broker's decisions (parking/broker.py), and what
 the service keeps between two of them. Pure: no I/O, no clock (callers pass `now`, wall-clock seconds), like
-book.py; the service (app.py) reads the sample and host memory, and wakes the servers' long polls.
+book.py; the service (broker.py) reads the sample and host memory, and wakes the servers' long polls.
 
 On a hub host the budget is one, so the view is one: a user server whose kernel waits for device memory asks
 here (the room call, shared.service_contract.ROOM_PATH) at every sample, and the broker decides over every

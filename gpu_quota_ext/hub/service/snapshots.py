@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Callable, Dict, Hashable, Tuple
+from typing import Callable, Dict, Generic, Hashable, Tuple, TypeVar
+
+View = TypeVar("View", bound=Hashable)  # what one build shows (the viewer, the page, ...)
 
 
-class Snapshots:
+class Snapshots(Generic[View]):
     def __init__(
         self,
-        build: Callable[[Hashable], str],
+        build: Callable[[View], str],
         seconds: float,
         max_views: int = 256,
         clock: Callable[[], float] = time.monotonic,
@@ -29,14 +31,14 @@ class Snapshots:
         self.max_views = max_views
         self.clock = clock
         self.builds = 0  # how many were built (tests and the benchmark read it)
-        self._kept: Dict[Hashable, Tuple[float, str]] = {}
-        self._building: Dict[Hashable, asyncio.Future] = {}
+        self._kept: Dict[View, Tuple[float, str]] = {}
+        self._building: Dict[View, asyncio.Future] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-quota-page")
         # Its thread is made now, with the service, not at an admin's first load: the service's threads are then
         # a fixed set from its start, and one that appears later is a leak.
         self._worker.submit(lambda: None).result()
 
-    async def get(self, view: Hashable) -> str:
+    async def get(self, view: View) -> str:
         kept = self._kept.get(view)
         if kept is not None and self.clock() - kept[0] < self.seconds:
             return kept[1]
@@ -46,7 +48,7 @@ class Snapshots:
             self._building[view] = building
         return await asyncio.shield(building)
 
-    async def _build(self, view: Hashable) -> str:
+    async def _build(self, view: View) -> str:
         try:
             started = self.clock()
             page = await asyncio.get_running_loop().run_in_executor(self._worker, self.build, view)
