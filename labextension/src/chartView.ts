@@ -5,6 +5,7 @@
  */
 
 import { CHART_HEIGHT, CHART_WIDTH, chartSummary, IChart } from './chart';
+import { setAttr } from './dom';
 
 const SVG = 'http://www.w3.org/2000/svg';
 
@@ -12,12 +13,6 @@ function svg<K extends keyof SVGElementTagNameMap>(tag: K, className: string): S
   const node = document.createElementNS(SVG, tag);
   node.setAttribute('class', className);
   return node;
-}
-
-function setAttr(node: Element, name: string, value: string): void {
-  if (node.getAttribute(name) !== value) {
-    node.setAttribute(name, value);
-  }
 }
 
 export class UsageChart {

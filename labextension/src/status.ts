@@ -12,8 +12,8 @@ import { Widget } from '@lumino/widgets';
 import { monitorNotice, statusBarInfo, usagePair } from './derive';
 import { formatBytes, labelled } from './format';
 import { QuotaModel } from './model';
-import { monitorNoticeText, usageTooltip } from './panel';
 import { IState } from './state';
+import { monitorNoticeText, usageTooltip } from './usageText';
 
 export class QuotaStatusItem extends Widget {
   constructor(
