@@ -18,6 +18,7 @@ device_grants, devices) stay direct.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import getpass
 import hmac
@@ -29,7 +30,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
-from .hard_limit import HardLimitLayer, HardLimitSettings
+from .hard_limit import LIMIT_VARIABLE, HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env, preload
 from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger
 from .parking import (
@@ -41,6 +42,7 @@ from .parking import (
     ParkSettings,
     RoomBroker,
     preload_library,
+    preloads,
 )
 from .policy import Policy, PolicyDecision, default_decision, resolve, resolve_answer
 from .shared.env_vars import LOST
@@ -162,7 +164,7 @@ class GpuQuotaManager:
         )
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
-        self._fast_park_library: Optional[asyncio.Future] = None  # fast_park on: its build, once per server
+        self._fast_park_library: Optional[concurrent.futures.Future] = None  # fast_park on: its build, once per server
         # The ledger says whether a host service stands behind it (a user server of a hub host): then that service
         # brokers every user's device memory (one view, one decision-maker) and its lease carries the park states.
         host = ledger.host_service()
@@ -377,6 +379,7 @@ class GpuQuotaManager:
         else:
             self._bootstrapped.discard(kernel_id)
         probe = await self.hard_cap.probe()  # asks the MPS daemon (hard_cap on) in a thread, with a timeout
+        hard_limit = self.hard_cap.decide(kernel_id, grant, self.devices, env, probe)
         updates = launch_env(
             grant,
             self.devices,
@@ -384,9 +387,9 @@ class GpuQuotaManager:
             api_url=self._api_url() if python else None,
             token=self.token_for(kernel_id) if python else None,
             python_kernel=python,
-            hard_limit=self.hard_cap.decide(kernel_id, grant, self.devices, env, probe),
+            hard_limit=hard_limit,
         )
-        if python and self.parker.settings.fast_park == "on":
+        if preloads(self.parker.settings.fast_park, python, mps_client=LIMIT_VARIABLE in hard_limit):
             library = await self.fast_park_library()
             if library is not None:  # a failed build said so once: the kernel parks the old way
                 updates.update(preload(env, library))
@@ -399,11 +402,22 @@ class GpuQuotaManager:
         """The fast park library's path, built once into the cache folder (in a thread: a compile takes a second),
         or None when it could not be built."""
         if self._fast_park_library is None:
-            self._fast_park_library = off_loop(preload_library, name="gpu-quota-fast-park-build")
-        await asyncio.wait({self._fast_park_library})
-        if self._fast_park_library.exception() is not None:  # never a kernel's start refused for it
+            # A thread's future, not a loop's: the build outlives any one event loop that asked for it first.
+            built: concurrent.futures.Future = concurrent.futures.Future()
+
+            def build() -> None:
+                try:
+                    built.set_result(preload_library())
+                except BaseException as error:  # handed to every waiter, which says it once and goes on
+                    built.set_exception(error)
+
+            threading.Thread(target=build, name="gpu-quota-fast-park-build", daemon=True).start()
+            self._fast_park_library = built
+        try:
+            # shielded: a start cancelled while it waits leaves the build to the next one
+            return await asyncio.shield(asyncio.wrap_future(self._fast_park_library))
+        except Exception:  # never a kernel's start refused for it (preload_library logged why)
             return None
-        return self._fast_park_library.result()
 
     async def release(self, kernel_id: str, holder: Optional[object] = None) -> Optional[Grant]:
         """Free the kernel's grant and secret; the grant that was released, or None. With `holder`, only

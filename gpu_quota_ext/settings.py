@@ -537,13 +537,15 @@ SETTINGS: Dict[str, Setting] = _table(
         "fast_park",
         CHOICE,
         PARK,
-        "off",
-        choices=("off", "on"),
+        "auto",
+        choices=("off", "on", "auto"),
         env="GPU_QUOTA_FAST_PARK",
         help="""Park torch kernels at the link's speed: "on" starts Python kernels with the fast park library
         (LD_PRELOAD; it serves torch's cudaMalloc from CUDA virtual memory) and parks each kernel it fits by
         copying its pages to a pinned host arena; every other kernel parks through the driver's checkpoint
-        calls, as with "off". The status says which path a kernel takes and why (docs/admin/fast-park.md).""",
+        calls, as with "off". "auto" (the default) is "on" for every Python kernel but those under an MPS hard
+        limit (an MPS client is never parked, so the library would only cost it). The status says which path a
+        kernel takes and why (docs/admin/fast-park.md).""",
     ),
     Setting(
         "park_call_timeout",

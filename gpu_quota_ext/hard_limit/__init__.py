@@ -4,7 +4,10 @@ decisions.py holds the pure rules (settings, each kernel's limit and route); mps
 control daemon; layer.py is what the server holds (the daemon it manages, each kernel's layers).
 """
 
-from .decisions import HardLimitSettings, KernelLayers, build_hard_limit_settings
+from .decisions import LIMIT_VARIABLE, HardLimitSettings, KernelLayers, build_hard_limit_settings
 from .layer import HardLimitLayer, HardLimitUnavailable
 
-__all__ = ["HardLimitSettings", "KernelLayers", "build_hard_limit_settings", "HardLimitLayer", "HardLimitUnavailable"]
+__all__ = [
+    "LIMIT_VARIABLE", "HardLimitSettings", "KernelLayers", "build_hard_limit_settings", "HardLimitLayer",
+    "HardLimitUnavailable",
+]

@@ -45,6 +45,7 @@ from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .pages.build import preload_library
 from .parker import OwnBroker, Parker, RoomBroker
+from .path import preloads
 from .shown import PARK_MARGIN, PARK_RATE, Said, Shown, park_time, shown_as
 
 __all__ = [
@@ -52,6 +53,6 @@ __all__ = [
     "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
     "RoomBroker", "HostBroker",
     "HostRooms", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
-    "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library",
+    "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library", "preloads",
     "PARK_MARGIN", "PARK_RATE", "Said", "Shown", "park_time", "shown_as", "park_event_logger",
 ]

@@ -31,7 +31,7 @@ class ParkSettings:
     device_margin: int = GiB  # device memory kept free beyond a restore's bytes
     call_timeout: float = 600.0  # seconds a driver call may take before the state says it has not returned
     on_device_full: str = "auto"  # "on": a kernel short of room under its cap gets room made; "auto": see below
-    fast_park: str = "off"  # "on": torch kernels park by copying their pages (path.py chooses per kernel)
+    fast_park: str = "auto"  # "on"/"auto": torch kernels park by copying their pages (path.py chooses per kernel)
     lock_timeout_ms: int = LOCK_TIMEOUT_MS
     fresh_sample_wait: float = FRESH_SAMPLE_WAIT  # seconds a park waits for a sample taken after it was asked
     trim_timeout: float = TRIM_TIMEOUT

@@ -85,6 +85,7 @@ from .path import (
     arena_bytes,
     arenas_to_release,
     choose_path,
+    fast_park_on,
     host_need,
     keep_arena,
     kernel_facts,
@@ -1077,7 +1078,7 @@ class Parker:
                 log.info("gpu-quota-ext: kernel %s emptied %d bytes of cached GPU memory before parking",
                          kernel_id, answer["freed"])
             facts = None
-            if self.settings.fast_park == "on":  # after the trim: what the library maps is what stays in use
+            if fast_park_on(self.settings.fast_park):  # after the trim: what the library maps is what stays in use
                 facts = await self.channel.ask(kernel_id, {"action": "facts"}, self.settings.trim_timeout)
         await self._fresh_sample()
         if not self._current(kernel_id, op):
@@ -1121,7 +1122,7 @@ class Parker:
     ) -> Optional[ParkPlan]:
         """The path of this park (path.choose_path on the kernel's facts and the sample's), None where fast_park
         is off: then nothing about paths is said, and every kernel parks as it always has."""
-        if self.settings.fast_park != "on":
+        if not fast_park_on(self.settings.fast_park):
             return None
         known = kernel_facts(self.settings.fast_park, facts, parked, processes)
         choice = choose_path(known)

@@ -31,7 +31,7 @@ FOREIGN_TOLERANCE = 256 * MiB
 class KernelFacts:
     """What is known of one kernel when its park is asked for."""
 
-    fast_park: str = "off"  # the setting: "on" or "off"
+    fast_park: str = "off"  # the setting: "on", "auto" or "off"
     answered: bool = True  # the kernel answered the question about its facts (False: nothing below is known)
     preloaded: bool = False  # the library is in the kernel's process (started with LD_PRELOAD)
     library_problem: Optional[str] = None  # why the library serves nothing (it could not open the driver), or None
@@ -65,8 +65,21 @@ def choose_path(facts: KernelFacts) -> ParkPath:
     )
 
 
+def fast_park_on(setting: str) -> bool:
+    """Whether parks ask kernels for their facts and may take the fast path ("on" and "auto")."""
+    return setting in ("on", "auto")
+
+
+def preloads(setting: str, python_kernel: bool, mps_client: bool) -> bool:
+    """Whether a kernel starts with the fast park library: Python kernels where fast_park is on; under "auto",
+    not those given an MPS hard limit (an MPS client is never parked: the library would serve nothing)."""
+    if not python_kernel or not fast_park_on(setting):
+        return False
+    return setting == "on" or not mps_client
+
+
 def _checkpoint_reason(facts: KernelFacts) -> Optional[str]:
-    if facts.fast_park != "on":
+    if not fast_park_on(facts.fast_park):
         return "fast_park is off"
     if not facts.answered:
         return "the kernel did not say what it holds (no answer on its control channel in time)"
@@ -135,7 +148,7 @@ def kernel_facts(
         gpu_processes=gpu_processes,
         devices=len(held),
     )
-    if fast_park != "on":
+    if not fast_park_on(fast_park):
         return base
     if not isinstance(answer, Mapping) or "preloaded" not in answer:
         return replace(base, answered=False)
