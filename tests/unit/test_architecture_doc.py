@@ -18,7 +18,7 @@ DOC = ROOT / "docs" / "architecture.md"
 
 FOLDER_WITH_MODULES = re.compile(r"\b([a-z_]+(?:/[a-z_]+)*/)\s+\(([a-z_.]+(?:, [a-z_.]+)*)\)")
 # A file (a module, the C library's source, a schema) or a folder, as the pictures name them: relative to the package.
-PATH = re.compile(r"(?<![\w/.])((?:[a-z_]+/)*[a-z_]+\.(?:py|c|yaml)|(?:[a-z_]+/)+)(?![\w/])")
+PATH = re.compile(r"(?<![\w/.])((?:[a-z_][a-z0-9_]*/)*[a-z_][a-z0-9_]*\.(?:py|c|yaml)|(?:[a-z_][a-z0-9_]*/)+)(?![\w/])")
 # A call the park request's picture names: `name()` or `Class.method()`, always with empty parentheses.
 CALL = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\(\)")
 DATA_PATH = "A park request, from who asks to the driver call"
@@ -86,12 +86,17 @@ def prose(text: str) -> str:
     return "\n".join(line for line in lines if not line.startswith("|"))
 
 
+def prose_paths(text: str) -> list:
+    """The files and folders the prose names in backticks, each once."""
+    return list(dict.fromkeys(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py|(?:[a-z_]+/)+)`", prose(text))))
+
+
 def missing_in_prose(text: str) -> list:
     """Every `path.py` (or `folder/`) the prose names that is not there: a path with a folder from the package or
     from the repository's root, a bare file name anywhere in the package."""
     modules = {path.name for path in PACKAGE.rglob("*.py")}
     missing = []
-    for path in dict.fromkeys(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py|(?:[a-z_]+/)+)`", prose(text))):
+    for path in prose_paths(text):
         if "/" not in path.rstrip("/"):
             found = path in modules or (PACKAGE / path).is_dir() or (ROOT / path).is_dir()
         else:
@@ -99,6 +104,25 @@ def missing_in_prose(text: str) -> list:
         if not found:
             missing.append(path)
     return missing
+
+
+def unresolved_dotted(text: str) -> list:
+    """Every `gpu_quota_ext.module.Name` the page writes out (a configuration's class, an import) that does not
+    import: its longest module prefix, then the rest as attributes."""
+    unresolved = []
+    for dotted in dict.fromkeys(re.findall(r"\bgpu_quota_ext(?:\.\w+)+", text)):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: Optional[object] = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute, None)
+            if found is None:
+                unresolved.append(dotted)
+            break
+    return unresolved
 
 
 def data_path(text: str) -> str:
@@ -145,7 +169,16 @@ def test_every_file_the_picture_and_the_table_name_is_there():
 
 
 def test_every_file_and_folder_the_prose_names_is_there():
-    assert missing_in_prose(DOC.read_text(encoding="utf-8")) == []
+    text = DOC.read_text(encoding="utf-8")
+    assert len(prose_paths(text)) >= 10
+    assert missing_in_prose(text) == []
+
+
+def test_every_dotted_name_the_page_writes_out_imports():
+    text = DOC.read_text(encoding="utf-8")
+    assert "gpu_quota_ext.devices.fake_nvml.FakeNvml" in text
+    assert unresolved_dotted(text) == []
+    assert unresolved_dotted("`gpu_quota_ext.devices.fake_nvml.FakeNvm`") == ["gpu_quota_ext.devices.fake_nvml.FakeNvm"]
 
 
 def test_every_call_in_the_park_request_s_picture_is_defined_where_its_line_says():
