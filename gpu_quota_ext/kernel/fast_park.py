@@ -7,6 +7,7 @@ that has not used CUDA.
     {"action": "park", "arena": bytes} -> the library parks the process into its arena (made first, of that
                                           size, where the kernel has none big enough: the server reserved it)
     {"action": "resume", "keep_arena": bool} -> the library maps and copies every byte back
+    {"action": "release"}              -> a running kernel gives back the arena it kept (the host needs it)
 
 A park or resume answers {"code": 0 or the library's or driver's code, "message", "seconds", "bytes"}. It runs in
 a thread of its own (the library's copy releases the GIL; the control thread waits for it, at most the server's
@@ -128,6 +129,27 @@ def park(content: dict) -> dict:
 
 def resume(content: dict) -> dict:
     return _in_thread(_resume, content)
+
+
+def release(content: dict) -> dict:
+    """The arena kept since the last resume, given back to the host (another park or the host itself needs the
+    memory more than this kernel's next park needs the pinning saved). Refused while parked: then it holds the
+    kernel's memory."""
+    return _in_thread(_release, content)
+
+
+def _release(content: dict) -> dict:
+    global _arena
+    lib = pages()
+    if lib is None:
+        return _answer(E_STATE, "the fast park library is not in this kernel's process")
+    if lib.state() != "running":
+        return _answer(E_STATE, f"the kernel is {lib.state()}: its arena holds its GPU memory")
+    freed = _arena.size if _arena is not None and _arena.handle else 0
+    if _arena is not None:
+        _arena.close()
+        _arena = None
+    return _answer(0, "released", nbytes=freed)
 
 
 def _park(content: dict) -> dict:

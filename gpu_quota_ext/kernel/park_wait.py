@@ -98,6 +98,8 @@ class ParkWatch:
             return fast_park.park(content)
         if action == "resume":
             return fast_park.resume(content)
+        if action == "release":
+            return fast_park.release(content)
         if action == "room_flag":
             return room_check.on_flag(content)
         if action == lost_notice.ACTION:

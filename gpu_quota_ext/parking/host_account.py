@@ -86,6 +86,12 @@ class HostAccount:
             )
         return None
 
+    def short_by(self, nbytes: int, reading: HostReading, margin: int) -> int:
+        """How much more host memory this park's `nbytes` needs than `refusal` lets it have (0: none more)."""
+        coming = self.outstanding()
+        limits = [x for x in (reading.available, reading.cgroup_room) if x is not None]
+        return max([0] + [nbytes + margin - (limit - coming) for limit in limits])
+
     def promise(self, kernel_id: str, nbytes: int) -> "HostAccount":
         """Promise a checked park its bytes (after `refusal` said None, in the same step)."""
         kept = tuple(p for p in self.promises if p.kernel_id != kernel_id)

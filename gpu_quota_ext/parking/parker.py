@@ -83,6 +83,7 @@ from .path import (
     PAGES,
     ParkPath,
     arena_bytes,
+    arenas_to_release,
     choose_path,
     host_need,
     keep_arena,
@@ -370,6 +371,7 @@ class Parker:
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
         self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
         self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
+        self._releasing_arenas = False  # kept arenas are being given back (host memory short)
         # Structured events (events.py) for an admin's tools: jupyter_server's event logger once the server
         # extension hands it over (send_events), and who asked for each kernel's latest park or resume.
         self.events: Optional[EventSink] = None
@@ -1100,6 +1102,8 @@ class Parker:
             if refused is not None:
                 refused = f"did not park: {refused}"
             else:
+                if await self._make_host_room(kernel_id, host_bytes) and not self._current(kernel_id, op):
+                    return
                 refused = self._host_refusal(kernel_id, host_bytes)
                 ask_host = getattr(self.broker, "promise_host", None)
                 if refused is None and ask_host is not None:
@@ -1184,6 +1188,47 @@ class Parker:
         self._note_landing()
         return self.host_account.refusal(kernel_id, nbytes, self.host_reading(), self.settings.host_margin)
 
+    def _kept_arenas(self, but: Optional[str] = None) -> Dict[str, int]:
+        """Running kernels' pinned arenas kept since their fast resume (path.keep_arena)."""
+        return {k: plan.arena_kept for k, plan in self._plans.items() if plan.arena_kept > 0 and k != but}
+
+    async def _make_host_room(self, kernel_id: str, nbytes: int) -> bool:
+        """Where this park finds too little host memory and the arenas other kernels kept would make up for it,
+        those kernels give them back first (path.arenas_to_release); whether any did. Only the server's own
+        account is read: on a hub host the service decides after it, on memory that includes what came free."""
+        kept = self._kept_arenas(but=kernel_id)
+        if not kept or self.channel is None or self.host_short_since is not None:
+            return False
+        self._note_landing()
+        short = self.host_account.short_by(nbytes, self.host_reading(), self.settings.host_margin)
+        released = False
+        for other in arenas_to_release(kept, short):
+            released = await self._release_arena(other, "a park needs the host's memory") or released
+        return released
+
+    async def _release_arena(self, kernel_id: str, why: str) -> bool:
+        if self.channel is None:
+            return False
+        answer = await self.channel.ask(kernel_id, {"action": "release"}, self.settings.trim_timeout)
+        plan = self._plans.get(kernel_id)
+        if not (isinstance(answer, dict) and answer.get("code") == 0):
+            log.info("gpu-quota-ext: kernel %s did not give back its kept arena: %s", kernel_id,
+                     answer.get("message") if isinstance(answer, dict) else "no answer")
+            return False
+        if plan is not None and plan.arena_kept > 0:
+            self._plans[kernel_id] = replace(plan, arena_kept=0)
+        log.info("gpu-quota-ext: kernel %s gave back its kept arena (%s): %s", kernel_id,
+                 format_bytes(answer.get("bytes") or 0), why)
+        return True
+
+    async def _release_every_arena(self, why: str) -> None:
+        self._releasing_arenas = True
+        try:
+            for kernel_id in self._kept_arenas():
+                await self._release_arena(kernel_id, why)
+        finally:
+            self._releasing_arenas = False
+
     def _promise_host(self, kernel_id: str, pids: Tuple[int, ...]) -> None:
         record = self.records.get(kernel_id)
         nbytes = sum(record.parked.values()) if record is not None else 0
@@ -1210,12 +1255,16 @@ class Parker:
         reading = self.host_reading()
         parked = sum(sum(r.parked.values()) for r in self.records.values() if r.state in ("parked", "waiting"))
         was_short = self.host_short_since is not None
-        short = host_short(reading, parked, self.settings.host_margin, was_short)
+        # The arenas kept by running kernels are this server's memory on the host as much as parked bytes are.
+        short = host_short(reading, parked + sum(self._kept_arenas().values()), self.settings.host_margin, was_short)
         if short and not was_short:
             self.host_short_since = now
             self.host_short_episodes += 1
             self.host_short_reason = host_short_words(reading, parked)
             log.warning("gpu-quota-ext: %s", self.host_short_reason)
+        if short and self.channel is not None and not self._releasing_arenas and self._kept_arenas():
+            # The cheapest memory to give back: pinned for a next park, holding nothing now.
+            self._spawn(self._release_every_arena("host memory is short"))
         elif was_short and not short:
             log.warning(
                 "gpu-quota-ext: host memory is back (%s available): parking goes on",

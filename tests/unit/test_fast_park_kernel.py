@@ -3,7 +3,7 @@ requests) in a process started as a kernel is with fast_park on: the library in 
 CUDA driver (tests/fake_cuda) instead of libcuda. torch is a stand-in that says its CUDA is in use (the memory
 is the library's own allocation, filled with random bytes): the facts, a park into an arena of the size the
 server reserved, a resume that finds no room (the kernel stays parked and whole), a resume once there is room,
-byte-exact, and the arena given back when the server says so."""
+byte-exact, the kept arena given back when the server asks (refused while parked), and an arena not kept."""
 
 from __future__ import annotations
 
@@ -58,8 +58,15 @@ fake.fake_set_capacity(1 << 20)  # a neighbour took the room
 out["resume_without_room"] = watch.on_request({"action": "resume", "keep_arena": True})
 out["state_after_refusal"] = fast_park.pages().state()
 fake.fake_set_capacity(1 << 40)
-out["resume"] = watch.on_request({"action": "resume", "keep_arena": False})
+out["release_while_parked"] = watch.on_request({"action": "release"})
+out["resume"] = watch.on_request({"action": "resume", "keep_arena": True})
 out["exact"] = ctypes.string_at(pointer.value, size) == data
+out["facts_kept"] = watch.on_request({"action": "facts"})
+out["release"] = watch.on_request({"action": "release"})
+out["facts_released"] = watch.on_request({"action": "facts"})
+out["park_again"] = watch.on_request({"action": "park", "arena": arena})
+out["resume_not_kept"] = watch.on_request({"action": "resume", "keep_arena": False})
+out["exact_again"] = ctypes.string_at(pointer.value, size) == data
 out["facts_after"] = watch.on_request({"action": "facts"})
 print(json.dumps(out))
 """
@@ -120,9 +127,23 @@ def test_a_preloaded_kernel_says_its_facts_parks_waits_for_room_and_comes_back_w
     assert refused["code"] == 2 and "CUDA_ERROR_OUT_OF_MEMORY" in refused["message"]
     assert out["state_after_refusal"] == "parked"
 
+    # The arena holds the kernel's memory while parked: it is not given back then.
+    assert out["release_while_parked"]["code"] == fast_park.E_STATE
+    assert "parked" in out["release_while_parked"]["message"]
+
     resumed = out["resume"]
-    assert resumed["code"] == 0 and resumed["bytes"] == size and resumed["arena_kept"] is False
+    assert resumed["code"] == 0 and resumed["bytes"] == size and resumed["arena_kept"] is True
     assert out["exact"] is True
+    assert out["facts_kept"]["state"] == "running" and out["facts_kept"]["arena_bytes"] >= 8 * MiB
+    # Running, its kept arena is given back when the server asks (a park elsewhere needs the host's memory).
+    released = out["release"]
+    assert released["code"] == 0 and released["bytes"] == out["facts_kept"]["arena_bytes"]
+    assert out["facts_released"]["arena_bytes"] == 0
+
+    # A park makes its arena again; a resume told not to keep it gives it back at once.
+    assert out["park_again"]["code"] == 0 and out["park_again"]["arena_seconds"] > 0
+    assert out["resume_not_kept"]["code"] == 0 and out["resume_not_kept"]["arena_kept"] is False
+    assert out["exact_again"] is True
     assert out["facts_after"]["state"] == "running" and out["facts_after"]["arena_bytes"] == 0
 
 

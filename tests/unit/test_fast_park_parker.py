@@ -82,6 +82,11 @@ class PagesKernel:
                 self.arena = 0
             FakeNvml.set_usage(PID, UUID, SERVED + CONTEXT)
             return {"code": 0, "message": "resumed", "seconds": 0.09, "bytes": SERVED}
+        if action == "release":
+            if self.state != "running":
+                return {"code": -1, "message": f"the kernel is {self.state}: its arena holds its GPU memory"}
+            freed, self.arena = self.arena, 0
+            return {"code": 0, "message": "released", "seconds": None, "bytes": freed}
         return {"error": f"unknown action {action!r}"}
 
     def actions(self) -> List[str]:
@@ -388,3 +393,49 @@ def test_a_kernel_without_the_bootstrap_is_not_asked_and_takes_the_checkpoint_pa
     park = s.park()
     assert park["state"] == "parked" and s.kernel.actions() == []
     assert park["path"]["path"] == "checkpoint" and "started without the fast park library" in park["path"]["reason"]
+
+
+def test_kept_arenas_are_given_back_when_host_memory_runs_short(setup):
+    s = setup()
+    s.park()
+    assert s.resume()["state"] not in ("parked", "waiting") and s.kernel.arena == arena_bytes(SERVED)
+    # Another program takes the host's memory: below half the margin, with this kernel's arena on the host.
+    s.parker.host_reading = lambda: HostReading(available=1 << 20)  # type: ignore[method-assign]
+    s.sample()
+    assert s.kernel.actions()[-1] == "release" and s.kernel.arena == 0
+    (kernel,) = s.parker.round().kernels
+    assert kernel.host_cost is None  # its next park makes an arena again, and the host account counts it
+    assert s.parker.host_json()["short"] is True
+
+
+def _kept_elsewhere(s, kernel_id: str) -> None:
+    """Another running kernel ("k2") kept its arena after a fast resume; this kernel holds none now."""
+    s.park()
+    s.resume()
+    s.parker._plans[kernel_id] = s.parker._plans[KERNEL]
+    s.kernel.arena = 0
+
+
+def test_a_park_short_of_host_memory_asks_a_running_kernel_to_give_back_its_kept_arena_first(setup):
+    s = setup()
+    _kept_elsewhere(s, "k2")
+    need, margin = arena_bytes(SERVED), s.parker.settings.host_margin
+
+    def reading():  # 1 GiB short of this park's arena, until the other kernel's arena comes back
+        return HostReading(available=need + margin - GiB + (need if "release" in s.kernel.actions() else 0))
+
+    s.parker.host_reading = reading  # type: ignore[method-assign]
+    park = s.park()
+    assert park["state"] == "parked", park
+    assert s.kernel.actions()[-3:] == ["facts", "release", "park"]
+    assert s.parker._plans["k2"].arena_kept == 0
+
+
+def test_no_arena_is_given_back_where_all_of_them_would_not_make_the_park_fit(setup):
+    s = setup()
+    _kept_elsewhere(s, "k2")
+    need, margin = arena_bytes(SERVED), s.parker.settings.host_margin
+    s.parker.host_reading = lambda: HostReading(available=margin - GiB)  # type: ignore[method-assign]
+    park = s.park()
+    assert park["state"] != "parked" and "did not park" in park["reason"], park
+    assert "release" not in s.kernel.actions() and s.parker._plans["k2"].arena_kept == need
