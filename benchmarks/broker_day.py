@@ -116,6 +116,12 @@ class Timings:
     restore_fixed: float = 0.3
     restore_rate: float = 5e9
 
+    @classmethod
+    def fast_park(cls) -> "Timings":
+        """The fast park path through the server on the H200 (2026-12-04): the library's copy 53 / 50.6 GB/s, and
+        about 0.45 s from the request to the state (fast_park_gpu-2026-12-04-h200.json, arena kept)."""
+        return cls(park_fixed=0.45, park_rate=53e9, restore_fixed=0.45, restore_rate=50.6e9)
+
     def park_s(self, nbytes: int) -> float:
         return self.park_fixed + nbytes / self.park_rate
 
@@ -860,14 +866,18 @@ def main() -> None:
     parser.add_argument("--contrast-seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4, 8 and 12 users, one seed, a 4-hour day")
     parser.add_argument("--schedule", help="replay this device_day schedule (JSON of device_day.py --schedule-only)")
+    parser.add_argument(
+        "--fast-park", action="store_true", help="with --schedule: the fast park path's timings (Timings.fast_park)"
+    )
     add_save_options(parser)
     options = parser.parse_args()
     if options.schedule:
         import json
 
+        timings = Timings.fast_park() if options.fast_park else Timings()
         report(
-            "broker_day_replay",
-            replay(json.loads(Path(options.schedule).read_text())),
+            "broker_day_replay" + ("_fast_park" if options.fast_park else ""),
+            replay(json.loads(Path(options.schedule).read_text()), timings=timings),
             save=options.save,
             out=options.out,
         )

@@ -18,6 +18,7 @@ the default gives keep that interval narrow enough to tell a 5% difference.
     python benchmarks/kernel_start_bench.py                       # static 2-device inventory (no GPU)
     python benchmarks/kernel_start_bench.py --nvml                # the machine's real GPUs
     python benchmarks/kernel_start_bench.py --rounds 100 --save   # also write benchmarks/results/
+    python benchmarks/kernel_start_bench.py --fast-park-ab        # fast_park on vs off, both with the extension
 Goal (issue 2): ratio at most 1.05.
 """
 
@@ -57,7 +58,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extension_on: bool, nvml: bool, workdir: Path):
+def start_server(extension_on: bool, nvml: bool, workdir: Path, fast_park: str = ""):
     port = free_port()
     args = [
         sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
@@ -74,9 +75,14 @@ def start_server(extension_on: bool, nvml: bool, workdir: Path):
             "StaticInventory": {"devices": [{"total": "80GiB"}, {"total": "80GiB"}]},
         }))
         args.append(f"--config={config}")
-    log_path = workdir / f"server-{'on' if extension_on else 'off'}.log"
+    env = dict(os.environ)
+    if fast_park:
+        args.append(f"--GpuQuota.fast_park={fast_park}")
+        env["XDG_CACHE_HOME"] = str(workdir / "cache")  # the library is built at the first launch, as a user's is
+    name = f"fast-park-{fast_park}" if fast_park else ("on" if extension_on else "off")
+    log_path = workdir / f"server-{name}.log"
     log = open(log_path, "w")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}", log_path
 
 
@@ -188,19 +194,25 @@ async def main() -> None:
         "--rounds", type=int, default=200, help="paired rounds (default 200: see the interval it gives)"
     )
     parser.add_argument("--nvml", action="store_true", help="use the machine's GPUs through NVML")
+    parser.add_argument(
+        "--fast-park-ab",
+        action="store_true",
+        help="both servers with the extension: fast_park on (the library preloaded into every kernel) vs off",
+    )
     add_save_options(parser)
     options = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        on, on_url, on_log = start_server(True, options.nvml, workdir)
-        off, off_url, off_log = start_server(False, options.nvml, workdir)
+        ab = options.fast_park_ab
+        on, on_url, on_log = start_server(True, options.nvml, workdir, "on" if ab else "")
+        off, off_url, off_log = start_server(not ab, options.nvml, workdir, "off" if ab else "")
         try:
             await asyncio.gather(wait_ready(on_url), wait_ready(off_url))
-            await time_kernel_start(on_url)  # warm both (imports into the page cache)
+            await time_kernel_start(on_url)  # warm both (imports into the page cache; the library built)
             await time_kernel_start(off_url)
             await check_extension(on_url, expected=True)
-            await check_extension(off_url, expected=False)
+            await check_extension(off_url, expected=ab)
             runs = {"with": [], "without": []}
             for round_number in range(options.rounds):
                 order = [(on_url, "with"), (off_url, "without")]
@@ -213,6 +225,7 @@ async def main() -> None:
                 process.terminate()
                 process.wait(timeout=30)
         nudges = {"with": nudges_per_kernel(on_log), "without": nudges_per_kernel(off_log)}
+        built = sorted(str(p.relative_to(workdir)) for p in (workdir / "cache").rglob("*.so"))
 
     with_ext = [r[0] for r in runs["with"]]
     without_ext = [r[0] for r in runs["without"]]
@@ -220,7 +233,8 @@ async def main() -> None:
     ratio = statistics.median(with_ext) / statistics.median(without_ext)
     low, high = ratio_of_medians_ci(with_ext, without_ext)
     figures = {
-        "what": "kernel start to first execute_reply (REST + websocket)",
+        "what": "kernel start to first execute_reply (REST + websocket)"
+        + (": 'with' = fast_park on (library preloaded), 'without' = fast_park off" if options.fast_park_ab else ""),
         "inventory": "nvml" if options.nvml else "static 2 x 80GiB",
         "rounds": options.rounds,
         "median_with_ms": round(1000 * statistics.median(with_ext), 1),
@@ -237,7 +251,10 @@ async def main() -> None:
         "nudges_without": counts["without"],
         "goal_ratio": 1.05,
     }
-    report("kernel_start" + ("_nvml" if options.nvml else "_static"), figures, save=options.save, out=options.out)
+    if options.fast_park_ab:
+        figures["fast_park_library_built_at_first_launch"] = built  # the 'with' server's kernels preload it
+    name = "kernel_start" + ("_fast_park_ab" if options.fast_park_ab else "") + ("_nvml" if options.nvml else "_static")
+    report(name, figures, save=options.save, out=options.out)
     print(f"kernel start, {options.rounds} paired rounds ({figures['inventory']}):")
     print(f"  with extension    median {figures['median_with_ms']:7.1f} ms")
     print(f"  without extension median {figures['median_without_ms']:7.1f} ms")
