@@ -77,9 +77,10 @@ def kernel_pid(serverapp, kernel_id: str) -> int:
     return km.provisioner.pid
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fast_park_library(tmp_path_factory, monkeypatch):
-    """The server's cache folder, a temporary one, holding the library where this machine cannot compile it."""
+    """The server's cache folder, a temporary one, holding the library where this machine cannot compile it. For
+    every GPU check: fast_park is "auto" by default, so every Python kernel a check starts preloads it."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("fast_park_cache")))
     target = pages_build.cache_dir() / pages_build.LIBRARY_NAME
     given = os.environ.get("GQX_PAGES_LIBRARY") or str(REPO / ".probe" / pages_build.LIBRARY_NAME)

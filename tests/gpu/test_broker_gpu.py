@@ -59,6 +59,7 @@ def broker_config(cap: float, limit: str) -> Config:
                 "poll_interval": POLL,
                 "park_min_idle": "2s",
                 "park_wait_limit": limit,
+                "fast_park": "off",  # the checkpoint path; the fast path's scene sets "on" below
             },
         }
     )

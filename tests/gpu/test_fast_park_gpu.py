@@ -1,4 +1,5 @@
-"""Issue 29 on a real GPU: the fast park path through a real server with fast_park on and the real driver.
+"""Issue 29 on a real GPU: the fast park path through a real server with fast_park as by default ("auto") and the
+real driver.
 
     python -m pytest tests/gpu/test_fast_park_gpu.py -m gpu -s
 A torch kernel holding 20 GiB (checksummed) parks through the REST route by the fast park library: NVML sees it
@@ -32,12 +33,12 @@ PARKED_AT_MOST = int(0.7 * GiB)  # the CUDA context: 612 MiB measured on the H20
 
 @pytest.fixture
 def jp_server_config(fast_park_library):
-    # The real inventory, NVML and checkpoint driver; fast_park on. A cap of 0.2 (28 GiB of an H200) holds the
-    # 20 GiB kernel and is the cap the allocation check tries.
+    # The real inventory, NVML and checkpoint driver; fast_park as it is by default ("auto"). A cap of 0.2 (28 GiB
+    # of an H200) holds the 20 GiB kernel and is the cap the allocation check tries.
     return Config(
         {
             "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
-            "GpuQuota": {"default_cap": "0.2", "max_cap": "1.0", "poll_interval": POLL, "fast_park": "on"},
+            "GpuQuota": {"default_cap": "0.2", "max_cap": "1.0", "poll_interval": POLL},
         }
     )
 

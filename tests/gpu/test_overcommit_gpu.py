@@ -43,6 +43,9 @@ def overcommit_config(cap: float, **more) -> Config:
         "poll_interval": POLL,
         "park_min_idle": "5s",
         "park_wait_limit": "4min",
+        # The checkpoint path, as these scenes were measured (2026-12-04): the fast path's host memory is its
+        # arenas, tested beside them (test_broker_gpu.TestThreeKernelsOfFourTenthsFastPark, benchmarks/device_day.py).
+        "fast_park": "off",
     }
     settings.update(more)
     return Config({"ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}}, "GpuQuota": settings})

@@ -62,7 +62,8 @@ def jp_server_config():
     return Config(
         {
             "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
-            "GpuQuota": {"default_cap": "0.75", "max_cap": "1.0", "poll_interval": POLL},
+            # The checkpoint path (0 B left while parked); the fast path has tests/gpu/test_fast_park_gpu.py.
+            "GpuQuota": {"default_cap": "0.75", "max_cap": "1.0", "poll_interval": POLL, "fast_park": "off"},
         }
     )
 

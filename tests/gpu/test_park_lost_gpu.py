@@ -33,7 +33,7 @@ def jp_server_config():
     return Config(
         {
             "ServerApp": {"jpserver_extensions": {"gpu_quota_ext": True}},
-            "GpuQuota": {"default_cap": "0.2", "max_cap": "1.0", "poll_interval": 0.5},
+            "GpuQuota": {"default_cap": "0.2", "max_cap": "1.0", "poll_interval": 0.5, "fast_park": "off"},
             "KernelRestarter": {"time_to_dead": 0.5},
         }
     )
