@@ -206,7 +206,7 @@ async def main() -> None:
         workdir = Path(tmp)
         ab = options.fast_park_ab
         on, on_url, on_log = start_server(True, options.nvml, workdir, "on" if ab else "")
-        off, off_url, off_log = start_server(not ab, options.nvml, workdir, "off" if ab else "")
+        off, off_url, off_log = start_server(ab, options.nvml, workdir, "off" if ab else "")
         try:
             await asyncio.gather(wait_ready(on_url), wait_ready(off_url))
             await time_kernel_start(on_url)  # warm both (imports into the page cache; the library built)
@@ -255,9 +255,10 @@ async def main() -> None:
         figures["fast_park_library_built_at_first_launch"] = built  # the 'with' server's kernels preload it
     name = "kernel_start" + ("_fast_park_ab" if options.fast_park_ab else "") + ("_nvml" if options.nvml else "_static")
     report(name, figures, save=options.save, out=options.out)
+    with_name, without_name = ("fast park on", "fast park off") if options.fast_park_ab else ("with", "without")
     print(f"kernel start, {options.rounds} paired rounds ({figures['inventory']}):")
-    print(f"  with extension    median {figures['median_with_ms']:7.1f} ms")
-    print(f"  without extension median {figures['median_without_ms']:7.1f} ms")
+    print(f"  {with_name:>13}: median {figures['median_with_ms']:7.1f} ms")
+    print(f"  {without_name:>13}: median {figures['median_without_ms']:7.1f} ms")
     print(f"  ratio of medians         {ratio:.3f}  (95% bootstrap interval {low:.3f} to {high:.3f}; goal <= 1.05)")
     for key in ("with", "without"):
         for count, mode in figures[f"modes_by_nudges_{key}"].items():
