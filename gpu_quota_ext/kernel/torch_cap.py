@@ -267,6 +267,12 @@ def install_lazy_hook(state: "KernelCapState") -> None:
     def on_torch_import(torch) -> None:
         def apply() -> None:
             try:
+                from . import sync
+
+                sync.catch_up(state)  # a cap changed outside since the last sync is the one put in force
+            except Exception as error:
+                state.problems.append(f"cap sync at CUDA start failed: {error!r}")
+            try:
                 apply_current_caps(torch, state)
             except Exception as error:
                 state.problems.append(f"torch cap not applied at CUDA start: {error!r}")

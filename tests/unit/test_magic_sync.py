@@ -38,3 +38,36 @@ def test_same_caps_or_no_answer_change_nothing(monkeypatch):
 def test_no_thread_for_kernels_without_a_server_or_a_gpu():
     assert sync.after_cell(KernelCapState()) is None  # unmanaged: returns at once
     assert not sync._in_flight.locked()
+
+
+def test_a_sync_is_due_first_and_then_once_per_interval():
+    assert sync.due(100.0, None)
+    assert not sync.due(100.0, 99.0)
+    assert sync.due(101.0, 99.0) and sync.due(150.0, 99.0)
+
+
+def test_cells_within_the_interval_start_no_sync_and_the_first_cuda_use_makes_the_one_skipped(monkeypatch):
+    import threading
+
+    made: list = []
+    done = threading.Event()
+
+    def fake_sync(record):
+        made.append(threading.current_thread().name)
+        done.set()
+
+    monkeypatch.setattr(sync, "_sync", fake_sync)
+    monkeypatch.setattr(sync, "_last_start", None)
+    monkeypatch.setattr(sync, "_skipped", False)
+    current = state()
+    sync.after_cell(current)  # the first cell: a sync in a thread of its own
+    assert done.wait(10) and made == ["gpu-quota-cap-sync"]
+    with sync._in_flight:  # that thread has let go
+        pass
+    sync.after_cell(current)  # the next cell, at once: skipped
+    sync.after_cell(current)
+    assert made == ["gpu-quota-cap-sync"] and sync._skipped
+    sync.catch_up(current)  # the first CUDA use: the skipped sync, made here, before the caps are put in force
+    assert made == ["gpu-quota-cap-sync", threading.current_thread().name]
+    sync.catch_up(current)  # nothing skipped since
+    assert len(made) == 2
