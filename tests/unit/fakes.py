@@ -1,0 +1,242 @@
+"""Stand-ins for what the parker and the monitor are given (the server's kernels, the monitor, the ledger), shared by
+the unit tests that build a Parker or a Monitor without a server.
+
+Each subclasses the Protocol or class it stands in for, and tests/unit/test_fakes.py checks each against it with
+`differences` (every member a Protocol asks for, every overridden method's parameters, sync or async), so a
+change of the interface fails there at once instead of leaving a fake that answers to the old one."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import inspect
+import threading
+import typing
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.ledger.interface import Grant, HeldGrants
+from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
+from gpu_quota_ext.parking.parker import ParkedKernels, Parker, Sampling
+from gpu_quota_ext.usage import Sample
+from gpu_quota_ext.usage.kernels import KernelActions, KernelEnds, KernelRoots
+from gpu_quota_ext.usage.sampling import DeviceReading
+
+KERNEL = "k1"
+UUID = "GPU-0"
+
+
+def utc_ago(seconds: float) -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds)
+
+
+# --- the server's kernels ---------------------------------------------------------------------------------------
+
+
+class ParkerKernels(ParkedKernels):
+    """The kernels as the parker reads them (usage.KernelManagerView): each one's execution state and last
+    activity, which a test changes through `by_id` (or `kernel`, the first); no iopub, no control channel."""
+
+    def __init__(self, states: Optional[Mapping[str, Optional[str]]] = None, idle_for: float = 0.0):
+        since = utc_ago(idle_for)
+        self.by_id = {
+            kernel_id: SimpleNamespace(execution_state=state, last_activity=since)
+            for kernel_id, state in (states if states is not None else {KERNEL: "idle"}).items()
+        }
+
+    @property
+    def kernel(self) -> SimpleNamespace:
+        return next(iter(self.by_id.values()))
+
+    def kernel_ids(self) -> List[str]:
+        return list(self.by_id)
+
+    def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
+        kernel = self.by_id.get(kernel_id)
+        return (kernel.execution_state, kernel.last_activity) if kernel is not None else (None, None)
+
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+        return None  # no iopub here: the parker falls back to samples and the calls a test makes
+
+    def client(self, kernel_id: str) -> Any:
+        raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
+
+
+class UsageKernels(KernelRoots, KernelEnds, KernelActions):
+    """The kernels as the monitor, the lifecycle and the watchdog read them: `roots` (pid -> kernel id), idle; what
+    the watchdog did lands in `acted`, the lifecycle's callbacks in `dead_callbacks`, `dead` says who died."""
+
+    def __init__(self, roots: Optional[Mapping[int, str]] = None):
+        self._roots = dict(roots or {})
+        self.acted: List[Tuple[str, str]] = []
+        self.dead_callbacks: Dict[str, Callable[[], Any]] = {}
+        self.dead: set = set()
+
+    def kernel_ids(self) -> List[str]:
+        return list(self._roots.values())
+
+    def roots(self) -> Dict[int, str]:
+        return dict(self._roots)
+
+    def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
+        return "idle", None  # jupyter_server's view (parking reads it)
+
+    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+        self.dead_callbacks[kernel_id] = callback
+
+    async def dead_ids(self) -> List[str]:
+        return sorted(self.dead)
+
+    async def act(self, kernel_id: str, action: str) -> None:
+        self.acted.append((kernel_id, action))
+
+
+# --- the monitor ------------------------------------------------------------------------------------------------
+
+
+class StillMonitor(Sampling):
+    """A monitor whose last sample is the one given and stays; NVML cannot be read afresh."""
+
+    def __init__(self, sample: Sample):
+        self.latest = sample
+
+    def sample_soon(self) -> None:
+        pass
+
+    def device_used_now(self, index: int) -> Optional[int]:
+        return None
+
+
+class NvmlMonitor(Sampling):
+    """The monitor's last sample, made from the fake NVML by `take`: one device (index 0, `uuid`, `total` bytes) and
+    one kernel whose processes are `pids`."""
+
+    def __init__(self, pids: Sequence[int], total: int, uuid: str = UUID, kernel: str = KERNEL):
+        self.pids, self.total, self.uuid, self.kernel = tuple(pids), total, uuid, kernel
+        self.latest = Sample(state="starting")
+
+    def sample_soon(self) -> None:
+        pass
+
+    def device_used_now(self, index: int) -> Optional[int]:
+        return self.total - (FakeNvml.free(self.uuid) or 0)
+
+    def take(self) -> Sample:
+        usage = {pid: dict(per) for pid, per in FakeNvml.usage.items() if pid in self.pids}
+        held = sum(per.get(self.uuid, 0) for per in usage.values())
+        self.latest = Sample(
+            state="ok",
+            time=datetime.datetime.now().timestamp(),
+            devices={0: DeviceReading(0, self.device_used_now(0))},
+            kernels={self.kernel: {0: held}} if held else {},
+            pids={self.kernel: tuple(sorted(usage))} if usage else {},
+        )
+        return self.latest
+
+
+# --- the ledger -------------------------------------------------------------------------------------------------
+
+
+def grant(kernel_id: str, caps: Mapping[int, int]) -> Grant:
+    """A kernel's grant of `caps` (device index -> bytes), as policy gave it at start."""
+    return Grant(
+        kernel_id=kernel_id, user="alice", kernelspec="python3", devices=tuple(caps), caps=dict(caps),
+        policy_caps=dict(caps), max_caps=dict(caps), source="default", placed=False,
+    )
+
+
+class Grants(HeldGrants):
+    """A ledger's reads (get, grants) over the grants given; the parker reads nothing else of its ledger."""
+
+    def __init__(self, grants: Iterable[Grant] = ()):
+        self._grants = {one.kernel_id: one for one in grants}
+        self._lock = threading.Lock()
+
+
+# --- a parker on an event loop of its own -----------------------------------------------------------------------
+
+
+class ParkerOnALoop:
+    """A mixin for a test's harness: `start` runs the parker on a loop of the harness's own and hands it a first
+    sample from `monitor`; each step then runs until the parker's tasks are done (`settle`)."""
+
+    loop: asyncio.AbstractEventLoop
+    parker: Parker
+    monitor: NvmlMonitor
+
+    def start(self) -> None:
+        async def start():
+            self.parker.start()
+            await self.parker.ready()
+            self.parker.on_sample(self.monitor.take())
+
+        self.run(start())
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    def settle(self) -> None:
+        async def settle():
+            for _ in range(20):  # a step's effects may start more (a park done asks the broker, which resumes)
+                if not self.parker._tasks:
+                    return
+                await asyncio.gather(*list(self.parker._tasks), return_exceptions=True)
+
+        self.run(settle())
+
+    def deliver(self, call: Callable[[], Any]) -> None:
+        """`call` on the loop (as jupyter_server's callbacks and the monitor's samples come), then settled."""
+
+        async def on_loop():
+            call()
+
+        self.run(on_loop())
+        self.settle()
+
+    def sample(self) -> None:
+        self.deliver(lambda: self.parker.on_sample(self.monitor.take()))
+
+    def close(self) -> None:
+        self.run(self.parker.stop())
+        self.loop.close()
+        FakeCheckpoint.reset()
+        FakeNvml.reset()
+
+
+# --- the check of a fake against what it stands in for ----------------------------------------------------------
+
+
+def _interface_members(interface: type) -> Dict[str, Any]:
+    """Public members the interface declares itself or through its bases (methods, properties, annotations)."""
+    members: Dict[str, Any] = {}
+    for cls in reversed(interface.__mro__):
+        if cls in (object, typing.Protocol, typing.Generic):
+            continue
+        members.update({name: None for name in getattr(cls, "__annotations__", {})})
+        members.update(vars(cls))
+    return {name: member for name, member in members.items() if not name.startswith("_")}
+
+
+def differences(fake: object, interface: type) -> List[str]:
+    """Where `fake` (an instance) does not answer as `interface` does. A Protocol's every member must be the
+    fake's own, not the Protocol's empty one; for a class, the methods the fake overrides must take the same
+    parameters. Either way a method must be async where the interface's is. Empty: the fake fits."""
+    found = []
+    is_protocol = getattr(interface, "_is_protocol", False)
+    for name, member in _interface_members(interface).items():
+        owner = next((cls for cls in type(fake).__mro__ if name in vars(cls)), None)
+        from_interface = owner is not None and owner in interface.__mro__
+        if owner is None and not hasattr(fake, name) or is_protocol and from_interface:
+            found.append(f"{name}: missing")
+            continue
+        if from_interface or not callable(member) or isinstance(member, type):
+            continue
+        own = inspect.getattr_static(fake, name)
+        if inspect.iscoroutinefunction(member) != inspect.iscoroutinefunction(own):
+            found.append(f"{name}: async in one, not in the other")
+        wanted = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
+        given = [(p.name, p.kind) for p in inspect.signature(own).parameters.values()]
+        if wanted != given:
+            found.append(f"{name}: takes {given}, the interface {wanted}")
+    return found
