@@ -21,6 +21,7 @@ from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.parker import ParkedKernels, Parker, Sampling
 from gpu_quota_ext.usage import Sample
 from gpu_quota_ext.usage.kernels import KernelActions, KernelEnds, KernelRoots
+from gpu_quota_ext.usage.processes import ProcTable
 from gpu_quota_ext.usage.sampling import DeviceReading
 
 KERNEL = "k1"
@@ -90,6 +91,40 @@ class UsageKernels(KernelRoots, KernelEnds, KernelActions):
 
     async def act(self, kernel_id: str, action: str) -> None:
         self.acted.append((kernel_id, action))
+
+
+class ProcSnapshot(ProcTable):
+    """A process table that does not change: each PID's parent, the kernel id its environment names, its uids, and
+    NVML's PIDs of another namespace (read on each `namespace_aliases` call, counted in `scans`)."""
+
+    has_proc = True
+
+    def __init__(
+        self,
+        parents: Optional[Mapping[int, int]] = None,
+        named: Optional[Mapping[int, str]] = None,
+        uids: Optional[Mapping[int, Tuple[int, ...]]] = None,
+        aliases: Optional[Mapping[int, int]] = None,
+    ):
+        self.parents, self.named = dict(parents or {}), dict(named or {})
+        self.uids, self.aliases = dict(uids or {}), dict(aliases or {})
+        self.scans = 0
+
+    def parent_of(self, pid: int) -> Optional[int]:
+        return self.parents.get(pid)
+
+    def kernel_in_environ(self, pid: int) -> Optional[str]:
+        return self.named.get(pid)
+
+    def uids_of(self, pid: int) -> Tuple[int, ...]:
+        return self.uids.get(pid, ())
+
+    def exists(self, pid: int) -> bool:
+        return pid in self.parents
+
+    def namespace_aliases(self) -> Dict[int, int]:
+        self.scans += 1
+        return dict(self.aliases)
 
 
 # --- the monitor ------------------------------------------------------------------------------------------------
