@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
+from gpu_quota_ext.kernel.client import QuotaClient
 from gpu_quota_ext.ledger.interface import Grant, HeldGrants
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.parker import ParkedKernels, Parker, Sampling
@@ -189,6 +190,21 @@ class Grants(HeldGrants):
         self._lock = threading.Lock()
 
 
+# --- the kernel's client of the server ---------------------------------------------------------------------------
+
+
+class OfflineClient(QuotaClient):
+    """A kernel's client that sends nothing: a fake says what it answers by overriding the methods, and whatever it
+    does not override fails as a request that found no server would (OSError, which the client turns into "no
+    answer")."""
+
+    def __init__(self):
+        super().__init__("http://127.0.0.1:9/", KERNEL, "no-token")
+
+    def _send(self, method: str, url: str, body: Optional[dict], timeout: float):
+        raise OSError(f"a fake client sends nothing ({method} {url})")
+
+
 # --- a parker on an event loop of its own -----------------------------------------------------------------------
 
 
@@ -253,25 +269,35 @@ def _interface_members(interface: type) -> Dict[str, Any]:
     return {name: member for name, member in members.items() if not name.startswith("_")}
 
 
-def differences(fake: object, interface: type) -> List[str]:
-    """Where `fake` (an instance) does not answer as `interface` does. A Protocol's every member must be the
-    fake's own, not the Protocol's empty one; for a class, the methods the fake overrides must take the same
-    parameters. Either way a method must be async where the interface's is. Empty: the fake fits."""
+def differences(fake: object, interface: type, whole: Optional[bool] = None) -> List[str]:
+    """Where `fake` (an instance) does not answer as `interface` does; empty: it fits. `whole` (by default: for a
+    Protocol) asks for every member of the interface, each the fake's own rather than the Protocol's empty one;
+    otherwise only the members the fake has are compared. A method must take the same parameters (names and kinds)
+    and be async where the interface's is."""
     found = []
-    is_protocol = getattr(interface, "_is_protocol", False)
+    whole = getattr(interface, "_is_protocol", False) if whole is None else whole
     for name, member in _interface_members(interface).items():
         owner = next((cls for cls in type(fake).__mro__ if name in vars(cls)), None)
-        from_interface = owner is not None and owner in interface.__mro__
-        if owner is None and not hasattr(fake, name) or is_protocol and from_interface:
-            found.append(f"{name}: missing")
+        from_interface = owner is not None and getattr(owner, "_is_protocol", False) and owner in interface.__mro__
+        if (owner is None and not hasattr(fake, name)) or from_interface:
+            if whole:
+                found.append(f"{name}: missing")
             continue
-        if from_interface or not callable(member) or isinstance(member, type):
-            continue
+        if owner in interface.__mro__ or not callable(member) or isinstance(member, type):
+            continue  # the interface's own (a class's method the fake inherits), or not a method
         own = inspect.getattr_static(fake, name)
         if inspect.iscoroutinefunction(member) != inspect.iscoroutinefunction(own):
-            found.append(f"{name}: async in one, not in the other")
-        wanted = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
-        given = [(p.name, p.kind) for p in inspect.signature(own).parameters.values()]
-        if wanted != given:
-            found.append(f"{name}: takes {given}, the interface {wanted}")
+            found.append(f"{name}: async in one of them only")
+        wanted, given = inspect.signature(member), inspect.signature(own)
+        if _shape(wanted) != _shape(given):
+            found.append(f"{name}: takes {_unannotated(given)}, the interface {_unannotated(wanted)}")
     return found
+
+
+def _shape(signature: inspect.Signature) -> List[Tuple[str, Any]]:
+    return [(parameter.name, parameter.kind) for parameter in signature.parameters.values()]
+
+
+def _unannotated(signature: inspect.Signature) -> str:
+    return str(signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty))
