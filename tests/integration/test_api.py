@@ -7,7 +7,7 @@ from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.shared.sizes import GiB
 
-from .fake_gpu import POLL, fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
+from .fake_gpu import POLL, fake_gpu_config, kernel_entry, manager_of, next_samples, status, uses_gpu
 from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 
@@ -25,10 +25,8 @@ async def expect_status(call, *codes):
 
 async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     grant = manager_of(jp_serverapp).ledger.get(kernel_id)
-    device = grant.devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     fake_nvml.other_used[f"static-{device}"] = 1 * GiB  # someone else's process on the same GPU
     await next_samples(jp_serverapp)
 
@@ -66,9 +64,7 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
 
 async def test_a_subprocess_of_the_kernel_counts_for_the_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    child = await start_child_process(jp_serverapp, kernel_id)
-    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(child, f"static-{device}", 2 * GiB)
+    child, _ = await uses_gpu(jp_serverapp, kernel_id, 2 * GiB, pid=await start_child_process(jp_serverapp, kernel_id))
     await next_samples(jp_serverapp)
     entry = kernel_entry(await status(jp_fetch), kernel_id)
     assert entry["devices"][0]["used"] == 2 * GiB
@@ -228,9 +224,7 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
 
 async def test_nvml_failing_mid_run_leaves_the_server_and_kernels_up(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 2 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 2 * GiB)
     await next_samples(jp_serverapp)
 
     fake_nvml.failing = "nvmlDeviceGetMemoryInfo failed (NVMLError_Unknown: Unknown Error)"
