@@ -16,6 +16,12 @@ def jp_server_config():
     return fake_gpu_config("warn")
 
 
+def post_usage(jp_fetch, kernel_id: str, body: str, headers=None):
+    """A usage report for the kernel (POST .../usage), with the headers given (the test's user token unless they
+    say otherwise)."""
+    return jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body, headers=headers)
+
+
 async def expect_status(call, *codes):
     with pytest.raises(HTTPClientError) as error:
         await call
@@ -79,9 +85,8 @@ async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_s
     device = manager.ledger.get(kernel_id).devices[0]
     body = {"devices": [{"index": device, "allocated": 1000, "reserved": 2048, "peak": 4096}]}
     # The way the kernel-side code sends it: its secret in a header, no user token, no XSRF cookie.
-    response = await jp_fetch(
-        "api", "gpu-quota", "kernels", kernel_id, "usage",
-        method="POST", body=json.dumps(body),
+    response = await post_usage(
+        jp_fetch, kernel_id, json.dumps(body),
         headers={"X-GPU-Quota-Kernel-Token": manager.token_for(kernel_id), "Authorization": ""},
     )
     assert json.loads(response.body) == {"accepted": 1, "last_action": None}
@@ -120,12 +125,7 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
     device = manager.ledger.get(kernel_id).devices[0]
     grant_before = manager.ledger.get(kernel_id)
     for body in BAD_USAGE_BODIES:
-        error = await expect_status(
-            jp_fetch(
-                "api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body.replace("DEV", str(device))
-            ),
-            400,
-        )
+        error = await expect_status(post_usage(jp_fetch, kernel_id, body.replace("DEV", str(device))), 400)
         assert error.response.body, body
     assert manager.reports.get(kernel_id) is None
     assert manager.ledger.get(kernel_id) == grant_before
@@ -143,19 +143,8 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
     body = json.dumps({"devices": [{"index": device, "allocated": 1}]})
     other = await start_kernel(jp_fetch)
     # Another kernel's secret is not this kernel's.
-    await expect_status(
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=body,
-            headers={"X-GPU-Quota-Kernel-Token": manager.token_for(other), "Authorization": ""},
-        ),
-        403,
-    )
+    others = {"X-GPU-Quota-Kernel-Token": manager.token_for(other), "Authorization": ""}
+    await expect_status(post_usage(jp_fetch, kernel_id, body, headers=others), 403)
     # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
     cap_before = manager.ledger.get(kernel_id).caps[device]
     for forged in ("forged", "é" * 43):
@@ -172,9 +161,7 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
             403,
         )
     assert manager.ledger.get(kernel_id).caps[device] == cap_before
-    await expect_status(
-        jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404
-    )
+    await expect_status(post_usage(jp_fetch, "no-such-kernel", body), 404)
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
     assert manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -192,27 +179,9 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
         jp_fetch("api", "gpu-quota", "status", headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body='{"cap": "0.1"}', headers=no_auth),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage, headers=no_auth),
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=usage,
-            headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"},
-        ),
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=usage,
-            headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""},
-        ),
+        post_usage(jp_fetch, kernel_id, usage, headers=no_auth),
+        post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"}),
+        post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""}),
     ]
     for call in calls:
         error = await expect_status(call, 401, 403)
@@ -258,15 +227,7 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
     kernel_id = await start_kernel(jp_fetch)
     manager = manager_of(jp_serverapp)
     device = manager.ledger.get(kernel_id).devices[0]
-    await jp_fetch(
-        "api",
-        "gpu-quota",
-        "kernels",
-        kernel_id,
-        "usage",
-        method="POST",
-        body=json.dumps({"devices": [{"index": device, "reserved": 5}]}),
-    )
+    await post_usage(jp_fetch, kernel_id, json.dumps({"devices": [{"index": device, "reserved": 5}]}))
     assert kernel_id in manager.reports
     await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
@@ -322,7 +283,7 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
         413,
     )
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
-    await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage), 413)
+    await expect_status(post_usage(jp_fetch, kernel_id, usage), 413)
     assert manager.ledger.get(kernel_id) == grant_before
     assert manager.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
