@@ -22,6 +22,11 @@ def post_usage(jp_fetch, kernel_id: str, body: str, headers=None):
     return jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body, headers=headers)
 
 
+def put_cap(jp_fetch, kernel_id: str, body=None, headers=None, **kwargs):
+    """A cap change for the kernel (PUT .../kernels/<id>): `body`, or what kwargs give tornado (a body_producer)."""
+    return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body, headers=headers, **kwargs)
+
+
 async def expect_status(call, *codes):
     with pytest.raises(HTTPClientError) as error:
         await call
@@ -131,7 +136,7 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
     assert manager.ledger.get(kernel_id) == grant_before
     # Malformed cap changes too.
     for body in ['{"cap": "lots"}', '{"cap": 0}', '{"reset": false}', '{"cap": "0.3", "device": -1}', "[1]"]:
-        await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body), 400)
+        await expect_status(put_cap(jp_fetch, kernel_id, body), 400)
     assert manager.ledger.get(kernel_id) == grant_before
     await shutdown_kernel(jp_fetch, kernel_id)
 
@@ -148,18 +153,8 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
     # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
     cap_before = manager.ledger.get(kernel_id).caps[device]
     for forged in ("forged", "é" * 43):
-        await expect_status(
-            jp_fetch(
-                "api",
-                "gpu-quota",
-                "kernels",
-                kernel_id,
-                method="PUT",
-                body=json.dumps({"cap": "0.5"}),
-                headers={"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""},
-            ),
-            403,
-        )
+        forging = {"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""}
+        await expect_status(put_cap(jp_fetch, kernel_id, json.dumps({"cap": "0.5"}), headers=forging), 403)
     assert manager.ledger.get(kernel_id).caps[device] == cap_before
     await expect_status(post_usage(jp_fetch, "no-such-kernel", body), 404)
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
@@ -178,7 +173,7 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
     calls = [
         jp_fetch("api", "gpu-quota", "status", headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, headers=no_auth),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body='{"cap": "0.1"}', headers=no_auth),
+        put_cap(jp_fetch, kernel_id, '{"cap": "0.1"}', headers=no_auth),
         post_usage(jp_fetch, kernel_id, usage, headers=no_auth),
         post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"}),
         post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""}),
@@ -262,7 +257,7 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
     manager = manager_of(jp_serverapp)
     grant_before = manager.ledger.get(kernel_id)
     huge_cap = json.dumps({"cap": "9" * (1 << 20)})  # 1 MiB: valid JSON, a nonsense cap
-    error = await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=huge_cap), 413)
+    error = await expect_status(put_cap(jp_fetch, kernel_id, huge_cap), 413)
     assert len(error.response.body) < 300 and b"64 KiB" in error.response.body
 
     def chunked(write):  # no Content-Length: the limit holds on what arrives
@@ -270,30 +265,15 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
             write(b" " * 10_000)
         write(b'{"cap": "0.5"}')
 
-    await expect_status(
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            method="PUT",
-            body_producer=chunked,
-            headers={"Transfer-Encoding": "chunked"},
-        ),
-        413,
-    )
+    streamed = put_cap(jp_fetch, kernel_id, body_producer=chunked, headers={"Transfer-Encoding": "chunked"})
+    await expect_status(streamed, 413)
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
     await expect_status(post_usage(jp_fetch, kernel_id, usage), 413)
     assert manager.ledger.get(kernel_id) == grant_before
     assert manager.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
     padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
-    assert (
-        json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)[
-            "outcome"
-        ]
-        == "granted"
-    )
+    assert json.loads((await put_cap(jp_fetch, kernel_id, padded)).body)["outcome"] == "granted"
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -314,7 +294,7 @@ async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch,
     kernel_id = await start_kernel(jp_fetch)
 
     def put(body):
-        return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))
+        return put_cap(jp_fetch, kernel_id, json.dumps(body))
 
     error = await expect_status(put({"cap": "2.5"}), 400)
     message = json.loads(error.response.body)["message"]
