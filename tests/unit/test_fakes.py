@@ -1,6 +1,8 @@
 """The unit tests' fakes answer as what they stand in for: each is checked against the package's Protocol or class
-(fakes.differences), so a changed interface fails here, by name, rather than leaving tests that pass against the
-old one."""
+(fakes.differences), and mypy reads fakes.py against them (an override that takes or gives other types), so a
+changed interface fails here, by name, rather than leaving tests that pass against the old one."""
+
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from gpu_quota_ext.usage.kernels import KernelActions, KernelEnds, KernelManager
 from gpu_quota_ext.usage.processes import ProcTable
 from gpu_quota_ext.usage.sampling import Monitor
 
+from . import fakes
 from .fakes import (
     Grants,
     NvmlMonitor,
@@ -32,6 +35,7 @@ from .test_magic_park import FakeParkClient
 from .test_magic_sync import Client as SyncClient
 from .test_parker_states import RestartingKernels
 from .test_sample_time import SlowNvml
+from .test_types import mypy
 
 # (the fake, what it stands in for): each subclasses its Protocol or class, and has every member a Protocol asks for
 SUBCLASSES = [
@@ -105,3 +109,8 @@ def test_a_fake_that_strays_is_found():
         "client: missing",
     ]
     assert differences(SyncKernels(), KernelEnds) == ["dead_ids: async in one of them only"]
+
+
+def test_mypy_finds_the_fakes_typed_as_what_they_stand_in_for(tmp_path):
+    done = mypy(str(Path(fakes.__file__)), cache=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
