@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import Optional, Tuple
 
 from traitlets.config import Config
 
+from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.manager import SETTINGS_KEY
 
 from ..waiting import wait_for
@@ -35,6 +37,15 @@ def manager_of(serverapp):
 async def kernel_pid(serverapp, kernel_id: str) -> int:
     """The PID the kernel itself reports: what NVML would list for it."""
     return int((await execute(serverapp, kernel_id, "import os; print(os.getpid())")).strip())
+
+
+async def uses_gpu(serverapp, kernel_id: str, nbytes: int, pid: Optional[int] = None) -> Tuple[int, int]:
+    """The kernel's own process (or `pid`) 'uses' `nbytes` on the kernel's first granted device, as the fake NVML
+    shows it from now on: (that pid, the device's index)."""
+    pid = pid or await kernel_pid(serverapp, kernel_id)
+    device = manager_of(serverapp).ledger.get(kernel_id).devices[0]
+    FakeNvml.set_usage(pid, f"static-{device}", nbytes)
+    return pid, device
 
 
 async def status(jp_fetch) -> dict:

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 from ..kernel_transport import TRANSPORT_ARGS, check_connection_dir
 from .cell_output import CellOutput
@@ -28,6 +28,22 @@ TOKEN = "hard-cap-test"
 # server is started before that fails the test.
 PORT_CLASH = "is already in use"
 PORT_CLASH_STARTS = 3
+
+
+def server_command(root_dir, *args: str, python: str = sys.executable, token: str = "") -> List[str]:
+    """`python -m jupyter_server` serving `root_dir` on a port it picks, with no browser and the `token` given,
+    then `args`."""
+    return [
+        python,
+        "-m",
+        "jupyter_server",
+        "--no-browser",
+        "--allow-root",
+        "--port=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root_dir}",
+        *args,
+    ]
 
 
 class Server:
@@ -57,18 +73,9 @@ class Server:
         )
         self._command = [
             *prefix,
-            self.python,
-            "-m",
-            "jupyter_server",
-            "--no-browser",
-            "--allow-root",
-            "--ip=127.0.0.1",
-            "--port=0",
-            f"--IdentityProvider.token={TOKEN}",
-            f"--ServerApp.root_dir={runtime}",
-            *self.enabling_args,
-            *TRANSPORT_ARGS,
-            *args,
+            *server_command(
+                runtime, "--ip=127.0.0.1", *self.enabling_args, *TRANSPORT_ARGS, *args, python=self.python, token=TOKEN
+            ),
         ]
         self.starts = 0
         self._start()

@@ -7,13 +7,24 @@ from tornado.httpclient import HTTPClientError
 
 from gpu_quota_ext.shared.sizes import GiB
 
-from .fake_gpu import POLL, fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
+from .fake_gpu import POLL, fake_gpu_config, kernel_entry, manager_of, next_samples, status, uses_gpu
 from .kernels import execute, shutdown_kernel, start_child_process, start_kernel
 
 
 @pytest.fixture
 def jp_server_config():
     return fake_gpu_config("warn")
+
+
+def post_usage(jp_fetch, kernel_id: str, body: str, headers=None):
+    """A usage report for the kernel (POST .../usage), with the headers given (the test's user token unless they
+    say otherwise)."""
+    return jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body, headers=headers)
+
+
+def put_cap(jp_fetch, kernel_id: str, body=None, headers=None, **kwargs):
+    """A cap change for the kernel (PUT .../kernels/<id>): `body`, or what kwargs give tornado (a body_producer)."""
+    return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body, headers=headers, **kwargs)
 
 
 async def expect_status(call, *codes):
@@ -25,10 +36,8 @@ async def expect_status(call, *codes):
 
 async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     grant = manager_of(jp_serverapp).ledger.get(kernel_id)
-    device = grant.devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     fake_nvml.other_used[f"static-{device}"] = 1 * GiB  # someone else's process on the same GPU
     await next_samples(jp_serverapp)
 
@@ -66,9 +75,7 @@ async def test_status_shows_nvml_usage_next_to_the_ledgers_caps(jp_fetch, jp_ser
 
 async def test_a_subprocess_of_the_kernel_counts_for_the_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    child = await start_child_process(jp_serverapp, kernel_id)
-    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(child, f"static-{device}", 2 * GiB)
+    child, _ = await uses_gpu(jp_serverapp, kernel_id, 2 * GiB, pid=await start_child_process(jp_serverapp, kernel_id))
     await next_samples(jp_serverapp)
     entry = kernel_entry(await status(jp_fetch), kernel_id)
     assert entry["devices"][0]["used"] == 2 * GiB
@@ -83,9 +90,8 @@ async def test_a_kernel_reports_its_allocator_with_its_own_secret(jp_fetch, jp_s
     device = manager.ledger.get(kernel_id).devices[0]
     body = {"devices": [{"index": device, "allocated": 1000, "reserved": 2048, "peak": 4096}]}
     # The way the kernel-side code sends it: its secret in a header, no user token, no XSRF cookie.
-    response = await jp_fetch(
-        "api", "gpu-quota", "kernels", kernel_id, "usage",
-        method="POST", body=json.dumps(body),
+    response = await post_usage(
+        jp_fetch, kernel_id, json.dumps(body),
         headers={"X-GPU-Quota-Kernel-Token": manager.token_for(kernel_id), "Authorization": ""},
     )
     assert json.loads(response.body) == {"accepted": 1, "last_action": None}
@@ -124,18 +130,13 @@ async def test_malformed_usage_reports_are_refused_without_changing_state(jp_fet
     device = manager.ledger.get(kernel_id).devices[0]
     grant_before = manager.ledger.get(kernel_id)
     for body in BAD_USAGE_BODIES:
-        error = await expect_status(
-            jp_fetch(
-                "api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=body.replace("DEV", str(device))
-            ),
-            400,
-        )
+        error = await expect_status(post_usage(jp_fetch, kernel_id, body.replace("DEV", str(device))), 400)
         assert error.response.body, body
     assert manager.reports.get(kernel_id) is None
     assert manager.ledger.get(kernel_id) == grant_before
     # Malformed cap changes too.
     for body in ['{"cap": "lots"}', '{"cap": 0}', '{"reset": false}', '{"cap": "0.3", "device": -1}', "[1]"]:
-        await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=body), 400)
+        await expect_status(put_cap(jp_fetch, kernel_id, body), 400)
     assert manager.ledger.get(kernel_id) == grant_before
     await shutdown_kernel(jp_fetch, kernel_id)
 
@@ -147,38 +148,15 @@ async def test_wrong_secret_and_unknown_kernel(jp_fetch, jp_serverapp, fake_nvml
     body = json.dumps({"devices": [{"index": device, "allocated": 1}]})
     other = await start_kernel(jp_fetch)
     # Another kernel's secret is not this kernel's.
-    await expect_status(
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=body,
-            headers={"X-GPU-Quota-Kernel-Token": manager.token_for(other), "Authorization": ""},
-        ),
-        403,
-    )
+    others = {"X-GPU-Quota-Kernel-Token": manager.token_for(other), "Authorization": ""}
+    await expect_status(post_usage(jp_fetch, kernel_id, body, headers=others), 403)
     # Nor is a secret no kernel has, in any encoding a header can carry (non-ASCII once gave a 500).
     cap_before = manager.ledger.get(kernel_id).caps[device]
     for forged in ("forged", "é" * 43):
-        await expect_status(
-            jp_fetch(
-                "api",
-                "gpu-quota",
-                "kernels",
-                kernel_id,
-                method="PUT",
-                body=json.dumps({"cap": "0.5"}),
-                headers={"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""},
-            ),
-            403,
-        )
+        forging = {"X-GPU-Quota-Kernel-Token": forged, "Authorization": ""}
+        await expect_status(put_cap(jp_fetch, kernel_id, json.dumps({"cap": "0.5"}), headers=forging), 403)
     assert manager.ledger.get(kernel_id).caps[device] == cap_before
-    await expect_status(
-        jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel", "usage", method="POST", body=body), 404
-    )
+    await expect_status(post_usage(jp_fetch, "no-such-kernel", body), 404)
     await expect_status(jp_fetch("api", "gpu-quota", "kernels", "no-such-kernel"), 404)
     assert manager.reports.get(kernel_id) is None
     await shutdown_kernel(jp_fetch, kernel_id)
@@ -195,28 +173,10 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
     calls = [
         jp_fetch("api", "gpu-quota", "status", headers=no_auth),
         jp_fetch("api", "gpu-quota", "kernels", kernel_id, headers=no_auth),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body='{"cap": "0.1"}', headers=no_auth),
-        jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage, headers=no_auth),
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=usage,
-            headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"},
-        ),
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            "usage",
-            method="POST",
-            body=usage,
-            headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""},
-        ),
+        put_cap(jp_fetch, kernel_id, '{"cap": "0.1"}', headers=no_auth),
+        post_usage(jp_fetch, kernel_id, usage, headers=no_auth),
+        post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": "guess"}),
+        post_usage(jp_fetch, kernel_id, usage, headers={**no_auth, "X-GPU-Quota-Kernel-Token": ""}),
     ]
     for call in calls:
         error = await expect_status(call, 401, 403)
@@ -228,9 +188,7 @@ async def test_nothing_answers_an_unauthenticated_request(jp_fetch, jp_serverapp
 
 async def test_nvml_failing_mid_run_leaves_the_server_and_kernels_up(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 2 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 2 * GiB)
     await next_samples(jp_serverapp)
 
     fake_nvml.failing = "nvmlDeviceGetMemoryInfo failed (NVMLError_Unknown: Unknown Error)"
@@ -264,15 +222,7 @@ async def test_monitor_forgets_a_kernel_that_is_gone(jp_fetch, jp_serverapp, fak
     kernel_id = await start_kernel(jp_fetch)
     manager = manager_of(jp_serverapp)
     device = manager.ledger.get(kernel_id).devices[0]
-    await jp_fetch(
-        "api",
-        "gpu-quota",
-        "kernels",
-        kernel_id,
-        "usage",
-        method="POST",
-        body=json.dumps({"devices": [{"index": device, "reserved": 5}]}),
-    )
+    await post_usage(jp_fetch, kernel_id, json.dumps({"devices": [{"index": device, "reserved": 5}]}))
     assert kernel_id in manager.reports
     await shutdown_kernel(jp_fetch, kernel_id)
     await next_samples(jp_serverapp)
@@ -307,7 +257,7 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
     manager = manager_of(jp_serverapp)
     grant_before = manager.ledger.get(kernel_id)
     huge_cap = json.dumps({"cap": "9" * (1 << 20)})  # 1 MiB: valid JSON, a nonsense cap
-    error = await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=huge_cap), 413)
+    error = await expect_status(put_cap(jp_fetch, kernel_id, huge_cap), 413)
     assert len(error.response.body) < 300 and b"64 KiB" in error.response.body
 
     def chunked(write):  # no Content-Length: the limit holds on what arrives
@@ -315,30 +265,15 @@ async def test_a_body_over_64_kib_is_refused_before_it_is_parsed(jp_fetch, jp_se
             write(b" " * 10_000)
         write(b'{"cap": "0.5"}')
 
-    await expect_status(
-        jp_fetch(
-            "api",
-            "gpu-quota",
-            "kernels",
-            kernel_id,
-            method="PUT",
-            body_producer=chunked,
-            headers={"Transfer-Encoding": "chunked"},
-        ),
-        413,
-    )
+    streamed = put_cap(jp_fetch, kernel_id, body_producer=chunked, headers={"Transfer-Encoding": "chunked"})
+    await expect_status(streamed, 413)
     usage = json.dumps({"devices": [{"index": grant_before.devices[0], "allocated": 1}], "pad": "x" * 70_000})
-    await expect_status(jp_fetch("api", "gpu-quota", "kernels", kernel_id, "usage", method="POST", body=usage), 413)
+    await expect_status(post_usage(jp_fetch, kernel_id, usage), 413)
     assert manager.ledger.get(kernel_id) == grant_before
     assert manager.reports.get(kernel_id) is None
     # Just under the limit is read (and answered on its merits).
     padded = '{"cap": "0.5"}' + " " * (64 * 1024 - 20)
-    assert (
-        json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=padded)).body)[
-            "outcome"
-        ]
-        == "granted"
-    )
+    assert json.loads((await put_cap(jp_fetch, kernel_id, padded)).body)["outcome"] == "granted"
     await shutdown_kernel(jp_fetch, kernel_id)
 
 
@@ -359,7 +294,7 @@ async def test_a_refusal_says_its_reason_once_with_the_input_shortened(jp_fetch,
     kernel_id = await start_kernel(jp_fetch)
 
     def put(body):
-        return jp_fetch("api", "gpu-quota", "kernels", kernel_id, method="PUT", body=json.dumps(body))
+        return put_cap(jp_fetch, kernel_id, json.dumps(body))
 
     error = await expect_status(put({"cap": "2.5"}), 400)
     message = json.loads(error.response.body)["message"]

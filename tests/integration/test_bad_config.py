@@ -3,9 +3,10 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from .servers import server_command
 
 pytestmark = pytest.mark.slow  # each test starts a whole server or a CLI process
 
@@ -20,17 +21,7 @@ def start_server(tmp_path, args, env_extra=None, config=None):
     if config is not None:
         (tmp_path / "config").mkdir(exist_ok=True)
         (tmp_path / "config" / "jupyter_server_config.json").write_text(json.dumps(config))
-    command = [
-        sys.executable,
-        "-m",
-        "jupyter_server",
-        "--no-browser",
-        "--allow-root",
-        "--port=0",
-        "--IdentityProvider.token=",
-        f"--ServerApp.root_dir={tmp_path}",
-        *args,
-    ]
+    command = server_command(tmp_path, *args)
     # Read the log until the server exits or says it is serving; (None, log) means it is serving.
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines = []

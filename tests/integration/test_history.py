@@ -9,12 +9,11 @@ import time
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.shared import contract
 from gpu_quota_ext.shared.sizes import GiB
 from gpu_quota_ext.usage.history import POINTS_MAX
 
-from .fake_gpu import POLL, fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for
+from .fake_gpu import POLL, fake_gpu_config, manager_of, next_samples, uses_gpu, wait_for
 from .kernels import execute, shutdown_kernel, start_kernel
 
 WAIT = 30.0  # a deadline on a busy 2-core machine, not a threshold
@@ -47,9 +46,7 @@ async def test_points_follow_nvml_and_the_allocator_against_the_cap(jp_fetch, jp
     kernel_id = await start_kernel(jp_fetch)
     manager = manager_of(jp_serverapp)
     grant = manager.ledger.get(kernel_id)
-    device = grant.devices[0]
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    FakeNvml.set_usage(pid, f"static-{device}", 3 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     await jp_fetch(
         "api", "gpu-quota", "kernels", kernel_id, "usage", method="POST",
         body=json.dumps({"devices": [{"index": device, "allocated": 2 * GiB, "reserved": 5 * GiB // 2, "peak": None}]}),
@@ -91,9 +88,7 @@ async def test_points_follow_nvml_and_the_allocator_against_the_cap(jp_fetch, jp
 async def test_park_periods_are_in_the_points(jp_fetch, jp_serverapp, fake_driver):
     kernel_id = await start_kernel(jp_fetch)
     manager = manager_of(jp_serverapp)
-    device = manager.ledger.get(kernel_id).devices[0]
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    FakeNvml.set_usage(pid, f"static-{device}", 2 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 2 * GiB)
     await wait_for(lambda: pid in manager.monitor.gpu_pids(kernel_id), timeout=WAIT)
     response = await jp_fetch("api", "gpu-quota", "kernels", kernel_id, "park", method="POST", body="{}")
     assert response.code == 202
@@ -134,9 +129,7 @@ async def test_the_panel_of_the_kernel_charts_its_own_history(jp_fetch, jp_serve
     # `%gpucap panel` in the kernel reads the server's points with the kernel's own secret and draws them.
     kernel_id = await start_kernel(jp_fetch)
     service = manager_of(jp_serverapp)
-    device = service.ledger.get(kernel_id).devices[0]
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    FakeNvml.set_usage(pid, f"static-{device}", 3 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     await wait_for(lambda: any(p.used == 3 * GiB for p in service.history.kernel(kernel_id) or ()), timeout=WAIT)
     drawn = await execute(
         jp_serverapp,

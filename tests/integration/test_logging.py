@@ -7,13 +7,13 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import threading
 
 import pytest
 from traitlets.config import Config
 
 from .kernels import static_devices_config
+from .servers import server_command
 
 # A real server whose monitor cannot open NVML: the monitor's module logger says so once, at WARNING.
 CONFIG = """
@@ -43,18 +43,7 @@ def server_log_until(tmp_path, marker: str, *args: str, timeout: float = 60) -> 
     config.write_text(CONFIG)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_QUOTA_")}
     env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
-    command = [
-        sys.executable,
-        "-m",
-        "jupyter_server",
-        "--no-browser",
-        "--allow-root",
-        "--port=0",
-        "--IdentityProvider.token=",
-        f"--ServerApp.root_dir={tmp_path}",
-        f"--config={config}",
-        *args,
-    ]
+    command = server_command(tmp_path, f"--config={config}", *args)
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = threading.Timer(timeout, process.kill)  # the marker never came: stop reading
     deadline.start()

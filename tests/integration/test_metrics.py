@@ -8,7 +8,7 @@ import pytest
 from gpu_quota_ext.shared.sizes import GiB
 from gpu_quota_ext.status import collector as gpu_metrics
 
-from .fake_gpu import fake_gpu_config, kernel_pid, manager_of, next_samples, wait_for
+from .fake_gpu import fake_gpu_config, kernel_pid, manager_of, next_samples, uses_gpu, wait_for
 from .kernels import shutdown_kernel, start_kernel
 
 
@@ -30,10 +30,8 @@ async def scrape(jp_fetch) -> dict:
 
 async def test_gauges_follow_the_monitor_and_drop_a_gone_kernel(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     grant = manager_of(jp_serverapp).ledger.get(kernel_id)
-    device = grant.devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
     await next_samples(jp_serverapp)
 
     metrics = await scrape(jp_fetch)

@@ -10,7 +10,7 @@ import pytest
 from gpu_quota_ext.shared.sizes import GiB
 
 from ..kernel_transport import short_directory
-from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, uses_gpu, wait_for
 from .fake_mps import wait_until
 from .kernels import shutdown_kernel, start_kernel
 from .servers import Server
@@ -25,9 +25,7 @@ def jp_server_config():
 @pytest.mark.slow
 async def test_a_hung_nvml_call_makes_the_monitor_stalled_then_ok_again(jp_fetch, jp_serverapp, fake_nvml):
     kernel_id = await start_kernel(jp_fetch)
-    pid = await kernel_pid(jp_serverapp, kernel_id)
-    device = manager_of(jp_serverapp).ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 3 * GiB)
+    pid, device = await uses_gpu(jp_serverapp, kernel_id, 3 * GiB)
     await next_samples(jp_serverapp)
     assert (await status(jp_fetch))["monitor"]["state"] == "ok"
     metrics = await scrape(jp_fetch)

@@ -20,7 +20,7 @@ from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.shared.contract import KERNEL_TOKEN_HEADER, PARK_FIELDS
 from gpu_quota_ext.shared.sizes import GiB
 
-from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, wait_for
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, uses_gpu, wait_for
 from .kernels import (
     execute,
     restart_kernel,
@@ -63,9 +63,7 @@ async def wait_state(jp_fetch, kernel_id, *states, timeout=WAIT) -> dict:
 
 async def holding_gpu(serverapp, kernel_id, nbytes=2 * GiB, pid=None) -> int:
     """The kernel's process 'uses' nbytes on its device (fake NVML) and the parker has seen it."""
-    pid = pid or await kernel_pid(serverapp, kernel_id)
-    device = manager_of(serverapp).ledger.get(kernel_id).devices[0]
-    FakeNvml.set_usage(pid, f"static-{device}", nbytes)
+    pid, _ = await uses_gpu(serverapp, kernel_id, nbytes, pid)
     parker, monitor = parker_of(serverapp), manager_of(serverapp).monitor
     await wait_for(lambda: pid in monitor.gpu_pids(kernel_id) and parker.driver_problem is None, timeout=WAIT)
     return pid

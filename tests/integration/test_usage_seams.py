@@ -11,7 +11,7 @@ import threading
 import pytest
 from traitlets.config import Config
 
-from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status
+from .fake_gpu import fake_gpu_config, kernel_entry, kernel_pid, manager_of, next_samples, status, uses_gpu
 from .kernels import execute, shutdown_kernel, start_kernel, static_devices_config
 
 
@@ -34,8 +34,7 @@ async def test_a_kernels_activity_pids_and_each_sample_are_there_for_other_parts
 
     seen = []
     manager.monitor.on_sample(lambda sample: seen.append((threading.get_ident(), sample)))
-    device = manager.ledger.get(kernel_id).devices[0]
-    fake_nvml.set_usage(pid, f"static-{device}", 1 << 30)
+    await uses_gpu(jp_serverapp, kernel_id, 1 << 30, pid)
     await next_samples(jp_serverapp, 2)
     assert manager.gpu_pids(kernel_id) == (pid,)
     assert seen and all(ident == threading.get_ident() for ident, _ in seen)  # on the event loop's thread

@@ -21,6 +21,8 @@ from gpu_quota_ext.usage.attribution import (
     parse_uids,
 )
 
+from .fakes import ProcSnapshot
+
 # --- pure parts ---------------------------------------------------------------------------------------
 
 
@@ -139,30 +141,9 @@ def test_proc_table_reads_the_live_tree_and_environment():
         child.wait()
 
 
-class FakeTable:
-    """A process table snapshot where NVML's PID 17 is our 4242 (a container's numbering)."""
-
-    has_proc = True
-
-    def __init__(self):
-        self.scans = 0
-
-    def parent_of(self, pid):
-        return {4242: 100, 100: 1}.get(pid)
-
-    def kernel_in_environ(self, pid):
-        return None
-
-    def uids_of(self, pid):
-        return ()
-
-    def namespace_aliases(self):
-        self.scans += 1
-        return {17: 4242}
-
-
 def test_resolver_maps_pids_of_another_namespace_through_nspid_and_scans_rarely():
-    table = FakeTable()
+    # A process table where NVML's PID 17 is our 4242 (a container's numbering).
+    table = ProcSnapshot(parents={4242: 100, 100: 1}, aliases={17: 4242})
     resolver = PidResolver(table)
     assert resolver.resolve([17], {100: "k1"}, {"k1"}, now=0.0) == {17: (("k1", TREE), 4242)}
     resolver.resolve([17, 55], {100: "k1"}, {"k1"}, now=1.0)

@@ -23,25 +23,19 @@ from gpu_quota_ext.parking.broker import (
     room,
 )
 
+from .broker_views import device_view, kernel_view
+
 GiB = 1 << 30
 GPU = DeviceView(key=0, name="GPU 0", total=140 * GiB, used=None)
 SETTINGS = BrokerSettings(device_margin=GiB, host_margin=2 * GiB, min_idle=60, wait_limit=300)
 
 
 def device(used: int, total: int = 140 * GiB, key=0) -> DeviceView:
-    return DeviceView(key=key, name=f"GPU {key}", total=total, used=used)
+    return device_view(used, total, key)
 
 
 def kernel(kernel_id, state, used=0, cap=63 * GiB, idle_for=None, parkable=True, key=0) -> KernelView:
-    return KernelView(
-        kernel_id=kernel_id,
-        state=state,
-        used={key: used} if used else {},
-        caps={key: cap},
-        idle_for=idle_for,
-        parkable=parkable,
-        label=f"kernel {kernel_id}",
-    )
+    return kernel_view(kernel_id, state, used, cap, idle_for, parkable, key)
 
 
 # --- the three-kernel scenario of the issue, as the broker sees it -----------------------------------------

@@ -9,6 +9,8 @@ from gpu_quota_ext.kernel.command import Command
 from gpu_quota_ext.kernel.magic import GpuCap
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
 
+from .fakes import OfflineClient
+
 WAIT_S = 10  # a deadline for a thread that should finish at once, not a timing threshold
 
 
@@ -37,7 +39,7 @@ def test_the_sync_writes_under_the_records_lock(monkeypatch):
     monkeypatch.setattr(sync, "put_caps_in_force", lambda s, env=None: [])
     state = record()
 
-    class Client:
+    class Client(OfflineClient):
         def grant(self):
             return {"source": "user request", "devices": [{"index": 3, "cap": 30, "max_cap": 40}]}
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from gpu_quota_ext.parking.pages import E_ARENA, E_DRIVER, E_STATE, Pages, PagesError
-from gpu_quota_ext.parking.pages.build import BuildError, build
-from tests.fake_cuda import build_fake, build_pages_over_fake_runtime
+from tests.fake_cuda import build_pages_over_fake_runtime
+
+from .fast_park_build import build_both
 
 MiB = 1 << 20
 GRANULARITY = 2 * MiB
@@ -29,11 +30,7 @@ ILLEGAL_ADDRESS, OUT_OF_MEMORY, NOT_SUPPORTED = 700, 2, 801
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Both libraries compiled once for this module, outside the repository."""
-    folder = tmp_path_factory.mktemp("fast_park_build")
-    try:
-        return build(folder), build_fake(folder)
-    except BuildError as error:
-        pytest.fail(f"the fast park tests compile C with the system's compiler, and could not: {error}")
+    return build_both(tmp_path_factory, "fast_park_build")
 
 
 class Process:

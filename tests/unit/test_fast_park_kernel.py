@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpu_quota_ext.kernel import fast_park
-from gpu_quota_ext.parking.pages.build import BuildError, build
-from tests.fake_cuda import build_fake
+
+from .fast_park_build import build_both
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -74,11 +74,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fast_park_kernel")
-    try:
-        return build(folder), build_fake(folder)
-    except BuildError as error:
-        pytest.fail(f"the fast park tests compile C with the system's compiler, and could not: {error}")
+    return build_both(tmp_path_factory, "fast_park_kernel")
 
 
 def run_kernel(libraries, arena: int) -> dict:

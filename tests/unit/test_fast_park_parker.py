@@ -9,9 +9,7 @@ test_parker_states (a stand-in kernel manager, the fake NVML, an event loop)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
-from types import SimpleNamespace
 from typing import List, Optional
 
 import pytest
@@ -28,16 +26,15 @@ from gpu_quota_ext.parking.checkpoint import (
 )
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.host_account import HostReading
+from gpu_quota_ext.parking.kernel_channel import KernelChannel
 from gpu_quota_ext.parking.pages_driver import PagesDriver, threadsafe_ask
 from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.parking.path import arena_bytes
 from gpu_quota_ext.shared.contract import PARK_PATH_FIELDS
-from gpu_quota_ext.usage import Sample
-from gpu_quota_ext.usage.sampling import DeviceReading
+
+from .fakes import KERNEL, UUID, Grants, NvmlMonitor, ParkerKernels, ParkerOnALoop, grant
 
 GiB, MiB = 1 << 30, 1 << 20
-KERNEL = "k1"
-UUID = "GPU-0"
 TOTAL = 16 * GiB
 PID = os.getpid()  # a live process: the drivers ask whether it still exists
 SERVED = 4 * GiB
@@ -45,10 +42,11 @@ CONTEXT = 600 * MiB
 HOST = 64 * GiB
 
 
-class PagesKernel:
+class PagesKernel(KernelChannel):
     """A kernel with the library preloaded, as its control channel answers (kernel/fast_park.py's replies)."""
 
     def __init__(self, torch_cuda: bool = True):
+        super().__init__(kernels=None)  # no kernel manager: every answer is made here
         self.torch_cuda = torch_cuda
         self.state = "running"
         self.arena = 0
@@ -93,66 +91,24 @@ class PagesKernel:
         return [c["action"] for c in self.asked]
 
 
-class Kernels:
-    def __init__(self):
-        now = datetime.datetime.now(datetime.timezone.utc)
-        self.kernel = SimpleNamespace(execution_state="idle", last_activity=now)
-
-    def kernel_ids(self):
-        return [KERNEL]
-
-    def activity(self, kernel_id):
-        return self.kernel.execution_state, self.kernel.last_activity
-
-    def watch_status(self, kernel_id, on_state):
-        return None
-
-    def client(self, kernel_id):
-        raise KeyError(kernel_id)
-
-
-class Monitor:
-    def __init__(self):
-        self.latest = Sample(state="starting")
-
-    def sample_soon(self):
-        pass
-
-    def device_used_now(self, index):
-        return TOTAL - (FakeNvml.free(UUID) or 0)
-
-    def take(self):
-        held = FakeNvml.usage.get(PID, {}).get(UUID, 0)
-        self.latest = Sample(
-            state="ok",
-            time=datetime.datetime.now().timestamp(),
-            devices={0: DeviceReading(0, TOTAL - (FakeNvml.free(UUID) or 0))},
-            kernels={KERNEL: {0: held}} if held else {},
-            pids={KERNEL: (PID,)} if held else {},
-        )
-        return self.latest
-
-
-class Setup:
+class Setup(ParkerOnALoop):
     def __init__(self, fast_park: str = "on", torch_cuda: bool = True, bootstrapped: bool = True):
         FakeNvml.reset()
         FakeCheckpoint.reset()
         FakeNvml.totals = {UUID: TOTAL}
         self.loop = asyncio.new_event_loop()
         self.kernel = PagesKernel(torch_cuda)
-        self.monitor = Monitor()
+        self.monitor = NvmlMonitor((PID,), TOTAL)
         self.promised: List[int] = []
-        grant = SimpleNamespace(kernel_id=KERNEL, devices=(0,), caps={0: 8 * GiB})
-        ledger = SimpleNamespace(get=lambda kernel_id: grant, grants=lambda: [grant])
         self.parker = Parker(
             ParkSettings(fresh_sample_wait=0, min_idle=0, device_margin=GiB // 2, fast_park=fast_park),
             FakeCheckpoint(),
-            Kernels(),
-            ledger,
+            ParkerKernels(),
+            Grants([grant(KERNEL, {0: 8 * GiB})]),  # the parker reads grants only
             {0: Device(index=0, name="fake", uuid=UUID, total=TOTAL, nvml_index=0)},
             self.monitor,
             host=lambda: (HOST, None),
-            channel=self.kernel,  # type: ignore[arg-type]
+            channel=self.kernel,
             bootstrapped=lambda kernel_id: bootstrapped,
         )
         promise = self.parker._promise_host
@@ -162,31 +118,7 @@ class Setup:
             self.promised.append(self.parker.host_account.outstanding())
 
         self.parker._promise_host = spy  # type: ignore[method-assign]
-        self.run(self._start())
-
-    async def _start(self):
-        self.parker.start()
-        await self.parker.ready()
-        self.parker.on_sample(self.monitor.take())
-
-    def run(self, coroutine):
-        return self.loop.run_until_complete(coroutine)
-
-    def settle(self):
-        async def settle():
-            for _ in range(20):
-                if not self.parker._tasks:
-                    return
-                await asyncio.gather(*list(self.parker._tasks), return_exceptions=True)
-
-        self.run(settle())
-
-    def sample(self):
-        async def on_loop():
-            self.parker.on_sample(self.monitor.take())
-
-        self.run(on_loop())
-        self.settle()
+        self.start()
 
     def park(self) -> dict:
         self.run(self.parker.request_park(KERNEL))
@@ -199,12 +131,6 @@ class Setup:
         for _ in range(3):  # the broker's rounds follow the samples
             self.sample()
         return self.parker.kernel_json(KERNEL)
-
-    def close(self):
-        self.run(self.parker.stop())
-        self.loop.close()
-        FakeCheckpoint.reset()
-        FakeNvml.reset()
 
 
 @pytest.fixture

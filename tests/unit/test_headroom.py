@@ -12,24 +12,18 @@ from hypothesis import strategies as st
 from gpu_quota_ext.parking.broker import BrokerSettings, DeviceView, HostView, KernelView, Reservation, Round
 from gpu_quota_ext.parking.headroom import UNKNOWN, headroom, short_kernels, short_on
 
+from .broker_views import device_view, kernel_view
+
 GiB = 1 << 30
 SETTINGS = BrokerSettings(device_margin=GiB, host_margin=2 * GiB, min_idle=60, wait_limit=300)
 
 
 def gpu(used, total=16 * GiB, key=0):
-    return DeviceView(key=key, name=f"GPU {key}", total=total, used=used)
+    return device_view(used, total, key)
 
 
 def kernel(kernel_id, state="idle", used=0, cap=7 * GiB, idle_for=600.0, parkable=True, key=0):
-    return KernelView(
-        kernel_id=kernel_id,
-        state=state,
-        used={key: used} if used else {},
-        caps={key: cap},
-        idle_for=idle_for,
-        parkable=parkable,
-        label=f"kernel {kernel_id}",
-    )
+    return kernel_view(kernel_id, state, used, cap, idle_for, parkable, key)
 
 
 def round_of(devices, kernels, reservations=()):

@@ -2,10 +2,8 @@
 landing and the release; a host that runs short anyway; the broker's view of it; and the parker checking two
 parks in the same tick (the idle timers that fired together on the H200 and cost a user's kernel)."""
 
-import datetime
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -30,6 +28,8 @@ from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.usage import Sample
 from gpu_quota_ext.usage.sampling import DeviceReading
 from tests.waiting import wait_for
+
+from .fakes import Grants, ParkerKernels, StillMonitor, grant
 
 GiB = 1 << 30
 
@@ -211,20 +211,6 @@ def test_host_short_resumes_go_where_the_device_has_room_largest_first_and_after
 # --- the parker: two idle timers in the same tick ----------------------------------------------------------------
 
 
-class Kernels:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def kernel_ids(self):
-        return list(self.ids)
-
-    def activity(self, kernel_id):
-        return "idle", datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=600)
-
-    def watch_status(self, kernel_id, on_state):
-        return None
-
-
 @pytest.fixture
 def two_processes():
     children = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -253,17 +239,14 @@ async def test_two_parks_checked_in_the_same_tick_never_promise_more_than_the_ho
         kernels={"A": {0: 56 * GiB}, "B": {0: 56 * GiB}},
         pids={"A": (a,), "B": (b,)},
     )
-    grants = [SimpleNamespace(kernel_id=k, devices=(0,), caps={0: 63 * GiB}) for k in ("A", "B")]
-    ledger = SimpleNamespace(get=lambda k: next((g for g in grants if g.kernel_id == k), None), grants=lambda: grants)
-    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda i: None)
     held = fake_driver.hang("cuCheckpointProcessCheckpoint")  # A's copy takes its time, as 56 GiB do
     parker = Parker(
         ParkSettings(idle_after=6, fresh_sample_wait=0),
         fake_driver(),
-        Kernels(["A", "B"]),
-        ledger,
+        ParkerKernels({"A": "idle", "B": "idle"}, idle_for=600),
+        Grants(grant(k, {0: 63 * GiB}) for k in ("A", "B")),
         {0: Device(index=0, name="GPU", uuid="GPU-0", total=140 * GiB, nvml_index=0)},
-        monitor,
+        StillMonitor(sample),
         host=lambda: (70 * GiB, None),  # one kernel parked already; the reading does not move while A copies
     )
     parker.driver_problem = None
@@ -304,17 +287,14 @@ async def test_on_a_hub_host_the_service_s_word_decides_and_nothing_is_promised_
     a, _ = two_processes
     sample = Sample(state="ok", time=1e12, devices={0: DeviceReading(0, 56 * GiB)}, kernels={"A": {0: 56 * GiB}},
                     pids={"A": (a,)})
-    grants = [SimpleNamespace(kernel_id="A", devices=(0,), caps={0: 63 * GiB})]
-    ledger = SimpleNamespace(get=lambda k: grants[0] if k == "A" else None, grants=lambda: grants)
-    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda i: None)
     service = HostService()
     parker = Parker(
         ParkSettings(idle_after=6, fresh_sample_wait=0),
         fake_driver(),
-        Kernels(["A"]),
-        ledger,
+        ParkerKernels({"A": "idle"}, idle_for=600),
+        Grants([grant("A", {0: 63 * GiB})]),
         {0: Device(index=0, name="GPU", uuid="GPU-0", total=140 * GiB, nvml_index=0)},
-        monitor,
+        StillMonitor(sample),
         host=lambda: (500 * GiB, None),  # this server's own reading has room: the service's account has not
         broker=service,
     )

@@ -11,7 +11,6 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
-from traitlets.config import Config
 
 from gpu_quota_ext.hub.service import app as service_app
 from gpu_quota_ext.hub.service.app import GpuQuotaService
@@ -22,6 +21,8 @@ from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, STATUS_PATH
 from gpu_quota_ext.shared.sizes import parse_cap
 from tests.hub.hubtools import listen_here
+
+from .host_service import service_config
 
 
 def test_no_token_is_401_and_a_hub_that_does_not_answer_is_503_with_nothing_granted(service):
@@ -198,12 +199,7 @@ def test_each_host_sample_adds_a_point_to_the_users_history_and_a_user_sees_only
     from gpu_quota_ext.hub.service.user_policy import user_policy
     from gpu_quota_ext.shared.sizes import GiB
 
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.GpuQuotaService.nvml_class = "gpu_quota_ext.devices.fake_nvml.FakeNvml"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
-    app = GpuQuotaService(config=config)
+    app = GpuQuotaService(config=service_config(tmp_path, nvml_class="gpu_quota_ext.devices.fake_nvml.FakeNvml"))
     app.build()
     FakeNvml.reset()
     try:
@@ -267,13 +263,7 @@ def test_the_host_brokers_settings_are_the_servers_rows_defaults_and_a_bad_one_i
     from gpu_quota_ext.shared.sizes import PolicyError
 
     def service(**settings):
-        config = Config()
-        config.GpuQuotaService.state_dir = str(tmp_path / "state")
-        config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-        config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
-        for name, value in settings.items():
-            setattr(config.GpuQuotaService, name, value)
-        app = GpuQuotaService(config=config)
+        app = GpuQuotaService(config=service_config(tmp_path, **settings))
         try:
             app.build()
         finally:

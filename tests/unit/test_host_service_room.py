@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-from traitlets.config import Config
 
 from gpu_quota_ext import parking
 from gpu_quota_ext.devices import Device
@@ -32,7 +31,9 @@ from gpu_quota_ext.parking import Demand, DeviceView, HostBroker, HostRooms, Hos
 from gpu_quota_ext.parking.broker import BrokerSettings
 from gpu_quota_ext.shared.sizes import GiB
 from tests import waiting
-from tests.hub.hubtools import listen_here, unused_port
+from tests.hub.hubtools import listen_here
+
+from .host_service import hub_down, service_config
 
 UUID = "GPU-room-0"
 TOTAL = 12 * GiB
@@ -53,20 +54,15 @@ def write_usage(path, usage):
 def service(tmp_path, monkeypatch):
     nvml_file = tmp_path / "nvml.json"
     monkeypatch.setenv("GPU_QUOTA_FAKE_NVML_FILE", str(nvml_file))
-    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{unused_port()}/hub/api")
-    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
-    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
-    config = Config()
+    hub_down(monkeypatch)
+    config = service_config(tmp_path, total="12GiB", uuid=UUID)
     service = config.GpuQuotaService
-    service.state_dir = str(tmp_path / "state")
-    service.inventory_class = "gpu_quota_ext.devices.StaticInventory"
     service.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
     service.default = {"default_cap": "0.45", "max_cap": "0.5"}
     service.overcommit = 2.0
     service.lease_seconds = LEASE
     service.unix_user_template = pwd.getpwuid(os.getuid()).pw_name  # every user's kernel is one of this test's
     service.park_min_idle = "2s"
-    config.StaticInventory.devices = [{"total": "12GiB", "uuid": UUID}]
     app = GpuQuotaService(config=config)
     app.build()
     app.connect_hub()

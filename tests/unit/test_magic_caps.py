@@ -22,14 +22,16 @@ from gpu_quota_ext.kernel.torch_cap import merge_alloc_conf
 from gpu_quota_ext.shared.sizes import GiB
 
 from .fake_torch import fake_torch
+from .fakes import OfflineClient
 
 TOTAL = 80 * GiB
 
 
-class FakeClient:
+class FakeClient(OfflineClient):
     """Answers like the server: grants up to max_cap (clamps above), or refuses when told to."""
 
     def __init__(self, max_cap=40 * GiB, refuse=False):
+        super().__init__()
         self.max_cap, self.refuse, self.calls = max_cap, refuse, []
 
     def request_cap(self, cap_text, device_index=None):

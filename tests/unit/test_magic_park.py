@@ -22,6 +22,8 @@ from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
 from gpu_quota_ext.shared.contract import PARK_FIELDS, PARK_STATES
 from gpu_quota_ext.shared.sizes import GiB
 
+from .fakes import OfflineClient
+
 
 def park(state="busy", **fields) -> dict:
     """A park object with exactly the contract's fields."""
@@ -32,10 +34,11 @@ def park(state="busy", **fields) -> dict:
     return value
 
 
-class FakeParkClient:
+class FakeParkClient(OfflineClient):
     """Answers park/resume like the server would; records what was asked."""
 
     def __init__(self, answer: ParkAnswer, current=None):
+        super().__init__()
         self.answer, self.current, self.calls = answer, current, []
 
     def park(self):

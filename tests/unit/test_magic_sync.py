@@ -3,9 +3,12 @@
 from gpu_quota_ext.kernel import sync
 from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
 
+from .fakes import OfflineClient
 
-class Client:
+
+class Client(OfflineClient):
     def __init__(self, record):
+        super().__init__()
         self.record = record
 
     def grant(self):

@@ -17,30 +17,10 @@ from gpu_quota_ext.policy import build_policy, resolve
 from gpu_quota_ext.shared.sizes import GiB
 from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings
 
+from .fakes import UsageKernels
+
 DEVICES = [Device(0, "Fake 0", "static-0", 16 * GiB, 0)]
 POLICY = build_policy("0.25", "1.0")
-
-
-class Kernels:
-    """The kernel manager as the usage side sees it: one kernel, this process, idle."""
-
-    def kernel_ids(self):
-        return ["k1"]
-
-    def roots(self):
-        return {os.getpid(): "k1"}
-
-    def activity(self, kernel_id):
-        return "idle", None
-
-    def on_dead(self, kernel_id, callback):
-        pass
-
-    async def dead_ids(self):
-        return []
-
-    async def act(self, kernel_id, action):
-        pass
 
 
 @pytest.fixture
@@ -51,7 +31,8 @@ def fake_nvml():
 
 
 def manager_over(ledger, cls=GpuQuotaManager):
-    return cls(POLICY, DEVICES, ledger, Kernels(), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 0.1))
+    kernels = UsageKernels({os.getpid(): "k1"})  # one kernel, this process, idle
+    return cls(POLICY, DEVICES, ledger, kernels, FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 0.1))
 
 
 def test_each_sample_goes_to_parking_then_the_history_then_the_review(fake_nvml, monkeypatch):

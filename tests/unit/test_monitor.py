@@ -20,37 +20,13 @@ from gpu_quota_ext.status.view import VIEW_FIELDS
 from gpu_quota_ext.usage import PidResolver
 from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings
 
+from .fakes import ProcSnapshot, UsageKernels
+
 ME = 1000
 
 # --- sampling with the fake NVML -------------------------------------------------------------------
 
 DEVICES = [Device(0, "Fake 0", "static-0", 16 * GiB, 0), Device(1, "Fake 1", "static-1", 16 * GiB, 1)]
-
-
-class Kernels:
-    def __init__(self, roots):
-        self._roots = roots
-        self.acted = []
-        self.dead_callbacks = {}
-        self.dead = set()
-
-    def kernel_ids(self):
-        return list(self._roots.values())
-
-    def roots(self):
-        return dict(self._roots)
-
-    def activity(self, kernel_id):
-        return "idle", None  # jupyter_server's view (parking reads it)
-
-    def on_dead(self, kernel_id, callback):
-        self.dead_callbacks[kernel_id] = callback
-
-    async def dead_ids(self):
-        return sorted(self.dead)
-
-    async def act(self, kernel_id, action):
-        self.acted.append((kernel_id, action))
 
 
 @pytest.fixture
@@ -66,7 +42,7 @@ def make_manager(enforce="warn", roots=None, kernels=("k1",)):
     ledger = LocalLedger(DEVICES, policy)
     for kernel_id in kernels:
         ledger.grant(kernel_id, "me", "python3", resolve(policy, "me", "python3"))
-    source = Kernels(roots if roots is not None else {os.getpid(): "k1"})
+    source = UsageKernels(roots if roots is not None else {os.getpid(): "k1"})
     manager = GpuQuotaManager(
         policy, DEVICES, ledger, source, FakeNvml(), build_watchdog_settings(enforce, "1GiB", 0, 0.1), user="me"
     )
@@ -163,7 +139,7 @@ def test_no_devices_means_no_gpu_without_touching_nvml(fake_nvml):
         policy,
         [],
         LocalLedger([], policy),
-        Kernels({}),
+        UsageKernels(),
         FakeNvml(),
         build_watchdog_settings("warn", "1GiB", 0, 1),
         no_gpu_reason="no GPU: none here",
@@ -204,26 +180,10 @@ def test_other_parts_add_fields_to_each_kernels_entry(fake_nvml):
 # --- usage found by environment, and the watchdog -------------------------------------------------
 
 
-class Table:
-    """A process table snapshot: the test's own process is kernel k1's root; PID 900 escaped k1's tree
-    and names `named` in its environment, with the uids given."""
-
-    has_proc = True
-
-    def __init__(self, named, uids):
-        self.named, self.uids = named, uids
-
-    def parent_of(self, pid):
-        return {900: 1}.get(pid)
-
-    def kernel_in_environ(self, pid):
-        return self.named if pid == 900 else None
-
-    def uids_of(self, pid):
-        return self.uids if pid == 900 else ()
-
-    def namespace_aliases(self):
-        return {}
+def escaped(named, uids):
+    """A process table snapshot: PID 900 escaped k1's tree and names `named` in its environment, with the uids
+    given (the test's own process is kernel k1's root)."""
+    return ProcSnapshot(parents={900: 1}, named={900: named}, uids={900: uids})
 
 
 def manager_with_table(enforce, table, kernels=("k1", "k2")):
@@ -243,7 +203,7 @@ async def settle(manager):
 @pytest.mark.parametrize("enforce", ["interrupt", "restart", "kill"])
 def test_usage_found_by_environment_only_gets_a_warning(fake_nvml, enforce):
     async def scenario():
-        manager, ledger, source = manager_with_table(enforce, Table("k2", (ME,) * 4))
+        manager, ledger, source = manager_with_table(enforce, escaped("k2", (ME,) * 4))
         device = ledger.get("k2").devices[0]
         fake_nvml.set_usage(900, f"static-{device}", 6 * GiB)  # over k2's 4 GiB + 1 GiB slack
         for _ in range(3):
@@ -260,7 +220,7 @@ def test_usage_found_by_environment_only_gets_a_warning(fake_nvml, enforce):
 
 def test_the_kernels_own_tree_over_its_cap_still_gets_the_strong_action(fake_nvml):
     async def scenario():
-        manager, ledger, source = manager_with_table("kill", Table("k1", (ME,) * 4), kernels=("k1",))
+        manager, ledger, source = manager_with_table("kill", escaped("k1", (ME,) * 4), kernels=("k1",))
         device = ledger.get("k1").devices[0]
         fake_nvml.set_usage(os.getpid(), f"static-{device}", 5 * GiB + 1)  # its own process: over by itself
         fake_nvml.set_usage(900, f"static-{device}", GiB)
@@ -275,7 +235,7 @@ def test_the_kernels_own_tree_over_its_cap_still_gets_the_strong_action(fake_nvm
 
 
 def test_another_users_process_counts_for_no_kernel(fake_nvml):
-    manager, ledger, source = manager_with_table("kill", Table("k2", (ME + 1,) * 4))
+    manager, ledger, source = manager_with_table("kill", escaped("k2", (ME + 1,) * 4))
     device = ledger.get("k2").devices[0]
     fake_nvml.set_usage(900, f"static-{device}", 6 * GiB)
     run(manager.monitor.tick())
@@ -341,7 +301,7 @@ def test_ledger_writes_run_off_the_loop_in_order_and_a_release_is_made_once(fake
         ledger = SlowLedger(DEVICES, policy)
         ledger.grant("k1", "me", "python3", resolve(policy, "me", "python3"))
         manager = GpuQuotaManager(
-            policy, DEVICES, ledger, Kernels({}), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 0.1)
+            policy, DEVICES, ledger, UsageKernels(), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 0.1)
         )
         assert manager.release_soon("k1") is True  # returns at once although the ledger blocks
         assert manager.release_soon("k1") is False  # under way: the same release
@@ -470,13 +430,11 @@ def test_under_a_ledger_that_decides_elsewhere_the_status_shows_who_not_this_ser
 
     policy = build_policy("0.25", "1.0")
     manager = GpuQuotaManager(
-        policy, [], Elsewhere([], policy), Kernels({}), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 1)
+        policy, [], Elsewhere([], policy), UsageKernels(), FakeNvml(), build_watchdog_settings("warn", "1GiB", 0, 1)
     )
     shown = manager.status.answer({})["policy"]
     assert shown["decided_by"].startswith("the host's GPU quota service at ")
     assert "default_cap" not in shown and "max_cap" not in shown  # ignored here: the service's caps apply
     assert shown["enforce"] == "warn"  # this server's watchdog still runs
-    assert (
-        "decided_by"
-        not in GpuQuotaManager(policy, [], LocalLedger([], policy), Kernels({}), FakeNvml()).status.answer({})["policy"]
-    )
+    alone = GpuQuotaManager(policy, [], LocalLedger([], policy), UsageKernels(), FakeNvml())
+    assert "decided_by" not in alone.status.answer({})["policy"]

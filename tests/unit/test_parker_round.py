@@ -13,40 +13,20 @@ from gpu_quota_ext.parking.states import ParkRecord
 from gpu_quota_ext.usage import Sample
 from gpu_quota_ext.usage.sampling import DeviceReading
 
+from .fakes import Grants, ParkerKernels, StillMonitor, grant
+
 GiB = 1 << 30
 NOW = datetime.datetime.now(datetime.timezone.utc)
 
 
-class Kernels:
-    def __init__(self, states):
-        self.states = states
-
-    def kernel_ids(self):
-        return list(self.states)
-
-    def activity(self, kernel_id):
-        return self.states.get(kernel_id), NOW - datetime.timedelta(seconds=600)
-
-    def watch_status(self, kernel_id, on_state):
-        return None
-
-    def client(self, kernel_id):
-        raise KeyError(kernel_id)
-
-
 def parker_with(records, sample, states):
-    grants = [
-        SimpleNamespace(kernel_id=k, devices=(0,), caps={0: 40 * GiB}) for k in states
-    ]
-    ledger = SimpleNamespace(get=lambda k: next((g for g in grants if g.kernel_id == k), None), grants=lambda: grants)
-    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda i: None)
     parker = Parker(
         ParkSettings(),
         FakeCheckpoint(),
-        Kernels(states),
-        ledger,
+        ParkerKernels(states, idle_for=600),
+        Grants(grant(k, {0: 40 * GiB}) for k in states),
         {0: Device(index=0, name="GPU", uuid="GPU-0", total=140 * GiB, nvml_index=0)},
-        monitor,
+        StillMonitor(sample),
         host=lambda: (None, None),
     )
     parker.driver_problem = None

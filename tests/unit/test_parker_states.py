@@ -22,38 +22,20 @@ from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.parking.states import HELD
 from gpu_quota_ext.shared.contract import PARK_STATES
 from gpu_quota_ext.usage import Sample
-from gpu_quota_ext.usage.sampling import DeviceReading
+
+from .fakes import KERNEL, UUID, Grants, NvmlMonitor, ParkerKernels, ParkerOnALoop, grant
 
 GiB = 1 << 30
-KERNEL = "k1"
-UUID = "GPU-0"
 TOTAL = 8 * GiB
 PIDS = (os.getpid(), os.getppid())  # live processes the fake driver "parks" (it never touches them)
 
 
-class Kernels:
-    """What the parker reads of the server's kernels (usage.KernelManagerView): ids, execution state and last
-    activity, the kernel manager itself (for iopub)."""
+class RestartingKernels(ParkerKernels):
+    """... and jupyter_client's restarter, which calls back when it finds the kernel's process dead."""
 
     def __init__(self):
-        self.kernel = SimpleNamespace(
-            execution_state="idle", last_activity=datetime.datetime.now(datetime.timezone.utc)
-        )
-        self.manager = self
-
-    def kernel_ids(self):
-        return [KERNEL]
-
-    def activity(self, kernel_id):
-        return (self.kernel.execution_state, self.kernel.last_activity) if kernel_id == KERNEL else (None, None)
-
-    def watch_status(self, kernel_id, on_state):
-        return None  # no iopub here: the parker falls back to samples and the calls below
-
-    def client(self, kernel_id):
-        raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
-
-    restart_callbacks: list = []  # jupyter_client's restarter: called when it finds the process dead
+        super().__init__()
+        self.restart_callbacks: list = []
 
     def on_restart(self, kernel_id, callback):
         self.restart_callbacks.append(callback)
@@ -63,33 +45,7 @@ class Kernels:
         return -9  # SIGKILL, as the host's out-of-memory killer sends
 
 
-class Monitor:
-    """The monitor's last sample, made from the fake NVML on demand."""
-
-    def __init__(self):
-        self.latest = Sample(state="starting")
-
-    def sample_soon(self):
-        pass
-
-    def device_used_now(self, index):
-        return TOTAL - (FakeNvml.free(UUID) or 0)
-
-    def take(self):
-        usage = {pid: dict(per) for pid, per in FakeNvml.usage.items() if pid in PIDS}
-        held = sum(per.get(UUID, 0) for per in usage.values())
-        used = TOTAL - (FakeNvml.free(UUID) or 0)
-        self.latest = Sample(
-            state="ok",
-            time=datetime.datetime.now().timestamp(),
-            devices={0: DeviceReading(0, used)},
-            kernels={KERNEL: {0: held}} if held else {},
-            pids={KERNEL: tuple(sorted(usage))} if usage else {},
-        )
-        return self.latest
-
-
-class ParkerMachine(RuleBasedStateMachine):
+class ParkerMachine(ParkerOnALoop, RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         FakeNvml.reset()
@@ -98,55 +54,25 @@ class ParkerMachine(RuleBasedStateMachine):
         for pid in PIDS:
             FakeNvml.set_usage(pid, UUID, GiB)
         self.loop = asyncio.new_event_loop()
-        self.kernels = Kernels()
-        self.kernels.restart_callbacks = []
-        self.monitor = Monitor()
-        grant = SimpleNamespace(kernel_id=KERNEL, devices=(0,), caps={0: 3 * GiB})
-        ledger = SimpleNamespace(get=lambda kernel_id: grant, grants=lambda: [grant])
+        self.kernels = RestartingKernels()
+        self.monitor = NvmlMonitor(PIDS, TOTAL)
         self.parker = Parker(
             ParkSettings(fresh_sample_wait=0, min_idle=0, device_margin=GiB // 2),
             FakeCheckpoint(),
             self.kernels,
-            ledger,
+            Grants([grant(KERNEL, {0: 3 * GiB})]),  # the parker reads grants only
             {0: Device(index=0, name="fake", uuid=UUID, total=TOTAL, nvml_index=0)},
             self.monitor,
             host=lambda: (None, None),
         )
-        self.run(self._start())
-
-    async def _start(self):
-        self.parker.start()
-        await self.parker.ready()
-        self.parker.on_sample(self.monitor.take())
-
-    def run(self, coroutine):
-        return self.loop.run_until_complete(coroutine)
-
-    async def _settle(self):
-        for _ in range(20):  # a step's effects may start more (a park done asks the broker, which resumes)
-            if not self.parker._tasks:
-                return
-            await asyncio.gather(*list(self.parker._tasks), return_exceptions=True)
-
-    def settle(self):
-        self.run(self._settle())
+        self.start()
 
     def teardown(self):
-        self.run(self.parker.stop())
-        self.loop.close()
-        FakeCheckpoint.reset()
-        FakeNvml.reset()
-
-    def deliver(self, call):
-        async def on_loop():
-            call()
-
-        self.run(on_loop())
-        self.settle()
+        self.close()
 
     @rule()
     def sample(self):
-        self.deliver(lambda: self.parker.on_sample(self.monitor.take()))
+        super().sample()
 
     @rule()
     def request_park(self):
@@ -252,12 +178,11 @@ TestParkerStates = ParkerMachine.TestCase
 
 
 def test_a_round_parking_cannot_finish_is_logged_and_never_reaches_the_monitor(caplog):
-    class Broken(Kernels):
+    class Broken(ParkerKernels):
         def activity(self, kernel_id):
             raise RuntimeError("jupyter_server changed under us")
 
-    ledger = SimpleNamespace(get=lambda kernel_id: None, grants=lambda: [])
-    parker = Parker(ParkSettings(), FakeCheckpoint(), Broken(), ledger, {}, Monitor())
+    parker = Parker(ParkSettings(), FakeCheckpoint(), Broken(), Grants(), {}, NvmlMonitor(PIDS, TOTAL))
     parker.driver_problem = None
     parker.on_sample(Sample(state="ok", time=1.0))  # the watchdog runs after this: it must not raise
     assert "parking skipped one sample" in caplog.text and "jupyter_server changed under us" in caplog.text

@@ -721,29 +721,22 @@ def test_the_lease_thread_sends_the_parkers_report_as_the_event_loop_published_i
 ):
     # Parker.round() reads what the event loop owns (its records, the last sample, the kernels' activity): only the
     # loop runs it, after each sample; the lease's thread sends the report it published then.
-    import datetime
-    from types import SimpleNamespace
-
     from gpu_quota_ext.parking import Parker, ParkSettings
     from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
     from gpu_quota_ext.usage import Sample
     from gpu_quota_ext.usage.sampling import DeviceReading
 
+    from .fakes import ParkerKernels, StillMonitor
+
     standin.lease_seconds = 1  # renewals every 0.25 s
     ledger = make_ledger()
-    idle_since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=600)
-    kernels = SimpleNamespace(
-        kernel_ids=lambda: ["k1"],
-        activity=lambda kernel_id: ("idle", idle_since),
-        watch_status=lambda kernel_id, on_state: None,
-    )
     sample = Sample(
         state="ok", time=time.time(), devices={0: DeviceReading(0, GiB)}, kernels={"k1": {0: GiB}}, pids={"k1": (1,)}
     )
-    monitor = SimpleNamespace(latest=sample, sample_soon=lambda: None, device_used_now=lambda index: None)
     devices = {d.index: d for d in SERVER_DEVICES}
     parker = Parker(
-        ParkSettings(), FakeCheckpoint(), kernels, ledger, devices, monitor, host=lambda: (None, None),
+        ParkSettings(), FakeCheckpoint(), ParkerKernels({"k1": "idle"}, idle_for=600), ledger, devices,
+        StillMonitor(sample), host=lambda: (None, None),
         reports_to_host=True,  # as the manager makes it where a lease reads the report
     )
     parker.driver_problem = None

@@ -8,6 +8,8 @@ from gpu_quota_ext.devices import Device
 from gpu_quota_ext.devices.nvml import NvmlBackend
 from gpu_quota_ext.usage.sampling import Monitor
 
+from .fakes import UsageKernels
+
 GiB = 1 << 30
 
 
@@ -24,17 +26,9 @@ class SlowNvml(NvmlBackend):
         return []
 
 
-class NoKernels:
-    def roots(self):
-        return {}
-
-    def kernel_ids(self):
-        return []
-
-
 def test_a_sample_is_timed_at_the_start_of_its_reading():
     backend = SlowNvml()
-    monitor = Monitor([Device(0, "GPU", "GPU-0", 8 * GiB)], backend, NoKernels(), 1.0)
+    monitor = Monitor([Device(0, "GPU", "GPU-0", 8 * GiB)], backend, UsageKernels(), 1.0)
     sample = monitor.sample({}, set())
     assert sample.state == "ok" and sample.time is not None
     assert sample.time <= backend.read_at

@@ -14,7 +14,6 @@ import pytest
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient
 from tornado.ioloop import IOLoop
-from traitlets.config import Config
 
 from gpu_quota_ext.hub.service import accept
 from gpu_quota_ext.hub.service.app import GpuQuotaService
@@ -22,7 +21,9 @@ from gpu_quota_ext.hub.service.auth import Who
 from gpu_quota_ext.hub.service.rate import OpenRequests
 from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
-from tests.hub.hubtools import listen_here, unused_port
+from tests.hub.hubtools import listen_here
+
+from .host_service import hub_down, service_config
 
 PREFIX = "/services/gpu-quota/"
 USERS = {"bob-token": "bob", "carol-token": "carol"}
@@ -30,13 +31,8 @@ USERS = {"bob-token": "bob", "carol-token": "carol"}
 
 @pytest.fixture
 def service(tmp_path, monkeypatch):
-    monkeypatch.setenv("JUPYTERHUB_API_URL", f"http://127.0.0.1:{unused_port()}/hub/api")
-    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "service-token-for-the-test")
-    monkeypatch.setenv("JUPYTERHUB_CLIENT_ID", "service-gpu-quota")
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-a"}]
+    hub_down(monkeypatch)
+    config = service_config(tmp_path)
     config.GpuQuotaService.room_calls_per_second = 2.0
     config.GpuQuotaService.grant_calls_per_second = 2.0
     config.GpuQuotaService.failed_auth_per_second = 1.0

@@ -2,7 +2,6 @@
 how much of it is promised to parks under way (`host_memory`), so an admin (and a test through a real hub) can see a
 promise end with its park. A user's status does not show it: the parks are other users' too."""
 
-from traitlets.config import Config
 
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.room import ParkReport
@@ -11,15 +10,13 @@ from gpu_quota_ext.parking import HostReading
 from gpu_quota_ext.policy import PolicyDecision
 from gpu_quota_ext.shared.sizes import GiB, parse_cap
 
+from .host_service import service_config
+
 T0 = 1_000_000.0
 
 
 def test_the_admins_status_shows_the_host_memory_promised_to_parks_under_way_until_the_park_ends(tmp_path):
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-0"}]
-    app = GpuQuotaService(config=config)
+    app = GpuQuotaService(config=service_config(tmp_path, uuid="GPU-0"))
     app.build()
     try:
         policy = UserPolicy(PolicyDecision(parse_cap("8GiB"), parse_cap("1.0"), 1, "test"), "refuse", UserLimits(16))

@@ -97,17 +97,12 @@ def test_the_status_and_the_page_say_who_keeps_idle_memory_that_could_not_be_par
 def test_the_service_notes_kept_idle_memory_at_each_sample_and_counts_it_as_its_setting_says(tmp_path, setting):
     from types import SimpleNamespace
 
-    from traitlets.config import Config
-
     from gpu_quota_ext.hub.service.app import GpuQuotaService
     from gpu_quota_ext.hub.service.room import ParkReport
 
-    config = Config()
-    config.GpuQuotaService.state_dir = str(tmp_path / "state")
-    config.GpuQuotaService.inventory_class = "gpu_quota_ext.devices.StaticInventory"
-    config.StaticInventory.devices = [{"total": "80GiB", "uuid": "GPU-0"}]
-    config.GpuQuotaService.unparkable_idle = setting
-    app = GpuQuotaService(config=config)
+    from .host_service import service_config
+
+    app = GpuQuotaService(config=service_config(tmp_path, uuid="GPU-0", unparkable_idle=setting))
     app.build()
     try:
         app.book.grant("bob", "", "b1", "python3", policy(), None, T0)
