@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 
 @dataclass
@@ -44,6 +44,8 @@ class KernelCapState:
     local_caps: Dict[Optional[int], object] = field(default_factory=dict)
     # True once torch_cap.install_lazy_hook installed the hook (import watcher or _lazy_call).
     hook_installed: bool = False
+    # Called at the kernel's first CUDA use, before its caps are put in force (sync.py's skipped sync).
+    before_cuda: List[Callable[[], None]] = field(default_factory=list, repr=False)
     # The kernel's secret, moved here from the environment at start so that child processes and
     # `!env` never see it. Kept out of repr.
     token: Optional[str] = field(default=None, repr=False)

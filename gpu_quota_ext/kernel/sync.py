@@ -15,6 +15,7 @@ the server's latest. Standard library only.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Optional
@@ -56,6 +57,8 @@ def after_cell(state) -> None:
         return
     if not _in_flight.acquire(blocking=False):
         return
+    if _last_start is None:  # from the first sync on, one a cell skipped is made at the first CUDA use
+        state.before_cuda.append(functools.partial(catch_up, state))
     _last_start, _skipped = now, False
 
     def run() -> None:

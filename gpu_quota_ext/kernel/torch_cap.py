@@ -266,12 +266,11 @@ def install_lazy_hook(state: "KernelCapState") -> None:
 
     def on_torch_import(torch) -> None:
         def apply() -> None:
-            try:
-                from . import sync
-
-                sync.catch_up(state)  # a cap changed outside since the last sync is the one put in force
-            except Exception as error:
-                state.problems.append(f"cap sync at CUDA start failed: {error!r}")
+            for call in list(state.before_cuda):  # a cap changed outside since the last sync: sync.catch_up
+                try:
+                    call()
+                except Exception as error:
+                    state.problems.append(f"before CUDA start: {error!r}")
             try:
                 apply_current_caps(torch, state)
             except Exception as error:

@@ -70,7 +70,8 @@ def test_cells_within_the_interval_start_no_sync_and_the_first_cuda_use_makes_th
     sync.after_cell(current)  # the next cell, at once: skipped
     sync.after_cell(current)
     assert made == ["gpu-quota-cap-sync"] and sync._skipped
-    sync.catch_up(current)  # the first CUDA use: the skipped sync, made here, before the caps are put in force
+    (at_cuda_start,) = current.before_cuda  # what torch_cap's hook calls at the first CUDA use
+    at_cuda_start()  # the skipped sync, made here, before the caps are put in force
     assert made == ["gpu-quota-cap-sync", threading.current_thread().name]
-    sync.catch_up(current)  # nothing skipped since
+    at_cuda_start()  # nothing skipped since
     assert len(made) == 2

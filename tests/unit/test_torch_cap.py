@@ -159,3 +159,22 @@ def test_a_torch_without_lazy_call_gives_one_clear_problem_line_at_kernel_start(
     assert len(problems) == 1, problems
     assert problems[0].startswith("torch 2.13.0+fake has no torch.cuda._lazy_call (a private torch API)")
     assert "Traceback" not in problems[0] and "\n" not in problems[0]
+
+
+def test_the_calls_registered_for_the_first_cuda_use_run_before_the_caps_are_put_in_force(monkeypatch):
+    from gpu_quota_ext.kernel import torch_cap
+    from gpu_quota_ext.kernel.state import DeviceCap, KernelCapState
+
+    from .fake_torch import fake_torch
+
+    order = []
+    module = fake_torch(1 << 34)
+    module.cuda.is_initialized = lambda: True  # CUDA in use already: the hook applies at once
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(torch_cap, "apply_current_caps", lambda torch, state: order.append("caps"))
+    state = KernelCapState(kernel_id="k", devices=[DeviceCap(0, 0, "GPU-a", 1 << 30, 1 << 31, 1 << 34)])
+    state.before_cuda.append(lambda: order.append("sync"))
+    state.before_cuda.append(lambda: 1 / 0)  # a failing call is said, and the caps still go in force
+    torch_cap.install_lazy_hook(state)
+    assert order == ["sync", "caps"]
+    assert any("before CUDA start: ZeroDivisionError" in p for p in state.problems)
