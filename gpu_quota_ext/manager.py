@@ -416,7 +416,7 @@ class GpuQuotaManager:
         try:
             # shielded: a start cancelled while it waits leaves the build to the next one
             return await asyncio.shield(asyncio.wrap_future(self._fast_park_library))
-        except Exception:  # never a kernel's start refused for it (preload_library logged why)
+        except Exception:  # broad: never a kernel's start refused for it (preload_library logged why)
             return None
 
     async def release(self, kernel_id: str, holder: Optional[object] = None) -> Optional[Grant]:

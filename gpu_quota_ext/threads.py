@@ -15,9 +15,12 @@ nothing joins do neither.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from typing import Any, Callable, Optional, Tuple
+
+log = logging.getLogger("gpu_quota_ext")
 
 
 def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
@@ -89,7 +92,7 @@ class SerialThread:
             if future is None:
                 try:
                     fn(*args)
-                except Exception:  # a closing call's failure has no one to tell
-                    pass
+                except Exception as error:  # broad: a closing call's failure has no one to tell but the log
+                    log.debug("gpu-quota-ext: %r failed in %s: %r", fn, self._thread.name, error)
                 continue
             _hand_back(loop, future, fn, args)

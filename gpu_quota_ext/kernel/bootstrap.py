@@ -23,7 +23,7 @@ def run(user_namespace: dict) -> None:
     try:
         if state.devices:
             cap_torch(state)
-    except Exception as error:
+    except Exception as error:  # broad: torch's own code may raise anything; uncapped, and said after the first cell
         state.problems.append(f"torch cap not applied: {error!r}")
     load_magic(state)
     watch_parking(state)
@@ -47,7 +47,7 @@ def load_magic(state: state_module.KernelCapState) -> None:
         state.problems.append(f"%gpucap not loaded: {error!r}")
         try:  # still say so after the first cell
             shell.events.register("post_run_cell", lambda result=None: state_module.tell_once(state))
-        except Exception:
+        except Exception:  # broad: a shell of another kind; the problem is still in %gpucap
             pass
 
 
@@ -65,7 +65,7 @@ def watch_parking(state: state_module.KernelCapState) -> None:
         from .park_wait import ParkWatch, install
 
         install(shell, ParkWatch(park_state_of_this_kernel))
-    except Exception as error:
+    except Exception as error:  # broad: a shell of another kind must not stop the kernel's start; said after a cell
         state.problems.append(f"parking's cell wait not installed: {error!r}")
 
 
@@ -89,7 +89,7 @@ def chain_user_startup(user_namespace: dict, state: state_module.KernelCapState)
             with open(user_startup, encoding="utf-8") as source:
                 code = compile(source.read(), user_startup, "exec")
             exec(code, user_namespace)
-        except Exception as error:
+        except Exception as error:  # broad: the user's own startup code may raise anything; said after a cell
             state.problems.append(f"your PYTHONSTARTUP {user_startup} failed: {error!r}")
     else:
         os.environ.pop("PYTHONSTARTUP", None)

@@ -50,7 +50,7 @@ class CellReporter:
             readings = read_usage()
             self._before = {o: u.allocated for o, u in readings.items()}
             reset_peaks(list(readings))
-        except Exception:
+        except Exception:  # broad: torch's own code; a reading must never break the user's cell
             self._before = {}
 
     def post_run_cell(self, result=None, stream=None) -> Optional[str]:
@@ -58,7 +58,7 @@ class CellReporter:
             return None
         try:
             line = format_cell_report(self._before, read_usage(), self.caps())
-        except Exception:
+        except Exception:  # broad: torch's own code; no report rather than a broken cell
             return None
         print(line, file=stream or sys.stderr, flush=True)  # not the user's stdout: a note beside it
         return line

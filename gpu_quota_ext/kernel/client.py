@@ -207,14 +207,14 @@ class QuotaClient:
         def send() -> None:
             try:
                 self._send("POST", self.kernel_url(USAGE_SUFFIX), {"devices": devices}, USAGE_TIMEOUT_S)
-            except Exception:
+            except Exception:  # broad: the thread's last line; the endpoint may not exist on this server
                 pass
             finally:
                 self._usage_in_flight.release()
 
         try:
             threading.Thread(target=send, name="gpu-quota-usage-report", daemon=True).start()
-        except Exception:
+        except Exception:  # broad: a thread that cannot start (RuntimeError at exit): this report is skipped
             self._usage_in_flight.release()
 
     # --- HTTP -----------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def _torch_cuda() -> Optional[Any]:
     torch = sys.modules.get("torch")
     try:
         return torch if torch is not None and torch.cuda.is_initialized() else None
-    except Exception:
+    except Exception:  # broad: a half-imported or unusual torch: taken as not in use
         return None
 
 
@@ -117,7 +117,7 @@ def parked_here() -> bool:
     try:
         lib = pages()
         return lib is not None and lib.state() != "running"
-    except Exception:
+    except Exception:  # broad: asked before each cell; a library that cannot say is taken as running
         return False
 
 
@@ -190,7 +190,7 @@ def _resume(content: dict) -> dict:
     if not kept and _arena is not None:
         try:
             _arena.close()  # the host needs its memory more than the next park needs the pinning saved
-        except Exception:
+        except Exception:  # broad: the arena's own release; the kernel is resumed all the same
             pass
         _arena = None
     return _answer(0, "resumed", seconds, moved, arena_kept=kept)

@@ -335,7 +335,7 @@ class GpuCap:
             self.cells.post_run_cell(result)
         try:
             report_to_server(self.state, self.client)
-        except Exception:
+        except Exception:  # broad: after the user's cell; the report is sent again after the next one
             pass
         after_cell(self.state)
 

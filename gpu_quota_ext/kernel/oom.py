@@ -131,7 +131,7 @@ def explain_after_cell(result, state, stream=None) -> Optional[str]:
         if wall == DEVICE:  # room can be made, where the server does so
             ask_for_room(facts.ordinal, state, stream)
         return line
-    except Exception:
+    except Exception:  # broad: explaining must never replace the user's own out-of-memory traceback
         return None
 
 

@@ -58,7 +58,7 @@ def trim() -> dict:
             torch.cuda.empty_cache()
             after += sum(torch.cuda.memory_reserved(d) for d in range(count))
             frameworks.append("torch")
-    except Exception:
+    except Exception:  # broad: torch's own code; the reply says what was freed (nothing then)
         pass
     cupy = sys.modules.get("cupy")
     try:
@@ -69,7 +69,7 @@ def trim() -> dict:
             before += held
             after += pool.total_bytes()
             frameworks.append("cupy")
-    except Exception:
+    except Exception:  # broad: CuPy's own code; the reply says what was freed (nothing then)
         pass
     freed = max(0, before - after)
     return {"freed": freed, "reserved_before": before, "reserved_after": after, "frameworks": frameworks}

@@ -55,6 +55,6 @@ def usage_unavailable_reason() -> Optional[str]:
             return f"this kernel's torch {getattr(torch, '__version__', '')} is built without CUDA"
         if not torch.cuda.is_available():
             return "this kernel's torch finds no CUDA device"
-    except Exception as error:
+    except Exception as error:  # broad: torch's own code; the reason names what it raised
         return f"this kernel's torch cannot look for a GPU: {error!r}"
     return None

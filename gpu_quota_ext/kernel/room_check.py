@@ -64,7 +64,7 @@ def uses_cuda() -> bool:
     try:
         if torch is not None and torch.cuda.is_initialized():
             return True
-    except Exception:
+    except Exception:  # broad: a half-imported or unusual torch: taken as not in use
         pass
     return "cupy" in sys.modules
 

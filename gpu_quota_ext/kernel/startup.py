@@ -32,7 +32,7 @@ def _gpu_quota_ext_startup():
 
             shell.register_magic_function(gpucap, "line", "gpucap")
             shell.events.register("post_run_cell", after_first_cell)
-        except Exception:
+        except Exception:  # broad: never a traceback at kernel start; %gpucap has no other way to say it
             pass
 
     if "gpu_quota_ext" not in sys.modules:
@@ -64,7 +64,7 @@ def _gpu_quota_ext_startup():
             try:
                 with open(user_startup) as source:
                     exec(compile(source.read(), user_startup, "exec"), globals())
-            except Exception as user_error:
+            except Exception as user_error:  # broad: the user's own startup code may raise anything; said after a cell
                 problems.append("your PYTHONSTARTUP %s failed: %r" % (user_startup, user_error))
         else:
             os.environ.pop("PYTHONSTARTUP", None)

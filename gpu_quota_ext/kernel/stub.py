@@ -20,7 +20,7 @@ def _cuda_started() -> bool:
     cuda = getattr(torch, "cuda", None)
     try:
         return bool(cuda is not None and cuda.is_initialized())
-    except Exception:
+    except Exception:  # broad: a half-imported or unusual torch: taken as not started
         return False
 
 

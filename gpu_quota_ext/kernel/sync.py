@@ -69,7 +69,7 @@ def after_cell(state) -> None:
 
     try:
         threading.Thread(target=run, name="gpu-quota-cap-sync", daemon=True).start()
-    except Exception:
+    except Exception:  # broad: a thread that cannot start (RuntimeError at exit): the next cell syncs
         _in_flight.release()
 
 

@@ -87,7 +87,7 @@ def installed_torch_version() -> Optional[str]:
         from importlib.metadata import version
 
         return version("torch")
-    except Exception:
+    except Exception:  # broad: a broken install's metadata; the version is only shown
         return None
 
 
@@ -269,17 +269,17 @@ def install_lazy_hook(state: "KernelCapState") -> None:
             for call in list(state.before_cuda):  # a cap changed outside since the last sync: sync.catch_up
                 try:
                     call()
-                except Exception as error:
+                except Exception as error:  # broad: inside the user's first CUDA use; said after the cell
                     state.problems.append(f"before CUDA start: {error!r}")
             try:
                 apply_current_caps(torch, state)
-            except Exception as error:
+            except Exception as error:  # broad: inside the user's first CUDA use; said after the cell
                 state.problems.append(f"torch cap not applied at CUDA start: {error!r}")
             try:  # a kernel that held nothing yet: room for its cap before its first allocation (room_check.py)
                 from . import room_check
 
                 room_check.at_first_cuda()
-            except Exception:
+            except Exception:  # broad: inside torch's CUDA start; no wait for room is no worse than before
                 pass
 
         if torch.cuda.is_initialized():

@@ -40,7 +40,7 @@ def _read_one(torch, ordinal: int) -> DeviceUsage:
     stats = torch.cuda.memory_stats(ordinal)
     try:
         total = int(torch.cuda.get_device_properties(ordinal).total_memory)
-    except Exception:
+    except Exception:  # broad: torch's own code; the total is optional
         total = None
     return DeviceUsage(
         ordinal=ordinal,
@@ -60,7 +60,7 @@ def reset_peaks(ordinals: List[int]) -> None:
     for ordinal in ordinals:
         try:
             torch.cuda.reset_peak_memory_stats(ordinal)
-        except Exception:
+        except Exception:  # broad: torch's own code; the next cell's peak then covers more
             pass
 
 

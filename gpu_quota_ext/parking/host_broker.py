@@ -11,11 +11,14 @@ it runs off the event loop.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from ..threads import off_loop
 from .broker import Plan, Round, told_words
+
+log = logging.getLogger("gpu_quota_ext")
 
 
 @runtime_checkable
@@ -111,7 +114,8 @@ class HostBroker:
         # must not make it park another user's kernel until this server's next lease report.)
         try:
             answer = await off_loop(self.rooms.room, body, name="gpu-quota-room")
-        except Exception as error:
+        except Exception as error:  # broad: OSError by contract, but the HTTP stack under it may raise others
+            log.debug("gpu-quota-ext: the host service's room call failed: %r", error)
             reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
             return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
         self._named = bool(body["demands"])
@@ -129,7 +133,8 @@ class HostBroker:
         body["host_park"] = {"kernel_id": kernel_id, "bytes": int(nbytes)}
         try:
             answer = await off_loop(self.rooms.room, body, name="gpu-quota-host-park")
-        except Exception as error:
+        except Exception as error:  # broad: OSError by contract, but the HTTP stack under it may raise others
+            log.debug("gpu-quota-ext: the host service's host park call failed: %r", error)
             if str(error).startswith("HTTP 4"):  # it answered: a refusal (another user's kernel, a bad body)
                 return f"did not park: the host's GPU quota service refused it ({error})", Plan()
             why = f"the host's GPU quota service does not answer ({error}); it holds the host's memory for every user"

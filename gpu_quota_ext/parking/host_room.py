@@ -3,16 +3,20 @@ still allows. A parked kernel's GPU state goes to its own processes' host memory
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Tuple
 
 import psutil
+
+log = logging.getLogger("gpu_quota_ext")
 
 
 def host_room() -> Tuple[Optional[int], Optional[int]]:
     """(host memory available, room left under this server's memory cgroup limit or None without one)."""
     try:
         available = int(psutil.virtual_memory().available)
-    except Exception:
+    except Exception as error:  # broad: psutil parses /proc; an unknown room is None, never a failed round
+        log.debug("gpu-quota-ext: host memory available not read: %r", error)
         available = None
     return available, cgroup_room()
 

@@ -33,7 +33,7 @@ class KernelChannel:
         """The kernel's reply content, or None (no such kernel, no answer in time, a channel that fails)."""
         try:
             client = self.kernels.client(kernel_id)
-        except Exception as error:
+        except Exception as error:  # broad: gone (KeyError, 404) or a kernel manager of another kind; None says it
             log.debug("gpu-quota-ext: kernel %s: no client: %r", kernel_id, error)
             return None
         try:
@@ -46,8 +46,8 @@ class KernelChannel:
             log.debug("gpu-quota-ext: kernel %s: no control channel: %r", kernel_id, error)
             try:
                 client.stop_channels()
-            except Exception:
-                pass
+            except Exception as stop_error:  # broad: a half-started client's channels may fail any way to stop
+                log.debug("gpu-quota-ext: kernel %s: stopping the control channel failed: %r", kernel_id, stop_error)
             return None
         try:
             request = client.session.msg(KERNEL_REQUEST, content)
@@ -62,12 +62,13 @@ class KernelChannel:
                 if parent.get("msg_id") == request["header"]["msg_id"] and reply["msg_type"] == KERNEL_REPLY:
                     content = reply.get("content")
                     return content if isinstance(content, dict) else None
-        except (asyncio.TimeoutError, Exception) as error:
-            if not isinstance(error, asyncio.TimeoutError):
-                log.debug("gpu-quota-ext: kernel %s: control request failed: %r", kernel_id, error)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as error:  # broad: zmq, the session's (de)serialization, a reply of another shape
+            log.debug("gpu-quota-ext: kernel %s: control request failed: %r", kernel_id, error)
             return None
         finally:
             try:
                 client.stop_channels()
-            except Exception:
-                pass
+            except Exception as error:  # broad: the answer (or None) must reach the caller whatever the closing does
+                log.debug("gpu-quota-ext: kernel %s: stopping the control channel failed: %r", kernel_id, error)

@@ -20,6 +20,7 @@ that failed released nothing, a resume that failed keeps every byte on the host 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable, Optional
 
 import psutil
@@ -32,6 +33,8 @@ from .checkpoint import (
     CheckpointDriver,
     CheckpointError,
 )
+
+log = logging.getLogger("gpu_quota_ext")
 
 Ask = Callable[[dict, float], Optional[dict]]  # (content, timeout) -> the kernel's answer, None: no answer
 
@@ -49,7 +52,8 @@ def threadsafe_ask(channel: Any, kernel_id: str, loop: asyncio.AbstractEventLoop
         future = asyncio.run_coroutine_threadsafe(channel.ask(kernel_id, content, timeout), loop)
         try:
             return future.result(timeout + 5.0)
-        except Exception:
+        except Exception as error:  # broad: a timeout, a loop that stopped, or the ask's own bug: no answer
+            log.debug("gpu-quota-ext: kernel %s: no answer on the control channel: %r", kernel_id, error)
             future.cancel()
             return None
 

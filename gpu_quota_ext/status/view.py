@@ -11,6 +11,7 @@ Where the answer carries a raw reason, its "reasons" say it again in plain words
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from ..ledger import Grant, Ledger
@@ -18,6 +19,8 @@ from ..policy import Policy
 from ..shared.reasons import reason_pair
 from ..usage import KernelIds, KernelReports, Monitor, Watchdog, WatchdogSettings
 from .collector import hard_limit_family, monitor_families
+
+log = logging.getLogger("gpu_quota_ext")
 
 SERVER_FIELDS = ("host_memory",)  # the answer's fields that parts add (add_server_field)
 
@@ -195,5 +198,6 @@ class StatusView:
 def _listed(kernels: KernelIds) -> set:
     try:
         return set(kernels.kernel_ids())
-    except Exception:  # the kernel manager's table changed under us: the grants alone then
+    except Exception as error:  # broad: the kernel manager's table changed under us (any kind): the grants alone then
+        log.debug("gpu-quota-ext: /metrics without the kernels' list: %r", error)
         return set()

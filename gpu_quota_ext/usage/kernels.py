@@ -153,16 +153,16 @@ class KernelManagerView:
     def on_restart(self, kernel_id: str, callback: Callable[[], Any]) -> Optional[Callable[[], None]]:
         """Call `callback` when the kernel's restarter has found its process dead and is about to start it again
         (jupyter_client's "restart" event: fired before the restart, so the caller still sees what the kernel was).
-        The callable returned stops it; None for a kernel without a restarter or gone."""
+        The callable returned stops it; None for a kernel that is gone."""
         try:
             self.manager.add_restart_callback(kernel_id, callback, "restart")
-        except Exception:
-            return None  # gone, or no restarter (autorestart off)
+        except GONE:
+            return None  # gone (without a restarter, jupyter_client takes the callback and never fires it)
 
         def stop() -> None:
             try:
                 self.manager.remove_restart_callback(kernel_id, callback, "restart")
-            except Exception:
+            except GONE:
                 pass  # gone meanwhile
 
         return stop
@@ -190,8 +190,9 @@ class KernelManagerView:
                 continue
             try:
                 alive = await maybe_await(manager.is_alive())
-            except Exception:
-                continue  # cannot tell: not a reason to take a grant away
+            except Exception as error:  # broad: a provisioner's is_alive may raise anything; cannot tell is not dead
+                log.debug("gpu-quota-ext: kernel %s: is_alive failed: %r", kernel_id, error)
+                continue
             if not alive:
                 dead.append(kernel_id)
         return dead
@@ -221,7 +222,8 @@ class KernelManagerView:
         try:
             kernel = self.manager.get_kernel(kernel_id)
             stream = kernel.connect_iopub()
-        except Exception:
+        except Exception as error:  # broad: gone (GONE), or its connection half torn down (zmq, its info cleared)
+            log.debug("gpu-quota-ext: kernel %s: no iopub stream: %r", kernel_id, error)
             return None
         session = Session(config=kernel.session.config, key=kernel.session.key)
         track = getattr(self.manager, "track_message_type", lambda kind: True)
@@ -230,7 +232,8 @@ class KernelManagerView:
             try:
                 _, fed = session.feed_identities(parts)
                 message = session.deserialize(fed)
-            except Exception:
+            except Exception as error:  # broad: a bad message (ValueError, KeyError, json) must not reach the loop
+                log.debug("gpu-quota-ext: kernel %s: an iopub message not read: %r", kernel_id, error)
                 return
             if message["header"].get("msg_type") != "status":
                 return
@@ -245,8 +248,8 @@ class KernelManagerView:
         def stop() -> None:
             try:
                 stream.close()
-            except Exception:
-                pass
+            except Exception as error:  # broad: called while the kernel goes away; the stop must not fail
+                log.debug("gpu-quota-ext: kernel %s: closing its iopub stream failed: %r", kernel_id, error)
 
         return stop
 

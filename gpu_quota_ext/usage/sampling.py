@@ -154,8 +154,10 @@ class Monitor:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            except asyncio.CancelledError:
+                pass  # what cancel() asked for
+            except Exception as error:  # broad: the server stops all the same; the rounds logged their own failures
+                log.debug("gpu-quota-ext: the GPU monitor ended with %r", error)
             self._task = None
         if self._sampling is not None:
             self._sampling.cancel()
@@ -272,7 +274,7 @@ class Monitor:
                 message = f"no GPU usage: {error}"
                 self._problem("open", message)
                 return Sample(state="no-gpu", message=message, time=time.time())
-            except Exception as error:
+            except Exception as error:  # broad: a backend bug or an unforeseen pynvml error; _problem logs it
                 self._reopen_at = now + REOPEN_AFTER
                 message = f"no GPU usage: NVML failed to start ({error!r})"
                 self._problem("open", message)
@@ -365,7 +367,8 @@ class Monitor:
             return None
         try:
             return int(self.backend.device_used(device.uuid))
-        except Exception:
+        except Exception as error:  # broad, as in sample(): NvmlFailure, a backend bug or an unforeseen pynvml error
+            log.debug("gpu-quota-ext: GPU %s not read now: %r", index, error)
             return None
 
     # --- what the last sample says, unless it is too old (event loop) -----------------------------

@@ -194,7 +194,7 @@ class Watchdog:
     async def _act(self, record: WatchdogAction) -> None:
         try:
             await self.kernels.act(record.kernel_id, record.action)
-        except Exception as error:
+        except Exception as error:  # broad: a kernel manager's shutdown or restart may raise anything; recorded
             log.error("gpu-quota-ext: %s failed: %r", record.action, error)
             self.finished(record, f"failed: {error!r}")
         else:

@@ -2,10 +2,14 @@
 package, the tests, the benchmarks, the demo config and the docs extension. A finding fails the test command
 with ruff's own lines."""
 
+import ast
+import io
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 
@@ -38,3 +42,102 @@ def test_ruff_would_find_a_long_line(tmp_path):
         timeout=60,
     )
     assert done.returncode == 1 and "E501" in done.stdout
+
+
+# --- broad excepts (issue 32) -------------------------------------------------------------------------------------
+# A broad `except` (Exception, BaseException, a bare one, or a tuple holding one of them) that does not raise again
+# says why it is broad: a comment on its `except` line, the line above it, or in its body. One whose body is only
+# `pass` is the case that hides bugs best, so it is named apart. The server's ones also log what they swallowed;
+# kernel-side code has no server log (printing would reach the user's cell), so that part is left to review.
+
+BROAD = {"Exception", "BaseException"}
+
+
+def _broad(handler: ast.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
+    caught = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(name, ast.Name) and name.id in BROAD for name in caught)
+
+
+def silent_broad_excepts(source: str) -> List[Tuple[int, bool]]:
+    """(line, body is only `pass`) of each broad except in `source` that neither raises again nor has a comment
+    on its except line, the line above it or in its body (a `noqa` or `type:` comment says no why)."""
+    commented = {
+        token.start[0]
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT and not token.string.lstrip("# ").startswith(("noqa", "type:"))
+    }
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ExceptHandler) or not _broad(node):
+            continue
+        if any(isinstance(inner, ast.Raise) for statement in node.body for inner in ast.walk(statement)):
+            continue
+        if commented & set(range(node.lineno - 1, node.body[-1].end_lineno + 1)):
+            continue
+        only_pass = all(
+            isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and getattr(s.value, "value", None) is Ellipsis)
+            for s in node.body
+        )
+        found.append((node.lineno, only_pass))
+    return found
+
+
+def _package_findings() -> List[Tuple[str, int, bool]]:
+    return [
+        (str(path.relative_to(ROOT)), line, only_pass)
+        for path in sorted((ROOT / "gpu_quota_ext").rglob("*.py"))
+        for line, only_pass in silent_broad_excepts(path.read_text(encoding="utf-8"))
+    ]
+
+
+def test_no_broad_except_passes_without_saying_why():
+    silent = [f"{path}:{line}" for path, line, only_pass in _package_findings() if only_pass]
+    assert not silent, "a broad `except ...: pass` without a comment saying why it is broad: " + ", ".join(silent)
+
+
+def test_every_broad_except_says_why():
+    silent = [f"{path}:{line}" for path, line, _ in _package_findings()]
+    assert not silent, "a broad except that neither raises again nor says why it is broad: " + ", ".join(silent)
+
+
+def test_the_scan_finds_a_silent_broad_except():
+    # The checks above can fail: each of these is found, and each one that says why (or raises) is not.
+    source = """
+try:
+    a()
+except Exception:
+    pass
+try:
+    b()
+except (ValueError, BaseException) as error:
+    x = error
+try:
+    c()
+except:  # noqa: E722
+    ...
+try:
+    d()
+except Exception:  # a hook must never break the user's cell
+    pass
+try:
+    e()
+# the thread's last line of defence
+except Exception:
+    pass
+try:
+    f()
+except Exception:
+    pass  # the reason, on the pass
+try:
+    g()
+except Exception:
+    undo()
+    raise
+try:
+    h()
+except OSError:
+    pass
+"""
+    assert silent_broad_excepts(source) == [(4, True), (8, False), (12, True)]
