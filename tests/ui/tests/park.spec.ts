@@ -107,7 +107,8 @@ test.describe('Park and Resume in the sidebar (park state added in the browser)'
       await expect(r.locator('.jp-GpuQuota-line')).toHaveText(/^parked since \d\d:\d\d, 17\.8 GiB on host$/);
       await expect(r.getByRole('button', { name: 'Park' })).toBeHidden();
       await r.getByRole('button', { name: 'Resume' }).click();
-      expect(sent).toEqual([`/api/gpu-quota/kernels/${kernelId}/resume`]);
+      // The click returns before the request reaches the route: wait for it, never assume it.
+      await expect.poll(() => sent).toEqual([`/api/gpu-quota/kernels/${kernelId}/resume`]);
       await expect(r.locator('.jp-GpuQuota-line')).toHaveText(
         'waiting for device memory for 12 s (limit 5 min): needs 17.8 GiB on GPU 0; making room'
       );
