@@ -281,6 +281,7 @@ class ParkPlan:
     park_seconds: Optional[float] = None  # PAGES: the library's copy, as the kernel timed it
     resume_seconds: Optional[float] = None
     arena_kept: int = 0  # PAGES, after a resume: the pinned arena the running kernel kept for its next park
+    arena_pids: Tuple[int, ...] = ()  # the processes that resumed with it: a restarted kernel holds no arena
 
     def json(self) -> dict:
         """The park object's "path" (shared.contract.PARK_PATH_FIELDS)."""
@@ -1143,11 +1144,12 @@ class Parker:
     def _host_cost(self, kernel_id: str, used: Mapping[Hashable, int]) -> Optional[int]:
         """Host memory the kernel's next park would take where it kept its arena after a fast resume (the arena
         is pinned already, out of the host's available memory); None: all its bytes, as for any other kernel."""
+        kept = self._arena_kept(kernel_id)
         plan = self._plans.get(kernel_id)
-        if plan is None or plan.arena_kept <= 0:
+        if plan is None or kept <= 0:
             return None
         # What the next park moves: all it holds but its CUDA context, which stays on the device.
-        return max(0, sum(used.values()) - plan.choice.stays_on_device - plan.arena_kept)
+        return max(0, sum(used.values()) - plan.choice.stays_on_device - kept)
 
     def _pages_plan(self, kernel_id: str) -> Optional[ParkPlan]:
         """The kernel's park went (or goes) through the fast path: its resume goes the same way."""
@@ -1191,7 +1193,17 @@ class Parker:
 
     def _kept_arenas(self, but: Optional[str] = None) -> Dict[str, int]:
         """Running kernels' pinned arenas kept since their fast resume (path.keep_arena)."""
-        return {k: plan.arena_kept for k, plan in self._plans.items() if plan.arena_kept > 0 and k != but}
+        kept = {k: self._arena_kept(k) for k in self._plans if k != but}
+        return {k: nbytes for k, nbytes in kept.items() if nbytes > 0}
+
+    def _arena_kept(self, kernel_id: str) -> int:
+        """The arena the kernel kept at its last fast resume, while a process that resumed with it is still the
+        kernel's in the monitor's sample (a kernel restarted since holds none)."""
+        plan = self._plans.get(kernel_id)
+        if plan is None or plan.arena_kept <= 0:
+            return 0
+        now = getattr(self.monitor.latest, "pids", {}).get(kernel_id, ())
+        return plan.arena_kept if set(plan.arena_pids) & set(now) else 0
 
     async def _make_host_room(self, kernel_id: str, nbytes: int) -> bool:
         """Where this park finds too little host memory and the arenas other kernels kept would make up for it,
@@ -1319,8 +1331,12 @@ class Parker:
         outcome = await self._drive(kernel_id, op, "restore", checked_restore)
         if plan is not None and isinstance(driver, PagesDriver) and self._plans.get(kernel_id) is plan:
             back = outcome is True  # resume_processes: every process back (a str: not asked; an error)
+            kept = back and keep
             self._plans[kernel_id] = replace(
-                plan, resume_seconds=driver.seconds, arena_kept=plan.arena if back and keep else 0
+                plan,
+                resume_seconds=driver.seconds,
+                arena_kept=plan.arena if kept else 0,
+                arena_pids=tuple(pids) if kept else (),
             )
         if isinstance(outcome, CheckpointError) and plan is not None:
             # The fast path's resume gives back what it took and keeps every byte on the host: the kernel is

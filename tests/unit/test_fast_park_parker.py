@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 from typing import List, Optional
 
 import pytest
@@ -37,6 +38,7 @@ from .fakes import KERNEL, UUID, Grants, NvmlMonitor, ParkerKernels, ParkerOnALo
 GiB, MiB = 1 << 30, 1 << 20
 TOTAL = 16 * GiB
 PID = os.getpid()  # a live process: the drivers ask whether it still exists
+OTHER = PID + 1  # another kernel's process, as the samples name it
 SERVED = 4 * GiB
 CONTEXT = 600 * MiB
 HOST = 64 * GiB
@@ -335,11 +337,21 @@ def test_kept_arenas_are_given_back_when_host_memory_runs_short(setup):
 
 
 def _kept_elsewhere(s, kernel_id: str) -> None:
-    """Another running kernel ("k2") kept its arena after a fast resume; this kernel holds none now."""
+    """Another running kernel (`kernel_id`, its process OTHER in every sample) kept its arena after a fast resume;
+    this kernel holds none now."""
     s.park()
     s.resume()
-    s.parker._plans[kernel_id] = s.parker._plans[KERNEL]
+    s.parker._plans[kernel_id] = replace(s.parker._plans[KERNEL], arena_pids=(OTHER,))
     s.kernel.arena = 0
+    take = s.monitor.take
+
+    def take_with_the_other():
+        sample = take()
+        s.monitor.latest = replace(sample, pids={**sample.pids, kernel_id: (OTHER,)})
+        return s.monitor.latest
+
+    s.monitor.take = take_with_the_other
+    s.sample()
 
 
 def test_a_park_short_of_host_memory_asks_a_running_kernel_to_give_back_its_kept_arena_first(setup):
@@ -365,3 +377,20 @@ def test_no_arena_is_given_back_where_all_of_them_would_not_make_the_park_fit(se
     park = s.park()
     assert park["state"] != "parked" and "did not park" in park["reason"], park
     assert "release" not in s.kernel.actions() and s.parker._plans["k2"].arena_kept == need
+
+
+def test_a_kernel_restarted_since_its_fast_resume_holds_no_kept_arena(setup):
+    s = setup()
+    s.park()
+    assert s.resume()["state"] not in ("parked", "waiting")
+    s.sample()
+    assert s.parker.round().kernels[0].host_need == 0  # its arena kept
+    # Restarted: another process is the kernel's now, holding memory of its own and no arena.
+    restarted = PID + 2
+    FakeNvml.set_usage(restarted, UUID, SERVED + CONTEXT)
+    s.monitor.pids = (restarted,)
+    s.sample()
+    (kernel,) = s.parker.round().kernels
+    assert kernel.host_cost is None and kernel.host_need == kernel.host_bytes > 0
+    assert s.parker._kept_arenas() == {}  # nothing to ask it to give back
+
