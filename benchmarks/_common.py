@@ -31,6 +31,14 @@ def machine() -> dict:
     }
 
 
+def free_port() -> int:
+    """A loopback port free now, for a server the benchmark starts (another process could take it before the
+    server binds it: on a busy machine a benchmark that fails to start is run again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def percentile(values, fraction: float) -> float:
     ordered = sorted(values)
     if not ordered:

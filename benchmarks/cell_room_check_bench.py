@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,15 +31,9 @@ from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, ratio_of_medians_ci, report  # noqa: E402
+from _common import add_save_options, free_port, ratio_of_medians_ci, report  # noqa: E402
 
 TOKEN = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,17 +44,11 @@ from tornado.websocket import websocket_connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, ratio_of_medians_ci, report  # noqa: E402
+from _common import add_save_options, free_port, ratio_of_medians_ci, report  # noqa: E402
 
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(extension_on: bool, nvml: bool, workdir: Path, fast_park: str = ""):

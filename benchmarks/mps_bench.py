@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import save
-from kernel_start_bench import execute_request, free_port, wait_ready
+from _common import free_port, save
+from kernel_start_bench import execute_request, wait_ready
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 

@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, add_save_options, report  # noqa: E402
+from _common import RESULTS, add_save_options, free_port, report  # noqa: E402
 
 from gpu_quota_ext.parking.checkpoint import CheckpointUnavailable, CudaCheckpointDriver  # noqa: E402
 
@@ -47,12 +46,6 @@ HOLD = (
     f"print({CHECKSUM})\n"
 )
 CHECK = f"print({CHECKSUM})"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BenchServer:

@@ -25,7 +25,6 @@ import http.client
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import percentile, save  # noqa: E402
+from _common import free_port, percentile, save  # noqa: E402
 
 LEFTOVERS_ROUTE = "/bench/leftovers"
 
@@ -97,12 +96,6 @@ def serve(port: int, token: str) -> None:
     app.initialize(argv=[])
     app.web_app.add_handlers(".*$", [(LEFTOVERS_ROUTE, Leftovers)])
     app.start()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import add_save_options, report  # noqa: E402
+from _common import add_save_options, free_port, report  # noqa: E402
 
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
@@ -51,12 +50,6 @@ c.ServerApp.jpserver_extensions.update({{"gpu_quota_ext": True, "sidebar_bench_s
 c.GpuQuota.inventory_class = "gpu_quota_ext.devices.StaticInventory"
 c.StaticInventory.devices = [{{"name": "Test GPU 0", "total": "80GiB"}}, {{"name": "Test GPU 1", "total": "80GiB"}}]
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(work: Path, kernels: int):

@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, percentile, report  # noqa: E402
+from _common import add_save_options, free_port, percentile, report  # noqa: E402
 
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
@@ -91,12 +90,6 @@ def serve(port: int, token: str, kernels: int, pid_file: str) -> None:
 
     app.io_loop.add_callback(start_kernels)
     app.start()  # until SIGTERM; shutting down, the server stops every kernel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(connection: http.client.HTTPConnection, headers: dict):
