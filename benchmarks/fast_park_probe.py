@@ -19,6 +19,8 @@ phase to --out-json. Children die with this process (PR_SET_PDEATHSIG, and kille
     python3 benchmarks/fast_park_probe.py --build-only --out .probe       # here: compile the library
     PYTHONUNBUFFERED=1 timeout 290 python3 benchmarks/fast_park_probe.py --library-dir .probe \\
         --out-json $OUT/fast_park.json                                     # on the GPU machine
+    python3 benchmarks/fast_park_probe.py --library-dir .probe --overhead-only --bench-rounds 40 \\
+        --pin-cpu 3 --out-json $OUT/overhead.json                          # the allocation loops only, quieter
 
 The GPU machine needs python3 with torch and pynvml, not this package's dependencies: the few modules used
 are loaded from their files.
@@ -58,6 +60,8 @@ def load_file(name: str, path: Path):
     spec.loader.exec_module(module)
     return module
 
+
+ratio_of_medians_ci = load_file("gqx_bench_common", Path(__file__).resolve().parent / "_common.py").ratio_of_medians_ci
 
 def say(*parts) -> None:
     print(*parts, flush=True)
@@ -456,6 +460,10 @@ class Probe:
 
     def spawn(self, name: str, preload: bool) -> Child:
         child = Child(name, self.library if preload else None, self.logs, self.dry_driver)
+        if self.args.pin_cpu is not None:
+            # Before the child's interpreter starts threads: they inherit it. The allocation loop's rounds
+            # jumped between two modes 1.7x apart on an unpinned run (2026-12-04), with the library and without.
+            os.sched_setaffinity(child.pid, {self.args.pin_cpu})
         self.children.append(child)
         return child
 
@@ -612,6 +620,8 @@ class Probe:
         return out
 
     def bench_phase(self, pages: Child, plain: Child, rounds: int = 3) -> None:
+        """Paired rounds, alternating which child goes first; per measure the ratio of the medians (pages over
+        plain) with a bootstrap 95% interval over the rounds, and the median of each round's own ratio."""
         say(f"[{self.elapsed():5.1f}s] allocation loop and training step, with and without the library")
         rows = {"pages": [], "plain": []}
         for index in range(rounds):
@@ -619,14 +629,22 @@ class Probe:
             for child in order:
                 key = "pages" if child is pages else "plain"
                 rows[key].append(child.ask("bench", timeout=120))
-        out = {"rounds": rows}
+        out = {"rounds": rows, "pinned_cpu": self.args.pin_cpu}
         for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
-            with_lib = median([r[measure] for r in rows["pages"]])
-            without = median([r[measure] for r in rows["plain"]])
-            out[measure] = {"pages": with_lib, "plain": without, "ratio": ratio(with_lib, without)}
+            with_lib = [r[measure] for r in rows["pages"]]
+            without = [r[measure] for r in rows["plain"]]
+            low, high = ratio_of_medians_ci(with_lib, without) if rounds > 1 else (None, None)
+            out[measure] = {
+                "pages": median(with_lib),
+                "plain": median(without),
+                "ratio": ratio(median(with_lib), median(without)),
+                "ratio_95ci": [round(low, 3), round(high, 3)] if low is not None else None,
+                "median_paired_ratio": round(median([a / b for a, b in zip(with_lib, without)]), 3),
+            }
             say(
-                f"[{self.elapsed():5.1f}s]   {measure}: {with_lib * 1e3:.3f} ms with, {without * 1e3:.3f} ms "
-                f"without, ratio {out[measure]['ratio']}"
+                f"[{self.elapsed():5.1f}s]   {measure}: {median(with_lib) * 1e3:.3f} ms with, "
+                f"{median(without) * 1e3:.3f} ms without, ratio of medians {out[measure]['ratio']} "
+                f"(95% {out[measure]['ratio_95ci']}), median paired ratio {out[measure]['median_paired_ratio']}"
             )
         self.result["overhead"] = out
         self.save()
@@ -697,6 +715,10 @@ class Probe:
         # Every child starts now: their torch imports overlap; none touches CUDA before its first command.
         sizes = self.args.sizes
         phases = []
+        if self.args.overhead_only:
+            p_oh, c_oh = self.spawn("pages-overhead", True), self.spawn("plain-overhead", False)
+            phases.append(("overhead", lambda: self.bench_phase(p_oh, c_oh, self.args.bench_rounds)))
+            sizes = set()
         if 2 in sizes:
             p2, c2 = self.spawn("pages-2", True), self.spawn("plain-2", False)
             phases += [
@@ -868,6 +890,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--bench-rounds", type=int, default=3, help="paired rounds of the allocation loops and the training step"
+    )
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="only the allocation loops and the training step (no parks)"
+    )
+    parser.add_argument(
+        "--pin-cpu", type=int, help="run every child on this one CPU (quieter timings: no migration between cores)"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -19,6 +19,8 @@ the default gives keep that interval narrow enough to tell a 5% difference.
     python benchmarks/kernel_start_bench.py --nvml                # the machine's real GPUs
     python benchmarks/kernel_start_bench.py --rounds 100 --save   # also write benchmarks/results/
     python benchmarks/kernel_start_bench.py --fast-park-ab        # fast_park on vs off, both with the extension
+    python benchmarks/kernel_start_bench.py --nvml --fast-park-ab --library .probe/libgqx_pages.so
+                                          # on a GPU machine without a compiler: the library built elsewhere
 Goal (issue 2): ratio at most 1.05.
 """
 
@@ -31,6 +33,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_save_options, free_port, ratio_of_medians_ci, report  # noqa: E402
 
+from gpu_quota_ext.parking.pages import build as pages_build  # noqa: E402
 from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
@@ -157,6 +161,14 @@ async def time_kernel_start(base: str):
     return elapsed, opened, kernel_id
 
 
+def seed_library_cache(library: Path, cache_home: Path) -> None:
+    """The fast park library where the server looks for it under XDG_CACHE_HOME=cache_home (pages/build.py's
+    cache_dir), so that a machine without a C compiler runs the fast_park A/B with one built elsewhere."""
+    target = pages_build.cache_dir(cache_home)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(library, target / pages_build.LIBRARY_NAME)
+
+
 def nudges_per_kernel(log_path: Path) -> dict:
     """kernel id -> how many kernel_info nudges jupyter_server sent before it let the websocket through."""
     counts: dict = {}
@@ -192,12 +204,18 @@ async def main() -> None:
         action="store_true",
         help="both servers with the extension: fast_park on (the library preloaded into every kernel) vs off",
     )
+    parser.add_argument(
+        "--library",
+        help="with --fast-park-ab: a fast park library built elsewhere, put in the server's cache (else built there)",
+    )
     add_save_options(parser)
     options = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         ab = options.fast_park_ab
+        if ab and options.library:
+            seed_library_cache(Path(options.library), workdir / "cache")
         on, on_url, on_log = start_server(True, options.nvml, workdir, "on" if ab else "")
         off, off_url, off_log = start_server(ab, options.nvml, workdir, "off" if ab else "")
         try:

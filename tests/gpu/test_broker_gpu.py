@@ -47,6 +47,11 @@ def host_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def resident_of(pid: int) -> int:
+    """The process's resident memory: a pinned arena is host memory the kernel touched, so it counts here."""
+    return int(psutil.Process(pid).memory_info().rss)
+
+
 def broker_config(cap: float, limit: str) -> Config:
     return Config(
         {
@@ -133,7 +138,8 @@ class TestThreeKernelsOfFourTenthsFastPark:
     """The same scene with fast_park on (issue 29): the cells' waits beside the checkpoint path's (A's cell 40.8
     to 43.0 s, B's 36.3 to 41.9 s on 2026-12-02). Which kernel parks for B's cell is the broker's choice here: A
     kept its pinned arena when it came back (its next park takes no more host memory), C would need a new arena
-    the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process."""
+    the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process.
+    Then C is parked by hand: the host cannot take its new arena until A, running, gives back the one it kept."""
 
     @pytest.fixture
     def jp_server_config(self, fast_park_library):
@@ -169,6 +175,20 @@ class TestThreeKernelsOfFourTenthsFastPark:
                 if victim_of is not None:  # the first swap: B, idle longest, parks for A (as on the checkpoint path)
                     assert states[victim_of] == "parked", states
                 assert "lost" not in states.values(), states
+            # A kept its arena at its last resume and B holds its own while parked: about 112 GiB pinned, so C's
+            # first park (a new arena) finds the host short, and A, running, gives its kept arena back first.
+            a_resident = resident_of(pids["A"])
+            record("fast 3x0.4: A's resident memory with its kept arena, GiB", round(a_resident / GiB, 1))
+            assert a_resident > 0.8 * size, "A did not keep its arena: the host's memory is not what this scene needs"
+            seconds, parked = await park(jp_fetch, kernels["C"])
+            lowest = min(lowest, host_available())
+            record("fast 3x0.4: park C (a new arena, A's kept one given back first), s", round(seconds, 2))
+            record("fast 3x0.4: A's resident memory after C's park, GiB", round(resident_of(pids["A"]) / GiB, 1))
+            assert parked["path"]["path"] == "pages", parked
+            assert resident_of(pids["A"]) < 0.2 * size, "A still holds its arena: C's arena was not made from it"
+            seconds, ran = await timed_cell(jp_serverapp, kernels["C"], CHECK)
+            record("fast 3x0.4: C's cell after its park, s", round(seconds, 2))
+            assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["C"], ran
             for name, kernel_id in kernels.items():
                 park_path = (await park_state(jp_fetch, kernel_id))["path"]
                 record(f"fast 3x0.4: {name}'s last copies (park / resume, s)",

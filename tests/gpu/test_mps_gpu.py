@@ -185,6 +185,37 @@ async def test_over_limit_allocations_are_refused_at_allocation_time_by_every_al
         assert found["over"].startswith("OOM"), (route, found)
 
 
+PRELOADED = "import os; print(os.environ.get('LD_PRELOAD', '').split(':')[0])"
+
+
+class TestFastParkLibraryBesideMps:
+    """fast_park "on" preloads the fast park library into MPS clients too ("auto", the default, leaves them
+    without it: they are never parked). Its cudaMalloc maps memory through the virtual memory calls; the daemon's
+    limit must refuse those the same way, at allocation time."""
+
+    @pytest.fixture
+    def jp_server_config(self, fast_park_library):
+        return hard_config(fast_park="on")
+
+    async def test_the_hard_limit_holds_for_allocations_the_library_serves(
+        self, jp_fetch, jp_serverapp, fast_park_library
+    ):
+        results = {}
+        for route in ("torch after set_per_process_memory_fraction(1.0)", "cupy.cuda.runtime.malloc"):
+            kernel_id = await start_kernel(jp_fetch)
+            env = await kernel_env(jp_serverapp, kernel_id, MPS_VARIABLES)
+            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={LIMIT // MiB}M", env
+            assert (await execute(jp_serverapp, kernel_id, PRELOADED, timeout=60)).strip() == str(fast_park_library)
+            code = f"UNDER, OVER, LIMIT = {UNDER}, {OVER}, {LIMIT}\n" + ROUTES[route]
+            results[route] = last_json(await execute(jp_serverapp, kernel_id, code, timeout=300))
+            record(f"mps with the fast park library, {route}", results[route])
+            answer = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
+            assert answer["park"]["parkable"] is False
+        for route, found in results.items():
+            assert found["under"] == "ok", (route, found)
+            assert found["over"].startswith("OOM"), (route, found)
+
+
 CLEARED_CHILD = (
     """
 import json, subprocess, sys

@@ -7,6 +7,7 @@ one these tests fail and say so (CI has one)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -413,3 +414,30 @@ def test_a_mapping_that_will_not_unmap_stays_on_the_device_and_the_park_says_so(
     process.pages.resume()  # the others come back; that one never left
     assert_intact(process, filled)
     assert process.device_used() == sum(padded(size) for size in SIZES)
+
+
+def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_driver(tmp_path):
+    """The overhead phase, as the GPU machine runs it (--overhead-only --pin-cpu), here over the tests' fake driver:
+    both children pinned to the CPU asked for, every round of each measure paired, an interval per ratio."""
+    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
+    build = subprocess.run(
+        [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert build.returncode == 0, build.stderr
+    cpu = max(os.sched_getaffinity(0))
+    out = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [sys.executable, str(probe), "--library-dir", str(tmp_path / "probe"), "--dry-run", "--overhead-only",
+         "--bench-rounds", "3", "--pin-cpu", str(cpu), "--out-json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    overhead = json.loads(out.read_text())["overhead"]
+    assert overhead["pinned_cpu"] == cpu
+    assert [len(overhead["rounds"][key]) for key in ("pages", "plain")] == [3, 3]
+    for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
+        figures = overhead[measure]
+        low, high = figures["ratio_95ci"]
+        assert 0 < low <= high and figures["ratio"] > 0 and figures["median_paired_ratio"] > 0, figures
+    assert json.loads(out.read_text())["sizes"] == {}  # no park was asked for

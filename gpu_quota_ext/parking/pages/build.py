@@ -70,9 +70,10 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept: $XDG_CACHE_HOME (else ~/.cache)/gpu-quota-ext/pages/<source hash>."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+def cache_dir(cache_home: Optional[Path] = None) -> Path:
+    """Where built libraries are kept: cache_home, else $XDG_CACHE_HOME, else ~/.cache, then
+    gpu-quota-ext/pages/<source hash>."""
+    base = Path(cache_home or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "gpu-quota-ext" / "pages" / source_hash()
 
 
