@@ -209,21 +209,22 @@ torch.cuda.empty_cache()
 """
 
 
-async def test_another_kernel_can_allocate_the_memory_a_parked_kernel_returned(jp_fetch, jp_serverapp):
+async def test_a_kernel_under_its_cap_gets_the_memory_an_idle_kernel_held(jp_fetch, jp_serverapp):
+    """Caps of 0.75 each add up to more than the device (no admission control here). One kernel holds 0.35 and goes
+    idle; the other asks 0.7, under its cap but more than is free: the room check (issue 28) parks the idle
+    holder before the allocation, so it is made, not refused; the holder's next cell brings its tensor back."""
     holder, other = await start_kernel(jp_fetch), await start_kernel(jp_fetch)
     total = int(
         (await execute(jp_serverapp, holder, "import torch; print(torch.cuda.mem_get_info()[1])", timeout=120)).strip()
     )
     checksum = (await execute(jp_serverapp, holder, HOLD.format(n=int(0.35 * total)), timeout=300)).strip()
     await seen_on_gpu(jp_serverapp, holder, [kernel_pid(jp_serverapp, holder)], int(0.35 * total))
-    before = (await execute(jp_serverapp, other, TRY_ALLOCATE.format(fraction=0.7), timeout=120)).strip()
-    record("another kernel asks 0.7 of the device while 0.35 is held", before)
-    assert before == "out of memory"
-    seconds, _ = await park(jp_fetch, holder)
-    record(f"park {0.35 * total / GiB:.1f} GiB: seconds", round(seconds, 2))
-    after = (await execute(jp_serverapp, other, TRY_ALLOCATE.format(fraction=0.7), timeout=120)).strip()
-    record("another kernel asks 0.7 of the device while the holder is parked", after)
-    assert after == "allocated"
+    began = time.perf_counter()
+    asked = await execute(jp_serverapp, other, TRY_ALLOCATE.format(fraction=0.7), timeout=300)
+    record("another kernel asks 0.7 of the device while 0.35 is held idle", asked.strip())
+    record(f"room made by parking {0.35 * total / GiB:.1f} GiB, cell s", round(time.perf_counter() - began, 2))
+    assert last_line(asked) == "allocated"
+    assert (await park_of(jp_fetch, holder))["state"] == "parked"
     began = time.perf_counter()
     assert last_line(await execute(jp_serverapp, holder, CHECK, timeout=300)) == checksum
     record(f"resume {0.35 * total / GiB:.1f} GiB by the next cell: seconds", round(time.perf_counter() - began, 2))
