@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Mapping, 
 import psutil
 
 from ..devices import Device
-from ..ledger import Ledger, UnknownKernel
+from ..ledger import GrantReads, UnknownKernel
 from ..shared.park_state import ParkState
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
@@ -311,7 +311,7 @@ class Parker:
         settings: ParkSettings,
         driver: CheckpointDriver,
         kernels: ParkedKernels,
-        ledger: Ledger,
+        ledger: GrantReads,
         devices: Mapping[int, Device],
         monitor: Sampling,
         hard_cap: Optional[KernelLayers] = None,

@@ -9,7 +9,7 @@ import pytest
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.devices.nvml import NvmlBackend
 from gpu_quota_ext.kernel.client import QuotaClient
-from gpu_quota_ext.ledger import Ledger
+from gpu_quota_ext.ledger import GrantReads
 from gpu_quota_ext.ledger.interface import HeldGrants
 from gpu_quota_ext.parking.kernel_channel import KernelChannel
 from gpu_quota_ext.parking.parker import ParkedKernels, Sampling
@@ -62,7 +62,7 @@ ALIKE = [
     (UsageKernels, KernelManagerView),
     (lambda: StillMonitor(Sample(state="starting")), Monitor),
     (lambda: NvmlMonitor((1,), 1 << 30), Monitor),
-    (Grants, Ledger),  # the parker is given a whole Ledger and reads its grants only
+    (Grants, GrantReads),  # the parker and the lifecycle are given a ledger's reads only
 ]
 
 
