@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 from tornado.web import HTTPError
 
 if TYPE_CHECKING:  # jupyter_client's own classes, for the signatures only
+    from jupyter_client.client import KernelClient
     from jupyter_client.manager import KernelManager
     from jupyter_client.multikernelmanager import MultiKernelManager
 
@@ -150,7 +151,7 @@ class KernelManagerView:
         except GONE:
             pass  # shut down meanwhile
 
-    def on_restart(self, kernel_id: str, callback: Callable[[], Any]) -> Optional[Callable[[], None]]:
+    def on_restart(self, kernel_id: str, callback: Callable[[], object]) -> Optional[Callable[[], None]]:
         """Call `callback` when the kernel's restarter has found its process dead and is about to start it again
         (jupyter_client's "restart" event: fired before the restart, so the caller still sees what the kernel was).
         The callable returned stops it; None for a kernel that is gone."""
@@ -213,7 +214,7 @@ class KernelManagerView:
         """Every kernel shut down (the server is stopping: before the MPS daemon they are clients of)."""
         await maybe_await(self.manager.shutdown_all())
 
-    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], object]) -> Optional[Callable[[], None]]:
         """Call `on_state("busy" | "idle")` as the kernel's iopub status messages come, for the message types
         jupyter_server's own activity monitor tracks (so the server's control requests to the kernel never
         count); the callable returned stops it. None when the kernel has no iopub channel (going away)."""
@@ -253,7 +254,7 @@ class KernelManagerView:
 
         return stop
 
-    def client(self, kernel_id: str) -> Any:
+    def client(self, kernel_id: str) -> KernelClient:
         """A new client of the kernel (jupyter_client's, with the kernel's connection and session key): the
         caller starts the channels it needs and stops them. Raises for a kernel that is gone."""
         return self.manager.get_kernel(kernel_id).client()

@@ -38,7 +38,7 @@ def utc_ago(seconds: float) -> datetime.datetime:
 
 class ParkerKernels(ParkedKernels):
     """The kernels as the parker reads them (usage.KernelManagerView): each one's execution state and last
-    activity, which a test changes through `by_id` (or `kernel`, the first); no iopub, no control channel."""
+    activity, which a test changes through `by_id` (or `kernel`, the first); no iopub, no restarter."""
 
     def __init__(self, states: Optional[Mapping[str, Optional[str]]] = None, idle_for: float = 0.0):
         since = utc_ago(idle_for)
@@ -58,11 +58,14 @@ class ParkerKernels(ParkedKernels):
         kernel = self.by_id.get(kernel_id)
         return (kernel.execution_state, kernel.last_activity) if kernel is not None else (None, None)
 
-    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], object]) -> Optional[Callable[[], None]]:
         return None  # no iopub here: the parker falls back to samples and the calls a test makes
 
-    def client(self, kernel_id: str) -> Any:
-        raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
+    def on_restart(self, kernel_id: str, callback: Callable[[], object]) -> Optional[Callable[[], None]]:
+        return None  # no restarter here: nothing finds a held kernel's process dead, nothing to stop
+
+    def exit_code(self, kernel_id: str) -> Optional[int]:
+        return None  # no process ended
 
 
 class UsageKernels(KernelRoots, KernelEnds, KernelActions):

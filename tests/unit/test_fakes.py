@@ -90,7 +90,7 @@ def test_what_the_fake_has_of_the_real_one_takes_the_same_parameters(make, inter
 
 def test_a_fake_that_strays_is_found():
     # The check above can fail: a missing member of a Protocol, other parameters, a method that is not async.
-    class NoClient(ParkedKernels):
+    class NoRestarter(ParkedKernels):
         def kernel_ids(self):
             return []
 
@@ -104,9 +104,10 @@ def test_a_fake_that_strays_is_found():
         def dead_ids(self):
             return []
 
-    assert differences(NoClient(), ParkedKernels) == [
+    assert differences(NoRestarter(), ParkedKernels) == [
         "activity: takes (self, kernel_id, when), the interface (self, kernel_id)",
-        "client: missing",
+        "on_restart: missing",
+        "exit_code: missing",
     ]
     assert differences(SyncKernels(), KernelEnds) == ["dead_ids: async in one of them only"]
 
