@@ -49,9 +49,11 @@ class KernelRoots(KernelIds, Protocol):
 
 
 class KernelEnds(KernelIds, Protocol):
-    """... and how each one ends (the lifecycle)."""
+    """... and how each one ends, and which ones are still starting (the lifecycle)."""
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None: ...
+    def starting_ids(self) -> Set[str]: ...
+
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None: ...
 
     async def dead_ids(self) -> List[str]: ...
 
@@ -143,7 +145,7 @@ class KernelManagerView:
             return None, None
         return getattr(kernel, "execution_state", None), getattr(kernel, "last_activity", None)
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None:
         """Call `callback` when the kernel's restarter gives up on it (jupyter_client's "dead" event).
         A kernel without a restarter (autorestart off) never fires it: see dead_ids."""
         try:

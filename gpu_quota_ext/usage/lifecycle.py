@@ -89,8 +89,7 @@ class KernelLifecycle:
 
     def _release_vanished(self) -> None:
         """Give back the grants of kernels the server no longer has (and is not starting)."""
-        starting = getattr(self.kernels, "starting_ids", lambda: set())()
-        live = set(self.kernels.kernel_ids()) | starting
+        live = set(self.kernels.kernel_ids()) | self.kernels.starting_ids()
         for grant in self.ledger.grants():
             if grant.kernel_id not in live:
                 self._give_back(grant.kernel_id, "kernel %s is gone; its grant is released")

@@ -13,7 +13,7 @@ import inspect
 import threading
 import typing
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.kernel.client import QuotaClient
@@ -75,7 +75,7 @@ class UsageKernels(KernelRoots, KernelEnds, KernelActions):
     def __init__(self, roots: Optional[Mapping[int, str]] = None):
         self._roots = dict(roots or {})
         self.acted: List[Tuple[str, str]] = []
-        self.dead_callbacks: Dict[str, Callable[[], Any]] = {}
+        self.dead_callbacks: Dict[str, Callable[[], object]] = {}
         self.dead: set = set()
 
     def kernel_ids(self) -> List[str]:
@@ -84,10 +84,13 @@ class UsageKernels(KernelRoots, KernelEnds, KernelActions):
     def roots(self) -> Dict[int, str]:
         return dict(self._roots)
 
+    def starting_ids(self) -> Set[str]:
+        return set()  # every kernel here has started
+
     def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
         return "idle", None  # jupyter_server's view (parking reads it)
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None:
         self.dead_callbacks[kernel_id] = callback
 
     async def dead_ids(self) -> List[str]:
