@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 
 from tornado.web import HTTPError
 
-if TYPE_CHECKING:  # jupyter_client's own classes, for the signatures only
+if TYPE_CHECKING:  # jupyter_client's and jupyter_server's own classes, for the signatures only
     from jupyter_client.client import KernelClient
     from jupyter_client.manager import KernelManager
     from jupyter_client.multikernelmanager import MultiKernelManager
+    from jupyter_server.services.kernels.kernelmanager import MappingKernelManager
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -262,7 +263,7 @@ class KernelManagerView:
         return self.manager.get_kernel(kernel_id).client()
 
 
-def untrack_kernel_requests(manager: Any) -> None:
+def untrack_kernel_requests(manager: MappingKernelManager) -> None:
     """Add the server's own control-channel requests to a kernel (shared.contract KERNEL_REQUEST, KERNEL_REPLY)
     to jupyter_server's untracked message types: they are not the user's activity, and the kernel's status
     around them must not make it look busy (jupyter_server's own trait, meant for this)."""
