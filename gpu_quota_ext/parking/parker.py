@@ -331,7 +331,7 @@ class Parker:
         # A lease reads the park report (a hub host's server): only then is it published after samples and changes.
         self.reports_to_host = reports_to_host
         self.driver = driver
-        self.kernels = kernels  # usage.KernelManagerView: ids, activity, the kernel manager (iopub, control)
+        self.kernels = kernels  # usage.KernelManagerView: ids, activity, iopub status, the restarter
         self.ledger = ledger
         self.devices = dict(devices)
         self.monitor = monitor
