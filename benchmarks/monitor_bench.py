@@ -46,6 +46,9 @@ class Kernels:
     def roots(self):
         return dict(self._roots)
 
+    def starting_ids(self):  # all started before the run
+        return set()
+
     def on_dead(self, kernel_id, callback):  # these "kernels" have no restarter
         pass
 

@@ -262,7 +262,7 @@ def parse_since(handler: GpuQuotaHandler) -> Optional[float]:
 MAX_BYTES = 1 << 50  # no GPU holds a petabyte: larger numbers are garbage
 
 
-def parse_usage_report(body: Any, granted: Collection[int]) -> list:
+def parse_usage_report(body: object, granted: Collection[int]) -> list:
     """The validated entries of a usage report, or HTTP 400 saying what is wrong."""
     if not isinstance(body, dict) or set(body) != {"devices"}:
         raise web.HTTPError(
@@ -303,7 +303,7 @@ def parse_usage_report(body: Any, granted: Collection[int]) -> list:
     return entries
 
 
-def parse_cap_request(body: Any) -> Union[str, Tuple[CapSpec, Optional[int]]]:
+def parse_cap_request(body: object) -> Union[str, Tuple[CapSpec, Optional[int]]]:
     """'reset', or (CapSpec, device index or None). Anything else: HTTP 400 with the reason."""
     try:
         return read_cap_request(

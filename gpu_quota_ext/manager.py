@@ -27,7 +27,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import LIMIT_VARIABLE, HardLimitLayer, HardLimitSettings
@@ -38,6 +38,8 @@ from .parking import (
     CudaCheckpointDriver,
     HostBroker,
     KernelChannel,
+    KernelClients,
+    ParkedKernels,
     Parker,
     ParkSettings,
     RoomBroker,
@@ -50,9 +52,11 @@ from .shared.sizes import CapSpec, format_bytes, shown
 from .status import COLLECTOR, StatusView, host_memory_families, park_families
 from .threads import off_loop
 from .usage import (
+    KernelActions,
+    KernelEnds,
     KernelLifecycle,
-    KernelManagerView,
     KernelReports,
+    KernelRoots,
     Monitor,
     PidResolver,
     Sample,
@@ -72,6 +76,14 @@ SETTINGS_KEY = "gpu_quota_manager"  # where the extension puts its GpuQuotaManag
 CAPS_CALLABLE_TIMEOUT = 5.0  # seconds a caps callable may take before its kernel gets the default policy
 CAPS_CALLABLE_THREADS = 4  # callables still running at once; past that, starts get the default policy
 LEDGER_THREADS = 8  # ledger calls at once; more wait their turn
+
+
+class ServerKernels(KernelRoots, KernelEnds, KernelActions, ParkedKernels, KernelClients, Protocol):
+    """The server's kernels as the manager hands them to its parts, each part's Protocol (the monitor's, the
+    lifecycle's, the watchdog's, the parker's and its channel's), and their shutdown before the MPS daemon stops.
+    usage.KernelManagerView has it all: jupyter_server's kernel manager, seen through one adapter."""
+
+    async def shutdown_all(self) -> None: ...
 
 
 class KernelIdTaken(Exception):
@@ -96,7 +108,7 @@ def server_user() -> str:
 
 
 class GpuQuotaManager:
-    """`kernels`: the server's kernel manager as the usage side needs it (usage.KernelManagerView); `backend`:
+    """`kernels`: the server's kernel manager as its parts need it (ServerKernels); `backend`:
     where the monitor reads NVML; `hard_cap`: the hard-limit layer (off when not given); `checkpoint`: what
     parks kernels (the CUDA driver's checkpoint API when not given)."""
 
@@ -105,7 +117,7 @@ class GpuQuotaManager:
         policy: Policy,
         devices: Sequence[Device],
         ledger: Ledger,
-        kernels: KernelManagerView,
+        kernels: ServerKernels,
         backend: NvmlBackend,
         watchdog_settings: WatchdogSettings = WatchdogSettings(),
         hard_cap: Optional[HardLimitLayer] = None,

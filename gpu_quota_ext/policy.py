@@ -168,7 +168,7 @@ def default_decision(policy: Policy, source: str = "default") -> PolicyDecision:
     return PolicyDecision(policy.default_cap, policy.max_cap, 1, source)
 
 
-def resolve_answer(policy: Policy, answer: Any) -> PolicyDecision:
+def resolve_answer(policy: Policy, answer: object) -> PolicyDecision:
     """A caps callable's answer, treated like a rule: None is the default policy; a cap or a rule dict
     gets the rule's max_cap (its own, else c.GpuQuota.max_cap), and a cap above it is clamped to it
     (a list rule above its max_cap stops the server at start; a callable's answer cannot, so it is clamped).

@@ -18,9 +18,11 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 log = logging.getLogger("gpu_quota_ext")
+
+Result = TypeVar("Result")  # what the call in the thread returns
 
 
 def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
@@ -46,8 +48,11 @@ def _hand_back(
 
 
 def off_loop(
-    fn: Callable[..., Any], *args: Any, name: str = "gpu-quota-call", finished: Optional[Callable[[], Any]] = None
-) -> asyncio.Future:
+    fn: Callable[..., Result],
+    *args: object,
+    name: str = "gpu-quota-call",
+    finished: Optional[Callable[[], object]] = None,
+) -> asyncio.Future[Result]:
     """Run `fn(*args)` in a daemon thread of its own; its outcome as a future of the running loop.
     `finished()` runs in that thread once `fn` has returned or raised (a slot given back)."""
     loop = asyncio.get_running_loop()
@@ -72,12 +77,14 @@ class SerialThread:
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def submit(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Result], *args: object
+    ) -> asyncio.Future[Result]:
         future = loop.create_future()
         self._jobs.put((loop, future, fn, args))
         return future
 
-    def finish(self, last: Optional[Callable[[], Any]] = None) -> None:
+    def finish(self, last: Optional[Callable[[], object]] = None) -> None:
         """Run `last` after the call in progress (if it ever returns), then end. Nothing waits for it."""
         if last is not None:
             self._jobs.put((None, None, last, ()))

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Dict, Mapping, Optional, Sequence
 
 from ..devices import Device
 from ..ledger import Grant
@@ -154,7 +154,7 @@ class HardLimitLayer:
             self.state, self.problem = "stopped", "the server is stopping"
             self.message = self.problem
 
-    async def stop(self, shutdown_kernels: Optional[Callable[[], Awaitable[Any]]] = None) -> None:
+    async def stop(self, shutdown_kernels: Optional[Callable[[], Awaitable[object]]] = None) -> None:
         """At shutdown: kernels first (they are the daemon's clients: `shutdown_kernels`, the kernel
         manager's), then the daemon, off the loop."""
         if self.daemon is not None and shutdown_kernels is not None:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping, Optional, Tuple
 
 from ..shared.env_vars import LOST
+
+if TYPE_CHECKING:  # for the signature only: a kernel imports nothing heavy at its start
+    from IPython.core.interactiveshell import InteractiveShell
 
 ACTION = "lost"  # the server's control request (parking/lost.py sends it)
 
@@ -34,7 +37,7 @@ def _notice(value: Any) -> Optional[Tuple[float, str]]:
     return float(at), words
 
 
-def from_environment(env: Any = os.environ) -> None:
+def from_environment(env: MutableMapping[str, str] = os.environ) -> None:
     """Take the notice the launch gave this process (and take it out of the environment: child processes and
     `!env` do not need it, and a kernel started from this one is not the one that was lost)."""
     global PENDING
@@ -76,6 +79,6 @@ def say_once(out: Callable[[str], None] = _to_stderr) -> Optional[str]:
     return notice[1]
 
 
-def install(shell: Any) -> None:
+def install(shell: InteractiveShell) -> None:
     from_environment()
     shell.events.register("pre_run_cell", lambda info=None: say_once())

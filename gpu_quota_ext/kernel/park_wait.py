@@ -26,12 +26,17 @@ import ast
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 from ..shared.sizes import format_bytes
 from . import fast_park, lost_notice, room_check
 from .park import clock, duration_words
+
+if TYPE_CHECKING:  # for the signatures only: a kernel imports nothing heavy at its start
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from .client import ParkAnswer
 
 POLL_S = 0.5  # seconds between two questions to the server while the cell waits ...
 FIRST_POLL_S = 0.1  # ... starting at this, 1.5 times longer each time: a 2 GiB kernel is back in ~0.7 s
@@ -244,7 +249,7 @@ class WaitWhileParked(ast.NodeTransformer):
         return node
 
 
-def install(shell: Any, watch: ParkWatch) -> bool:
+def install(shell: InteractiveShell, watch: ParkWatch) -> bool:
     """Answer the server's control requests and wait before cells; False where this kernel cannot (not
     ipykernel: no control channel)."""
     kernel = getattr(shell, "kernel", None)
@@ -266,7 +271,7 @@ def install(shell: Any, watch: ParkWatch) -> bool:
     return True
 
 
-def _ask_room(device: Optional[int]) -> Any:
+def _ask_room(device: Optional[int]) -> Optional[ParkAnswer]:
     from .client import QuotaClient
 
     client = QuotaClient.from_environment()
@@ -283,7 +288,7 @@ def _to_stderr(line: str) -> None:
 
 
 def follow_room(
-    ask: Callable[[], Any],
+    ask: Callable[[], Optional[ParkAnswer]],
     park_state: Callable[[], Optional[dict]],
     out: Callable[[str], None] = _to_stderr,
     sleep: Callable[[float], None] = time.sleep,

@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .park import duration_words
+
+if TYPE_CHECKING:  # for the signatures only: a kernel imports nothing heavy at its start
+    from IPython.core.interactiveshell import ExecutionInfo, InteractiveShell
+
+    from .client import ParkAnswer
 
 PREFIX = "gpu-quota:"
 # The wait's pace and words are a parked kernel's (park_wait.py): asked every 0.1 s at first, every half second
@@ -80,7 +85,7 @@ class RoomCheck:
 
     def __init__(
         self,
-        ask_room: Callable[[Optional[int]], Any],
+        ask_room: Callable[[Optional[int]], Optional[ParkAnswer]],
         park_state: Callable[[], Optional[dict]],
         out: Callable[[str], None],
         may_be_parked: Callable[[], bool] = lambda: False,
@@ -91,7 +96,7 @@ class RoomCheck:
         self.may_be_parked = may_be_parked  # a parked kernel's cell waits for its resume instead (park_wait.py)
         self.sleep, self.clock = time.sleep, time.monotonic
 
-    def pre_run_cell(self, info: Any = None) -> None:
+    def pre_run_cell(self, info: Optional[ExecutionInfo] = None) -> None:
         if not SHORT:  # the whole cost when the device has room: keep this first
             return
         if only_magic(getattr(info, "raw_cell", "")) or not (HOLDING or uses_cuda()):
@@ -126,7 +131,7 @@ class RoomCheck:
 CHECK: Optional[RoomCheck] = None  # the kernel's one RoomCheck, once installed
 
 
-def install(shell: Any, check: RoomCheck) -> None:
+def install(shell: InteractiveShell, check: RoomCheck) -> None:
     global CHECK
     CHECK = check
     shell.events.register("pre_run_cell", check.pre_run_cell)
@@ -142,7 +147,7 @@ def at_first_cuda() -> None:
 
 
 def room_before_cell(
-    ask: Callable[[], Any],
+    ask: Callable[[], Optional[ParkAnswer]],
     park_state: Callable[[], Optional[dict]],
     out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     sleep: Callable[[float], None] = time.sleep,

@@ -1,7 +1,7 @@
 """The ledger: the one record of every kernel's grant (admission, placement, caps).
 
-interface.py is what the rest of the server depends on (the `Ledger` Protocol, `Grant`, the errors, and what a host
-service behind a ledger offers: `HostService`, `LeaseHooks`);
+interface.py is what the rest of the server depends on (the `Ledger` Protocol and its reads alone, `GrantReads`;
+`Grant`, the errors, and what a host service behind a ledger offers: `HostService`, `LeaseHooks`);
 local.py is a server's own ledger; remote.py asks the host service's ledger for a hub host, through transport.py
 (HTTP to the service) and lease.py (the renewals that keep its grants alive, and what the server tells them).
 """
@@ -10,6 +10,7 @@ from .interface import (
     AdmissionRefused,
     ChangeOutcome,
     Grant,
+    GrantReads,
     HeldGrants,
     HostService,
     LeaseHooks,
@@ -23,6 +24,7 @@ __all__ = [
     "AdmissionRefused",
     "ChangeOutcome",
     "Grant",
+    "GrantReads",
     "HeldGrants",
     "HostService",
     "Ledger",

@@ -1,4 +1,5 @@
-"""The ledger's interface: grants, the answers to cap requests, and the `Ledger` protocol.
+"""The ledger's interface: grants, the answers to cap requests, and the `Ledger` protocol (its reads alone:
+`GrantReads`).
 
 A grant says "kernel K may use `cap` bytes on device D". Every change of a cap goes through a ledger, so
 the ledger's answer is the truth the launch hook, the magic, the API and the sidebar all show. The server
@@ -85,7 +86,7 @@ class ChangeOutcome:
 
 
 class HeldGrants:
-    """The reads every ledger answers from memory at once: `_grants` (kernel id -> Grant) under `_lock`,
+    """The reads every ledger answers from memory at once (GrantReads): `_grants` (kernel id -> Grant) under `_lock`,
     which the implementation sets up and writes."""
 
     _grants: Dict[str, Grant]
@@ -141,9 +142,19 @@ class HostService(Protocol):
         """What the lease reports and whom it tells about park requests, from the next renewal on."""
 
 
+class GrantReads(Protocol):
+    """The reads of a ledger, answered from memory at once (HeldGrants has them): what the parker and the kernels'
+    lifecycle need of it, who write nothing."""
+
+    def get(self, kernel_id: str) -> Optional[Grant]: ...
+
+    def grants(self) -> List[Grant]: ...
+
+
 @runtime_checkable
-class Ledger(Protocol):
-    """What the server needs of a ledger. Writes raise AdmissionRefused, PolicyError or UnknownKernel."""
+class Ledger(GrantReads, Protocol):
+    """What the server needs of a ledger: its reads (GrantReads) and its writes, which raise AdmissionRefused,
+    PolicyError or UnknownKernel."""
 
     def grant(
         self,
@@ -166,10 +177,6 @@ class Ledger(Protocol):
 
     def release(self, kernel_id: str) -> Optional[Grant]:
         """The kernel is gone: its budget is free again. Idempotent."""
-
-    def get(self, kernel_id: str) -> Optional[Grant]: ...
-
-    def grants(self) -> List[Grant]: ...
 
     def device_grants(self) -> List[dict]:
         """Per device: index, name, uuid, total, budget, granted bytes and kernel count (what is granted,

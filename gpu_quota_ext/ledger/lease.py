@@ -35,7 +35,7 @@ class LeaseHolder(Protocol):
     def held(self) -> List[str]:
         """The kernel ids this server holds a grant for."""
 
-    def released(self, kernel_ids: Sequence[Any]) -> None:
+    def released(self, kernel_ids: Sequence[object]) -> None:
         """The service says it released these kernels' grants (the lease's answer, unchecked)."""
 
     def renewed(self) -> None:
@@ -168,7 +168,7 @@ class Lease:
         self._holder.renewed()
         return True
 
-    def _hand_park_requests(self, hooks: LeaseHooks, asked: Any) -> None:
+    def _hand_park_requests(self, hooks: LeaseHooks, asked: object) -> None:
         """The kernels of this server the service asks to park (the lease's answer), those this server holds."""
         if not isinstance(asked, list):
             return

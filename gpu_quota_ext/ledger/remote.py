@@ -27,7 +27,7 @@ import os
 import ssl
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..devices import Device
 from ..policy import PolicyDecision
@@ -270,7 +270,7 @@ class RemoteLedger(HeldGrants):
         with self._lock:
             return list(self._grants)
 
-    def released(self, kernel_ids: Sequence[Any]) -> None:
+    def released(self, kernel_ids: Sequence[object]) -> None:
         """The service released these grants (its lease renewal's answer): forgotten here."""
         with self._lock:
             dropped = [k for k in kernel_ids if isinstance(k, str) and self._grants.pop(k, None) is not None]

@@ -42,15 +42,16 @@ from .events import park_event_logger
 from .host_account import HostAccount, HostReading
 from .host_broker import HostBroker, HostRooms
 from .host_room import host_room
-from .kernel_channel import KernelChannel
+from .kernel_channel import KernelChannel, KernelClients
 from .pages.build import preload_library
-from .parker import OwnBroker, Parker, RoomBroker
+from .parker import OwnBroker, ParkedKernels, Parker, RoomBroker
 from .path import preloads
 from .shown import PARK_MARGIN, PARK_RATE, Said, Shown, park_time, shown_as
 
 __all__ = [
     "CheckpointDriver", "CheckpointError", "CheckpointUnavailable", "CudaCheckpointDriver",
-    "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "KernelChannel", "OwnBroker",
+    "ParkSettings", "build_park_settings", "on_device_full_for", "Parker", "ParkedKernels", "KernelChannel",
+    "KernelClients", "OwnBroker",
     "RoomBroker", "HostBroker",
     "HostRooms", "BrokerSettings", "Demand", "DeviceView", "HostView", "KernelView", "Plan",
     "Reservation", "Round", "decide", "host_room", "HostAccount", "HostReading", "preload_library", "preloads",

@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Protocol
 
 from jsonschema.exceptions import ValidationError  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from ..shared.park_state import ParkState
 from .path import CHECKPOINT
 from .states import CELL, LOST, RUNNING, ParkRecord
+
+if TYPE_CHECKING:  # jupyter_server's own class, for the signatures only
+    from jupyter_server.serverapp import ServerApp
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -164,7 +167,7 @@ class EventSink(Protocol):
     def emit(self, *, schema_id: str, data: Dict[str, Any]) -> Optional[Dict[str, Any]]: ...
 
 
-def park_event_logger(serverapp: Any) -> Optional[EventSink]:
+def park_event_logger(serverapp: Optional[ServerApp]) -> Optional[EventSink]:
     """The server's event logger with the park events' schemas registered, or None where the server has none
     (a jupyter_server before the event system): then nothing is emitted, and the log says it all as before."""
     event_logger = getattr(serverapp, "event_logger", None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from ..threads import off_loop
 from .broker import Plan, Round, told_words
@@ -33,7 +33,7 @@ class HostRooms(Protocol):
         """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
 
 
-def kernel_park(kernel_id: str, state: str, idle_for: Any, parkable: bool, stays: int = 0) -> dict:
+def kernel_park(kernel_id: str, state: str, idle_for: Optional[float], parkable: bool, stays: int = 0) -> dict:
     """KERNEL_PARK of the wire: one kernel's park state as the host's broker reads it. "stays" only where a fast
     park left bytes on the device: services older than it refuse a key they do not know, and only a server with
     fast_park on sends it."""
@@ -60,7 +60,7 @@ def room_request(round_: Round, uuid_of: Mapping[Hashable, str]) -> dict:
     }
 
 
-def plan_from(answer: Any, mine: List[str]) -> Plan:
+def plan_from(answer: object, mine: List[str]) -> Plan:
     """The service's answer as a Plan, keeping only this server's kernels (`mine`) and well-formed entries."""
     if not isinstance(answer, dict):
         return Plan()

@@ -16,18 +16,28 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from ..shared.contract import KERNEL_REPLY, KERNEL_REQUEST
 
+if TYPE_CHECKING:  # jupyter_client's own class, for the signatures only
+    from jupyter_client.client import KernelClient
+
 log = logging.getLogger("gpu_quota_ext")
+
+
+class KernelClients(Protocol):
+    """What the channel needs of the server's kernels (usage.KernelManagerView has it)."""
+
+    def client(self, kernel_id: str) -> KernelClient:
+        """A new client of the kernel, its channels not started; raises for a kernel that is gone."""
 
 
 class KernelChannel:
     """Asks a kernel of the server's kernel manager, through a client of its own for each request."""
 
-    def __init__(self, kernels: Any):
-        self.kernels = kernels  # usage.KernelManagerView
+    def __init__(self, kernels: KernelClients):
+        self.kernels = kernels
 
     async def ask(self, kernel_id: str, content: dict, timeout: float) -> Optional[dict]:
         """The kernel's reply content, or None (no such kernel, no answer in time, a channel that fails)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import psutil
 
@@ -33,6 +33,7 @@ from .checkpoint import (
     CheckpointDriver,
     CheckpointError,
 )
+from .kernel_channel import KernelChannel
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -45,7 +46,7 @@ CODE_NAMES = {
 }
 
 
-def threadsafe_ask(channel: Any, kernel_id: str, loop: asyncio.AbstractEventLoop) -> Ask:
+def threadsafe_ask(channel: KernelChannel, kernel_id: str, loop: asyncio.AbstractEventLoop) -> Ask:
     """The kernel channel's `ask`, callable from a thread: the request runs on the server's event loop."""
 
     def ask(content: dict, timeout: float) -> Optional[dict]:

@@ -33,12 +33,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, TypeVar, Union
 
 import psutil
 
 from ..devices import Device
-from ..ledger import Ledger, UnknownKernel
+from ..ledger import GrantReads, UnknownKernel
 from ..shared.park_state import ParkState
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
@@ -122,10 +122,13 @@ from .states import (
 )
 from .wording import describe_transition, failure_reason, lost_reason, park_json, stuck_reason
 
-if TYPE_CHECKING:  # the monitor's sample, for the signatures only (usage/ is beside parking/, not below it)
+if TYPE_CHECKING:  # for the signatures only (usage/ and hard_limit/ are beside parking/, not below it)
+    from ..hard_limit import KernelLayers
     from ..usage import Sample
 
 log = logging.getLogger("gpu_quota_ext")
+
+Outcome = TypeVar("Outcome")  # what a driver sequence returns (_drive)
 
 
 class RoomBroker(Protocol):
@@ -144,21 +147,24 @@ class OwnBroker:
 
 
 class ParkedKernels(Protocol):
-    """What the parker needs of the server's kernels (usage.KernelManagerView has it all)."""
+    """What the parker needs of the server's kernels (usage.KernelManagerView has it all; its channel asks them
+    for clients: kernel_channel.KernelClients)."""
 
     def kernel_ids(self) -> List[str]: ...
 
     def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]: ...
 
-    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]: ...
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], object]) -> Optional[Callable[[], None]]: ...
 
-    def client(self, kernel_id: str) -> Any: ...
+    def on_restart(self, kernel_id: str, callback: Callable[[], object]) -> Optional[Callable[[], None]]: ...
+
+    def exit_code(self, kernel_id: str) -> Optional[int]: ...
 
 
-class KernelLayers(Protocol):
+class HardLimitReads(Protocol):
     """The hard-limit layer, as far as parking is concerned: whether a kernel is an MPS client."""
 
-    def layers(self, kernel_id: str) -> Any: ...
+    def layers(self, kernel_id: str) -> Optional[KernelLayers]: ...
 
 
 class Sampling(Protocol):
@@ -311,10 +317,10 @@ class Parker:
         settings: ParkSettings,
         driver: CheckpointDriver,
         kernels: ParkedKernels,
-        ledger: Ledger,
+        ledger: GrantReads,
         devices: Mapping[int, Device],
         monitor: Sampling,
-        hard_cap: Optional[KernelLayers] = None,
+        hard_cap: Optional[HardLimitReads] = None,
         host: Callable[[], Tuple[Optional[int], Optional[int]]] = host_room,
         broker: Optional[RoomBroker] = None,
         channel: Optional[KernelChannel] = None,
@@ -325,7 +331,7 @@ class Parker:
         # A lease reads the park report (a hub host's server): only then is it published after samples and changes.
         self.reports_to_host = reports_to_host
         self.driver = driver
-        self.kernels = kernels  # usage.KernelManagerView: ids, activity, the kernel manager (iopub, control)
+        self.kernels = kernels  # usage.KernelManagerView: ids, activity, iopub status, the restarter
         self.ledger = ledger
         self.devices = dict(devices)
         self.monitor = monitor
@@ -371,7 +377,8 @@ class Parker:
         self.lost: Dict[str, LostNotice] = {}
         self._restart_hooks: Dict[str, Callable[[], None]] = {}  # kernel -> stops its restart callback
         self._telling: set = set()  # kernels asked about their notice, answer not yet in
-        self._lost_held: Dict[str, Any] = {}  # kernel -> its last activity when it said it holds the notice unsaid
+        # kernel -> its last activity when it said it holds the notice unsaid
+        self._lost_held: Dict[str, Optional[float]] = {}
         self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
         self._releasing_arenas = False  # kept arenas are being given back (host memory short)
         # Structured events (events.py) for an admin's tools: jupyter_server's event logger once the server
@@ -762,10 +769,7 @@ class Parker:
         """While the driver holds the kernel, hear of its restarter finding its process dead (the OOM killer, a
         kill -9): the restarter's "restart" event comes before the restart, while the record still says what the
         kernel was. A user's restart or shutdown does not fire it: they asked for it."""
-        on_restart = getattr(self.kernels, "on_restart", None)
-        if on_restart is None:
-            return
-        stop = on_restart(kernel_id, lambda: self._process_ended(kernel_id))
+        stop = self.kernels.on_restart(kernel_id, lambda: self._process_ended(kernel_id))
         if stop is not None:
             self._restart_hooks[kernel_id] = stop
 
@@ -779,7 +783,7 @@ class Parker:
         record = self.records.get(kernel_id)
         if record is None or record.state not in HELD:
             return
-        exit_code = getattr(self.kernels, "exit_code", lambda kernel_id: None)(kernel_id)
+        exit_code = self.kernels.exit_code(kernel_id)
         notice = lost_notice(record.state, time.time(), exit_code)
         self.lost[kernel_id] = notice
         self._lost_held.pop(kernel_id, None)
@@ -1017,7 +1021,9 @@ class Parker:
 
     # --- park and resume -------------------------------------------------------------------------
 
-    async def _drive(self, kernel_id: str, op: int, call: str, fn: Callable, *args: Any) -> Any:
+    async def _drive(
+        self, kernel_id: str, op: int, call: str, fn: Callable[..., Outcome], *args: object
+    ) -> Union[Outcome, CheckpointError]:
         """Run a driver sequence in its thread; its result, or its CheckpointError returned (not raised). A
         call out longer than call_timeout marks the kernel stuck (shown in its state) and keeps waiting."""
         future = off_loop(fn, *args, name=f"gpu-quota-{call}")
@@ -1321,7 +1327,7 @@ class Parker:
             keep = available is not None and keep_arena(plan.arena, available + plan.arena, self.settings.host_margin)
         driver = self._driver_for(kernel_id, plan, keep)
 
-        def checked_restore() -> Any:
+        def checked_restore() -> Union[str, bool]:
             with self._restoring:  # one restore at a time: each one's check sees the ones before it done
                 short = room_right_now(need, totals, self.monitor.device_used_now, others, self.settings.device_margin)
                 if short is not None:

@@ -11,7 +11,7 @@ promises the room a park makes. Every doubt falls back to the checkpoint path, w
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 from ..shared.sizes import MiB, format_bytes
 
@@ -135,7 +135,7 @@ def arenas_to_release(kept: Mapping[str, int], short: int) -> Tuple[str, ...]:
 
 def kernel_facts(
     fast_park: str,
-    answer: Optional[Mapping[str, Any]],
+    answer: Optional[Mapping[str, object]],
     device_bytes: Mapping[int, int],
     gpu_processes: int,
 ) -> KernelFacts:
@@ -164,7 +164,7 @@ def kernel_facts(
     )
 
 
-def _count(value: Any) -> int:
+def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 

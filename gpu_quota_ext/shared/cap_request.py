@@ -13,7 +13,7 @@ RESET = "reset"
 
 
 def read_cap_request(
-    body: Any, device_is_valid: Callable[[Any], bool], device_must_be: str
+    body: object, device_is_valid: Callable[[Any], bool], device_must_be: str
 ) -> Union[str, Tuple[CapSpec, Any]]:
     """RESET, or (the cap asked for, the device or None). Anything else: PolicyError with the reason,
     which the handlers answer as a 400."""

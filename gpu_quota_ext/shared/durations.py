@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from .sizes import PolicyError, shown
 
@@ -23,7 +23,7 @@ OFF_WORDS = ("", "off", "none", "never", "0")
 MAX_DURATION = 366 * 86400.0  # a year: longer is a typo, not a setting
 
 
-def parse_duration(value: Any, allow_off: bool = True) -> Optional[float]:
+def parse_duration(value: object, allow_off: bool = True) -> Optional[float]:
     """Seconds from 300, 300.0, "300", "90s", "30min", "1.5h", "2d"; None for off ("off", "", None, 0)
     when `allow_off`. Raises PolicyError saying what is accepted, never anything else."""
     accepted = 'use seconds (300) or a number with a unit: "90s", "30min", "2h", "1d"' + (

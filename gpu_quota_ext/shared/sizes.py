@@ -11,7 +11,7 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -42,7 +42,7 @@ _shortener.maxstring = _shortener.maxother = _shortener.maxlong = SHOWN_CHARS
 _shortener.maxlevel = 2
 
 
-def shown(value: Any) -> str:
+def shown(value: object) -> str:
     """`repr(value)` cut to about SHOWN_CHARS characters (with "..."): messages echo what a person wrote,
     but a 1 MB cap string must not become a 1 MB answer and 3 MB of log."""
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Deque, Dict, Iterable, List, Mapping, Optional
 
 from ..shared.contract import HISTORY_POINT_FIELDS, PARK_STATES
+from .reports import AllocatorReport
 
 POINTS_MAX = 300  # per kernel: 5 minutes at the default 1 s poll interval
 
@@ -77,14 +78,13 @@ def point_for(
     t: float,
     devices: Iterable[int],
     used: Mapping[int, Optional[int]],
-    allocator: Mapping[int, Any],
+    allocator: Mapping[int, AllocatorReport],
     caps: Mapping[int, int],
     hard_limits: Mapping[int, int],
     park: str,
 ) -> HistoryPoint:
     """The point of a kernel holding `devices`: `used` is NVML's figure per device (None: unread),
-    `allocator` its last report per device (objects with `allocated` and `reserved`), `hard_limits` the
-    driver's limit per device (empty: none)."""
+    `allocator` its last report per device, `hard_limits` the driver's limit per device (empty: none)."""
     devices = tuple(devices)
     reports = [allocator[i] for i in devices if i in allocator]
     return HistoryPoint(

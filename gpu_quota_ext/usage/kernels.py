@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 
 from tornado.web import HTTPError
 
-if TYPE_CHECKING:  # jupyter_client's own classes, for the signatures only
+if TYPE_CHECKING:  # jupyter_client's and jupyter_server's own classes, for the signatures only
+    from jupyter_client.client import KernelClient
     from jupyter_client.manager import KernelManager
     from jupyter_client.multikernelmanager import MultiKernelManager
+    from jupyter_server.services.kernels.kernelmanager import MappingKernelManager
 
 log = logging.getLogger("gpu_quota_ext")
 
@@ -48,9 +50,11 @@ class KernelRoots(KernelIds, Protocol):
 
 
 class KernelEnds(KernelIds, Protocol):
-    """... and how each one ends (the lifecycle)."""
+    """... and how each one ends, and which ones are still starting (the lifecycle)."""
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None: ...
+    def starting_ids(self) -> Set[str]: ...
+
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None: ...
 
     async def dead_ids(self) -> List[str]: ...
 
@@ -142,7 +146,7 @@ class KernelManagerView:
             return None, None
         return getattr(kernel, "execution_state", None), getattr(kernel, "last_activity", None)
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None:
         """Call `callback` when the kernel's restarter gives up on it (jupyter_client's "dead" event).
         A kernel without a restarter (autorestart off) never fires it: see dead_ids."""
         try:
@@ -150,7 +154,7 @@ class KernelManagerView:
         except GONE:
             pass  # shut down meanwhile
 
-    def on_restart(self, kernel_id: str, callback: Callable[[], Any]) -> Optional[Callable[[], None]]:
+    def on_restart(self, kernel_id: str, callback: Callable[[], object]) -> Optional[Callable[[], None]]:
         """Call `callback` when the kernel's restarter has found its process dead and is about to start it again
         (jupyter_client's "restart" event: fired before the restart, so the caller still sees what the kernel was).
         The callable returned stops it; None for a kernel that is gone."""
@@ -213,7 +217,7 @@ class KernelManagerView:
         """Every kernel shut down (the server is stopping: before the MPS daemon they are clients of)."""
         await maybe_await(self.manager.shutdown_all())
 
-    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], object]) -> Optional[Callable[[], None]]:
         """Call `on_state("busy" | "idle")` as the kernel's iopub status messages come, for the message types
         jupyter_server's own activity monitor tracks (so the server's control requests to the kernel never
         count); the callable returned stops it. None when the kernel has no iopub channel (going away)."""
@@ -253,13 +257,13 @@ class KernelManagerView:
 
         return stop
 
-    def client(self, kernel_id: str) -> Any:
+    def client(self, kernel_id: str) -> KernelClient:
         """A new client of the kernel (jupyter_client's, with the kernel's connection and session key): the
         caller starts the channels it needs and stops them. Raises for a kernel that is gone."""
         return self.manager.get_kernel(kernel_id).client()
 
 
-def untrack_kernel_requests(manager: Any) -> None:
+def untrack_kernel_requests(manager: MappingKernelManager) -> None:
     """Add the server's own control-channel requests to a kernel (shared.contract KERNEL_REQUEST, KERNEL_REPLY)
     to jupyter_server's untracked message types: they are not the user's activity, and the kernel's status
     around them must not make it look busy (jupyter_server's own trait, meant for this)."""

@@ -23,7 +23,7 @@ import functools
 import logging
 from typing import Callable, Optional, Set
 
-from ..ledger import Ledger
+from ..ledger import GrantReads
 from .kernels import KernelEnds
 from .periodic import every
 
@@ -35,7 +35,7 @@ class KernelLifecycle:
     that is gone and still holds a grant in `ledger`. `release` answers False when a release of that
     kernel is already under way (nothing is logged twice)."""
 
-    def __init__(self, kernels: KernelEnds, ledger: Ledger, release: Callable[[str], bool], poll_interval: float):
+    def __init__(self, kernels: KernelEnds, ledger: GrantReads, release: Callable[[str], bool], poll_interval: float):
         self.kernels = kernels
         self.ledger = ledger
         self.release = release
@@ -89,8 +89,7 @@ class KernelLifecycle:
 
     def _release_vanished(self) -> None:
         """Give back the grants of kernels the server no longer has (and is not starting)."""
-        starting = getattr(self.kernels, "starting_ids", lambda: set())()
-        live = set(self.kernels.kernel_ids()) | starting
+        live = set(self.kernels.kernel_ids()) | self.kernels.starting_ids()
         for grant in self.ledger.grants():
             if grant.kernel_id not in live:
                 self._give_back(grant.kernel_id, "kernel %s is gone; its grant is released")

@@ -23,7 +23,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import (
-    Any,
     Callable,
     Collection,
     Dict,
@@ -115,7 +114,7 @@ class Monitor:
         self.ticks = 0  # samples taken (tests wait on it)
         self._wake: Optional[asyncio.Event] = None  # set: the next round starts now (made on the loop, at start)
         self.stall_after = stall_after(poll_interval)
-        self._subscribers: List[Callable[[Sample], Any]] = []
+        self._subscribers: List[Callable[[Sample], object]] = []
         self._opened = False
         self._reopen_at = 0.0
         self._problems: Dict[str, str] = {}  # what is wrong now, logged once each
@@ -128,7 +127,7 @@ class Monitor:
         self._stopped = False
         self._task: Optional[asyncio.Task] = None
 
-    def on_sample(self, callback: Callable[[Sample], Any]) -> None:
+    def on_sample(self, callback: Callable[[Sample], object]) -> None:
         """Call `callback(sample)` on the event loop after each sample, in the order subscribed. A callback
         that raises is logged and does not keep the others from their turn."""
         self._subscribers.append(callback)

@@ -13,7 +13,7 @@ import inspect
 import threading
 import typing
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.kernel.client import QuotaClient
@@ -38,7 +38,7 @@ def utc_ago(seconds: float) -> datetime.datetime:
 
 class ParkerKernels(ParkedKernels):
     """The kernels as the parker reads them (usage.KernelManagerView): each one's execution state and last
-    activity, which a test changes through `by_id` (or `kernel`, the first); no iopub, no control channel."""
+    activity, which a test changes through `by_id` (or `kernel`, the first); no iopub, no restarter."""
 
     def __init__(self, states: Optional[Mapping[str, Optional[str]]] = None, idle_for: float = 0.0):
         since = utc_ago(idle_for)
@@ -58,11 +58,14 @@ class ParkerKernels(ParkedKernels):
         kernel = self.by_id.get(kernel_id)
         return (kernel.execution_state, kernel.last_activity) if kernel is not None else (None, None)
 
-    def watch_status(self, kernel_id: str, on_state: Callable[[str], Any]) -> Optional[Callable[[], None]]:
+    def watch_status(self, kernel_id: str, on_state: Callable[[str], object]) -> Optional[Callable[[], None]]:
         return None  # no iopub here: the parker falls back to samples and the calls a test makes
 
-    def client(self, kernel_id: str) -> Any:
-        raise KeyError(kernel_id)  # no control channel: a park goes without emptying caches
+    def on_restart(self, kernel_id: str, callback: Callable[[], object]) -> Optional[Callable[[], None]]:
+        return None  # no restarter here: nothing finds a held kernel's process dead, nothing to stop
+
+    def exit_code(self, kernel_id: str) -> Optional[int]:
+        return None  # no process ended
 
 
 class UsageKernels(KernelRoots, KernelEnds, KernelActions):
@@ -72,7 +75,7 @@ class UsageKernels(KernelRoots, KernelEnds, KernelActions):
     def __init__(self, roots: Optional[Mapping[int, str]] = None):
         self._roots = dict(roots or {})
         self.acted: List[Tuple[str, str]] = []
-        self.dead_callbacks: Dict[str, Callable[[], Any]] = {}
+        self.dead_callbacks: Dict[str, Callable[[], object]] = {}
         self.dead: set = set()
 
     def kernel_ids(self) -> List[str]:
@@ -81,10 +84,13 @@ class UsageKernels(KernelRoots, KernelEnds, KernelActions):
     def roots(self) -> Dict[int, str]:
         return dict(self._roots)
 
+    def starting_ids(self) -> Set[str]:
+        return set()  # every kernel here has started
+
     def activity(self, kernel_id: str) -> Tuple[Optional[str], Optional[datetime.datetime]]:
         return "idle", None  # jupyter_server's view (parking reads it)
 
-    def on_dead(self, kernel_id: str, callback: Callable[[], Any]) -> None:
+    def on_dead(self, kernel_id: str, callback: Callable[[], object]) -> None:
         self.dead_callbacks[kernel_id] = callback
 
     async def dead_ids(self) -> List[str]:

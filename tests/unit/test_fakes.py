@@ -9,7 +9,7 @@ import pytest
 from gpu_quota_ext.devices.fake_nvml import FakeNvml
 from gpu_quota_ext.devices.nvml import NvmlBackend
 from gpu_quota_ext.kernel.client import QuotaClient
-from gpu_quota_ext.ledger import Ledger
+from gpu_quota_ext.ledger import GrantReads
 from gpu_quota_ext.ledger.interface import HeldGrants
 from gpu_quota_ext.parking.kernel_channel import KernelChannel
 from gpu_quota_ext.parking.parker import ParkedKernels, Sampling
@@ -62,7 +62,7 @@ ALIKE = [
     (UsageKernels, KernelManagerView),
     (lambda: StillMonitor(Sample(state="starting")), Monitor),
     (lambda: NvmlMonitor((1,), 1 << 30), Monitor),
-    (Grants, Ledger),  # the parker is given a whole Ledger and reads its grants only
+    (Grants, GrantReads),  # the parker and the lifecycle are given a ledger's reads only
 ]
 
 
@@ -90,7 +90,7 @@ def test_what_the_fake_has_of_the_real_one_takes_the_same_parameters(make, inter
 
 def test_a_fake_that_strays_is_found():
     # The check above can fail: a missing member of a Protocol, other parameters, a method that is not async.
-    class NoClient(ParkedKernels):
+    class NoRestarter(ParkedKernels):
         def kernel_ids(self):
             return []
 
@@ -104,9 +104,10 @@ def test_a_fake_that_strays_is_found():
         def dead_ids(self):
             return []
 
-    assert differences(NoClient(), ParkedKernels) == [
+    assert differences(NoRestarter(), ParkedKernels) == [
         "activity: takes (self, kernel_id, when), the interface (self, kernel_id)",
-        "client: missing",
+        "on_restart: missing",
+        "exit_code: missing",
     ]
     assert differences(SyncKernels(), KernelEnds) == ["dead_ids: async in one of them only"]
 

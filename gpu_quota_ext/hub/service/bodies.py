@@ -208,7 +208,7 @@ def _refuse(message: str) -> web.HTTPError:
     return web.HTTPError(400, message)
 
 
-def check_model(body: Any, model: Model) -> Dict[str, Any]:
+def check_model(body: object, model: Model) -> Dict[str, Any]:
     """The body's fields as its model says, in the model's order (absent optional ones: their defaults); the
     first that is not what the model says: 400 with its line."""
     if not isinstance(body, dict):
@@ -247,13 +247,13 @@ def _each(items: Any, field: Field) -> List[Dict[str, Any]]:
 # --- each body, as the handlers take it -----------------------------------------------------------------------
 
 
-def parse_grant_request(body: Any) -> Tuple[str, str, str, Optional[List[str]]]:
+def parse_grant_request(body: object) -> Tuple[str, str, str, Optional[List[str]]]:
     """(server, kernel id, kernelspec, the device uuids the kernel may have or None)."""
     values = check_model(body, GRANT)
     return values["server"], values["kernel_id"], values["kernelspec"], values["allowed"]
 
 
-def parse_change_request(body: Any) -> Union[str, Tuple[CapSpec, Optional[str]]]:
+def parse_change_request(body: object) -> Union[str, Tuple[CapSpec, Optional[str]]]:
     """ "reset" or (CapSpec, device uuid or None): the contract of the server's own cap route (shared/)."""
     try:
         return read_cap_request(body, lambda d: isinstance(d, str) and len(d) <= MAX_NAME, "a device uuid or null")
@@ -270,13 +270,13 @@ def _reports(entries: List[Dict[str, Any]]) -> Dict[str, ParkReport]:
     }
 
 
-def parse_park_reports(entries: Any) -> Dict[str, ParkReport]:
+def parse_park_reports(entries: object) -> Dict[str, ParkReport]:
     """The "park" list of a lease or a room call: KERNEL_PARK entries, one per kernel."""
     return _reports(check_model({"park": entries}, Model({"park": PARK_LIST}, PARK_LIST.must))["park"])
 
 
 def parse_lease_request(
-    body: Any,
+    body: object,
 ) -> Tuple[str, Dict[str, Tuple[int, ...]], Optional[Dict[str, ParkReport]], Optional[float]]:
     """(server, kernel id -> PIDs, its kernels' park reports or None, seconds to wait or None)."""
     values = check_model(body, LEASE)
@@ -287,7 +287,7 @@ def parse_lease_request(
 
 
 def parse_room_request(
-    body: Any,
+    body: object,
 ) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]], Optional[Tuple[str, int]]]:
     """(server, its kernels' park reports, kernel id -> uuid -> bytes needed, the park asking for host memory)."""
     values = check_model(body, ROOM)
