@@ -19,8 +19,9 @@ phase to --out-json. Children die with this process (PR_SET_PDEATHSIG, and kille
     python3 benchmarks/fast_park_probe.py --build-only --out .probe       # here: compile the library
     PYTHONUNBUFFERED=1 timeout 290 python3 benchmarks/fast_park_probe.py --library-dir .probe \\
         --out-json $OUT/fast_park.json                                     # on the GPU machine
-    python3 benchmarks/fast_park_probe.py --library-dir .probe --overhead-only --bench-rounds 40 \\
-        --pin-cpu 3 --out-json $OUT/overhead.json                          # the allocation loops only, quieter
+    python3 benchmarks/fast_park_probe.py --library-dir .probe --overhead-only --overhead-pairs 6 \\
+        --bench-rounds 20 --pin-cpu 3 --out-json $OUT/overhead.json        # the allocation loops only, quieter:
+        # 6 fresh processes per arm and one more plain one for an A/A control, pinned once ready (~70 s on an H200)
 
 The GPU machine needs python3 with torch and pynvml, not this package's dependencies: the few modules used
 are loaded from their files.
@@ -50,6 +51,9 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES_DIR = REPO / "gpu_quota_ext" / "parking" / "pages"
 PREFIX = "@@ "  # a child's replies; anything else it prints is noise
 BUDGET_S = 275.0
+# --overhead-only: about 0.2 s a bench on an H200, (2P + 2) benches a round: 20 rounds of 6 pairs ~56 s, plus the
+# children's start and one warm-up bench each, in parallel (~15 s): ~70 s, inside the ~90 s asked of it.
+OVERHEAD_ROUNDS = 20
 
 
 def load_file(name: str, path: Path):
@@ -293,10 +297,14 @@ class ChildFailed(Exception):
 
 
 class Child:
-    def __init__(self, name: str, preload: str | None, logs: Path, dry_driver: str | None = None):
+    def __init__(
+        self, name: str, preload: str | None, logs: Path, dry_driver: str | None = None, one_thread: bool = False
+    ):
         self.name = name
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
+        if one_thread:
+            env["OMP_NUM_THREADS"] = "1"
         if preload:
             env["LD_PRELOAD"] = preload
         if dry_driver:
@@ -458,14 +466,37 @@ class Probe:
     def left(self) -> float:
         return self.args.budget - self.elapsed()
 
-    def spawn(self, name: str, preload: bool) -> Child:
-        child = Child(name, self.library if preload else None, self.logs, self.dry_driver)
-        if self.args.pin_cpu is not None:
+    def spawn(self, name: str, preload: bool, pin_now: bool = True) -> Child:
+        # A child pinned later still sizes torch's thread pool by the CPUs it sees at start: told one thread, as
+        # a child pinned at once finds itself (more threads on one CPU wait on each other: a dry run's training
+        # step took 350 ms instead of 1).
+        one_thread = not pin_now and self.args.pin_cpu is not None
+        child = Child(name, self.library if preload else None, self.logs, self.dry_driver, one_thread)
+        if pin_now and self.args.pin_cpu is not None:
             # Before the child's interpreter starts threads: they inherit it. The allocation loop's rounds
             # jumped between two modes 1.7x apart on an unpinned run (2026-12-04), with the library and without.
             os.sched_setaffinity(child.pid, {self.args.pin_cpu})
         self.children.append(child)
         return child
+
+    def pin_ready(self, child: Child) -> dict:
+        """Every thread of a child that is ready (torch imported) onto --pin-cpu; new threads inherit it. The
+        affinity read back is what the JSON records."""
+        cpus = {self.args.pin_cpu}
+        tasks = Path(f"/proc/{child.pid}/task")
+        threads = 0
+        for task in tasks.iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                threads += 1
+            except ProcessLookupError:  # a thread that ended between the listing and here needs no pinning
+                pass
+        return {
+            "name": child.name,
+            "pid": child.pid,
+            "threads": threads,
+            "affinity": sorted(os.sched_getaffinity(child.pid)),
+        }
 
     def ready(self, child: Child) -> None:
         hello = child.read(120)
@@ -619,6 +650,19 @@ class Probe:
             out["speedup_resume"] = ratio(out["pages"]["resume_gbps_median"], out["checkpoint"]["resume_gbps_median"])
         return out
 
+    @staticmethod
+    def pooled(with_lib: list, without: list) -> dict:
+        """Ratio of the medians of paired rounds, its bootstrap 95% interval over the rounds, and the median of
+        each round's own ratio."""
+        low, high = ratio_of_medians_ci(with_lib, without) if len(with_lib) > 1 else (None, None)
+        return {
+            "pages": median(with_lib),
+            "plain": median(without),
+            "ratio": ratio(median(with_lib), median(without)),
+            "ratio_95ci": [round(low, 3), round(high, 3)] if low is not None else None,
+            "median_paired_ratio": round(median([a / b for a, b in zip(with_lib, without)]), 3),
+        }
+
     def bench_phase(self, pages: Child, plain: Child, rounds: int = 3) -> None:
         """Paired rounds, alternating which child goes first; per measure the ratio of the medians (pages over
         plain) with a bootstrap 95% interval over the rounds, and the median of each round's own ratio."""
@@ -633,19 +677,93 @@ class Probe:
         for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
             with_lib = [r[measure] for r in rows["pages"]]
             without = [r[measure] for r in rows["plain"]]
-            low, high = ratio_of_medians_ci(with_lib, without) if rounds > 1 else (None, None)
-            out[measure] = {
-                "pages": median(with_lib),
-                "plain": median(without),
-                "ratio": ratio(median(with_lib), median(without)),
-                "ratio_95ci": [round(low, 3), round(high, 3)] if low is not None else None,
-                "median_paired_ratio": round(median([a / b for a, b in zip(with_lib, without)]), 3),
-            }
+            out[measure] = self.pooled(with_lib, without)
             say(
                 f"[{self.elapsed():5.1f}s]   {measure}: {median(with_lib) * 1e3:.3f} ms with, "
                 f"{median(without) * 1e3:.3f} ms without, ratio of medians {out[measure]['ratio']} "
                 f"(95% {out[measure]['ratio_95ci']}), median paired ratio {out[measure]['median_paired_ratio']}"
             )
+        self.result["overhead"] = out
+        self.save()
+
+    def overhead_phase(self, pairs: list[tuple[Child, Child]], control: Child, rounds: int) -> None:
+        """The allocation loops and the training step over several fresh processes per arm. One process per arm
+        confounds the library with what is the process's own (address layout, where its memory landed): a
+        cached loop that never calls the library came out 1.046 (95% [1.012, 1.102]) with one pair (2026-12-04).
+        So: P pairs (pages-i, plain-i) and one more plain child, plain-control, benched against plain-0 every
+        round (A/A: the spread that processes alone give). Each round visits the pairs in an order rotating
+        with the round, each pair's own order alternating. Per measure: the ratio of the medians of the
+        per-child medians with a bootstrap interval resampling pairs (children), the pooled ratio over all
+        rounds with its interval over rounds, and the A/A ratio (plain-0 over plain-control) with its interval.
+        Every child is pinned (all its threads) after an uncounted warm-up bench, when --pin-cpu is given."""
+        say(
+            f"[{self.elapsed():5.1f}s] allocation loop and training step over {len(pairs)} pairs of processes "
+            f"and an A/A control, {rounds} rounds"
+        )
+        children = [child for pair in pairs for child in pair] + [control]
+        # One bench each, all at once and before pinning, not counted: each child's one-time start (CUDA context,
+        # cuBLAS, the optimizer's first step: ~1 s of CPU each) would otherwise run one child after another on the
+        # pinned CPU in the first round, and be in its timings.
+        for child in children:
+            child.send("bench")
+        for child in children:
+            child.read(180)
+        pinned = [self.pin_ready(child) for child in children] if self.args.pin_cpu is not None else []
+        first_plain = pairs[0][1]
+        visits = [*pairs, (first_plain, control)]  # the control pair takes its turn in the rotation
+        rows: dict[str, list] = {child.name: [] for child in children}
+        control_rows: dict[str, list] = {first_plain.name: [], control.name: []}
+        for index in range(rounds):
+            shift = index % len(visits)
+            for position, (a, b) in enumerate(visits[shift:] + visits[:shift]):
+                in_control = b is control
+                for child in (a, b) if (index + position) % 2 == 0 else (b, a):
+                    row = {"round": index, **child.ask("bench", timeout=120)}
+                    row.pop("ok", None)
+                    (control_rows if in_control else rows)[child.name].append(row)
+        out: dict = {
+            "pairs": len(pairs),
+            "pinned_cpu": self.args.pin_cpu,
+            "children": pinned,
+            "rounds": {
+                "pages": [row for pages, _ in pairs for row in rows[pages.name]],
+                "plain": [row for _, plain in pairs for row in rows[plain.name]],
+                "by_child": {name: found for name, found in rows.items() if name != control.name},
+            },
+        }
+        for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
+            with_lib = [r[measure] for r in out["rounds"]["pages"]]
+            without = [r[measure] for r in out["rounds"]["plain"]]
+            figures = self.pooled(with_lib, without)
+            pages_medians = [median([r[measure] for r in rows[pages.name]]) for pages, _ in pairs]
+            plain_medians = [median([r[measure] for r in rows[plain.name]]) for _, plain in pairs]
+            low, high = ratio_of_medians_ci(pages_medians, plain_medians) if len(pairs) > 1 else (None, None)
+            figures["per_process"] = {
+                "pages_medians": pages_medians,
+                "plain_medians": plain_medians,
+                "pages": median(pages_medians),
+                "plain": median(plain_medians),
+                "ratio": ratio(median(pages_medians), median(plain_medians)),
+                "ratio_95ci": [round(low, 3), round(high, 3)] if low is not None else None,
+                "pages_spread": ratio(max(pages_medians), min(pages_medians)),
+                "plain_spread": ratio(max(plain_medians), min(plain_medians)),
+            }
+            aa = self.pooled(
+                [r[measure] for r in control_rows[first_plain.name]], [r[measure] for r in control_rows[control.name]]
+            )
+            # named for what they are: both arms are plain
+            aa["plain_0"], aa["plain_control"] = aa.pop("pages"), aa.pop("plain")
+            figures["control"] = {"children": [first_plain.name, control.name], **aa}
+            out[measure] = figures
+            each, aa = figures["per_process"], figures["control"]
+            say(
+                f"[{self.elapsed():5.1f}s]   {measure}: per process {each['pages'] * 1e3:.3f} ms with, "
+                f"{each['plain'] * 1e3:.3f} ms without, ratio {each['ratio']} (95% over pairs {each['ratio_95ci']}, "
+                f"spread with {each['pages_spread']}, without {each['plain_spread']}); pooled ratio "
+                f"{figures['ratio']} (95% {figures['ratio_95ci']}), median paired {figures['median_paired_ratio']}; "
+                f"A/A {aa['ratio']} (95% {aa['ratio_95ci']})"
+            )
+        out["control"] = {"children": [first_plain.name, control.name], "rounds": control_rows}
         self.result["overhead"] = out
         self.save()
 
@@ -716,14 +834,20 @@ class Probe:
         sizes = self.args.sizes
         phases = []
         if self.args.overhead_only:
-            p_oh, c_oh = self.spawn("pages-overhead", True), self.spawn("plain-overhead", False)
-            phases.append(("overhead", lambda: self.bench_phase(p_oh, c_oh, self.args.bench_rounds)))
+            # Pinned only once ready (overhead_phase): 2P+1 torch imports on one core would take minutes.
+            pairs = [
+                (self.spawn(f"pages-{i}", True, pin_now=False), self.spawn(f"plain-{i}", False, pin_now=False))
+                for i in range(self.args.overhead_pairs)
+            ]
+            control = self.spawn("plain-control", False, pin_now=False)
+            rounds = self.args.bench_rounds or OVERHEAD_ROUNDS
+            phases.append(("overhead", lambda: self.overhead_phase(pairs, control, rounds)))
             sizes = set()
         if 2 in sizes:
             p2, c2 = self.spawn("pages-2", True), self.spawn("plain-2", False)
             phases += [
                 ("2 GiB", lambda: self.size_phase(2, 3, p2, c2)),
-                ("overhead", lambda: self.bench_phase(p2, c2, self.args.bench_rounds)),
+                ("overhead", lambda: self.bench_phase(p2, c2, self.args.bench_rounds or 3)),
                 ("checkpoint on preloaded", lambda: self.compatibility_phase(p2)),
                 ("retire 2", lambda: self.retire(p2, c2)),
             ]
@@ -889,13 +1013,26 @@ def main(argv=None) -> int:
         "--dry-run", action="store_true", help="no GPU: MiB for GiB, CPU tensors, the tests' fake CUDA driver"
     )
     parser.add_argument(
-        "--bench-rounds", type=int, default=3, help="paired rounds of the allocation loops and the training step"
+        "--bench-rounds",
+        type=int,
+        help="paired rounds of the allocation loops and the training step (default 3; with --overhead-only "
+        f"{OVERHEAD_ROUNDS}: each round benches every pair and the A/A pair, ~0.2 s a bench on an H200, so "
+        "6 pairs take ~3 s a round and the mode ~70 s in all)",
     )
     parser.add_argument(
         "--overhead-only", action="store_true", help="only the allocation loops and the training step (no parks)"
     )
     parser.add_argument(
-        "--pin-cpu", type=int, help="run every child on this one CPU (quieter timings: no migration between cores)"
+        "--overhead-pairs",
+        type=int,
+        default=6,
+        help="--overhead-only: fresh processes per arm (pages and plain), plus one plain-control for an A/A",
+    )
+    parser.add_argument(
+        "--pin-cpu",
+        type=int,
+        help="run every child on this one CPU (quieter timings: no migration between cores); with "
+        "--overhead-only every thread of each child is pinned once the child is ready",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -908,6 +1045,8 @@ def main(argv=None) -> int:
         build = load_file("gqx_pages_build", PAGES_DIR / "build.py")
         say(build.build(args.out))
         return 0
+    if args.overhead_pairs < 1:
+        parser.error("--overhead-pairs needs at least 1")
     if not args.library_dir:
         parser.error("give --build-only --out DIR, or --library-dir DIR")
     library = library_in(Path(args.library_dir))

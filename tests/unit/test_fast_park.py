@@ -418,7 +418,8 @@ def test_a_mapping_that_will_not_unmap_stays_on_the_device_and_the_park_says_so(
 
 def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_driver(tmp_path):
     """The overhead phase, as the GPU machine runs it (--overhead-only --pin-cpu), here over the tests' fake driver:
-    both children pinned to the CPU asked for, every round of each measure paired, an interval per ratio."""
+    several processes per arm and an A/A control child, every child pinned once ready, every round of each measure
+    paired, an ordered interval per ratio (per process over pairs, pooled over rounds, A/A)."""
     probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
     build = subprocess.run(
         [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
@@ -429,15 +430,29 @@ def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_d
     out = tmp_path / "overhead.json"
     done = subprocess.run(
         [sys.executable, str(probe), "--library-dir", str(tmp_path / "probe"), "--dry-run", "--overhead-only",
-         "--bench-rounds", "3", "--pin-cpu", str(cpu), "--out-json", str(out)],
+         "--overhead-pairs", "2", "--bench-rounds", "2", "--pin-cpu", str(cpu), "--out-json", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     overhead = json.loads(out.read_text())["overhead"]
-    assert overhead["pinned_cpu"] == cpu
-    assert [len(overhead["rounds"][key]) for key in ("pages", "plain")] == [3, 3]
+    assert overhead["pinned_cpu"] == cpu and overhead["pairs"] == 2
+    names = ["pages-0", "plain-0", "pages-1", "plain-1", "plain-control"]
+    assert [child["name"] for child in overhead["children"]] == names
+    assert all(child["affinity"] == [cpu] and child["threads"] >= 1 for child in overhead["children"])
+    assert [len(overhead["rounds"][key]) for key in ("pages", "plain")] == [4, 4]  # 2 pairs x 2 rounds
+    assert {name: len(rows) for name, rows in overhead["control"]["rounds"].items()} == {
+        "plain-0": 2, "plain-control": 2
+    }
+
+    def ordered(interval):
+        low, high = interval
+        return 0 < low <= high
+
     for measure in ("alloc_loop_s", "alloc_uncached_s", "train_step_s"):
         figures = overhead[measure]
-        low, high = figures["ratio_95ci"]
-        assert 0 < low <= high and figures["ratio"] > 0 and figures["median_paired_ratio"] > 0, figures
+        assert ordered(figures["ratio_95ci"]) and figures["ratio"] > 0 and figures["median_paired_ratio"] > 0, figures
+        each, aa = figures["per_process"], figures["control"]
+        assert len(each["pages_medians"]) == len(each["plain_medians"]) == 2, each
+        assert ordered(each["ratio_95ci"]) and each["ratio"] > 0, each
+        assert ordered(aa["ratio_95ci"]) and aa["ratio"] > 0 and aa["children"] == ["plain-0", "plain-control"], aa
     assert json.loads(out.read_text())["sizes"] == {}  # no park was asked for
