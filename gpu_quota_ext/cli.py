@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from jupyter_core.application import JupyterApp
 from traitlets import TraitError
@@ -31,10 +31,14 @@ from traitlets.utils.text import wrap_paragraphs
 from . import __version__
 from .app import GpuQuota, StartParts, invalid_configuration
 from .devices import StaticInventory
+from .hard_limit import HardLimitLayer
+from .parking import ParkSettings
+from .policy import Policy
 from .settings import DEFAULTS, POLICY, SETTINGS, names_of, server_setting_names
 from .shared.env_vars import KERNEL_SIDE, SERVICE_CAPS, SERVICE_URL
 from .shared.sizes import format_bytes
 from .shared.spelling import unknown_settings, unknown_variables
+from .usage import WatchdogSettings
 
 
 def setting_names() -> List[str]:
@@ -167,9 +171,33 @@ def environment_notes(environ) -> List[str]:
 
 
 def _report(server, extension: GpuQuota, parts: StartParts, notes: List[str] = ()) -> str:
-    policy, enforcement, parking = parts.policy, parts.enforcement, parts.parking
-    inventory, devices, problem = parts.inventory, parts.devices, parts.inventory.problem
+    def row(name: str, shown: object) -> str:
+        return f"  {name:<21} {shown!s:<12} ({setting_source(extension, name)})"
 
+    lines = _files_read(server, extension)
+    for title, settings in (
+        ("policy", _policy_shown(parts.policy)),
+        ("watchdog", _watchdog_shown(parts.enforcement)),
+        ("parking", _parking_shown(parts.parking)),
+        ("hard limit", _hard_limit_shown(parts.hard_layer)),
+    ):
+        lines.append(f"{title}:")
+        lines += [row(name, shown) for name, shown in settings]
+    lines.append(_hard_limit_state(parts.hard_layer))
+    ledger = parts.ledger.decided_by()
+    lines.append(
+        f"ledger: {ledger}: it decides every cap and admission; the policy above is not used"
+        if ledger
+        else "ledger: this server's own (the policy above)"
+    )
+    lines += _devices_seen(parts)
+    lines += [f"environment: {note}" for note in notes]
+    lines.append("configuration valid")
+    return "\n".join(lines)
+
+
+def _files_read(server, extension: GpuQuota) -> List[str]:
+    """The configuration files read, and whether they enable the extension."""
     files = list(dict.fromkeys(list(server.loaded_config_files) + list(extension.loaded_config_files)))
     lines = ["configuration files read (later ones win):"]
     lines += [f"  {path}" for path in files] or ["  none (built-in defaults and the environment only)"]
@@ -180,56 +208,63 @@ def _report(server, extension: GpuQuota, parts: StartParts, notes: List[str] = (
         else "server extension: NOT enabled in this configuration: a server started with it gives kernels no cap "
         "(jupyter server extension enable gpu_quota_ext)"
     )
+    return lines
 
-    def row(name: str, shown: object) -> str:
-        return f"  {name:<21} {shown!s:<12} ({setting_source(extension, name)})"
 
+# Each part's settings as the report shows them: (setting, its value in words), in the report's order.
+
+
+def _policy_shown(policy: Policy) -> List[Tuple[str, object]]:
     described = policy.describe()
-    lines.append("policy:")
-    for name in names_of(POLICY):
-        if name != "caps":
-            lines.append(row(name, described[name]))
+    shown: List[Tuple[str, object]] = [(name, described[name]) for name in names_of(POLICY) if name != "caps"]
     rules = described["rules"]
-    lines.append(row("caps", "a callable" if rules == "callable" else f"{rules} rule(s)"))
-    lines.append("watchdog:")
-    for name, shown in enforcement.describe().items():
-        lines.append(row(name, f"{shown} s" if name in ("grace", "poll_interval") else shown))
+    return shown + [("caps", "a callable" if rules == "callable" else f"{rules} rule(s)")]
 
-    lines.append("parking:")
-    idle = parking.idle_after
-    lines.append(row("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"))
-    lines.append(row("park_host_margin", format_bytes(parking.host_margin)))
-    lines.append(row("park_min_idle", f"{parking.min_idle:g} s"))
-    limit = parking.wait_limit
-    lines.append(row("park_wait_limit", "off (waits without a limit)" if limit is None else f"{limit:g} s"))
-    lines.append(row("park_device_margin", format_bytes(parking.device_margin)))
-    lines.append(row("park_on_device_full", parking.on_device_full))
-    lines.append(row("park_call_timeout", f"{parking.call_timeout:g} s"))
 
-    layer = parts.hard_layer
+def _watchdog_shown(enforcement: WatchdogSettings) -> List[Tuple[str, object]]:
+    return [
+        (name, f"{shown} s" if name in ("grace", "poll_interval") else shown)
+        for name, shown in enforcement.describe().items()
+    ]
+
+
+def _parking_shown(parking: ParkSettings) -> List[Tuple[str, object]]:
+    idle, limit = parking.idle_after, parking.wait_limit
+    return [
+        ("park_idle_after", "off (on demand only)" if idle is None else f"{idle:g} s"),
+        ("park_host_margin", format_bytes(parking.host_margin)),
+        ("park_min_idle", f"{parking.min_idle:g} s"),
+        ("park_wait_limit", "off (waits without a limit)" if limit is None else f"{limit:g} s"),
+        ("park_device_margin", format_bytes(parking.device_margin)),
+        ("park_on_device_full", parking.on_device_full),
+        ("park_call_timeout", f"{parking.call_timeout:g} s"),
+    ]
+
+
+def _hard_limit_shown(layer: HardLimitLayer) -> List[Tuple[str, object]]:
     settings = layer.settings
-    lines.append("hard limit:")
-    lines.append(row("hard_cap", settings.mode))
-    lines.append(row("mps_daemon", settings.daemon))
-    lines.append(row("hard_limit", settings.limit))
-    lines.append(row("mps_context_allowance", format_bytes(settings.context_allowance)))
-    lines.append(row("mps_control", layer.binary or settings.control))
-    lines.append(row("mps_timeout", f"{settings.timeout:g} s"))
+    return [
+        ("hard_cap", settings.mode),
+        ("mps_daemon", settings.daemon),
+        ("hard_limit", settings.limit),
+        ("mps_context_allowance", format_bytes(settings.context_allowance)),
+        ("mps_control", layer.binary or settings.control),
+        ("mps_timeout", f"{settings.timeout:g} s"),
+    ]
+
+
+def _hard_limit_state(layer: HardLimitLayer) -> str:
     if layer.state == "on":
-        lines.append(f"  on: NVIDIA MPS ({settings.daemon} daemon) answered; each kernel gets a hard limit")
-    elif layer.state == "unavailable":
-        lines.append(f"  soft caps only: {layer.problem}")
-    else:
-        lines.append("  off: soft caps only (in-process caps and the watchdog)")
+        return f"  on: NVIDIA MPS ({layer.settings.daemon} daemon) answered; each kernel gets a hard limit"
+    if layer.state == "unavailable":
+        return f"  soft caps only: {layer.problem}"
+    return "  off: soft caps only (in-process caps and the watchdog)"
 
-    ledger = parts.ledger.decided_by()
-    lines.append(
-        f"ledger: {ledger}: it decides every cap and admission; the policy above is not used"
-        if ledger
-        else "ledger: this server's own (the policy above)"
-    )
 
-    lines.append(f"devices ({type(inventory).__name__}):")
+def _devices_seen(parts: StartParts) -> List[str]:
+    """Each GPU with the caps and budget a kernel gets there; or why there is none, with a hint where one helps."""
+    policy, devices, problem = parts.policy, parts.devices, parts.inventory.problem
+    lines = [f"devices ({type(parts.inventory).__name__}):"]
     if devices:
         for device in devices:
             budget = (
@@ -245,9 +280,7 @@ def _report(server, extension: GpuQuota, parts: StartParts, notes: List[str] = (
         hints = [hint for key, hint in NO_GPU_HINTS.items() if key in (problem or "")]
         lines += [f"  ({hint})" for hint in hints]
         lines.append("  a server with this configuration starts every kernel without a GPU cap (%gpucap says why)")
-    lines += [f"environment: {note}" for note in notes]
-    lines.append("configuration valid")
-    return "\n".join(lines)
+    return lines
 
 
 class GpuQuotaCheck(JupyterApp):

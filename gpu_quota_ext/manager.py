@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 from .devices import Device, NvmlBackend, devices_named, parse_cuda_visible_devices
 from .hard_limit import LIMIT_VARIABLE, HardLimitLayer, HardLimitSettings
 from .launch_env import is_python_kernel, launch_env, preload
-from .ledger import ChangeOutcome, Grant, LeaseHooks, Ledger
+from .ledger import ChangeOutcome, Grant, HostService, LeaseHooks, Ledger
 from .parking import (
     CheckpointDriver,
     CudaCheckpointDriver,
@@ -150,76 +150,100 @@ class GpuQuotaManager:
         self.hard_cap = hard_cap if hard_cap is not None else HardLimitLayer(HardLimitSettings())
         # Usage: measured by the monitor, reported by kernels; caps stay in the ledger.
         self.watchdog_settings = watchdog_settings
-        self.monitor = Monitor(
-            devices,
-            backend,
-            kernels,
-            watchdog_settings.poll_interval,
-            no_gpu_reason=no_gpu_reason,
-            resolver=resolver,
-            holders=lambda: [g.kernel_id for g in self.ledger.grants()],
-        )
+        self.monitor = self._new_monitor(devices, backend, resolver)
         self.reports = KernelReports()
         self.watchdog = Watchdog(watchdog_settings, kernels)
         self.lifecycle = KernelLifecycle(kernels, self.ledger, self.release_soon, watchdog_settings.poll_interval)
-        self.status = StatusView(
-            policy=policy,
-            settings=watchdog_settings,
-            user=self.user,
-            no_gpu_reason=no_gpu_reason,
-            ledger=self.ledger,
-            monitor=self.monitor,
-            reports=self.reports,
-            watchdog=self.watchdog,
-            hard_cap=self.hard_cap,
-            kernels=kernels,
-        )
+        self.status = self._new_status_view()
         self._bootstrapped: set = set()  # kernels whose bootstrap answers on their control channel
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the server's, for calls from the lease's thread
         self._fast_park_library: Optional[concurrent.futures.Future] = None  # fast_park on: its build, once per server
         # The ledger says whether a host service stands behind it (a user server of a hub host): then that service
         # brokers every user's device memory (one view, one decision-maker) and its lease carries the park states.
         host = ledger.host_service()
+        self.parker = self._new_parker(park_settings, checkpoint, room_broker, host)
+        if host is not None:
+            self._follow_host(host)
+        self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
+        self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
+        self.history = UsageHistory()  # each kernel's usage over the last minutes
+        self.sample_consumers = self._subscribe_to_samples()
+
+    # --- its parts, built once (__init__) ---------------------------------------------------------
+
+    def _new_monitor(
+        self, devices: Sequence[Device], backend: NvmlBackend, resolver: Optional[PidResolver]
+    ) -> Monitor:
+        return Monitor(
+            devices,
+            backend,
+            self.kernels,
+            self.watchdog_settings.poll_interval,
+            no_gpu_reason=self.no_gpu_reason,
+            resolver=resolver,
+            holders=lambda: [g.kernel_id for g in self.ledger.grants()],
+        )
+
+    def _new_status_view(self) -> StatusView:
+        return StatusView(
+            policy=self.policy,
+            settings=self.watchdog_settings,
+            user=self.user,
+            no_gpu_reason=self.no_gpu_reason,
+            ledger=self.ledger,
+            monitor=self.monitor,
+            reports=self.reports,
+            watchdog=self.watchdog,
+            hard_cap=self.hard_cap,
+            kernels=self.kernels,
+        )
+
+    def _new_parker(
+        self,
+        park_settings: ParkSettings,
+        checkpoint: Optional[CheckpointDriver],
+        room_broker: Optional[RoomBroker],
+        host: Optional[HostService],
+    ) -> Parker:
+        """The parker; on a hub host its broker is the host service's (unless one is given)."""
         if room_broker is None and host is not None:
-            room_broker = HostBroker(host, {d.index: d.uuid for d in devices})
-        self.parker = Parker(
+            room_broker = HostBroker(host, {d.index: d.uuid for d in self.devices.values()})
+        return Parker(
             park_settings,
             checkpoint or CudaCheckpointDriver(),
-            kernels,
+            self.kernels,
             self.ledger,
             self.devices,
             self.monitor,
             self.hard_cap,
             broker=room_broker,
-            channel=KernelChannel(kernels),
+            channel=KernelChannel(self.kernels),
             bootstrapped=self._bootstrapped.__contains__,
             reports_to_host=host is not None,
         )
-        if host is not None:
-            # The lease names each kernel's processes (found as the monitor finds them), carries the parker's
-            # published park states, and hands the host's park requests to the event loop.
-            host.subscribe(
-                LeaseHooks(
-                    processes=lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots()),
-                    park_report=self.parker.host_report,
-                    on_park_requests=self.park_for_host,
-                )
+
+    def _follow_host(self, host: HostService) -> None:
+        """The lease names each kernel's processes (found as the monitor finds them), carries the parker's
+        published park states, and hands the host's park requests to the event loop."""
+        kernels = self.kernels
+        host.subscribe(
+            LeaseHooks(
+                processes=lambda kernel_ids: processes_by_kernel(kernel_ids, kernels.roots()),
+                park_report=self.parker.host_report,
+                on_park_requests=self.park_for_host,
             )
-        self.status.add_kernel_field("park", self.parker.kernel_json, families=park_families)
-        self.status.add_server_field("host_memory", self.parker.host_json, families=host_memory_families)
-        self.history = UsageHistory()  # each kernel's usage over the last minutes
-        # What each sample feeds, in this order (the monitor calls them in the order subscribed; one that raises
-        # does not keep the next from its turn):
-        # 1. parking: this sample's park states (reservations, activity, idle timers, the broker);
-        # 2. the usage history: a point carries the kernel's park state, so this sample's, after parking;
-        # 3. the review: forget kernels that are gone and let the watchdog act, last, on what parking made of it.
-        self.sample_consumers: Tuple[Callable[[Sample], None], ...] = (
-            self.parker.on_sample,
-            self._record_history,
-            self._review,
         )
-        for consume in self.sample_consumers:
+
+    def _subscribe_to_samples(self) -> Tuple[Callable[[Sample], None], ...]:
+        """What each sample feeds, in this order (the monitor calls them in the order subscribed; one that raises
+        does not keep the next from its turn):
+        1. parking: this sample's park states (reservations, activity, idle timers, the broker);
+        2. the usage history: a point carries the kernel's park state, so this sample's, after parking;
+        3. the review: forget kernels that are gone and let the watchdog act, last, on what parking made of it."""
+        consumers: Tuple[Callable[[Sample], None], ...] = (self.parker.on_sample, self._record_history, self._review)
+        for consume in consumers:
             self.monitor.on_sample(consume)
+        return consumers
 
     # --- start and stop (event loop) ----------------------------------------------------------
 

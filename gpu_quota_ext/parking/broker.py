@@ -209,88 +209,118 @@ def plan(
     now: float,
 ) -> Plan:
     """Every decision of one round. `reservations`: rooms granted earlier and still held."""
-    by_key = {d.key: d for d in devices}
-    by_id = {k.kernel_id: k for k in kernels}
-    margin = settings.device_margin
-    # Two views of each device's room: what exists now (a restore may use only this), and what will exist once
-    # the parks under way and those chosen this round are done (whether more kernels must park).
-    now_room: Dict[Hashable, Optional[int]] = {d.key: room(d, kernels, reservations, margin) for d in devices}
-    coming: Dict[Hashable, int] = {
-        d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == ParkState.PARKING) for d in devices
-    }
-    later_room: Dict[Hashable, Optional[int]] = {
-        key: None if value is None else value + coming[key] for key, value in now_room.items()
-    }
-    # A kernel that waits for room itself (a running one that found the device full) is never parked to make it.
-    asking = {d.kernel_id for d in demands}
-    pool = [k for k in candidates(kernels, settings.min_idle) if k.kernel_id not in asking]
-    chosen: List[str] = []
-    host_room = host_left(host, kernels)
-    go: List[str] = []
-    park: List[Tuple[str, str]] = []
-    waiting: Dict[str, str] = {}
-    told: Dict[str, str] = {}
+    deciding = _Deciding(devices, kernels, demands, reservations, host, settings, now)
+    for demand in sorted(demands, key=deciding.order):
+        deciding.serve(demand)
+    return Plan(go=tuple(deciding.go), park=tuple(deciding.park), waiting=deciding.waiting, told=deciding.told)
 
-    def overdue(demand: Demand) -> bool:
-        return settings.wait_limit is not None and now - demand.since >= settings.wait_limit
 
-    def order(demand: Demand) -> tuple:
+class _Deciding:
+    """One round of plan() while it is decided, demand after demand: the room each decision leaves to the next
+    ones, and the decisions so far. Pure like plan(): it lives for one call and sees only what plan() was given."""
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceView],
+        kernels: Sequence[KernelView],
+        demands: Sequence[Demand],
+        reservations: Sequence[Reservation],
+        host: HostView,
+        settings: BrokerSettings,
+        now: float,
+    ):
+        self.kernels = kernels
+        self.reservations = reservations
+        self.settings = settings
+        self.now = now
+        self.by_key = {d.key: d for d in devices}
+        self.by_id = {k.kernel_id: k for k in kernels}
+        margin = settings.device_margin
+        # Two views of each device's room: what exists now (a restore may use only this), and what will exist once
+        # the parks under way and those chosen this round are done (whether more kernels must park).
+        self.now_room: Dict[Hashable, Optional[int]] = {d.key: room(d, kernels, reservations, margin) for d in devices}
+        coming: Dict[Hashable, int] = {
+            d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == ParkState.PARKING) for d in devices
+        }
+        self.later_room: Dict[Hashable, Optional[int]] = {
+            key: None if value is None else value + coming[key] for key, value in self.now_room.items()
+        }
+        # A kernel that waits for room itself (a running one that found the device full) is never parked to make it.
+        asking = {d.kernel_id for d in demands}
+        self.pool = [k for k in candidates(kernels, settings.min_idle) if k.kernel_id not in asking]
+        self.chosen: List[str] = []
+        self.host_room = host_left(host, kernels)
+        self.go: List[str] = []
+        self.park: List[Tuple[str, str]] = []
+        self.waiting: Dict[str, str] = {}
+        self.told: Dict[str, str] = {}
+
+    def overdue(self, demand: Demand) -> bool:
+        return self.settings.wait_limit is not None and self.now - demand.since >= self.settings.wait_limit
+
+    def order(self, demand: Demand) -> tuple:
         if demand.background:  # after every demand someone waits for; the largest first
             return (True, False, -sum(demand.need.values()), demand.kernel_id)
-        return (False, overdue(demand), demand.since, demand.kernel_id)
+        return (False, self.overdue(demand), demand.since, demand.kernel_id)
 
-    for demand in sorted(demands, key=order):
-        me = by_id.get(demand.kernel_id)
+    def serve(self, demand: Demand) -> None:
+        """Decide `demand`: it goes, idle kernels park for it, or it waits (told why once it is overdue)."""
+        me = self.by_id.get(demand.kernel_id)
         need = {key: n for key, n in demand.need.items() if n > 0}
         own = {key: (me.headroom(key) if (me is not None and demand.running) else 0) for key in need}
-        unknown = [key for key in need if key not in by_key or now_room.get(key) is None]
+        unknown = [key for key in need if key not in self.by_key or self.now_room.get(key) is None]
         if unknown:
-            if demand.background:
-                continue
-            reason = "its GPU's usage is unknown this round; nothing moves until it is read again"
-            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
-            continue
-        short_now = {key: need[key] - own[key] - (now_room[key] or 0) for key in need}
+            if not demand.background:
+                self._wait(demand, "its GPU's usage is unknown this round; nothing moves until it is read again")
+            return
+        short_now = {key: need[key] - own[key] - (self.now_room[key] or 0) for key in need}
         if all(s <= 0 for s in short_now.values()):
-            go.append(demand.kernel_id)
-            for key in need:
-                now_room[key] = (now_room[key] or 0) - need[key] + own[key]
-                later_room[key] = (later_room[key] or 0) - need[key] + own[key]
-            continue
+            self.go.append(demand.kernel_id)
+            _earmark(need, own, self.now_room, self.later_room)  # it takes its room now: the same sums
+            return
         if demand.background:
-            continue  # only where the device has room now: it parks nobody
-        short_later = {key: need[key] - own[key] - (later_room[key] or 0) for key in need}
+            return  # only where the device has room now: it parks nobody
+        short_later = {key: need[key] - own[key] - (self.later_room[key] or 0) for key in need}
         if all(s <= 0 for s in short_later.values()):
-            parking = [k.label or k.kernel_id for k in kernels if k.state == ParkState.PARKING and _on(k, need)]
-            reason = _making_room(need, by_key, parking, "parking")
-            _earmark(need, own, now_room, later_room)
-            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
-            continue
-        picks, host_refused = _pick(pool, chosen, short_later, host_room, settings.host_margin)
+            parking = [k.label or k.kernel_id for k in self.kernels if k.state == ParkState.PARKING and _on(k, need)]
+            reason = _making_room(need, self.by_key, parking, "parking")
+            _earmark(need, own, self.now_room, self.later_room)
+            self._wait(demand, reason)
+            return
+        picks, host_refused = _pick(self.pool, self.chosen, short_later, self.host_room, self.settings.host_margin)
         if picks is not None:
-            for victim in picks:
-                chosen.append(victim.kernel_id)
-                park.append((victim.kernel_id, demand.kernel_id))
-                if host_room is not None:
-                    host_room -= victim.host_need
-                for key in later_room:
-                    if later_room[key] is not None:
-                        later_room[key] = (later_room[key] or 0) + victim.frees(key)
-            _earmark(need, own, now_room, later_room)
-            reason = _making_room(need, by_key, [v.label or v.kernel_id for v in picks], "parks now")
-            _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
-            continue
-        if demand.running and not _room_may_come(need, demand.kernel_id, kernels, reservations, chosen, short_later):
+            self._park_for(demand, picks)
+            _earmark(need, own, self.now_room, self.later_room)
+            self._wait(demand, _making_room(need, self.by_key, [v.label or v.kernel_id for v in picks], "parks now"))
+            return
+        if demand.running and not _room_may_come(
+            need, demand.kernel_id, self.kernels, self.reservations, self.chosen, short_later
+        ):
             # Nothing under way or idle could give a running kernel's cell its room: waiting gains nothing, so it
             # runs as it is (headroom.short_on lets such a cell run in the first place). It took nothing: no earmark.
-            go.append(demand.kernel_id)
-            continue
+            self.go.append(demand.kernel_id)
+            return
         # Room cannot be made now. This demand holds nothing back for itself: the others go on, and it is
         # looked at again next round (kernels turn idle, parks finish, others end).
-        reason = _why_not(need, own, now_room, later_room, by_key, pool, chosen, host_refused, settings)
-        reason += holders_words(need, kernels, reservations, demand.kernel_id, settings.min_idle)
-        _wait_or_tell(demand, reason, overdue(demand), settings, waiting, told)
-    return Plan(go=tuple(go), park=tuple(park), waiting=waiting, told=told)
+        reason = _why_not(
+            need, own, self.now_room, self.later_room, self.by_key, self.pool, self.chosen, host_refused, self.settings
+        )
+        reason += holders_words(need, self.kernels, self.reservations, demand.kernel_id, self.settings.min_idle)
+        self._wait(demand, reason)
+
+    def _park_for(self, demand: Demand, picks: Sequence[KernelView]) -> None:
+        """`picks` park for `demand`: their host memory is taken, and their bytes will be room once they are parked."""
+        for victim in picks:
+            self.chosen.append(victim.kernel_id)
+            self.park.append((victim.kernel_id, demand.kernel_id))
+            if self.host_room is not None:
+                self.host_room -= victim.host_need
+            for key in self.later_room:
+                if self.later_room[key] is not None:
+                    self.later_room[key] = (self.later_room[key] or 0) + victim.frees(key)
+
+    def _wait(self, demand: Demand, reason: str) -> None:
+        _wait_or_tell(demand, reason, self.overdue(demand), self.settings, self.waiting, self.told)
 
 
 def _room_may_come(

@@ -100,67 +100,98 @@ def _runs(points: Sequence[Mapping[str, Any]], figure: str, gap: float) -> List[
     return found
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """Where a point goes in the WIDTH x HEIGHT box: time from `start` over `seconds` across, bytes up to `y_max`;
+    `gap`: seconds between points past which a line breaks; `dot`: how wide one sample alone is drawn."""
+
+    start: float
+    seconds: float
+    y_max: float
+    gap: float
+    dot: float
+
+    def x(self, t: Any) -> float:
+        return _r((float(t) - self.start) / self.seconds * WIDTH)
+
+    def y(self, v: Optional[float]) -> float:
+        return _r(HEIGHT - _PAD - (v or 0.0) / self.y_max * (HEIGHT - 2 * _PAD))
+
+
 def chart_of(points: Sequence[Mapping[str, Any]], end: float, seconds: float, interval: float) -> Chart:
     """The chart of `points` (oldest first) over the `seconds` before `end`, samples `interval` seconds apart:
     a gap of more than a few intervals is a gap in every line."""
     start = end - seconds
     shown = [p for p in points if start <= float(p["t"]) <= end]
-    gap = max(3 * interval, interval + 1)
     figures = ("used", "allocated", "reserved", "cap", "hard_limit")
     top = max((v for p in shown for v in (_value(p, f) for f in figures) if v is not None), default=0.0)
     known = any(_value(p, f) is not None for p in shown for f in ("used", "allocated", "reserved"))
-    y_max = top * 1.08 if top > 0 else 1.0
+    frame = _Frame(
+        start,
+        seconds,
+        y_max=top * 1.08 if top > 0 else 1.0,
+        gap=max(3 * interval, interval + 1),
+        dot=max(1.0, _r(interval / seconds * WIDTH)),  # one sample alone still shows
+    )
+    paths = {
+        "reserved": _area(shown, "reserved", frame),
+        "allocated": _area(shown, "allocated", frame),
+        "cap": _steps(shown, "cap", frame),
+        "hard_limit": _steps(shown, "hard_limit", frame),
+        "used": _line(shown, "used", frame),
+    }
+    return Chart(start, end, seconds, paths, _park_bands(shown, interval, frame), known, shown)
 
-    def x(t: Any) -> float:
-        return _r((float(t) - start) / seconds * WIDTH)
 
-    def y(v: Optional[float]) -> float:
-        return _r(HEIGHT - _PAD - (v or 0.0) / y_max * (HEIGHT - 2 * _PAD))
+def _line(points: Sequence[Mapping[str, Any]], figure: str, frame: _Frame) -> str:
+    x, y, n = frame.x, frame.y, _number
+    parts = []
+    for run in _runs(points, figure, frame.gap):
+        head = f"M{n(x(run[0]['t']))} {n(y(_value(run[0], figure)))}"
+        if len(run) == 1:
+            parts.append(f"{head}h{n(frame.dot)}")
+        else:
+            parts.append(head + "".join(f"L{n(x(p['t']))} {n(y(_value(p, figure)))}" for p in run[1:]))
+    return "".join(parts)
 
-    dot = max(1.0, _r(interval / seconds * WIDTH))  # one sample alone still shows
+
+def _area(points: Sequence[Mapping[str, Any]], figure: str, frame: _Frame) -> str:
+    x, y, n = frame.x, frame.y, _number
     base = _r(HEIGHT - _PAD)
-    n = _number
+    parts = []
+    for run in _runs(points, figure, frame.gap):
+        last = run[-1]
+        outline = "".join(f"L{n(x(p['t']))} {n(y(_value(p, figure)))}" for p in run)
+        right = _r(x(last["t"]) + frame.dot) if len(run) == 1 else x(last["t"])
+        edge = f"L{n(right)} {n(y(_value(last, figure)))}" if len(run) == 1 else ""
+        parts.append(f"M{n(x(run[0]['t']))} {n(base)}{outline}{edge}L{n(right)} {n(base)}Z")
+    return "".join(parts)
 
-    def line(figure: str) -> str:
-        parts = []
-        for run in _runs(shown, figure, gap):
-            head = f"M{n(x(run[0]['t']))} {n(y(_value(run[0], figure)))}"
-            if len(run) == 1:
-                parts.append(f"{head}h{n(dot)}")
-            else:
-                parts.append(head + "".join(f"L{n(x(p['t']))} {n(y(_value(p, figure)))}" for p in run[1:]))
-        return "".join(parts)
 
-    def area(figure: str) -> str:
-        parts = []
-        for run in _runs(shown, figure, gap):
-            last = run[-1]
-            outline = "".join(f"L{n(x(p['t']))} {n(y(_value(p, figure)))}" for p in run)
-            right = _r(x(last["t"]) + dot) if len(run) == 1 else x(last["t"])
-            edge = f"L{n(right)} {n(y(_value(last, figure)))}" if len(run) == 1 else ""
-            parts.append(f"M{n(x(run[0]['t']))} {n(base)}{outline}{edge}L{n(right)} {n(base)}Z")
-        return "".join(parts)
+def _steps(points: Sequence[Mapping[str, Any]], figure: str, frame: _Frame) -> str:
+    """A cap changes at once (a %gpucap): drawn as steps."""
+    x, y, n = frame.x, frame.y, _number
+    parts = []
+    for run in _runs(points, figure, frame.gap):
+        path = f"M{n(x(run[0]['t']))} {n(y(_value(run[0], figure)))}"
+        for p in run[1:]:
+            path += f"H{n(x(p['t']))}V{n(y(_value(p, figure)))}"
+        parts.append(f"{path}h{n(frame.dot)}" if len(run) == 1 else f"{path}H{n(x(run[-1]['t']))}")
+    return "".join(parts)
 
-    def steps(figure: str) -> str:  # a cap changes at once (a %gpucap): drawn as steps
-        parts = []
-        for run in _runs(shown, figure, gap):
-            path = f"M{n(x(run[0]['t']))} {n(y(_value(run[0], figure)))}"
-            for p in run[1:]:
-                path += f"H{n(x(p['t']))}V{n(y(_value(p, figure)))}"
-            parts.append(f"{path}h{n(dot)}" if len(run) == 1 else f"{path}H{n(x(run[-1]['t']))}")
-        return "".join(parts)
 
-    # Park periods: runs of points in one held state, each sample standing for the interval around it.
+def _park_bands(points: Sequence[Mapping[str, Any]], interval: float, frame: _Frame) -> List[ParkBand]:
+    """Park periods: runs of points in one held state, each sample standing for the interval around it."""
     spans: List[List[Any]] = []  # [state, first t, last t]
     previous: Optional[Mapping[str, Any]] = None
-    for p in shown:
+    for p in points:
         park = p.get("park")
         state = "waiting" if park == "waiting" else "parked" if park in _HELD else None
         t = float(p["t"])
         open_span = spans[-1] if spans else None
         continues = (
             open_span is not None and previous is not None and open_span[2] == float(previous["t"])
-            and t - float(previous["t"]) <= gap
+            and t - float(previous["t"]) <= frame.gap
         )
         if state and continues and open_span is not None and open_span[0] == state:
             open_span[2] = t
@@ -169,18 +200,10 @@ def chart_of(points: Sequence[Mapping[str, Any]], end: float, seconds: float, in
         previous = p
     bands = []
     for state, first, last in spans:
-        left = max(0.0, x(first - interval / 2))
-        right = min(float(WIDTH), x(last + interval / 2))
-        bands.append(ParkBand(state, first, last, left, _r(max(dot, right - left))))
-
-    paths = {
-        "reserved": area("reserved"),
-        "allocated": area("allocated"),
-        "cap": steps("cap"),
-        "hard_limit": steps("hard_limit"),
-        "used": line("used"),
-    }
-    return Chart(start, end, seconds, paths, bands, known, shown)
+        left = max(0.0, frame.x(first - interval / 2))
+        right = min(float(WIDTH), frame.x(last + interval / 2))
+        bands.append(ParkBand(state, first, last, left, _r(max(frame.dot, right - left))))
+    return bands
 
 
 def _newest(points: Sequence[Mapping[str, Any]], figure: str) -> Optional[float]:

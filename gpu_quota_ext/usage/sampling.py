@@ -264,22 +264,9 @@ class Monitor:
             return self.latest
         now = time.monotonic()
         if not self._opened:
-            if now < self._reopen_at:
-                return self.latest
-            try:
-                self.backend.open()
-            except NvmlUnavailable as error:
-                self._reopen_at = now + REOPEN_AFTER
-                message = f"no GPU usage: {error}"
-                self._problem("open", message)
-                return Sample(state="no-gpu", message=message, time=time.time())
-            except Exception as error:  # broad: a backend bug or an unforeseen pynvml error; _problem logs it
-                self._reopen_at = now + REOPEN_AFTER
-                message = f"no GPU usage: NVML failed to start ({error!r})"
-                self._problem("open", message)
-                return Sample(state="error", message=message, time=time.time())
-            self._opened = True
-            self._solved("open")
+            instead = self._open(now)
+            if instead is not None:
+                return instead
 
         # The sample's time is when its reading began: what is decided on a sample taken after a moment (a
         # restore's reservation ends on one that shows its memory back) needs the reading itself to be later.
@@ -336,6 +323,27 @@ class Monitor:
             pids={k: tuple(sorted(v)) for k, v in pids.items()},
             foreign=foreign,
         )
+
+    def _open(self, now: float) -> Optional[Sample]:
+        """Start NVML (at most every REOPEN_AFTER seconds while it fails); None once it is open, else the sample to
+        give instead: the last one while a new attempt is not due, or one that says why NVML did not start."""
+        if now < self._reopen_at:
+            return self.latest
+        try:
+            self.backend.open()
+        except NvmlUnavailable as error:
+            self._reopen_at = now + REOPEN_AFTER
+            message = f"no GPU usage: {error}"
+            self._problem("open", message)
+            return Sample(state="no-gpu", message=message, time=time.time())
+        except Exception as error:  # broad: a backend bug or an unforeseen pynvml error; _problem logs it
+            self._reopen_at = now + REOPEN_AFTER
+            message = f"no GPU usage: NVML failed to start ({error!r})"
+            self._problem("open", message)
+            return Sample(state="error", message=message, time=time.time())
+        self._opened = True
+        self._solved("open")
+        return None
 
     def _foreign(self, pids: Mapping[str, Set[int]]) -> Dict[str, Tuple[int, ...]]:
         """Per kernel, its GPU processes of another Unix user than the server's (none when the server is root,

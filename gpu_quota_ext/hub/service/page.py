@@ -177,78 +177,103 @@ def page_body(
     page: int = 1,
     user: Optional[str] = None,
 ) -> str:
-    """What render_page shows under the viewer's name."""
+    """What render_page shows under the viewer's name: the watchdog and which part of the host this page lists,
+    the devices, the users, their charts and kernels, then the broker's tables, the sampler's and the watchdog's."""
     users, kernels, paging = _paging(status, page, user)
     parts: List[str] = [
         f"<p>Watchdog: {escape(status['state'])}"
         f"{(' (' + escape(status['problem']) + ')') if status.get('problem') else ''}</p>",
         paging,
-        _table(
-            "Devices",
-            ["device", "name", "total", "budget", "granted", "kernels", "used (NVML)"],
-            (
-                (
-                    d["uuid"],
-                    d["name"],
-                    _size(d["total"]),
-                    _size(d["budget"]) if d["budget"] is not None else "no admission control",
-                    _size(d["granted"]),
-                    d["kernels"],
-                    _size(d["used"]),
-                )
-                for d in status["devices"]
-            ),
-        ),
-        _table(
-            "Users",
-            [
-                "user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used",
-                "unmanaged", "kept idle, not parkable",
-            ],
-            (
-                (
-                    _link(u["name"], user=u["name"]),
-                    (u["policy"] or {}).get("default_cap", "–"),
-                    (u["policy"] or {}).get("max_cap", "–"),
-                    (u["policy"] or {}).get("max_kernels", "–"),
-                    (u["policy"] or {}).get("user_budget", "–"),
-                    u["kernels"],
-                    _size(u["granted"]),
-                    _size(u["used"]),
-                    _size(u["unmanaged"]),
-                    _size(u.get("kept_idle", 0)) if u.get("kept_idle") else "",
-                )
-                for u in users
-            ),
-            most=PAGE_USERS,
-        ),
+        _devices_table(status["devices"]),
+        _users_table(users),
         _charts(history or {}, interval, [u["name"] for u in users]),
-        _table(
-            "Kernels",
-            [
-                "user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "park",
-                "source",
-            ],
+        _kernels_table(kernels),
+        *_broker_tables(status),
+        *_sampler_and_watchdog_tables(status),
+    ]
+    return "".join(parts)
+
+
+def _devices_table(devices: Sequence[dict]) -> str:
+    return _table(
+        "Devices",
+        ["device", "name", "total", "budget", "granted", "kernels", "used (NVML)"],
+        (
             (
-                (
-                    k["user"],
-                    k["kernel_id"],
-                    k["server"] or "(default)",
-                    k["kernelspec"],
-                    d["uuid"],
-                    _size(d["cap"]),
-                    _size(d["used"]),
-                    "yes" if d["used"] is not None and d["used"] > d["cap"] else "",
-                    " ".join(str(p) for p in k["pids"]) or "–",
-                    "idle-held" if k["idle_held"] else "by a live process" if k["pids"] else "",
-                    _park(k.get("park")),
-                    k["source"],
-                )
-                for k in kernels
-                for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
-            ),
-            most=len(kernels) * 4 + 1,  # a kernel on several devices has a row each; the kernels are bounded
+                d["uuid"],
+                d["name"],
+                _size(d["total"]),
+                _size(d["budget"]) if d["budget"] is not None else "no admission control",
+                _size(d["granted"]),
+                d["kernels"],
+                _size(d["used"]),
+            )
+            for d in devices
         ),
+    )
+
+
+def _users_table(users: Sequence[dict]) -> str:
+    """The users this page lists, each name a link to the user's own page."""
+    return _table(
+        "Users",
+        [
+            "user", "default cap", "max cap", "max kernels", "user budget", "kernels", "granted", "used",
+            "unmanaged", "kept idle, not parkable",
+        ],
+        (
+            (
+                _link(u["name"], user=u["name"]),
+                (u["policy"] or {}).get("default_cap", "–"),
+                (u["policy"] or {}).get("max_cap", "–"),
+                (u["policy"] or {}).get("max_kernels", "–"),
+                (u["policy"] or {}).get("user_budget", "–"),
+                u["kernels"],
+                _size(u["granted"]),
+                _size(u["used"]),
+                _size(u["unmanaged"]),
+                _size(u.get("kept_idle", 0)) if u.get("kept_idle") else "",
+            )
+            for u in users
+        ),
+        most=PAGE_USERS,
+    )
+
+
+def _kernels_table(kernels: Sequence[dict]) -> str:
+    """A row per kernel and device (one "CPU only" row for a kernel without a device)."""
+    return _table(
+        "Kernels",
+        [
+            "user", "kernel", "server", "kernelspec", "device", "cap", "used", "over cap", "pids", "held", "park",
+            "source",
+        ],
+        (
+            (
+                k["user"],
+                k["kernel_id"],
+                k["server"] or "(default)",
+                k["kernelspec"],
+                d["uuid"],
+                _size(d["cap"]),
+                _size(d["used"]),
+                "yes" if d["used"] is not None and d["used"] > d["cap"] else "",
+                " ".join(str(p) for p in k["pids"]) or "–",
+                "idle-held" if k["idle_held"] else "by a live process" if k["pids"] else "",
+                _park(k.get("park")),
+                k["source"],
+            )
+            for k in kernels
+            for d in (k["devices"] or [{"uuid": "CPU only", "cap": None, "used": None}])
+        ),
+        most=len(kernels) * 4 + 1,  # a kernel on several devices has a row each; the kernels are bounded
+    )
+
+
+def _broker_tables(status: dict) -> List[str]:
+    """The host's broker: idle memory it cannot park, who waits for device memory, the rooms reserved for resumes,
+    the park requests and (an admin's page) the leases waiting for them."""
+    return [
         _table(
             "Idle memory that could not be parked (kept by its server: the broker cannot make room with it)",
             ["user", "kernel", "server", "holds", "idle for", "why", "counted against the user's budget"],
@@ -301,6 +326,13 @@ def page_body(
             if "long_polls" in status
             else ""
         ),
+    ]
+
+
+def _sampler_and_watchdog_tables(status: dict) -> List[str]:
+    """What the host's sampler found outside every grant, the PID registrations it refused, and the watchdog's
+    last actions."""
+    return [
         _table(
             "Unmanaged usage (GPU memory outside every grant)",
             ["user", "pid", "device", "used", "why"],
@@ -320,4 +352,3 @@ def page_body(
             ((a["action"], a["user"], a["pid"], a["message"]) for a in reversed(status["actions"])),
         ),
     ]
-    return "".join(parts)
