@@ -1,21 +1,26 @@
 """The settings tables made into traitlets: one trait per row, its type from the row's kind, its default and help
-the row's.
+the row's. The one place that says which trait holds which kind of setting, for both apps that read the rows.
 
+The two apps differ on purpose, so each has its own small table of kind -> trait below:
 - the server (c.GpuQuota, app.py; rows of settings.SETTINGS) reads environment variables, which JupyterHub's
   spawners set per user: a trait's default is its variable's value when set (SettingTrait.default), its help
   names the variable, and its tag carries it (env=...). It is lenient in what a value may be written as (a cap
   or a size as a fraction, a percentage, a size or bytes, as text or as a number; a number as its text) and
   refuses a bad value, from config or the environment, in the extension's one line, `c.GpuQuota.NAME = VALUE:
-  what it must be`, which stops the server at start.
+  what it must be`, which stops the server at start;
+- the host service (c.GpuQuotaService, hub/service/app.py; rows of settings.SERVICE_SETTINGS) is strict: plain
+  traitlets with traitlets' own checks, nothing read from the environment; a cap or a size stays its text, parsed
+  where the service builds its policy and broker. A bad value stops the service at start, where it reads it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Protocol, TypeVar
 
-from traitlets import Callable as CallableTrait
 from traitlets import (
+    Bool,
     CaselessStrEnum,
+    Enum,
     Float,
     Int,
     List,
@@ -24,15 +29,22 @@ from traitlets import (
     Type,
     Unicode,
 )
+from traitlets import Callable as CallableTrait
+from traitlets import Dict as DictTrait
 from traitlets import Union as UnionTrait
 
 from .settings import (
     CAP,
     CHOICE,
     CLASS,
+    COUNT,
     FACTOR,
+    FLAG,
+    MAPPING,
+    RATE,
     RULES,
     SECONDS,
+    SERVICE_SETTINGS,
     SETTINGS,
     SIZE,
     SLACK,
@@ -121,7 +133,7 @@ class PluginClass(SettingTrait, Type):
     pass
 
 
-# --- kind -> trait ------------------------------------------------------------------------------------------
+# --- kind -> trait, the server's and the host service's ----------------------------------------------------
 # Keyword arguments go through dicts: traitlets' overloads want allow_none as a literal True or False, the row
 # says which.
 
@@ -159,11 +171,48 @@ SERVER_TRAITS: Mapping[str, Callable[[Setting], SettingTrait]] = {
 }
 
 
+def _service_given(row: Setting) -> Dict[str, Any]:
+    """The service's help, the row's; None allowed where the row says so or its default is None."""
+    return {"help": row.help, "allow_none": row.nullable or row.default is None}
+
+
+def _bounds(row: Setting, whole: bool = False) -> Dict[str, Any]:
+    """The row's range as the trait's min and max, where it has one (traitlets' own default is no bound)."""
+    bounds = {"min": row.low, "max": row.high}
+    return {key: int(value) if whole else value for key, value in bounds.items() if value is not None}
+
+
+def _service_number(row: Setting) -> TraitType:
+    return Float(row.default, **_service_given(row), **_bounds(row))
+
+
+def _service_text(row: Setting) -> TraitType:
+    # A cap or a size as its text ("0.25", "1GiB"): parsed where the service builds its policy and broker.
+    return Unicode(row.default, **_service_given(row))
+
+
+# The host service's: plain traitlets, strict, nothing from the environment.
+SERVICE_TRAITS: Mapping[str, Callable[[Setting], TraitType]] = {
+    CHOICE: lambda row: Enum(row.choices, row.default, **_service_given(row)),
+    SECONDS: _service_number,
+    FACTOR: _service_number,
+    RATE: _service_number,
+    COUNT: lambda row: Int(row.default, **_service_given(row), **_bounds(row, whole=True)),
+    CAP: _service_text,
+    SIZE: _service_text,
+    SLACK: _service_text,
+    TEXT: _service_text,
+    CLASS: lambda row: Type(row.default, klass=row.klass, help=row.help),
+    FLAG: lambda row: Bool(row.default, help=row.help),
+    MAPPING: lambda row: DictTrait(help=row.help),
+}
+
+
 T = TypeVar("T", bound=TraitType)
 
 
 def _made(table: str, row: Setting, kinds: Mapping[str, Callable[[Setting], T]]) -> T:
-    """The row's trait, made by its kind's entry in the table above (untagged)."""
+    """The row's trait, made by its kind's entry in one of the tables above (untagged)."""
     make = kinds.get(row.kind)
     if make is None:
         raise ValueError(f"settings.{table}[{row.name!r}]: no trait for kind {row.kind!r}")
@@ -178,3 +227,7 @@ def setting_trait(name: str) -> TraitType:
     trait.row = row
     return trait.tag(config=True, env=row.env)
 
+
+def service_trait(name: str) -> TraitType:
+    """The host service's trait of one row of settings.SERVICE_SETTINGS (c.GpuQuotaService)."""
+    return _made("SERVICE_SETTINGS", SERVICE_SETTINGS[name], SERVICE_TRAITS).tag(config=True)
