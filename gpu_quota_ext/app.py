@@ -12,22 +12,11 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, cast
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import (
-    Callable,
-    CaselessStrEnum,
-    Float,
-    Int,
-    List,
-    TraitError,
-    TraitType,
-    Type,
-    Unicode,
-)
-from traitlets import Union as UnionTrait
+from traitlets import TraitError, TraitType
 from traitlets.config import Config
 
 from .devices import Device, DeviceInventory
@@ -43,27 +32,16 @@ from .manager import SETTINGS_KEY, GpuQuotaManager
 from .parking import ParkSettings, build_park_settings, on_device_full_for, park_event_logger
 from .policy import Policy, build_policy
 from .settings import (
-    CAP,
-    CHOICE,
-    CLASS,
-    FACTOR,
     HARD_CAP,
     PARK,
     POLICY,
-    RULES,
-    SECONDS,
     SETTINGS,
-    SIZE,
-    SLACK,
-    TEXT,
     WATCHDOG,
-    Setting,
     SettingError,
-    as_text,
     names_of,
-    parse_value,
     server_setting_names,
 )
+from .settings_traits import SettingTrait, setting_trait
 from .shared.env_vars import SERVICE_URL as SERVICE_URL_ENV
 from .shared.sizes import PolicyError
 from .shared.spelling import is_section_key, unknown_settings
@@ -130,108 +108,6 @@ class StartParts:
         """Undo what building them started (`jupyter gpu-quota check`): the hard layer's daemon, the ledger."""
         self.hard_layer.stop_sync()
         self.ledger.close()
-
-
-class SettingsOwner(Protocol):
-    """What holds setting traits (GpuQuota): each one's default, read from its environment variable."""
-
-    def _from_env(self, name: str) -> object: ...
-
-
-class _SettingTrait(TraitType):
-    """A GpuQuota setting's trait: its default from its environment variable (GpuQuota._from_env), and a bad
-    value refused in the extension's one line, `c.GpuQuota.NAME = VALUE: what it must be`, VALUE as written."""
-
-    row: Setting
-
-    @property
-    def setting(self) -> str:
-        """The setting's name: the trait's, once it is a GpuQuota attribute (the row's, which is the same, before)."""
-        return self.name or self.row.name
-
-    def default(self, obj: Optional[SettingsOwner] = None) -> object:
-        return super().default(obj) if obj is None else obj._from_env(self.setting)
-
-    def validate(self, obj: object, value: object) -> object:
-        try:
-            typed = self.coerce(value)
-            # A mixin: validate is the trait class's after this one in the MRO (CaselessStrEnum, Float, ...), which
-            # traitlets' TraitType itself does not declare.
-            return typed if typed is None and self.allow_none else super().validate(obj, typed)  # type: ignore[misc]
-        except (TraitError, ValueError, PolicyError):
-            raise TraitError(str(SettingError(self.setting, value, self.row.must))) from None
-
-    def coerce(self, value: object) -> object:
-        """A value as written in a config file, on the command line or in the environment, made the trait's type."""
-        return value
-
-
-class ChoiceEnum(_SettingTrait, CaselessStrEnum):
-    def from_string(self, s: str) -> str:
-        return s  # validate reads the text, so that a refusal shows it as written
-
-    def coerce(self, value: object) -> object:
-        return value.strip() if isinstance(value, str) else value
-
-
-class Number(_SettingTrait, Float):
-    """A number with a range; its text ("0.5" in a config file, on the command line) is read as the number,
-    by policy.parse_value as the hub's mapping is: True is no number, NaN is in no range."""
-
-    def from_string(self, s: str) -> str:
-        return s  # validate reads the text, so that a refusal shows it as written
-
-    def coerce(self, value: object) -> object:
-        return parse_value(self.setting, value)
-
-
-class SizeOrFraction(_SettingTrait, UnionTrait):
-    """A string ("0.25", "25%", "12GiB") or a number (0.25, 2**30), kept as the text the environment
-    variable would carry: policy.py parses a number from a config file as it parses the same text."""
-
-    def validate(self, obj: object, value: object) -> object:
-        value = super().validate(obj, value)
-        return value if isinstance(value, (str, bool)) else as_text(value)
-
-
-class RulesOrCallable(_SettingTrait, UnionTrait):
-    pass
-
-
-class Text(_SettingTrait, Unicode):
-    pass
-
-
-class PluginClass(_SettingTrait, Type):
-    pass
-
-
-def setting_trait(name: str) -> TraitType:
-    """The trait of one row of the settings table: its type from the row's kind, its default the row's
-    (or its environment variable's), its help the row's with the variable named."""
-    row = SETTINGS[name]
-    read_from = f" Read from ${row.env} when neither config nor the command line sets it." if row.env else ""
-    help_text = row.help + read_from
-    # Keyword arguments as a dict: traitlets' overloads want allow_none as a literal True or False, the row says which.
-    common: Dict[str, Any] = dict(default_value=row.default, help=help_text)
-    nullable: Dict[str, Any] = dict(allow_none=row.default is None, **common)
-    trait: _SettingTrait
-    if row.kind == CHOICE:
-        trait = ChoiceEnum(row.choices, **common)
-    elif row.kind in (SECONDS, FACTOR):
-        trait = Number(min=row.low, max=row.high, **nullable)
-    elif row.kind in (CAP, SIZE, SLACK):
-        trait = SizeOrFraction([Unicode(), Int(), Float()], **common)
-    elif row.kind == RULES:
-        trait = RulesOrCallable([List(), Callable()], **common)
-    elif row.kind == TEXT:
-        trait = Text(**nullable)
-    elif row.kind == CLASS:
-        trait = PluginClass(klass=row.klass, **common)
-    else:
-        raise ValueError(f"settings.SETTINGS[{name!r}]: unknown kind {row.kind!r}")
-    trait.row = row
-    return trait.tag(config=True, env=row.env)
 
 
 class GpuQuota(ExtensionApp):
@@ -315,7 +191,7 @@ class GpuQuota(ExtensionApp):
         if row.env is None or row.env not in os.environ:
             return copy.deepcopy(row.default)
         text = os.environ[row.env]
-        trait = cast(_SettingTrait, self.traits()[name])  # every setting's trait is made by setting_trait
+        trait = cast(SettingTrait, self.traits()[name])  # every setting's trait is made by setting_trait
         try:
             return trait.validate(self, trait.from_string(text))
         except (TraitError, ValueError):

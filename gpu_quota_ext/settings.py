@@ -2,10 +2,10 @@
 value is read.
 
 Everything that needs a setting's name, variable, default or parsing reads it here, so none is written twice:
-the GpuQuota traits (app.py), the builders of the policy, the watchdog's, the hard limit's and the park
-settings (`validated`, called by policy.py, usage/, hard_limit/, parking/) and their dataclasses' defaults,
-the hub's per-user environment (hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no I/O, standard
-library only.
+the GpuQuota traits (app.py, made by settings_traits.py), the builders of the policy, the watchdog's, the hard
+limit's and the park settings (`validated`, called by policy.py, usage/, hard_limit/, parking/) and their
+dataclasses' defaults, the hub's per-user environment (hub/caps.py) and `jupyter gpu-quota` (cli.py). Pure: no
+I/O, standard library only.
 
 To add a setting: a row in SETTINGS (its `part` says which validated object takes it, `attribute` under which
 name when not its own, `parser` how its value is read when its kind does not say), a line `name =
@@ -14,7 +14,7 @@ tests/unit/test_settings.py checks that all of these agree. A row of the HOST pa
 instead: a trait of GpuQuotaService (hub/service/app.py) and a key of the hub's mapping.
 
 The host service's own settings (c.GpuQuotaService) are a second table of the same rows, SERVICE_SETTINGS: a
-trait each (hub/service/traits.py builds it from the row, as app.py's setting_trait does the server's), none
+trait each (settings_traits.service_trait builds it from the row, as setting_trait does the server's), none
 read from the environment; where the service takes a server setting (the policy's, the broker's, the HOST
 rows) its row is the server's, with the service's help. To add one: a row there and a line `name =
 service_trait("name")` in GpuQuotaService; tests/unit/test_host_service_settings.py checks that they agree.
@@ -30,7 +30,7 @@ from .shared.durations import parse_duration
 from .shared.service_contract import LEASE_RENEW, LEASE_SECONDS
 from .shared.sizes import CapSpec, GiB, PolicyError, format_bytes, parse_cap, shown
 
-# Kinds: what values a setting takes (the trait that holds it, app.py) and what it must be.
+# Kinds: what values a setting takes (the trait that holds it, settings_traits.py) and what it must be.
 CAP = "cap"  # a fraction, a percentage, a size or bytes: a string or a number
 SIZE = "size"  # a size or bytes, never a fraction
 SLACK = "slack"  # a size, or a fraction of the kernel's cap
@@ -66,7 +66,7 @@ class Setting:
     kind: str
     part: str
     default: Any  # as a config file would write it; None (SECONDS, FACTOR, TEXT): the setting may be None
-    help: str  # what it does; the variable and the default are added from the row (app.py)
+    help: str  # what it does; the variable and the default are added from the row (settings_traits.py)
     env: Optional[str] = None  # the environment variable it is read from when config does not set it
     choices: Tuple[str, ...] = ()  # CHOICE
     low: Optional[float] = None  # SECONDS, FACTOR

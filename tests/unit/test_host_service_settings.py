@@ -1,4 +1,4 @@
-"""The host service's settings are the rows of settings.SERVICE_SETTINGS: a trait each (hub/service/traits.py),
+"""The host service's settings are the rows of settings.SERVICE_SETTINGS: a trait each (settings_traits.py),
 with the row's default and help; none is read from the environment; where the service takes a server setting,
 the row is the server's (kind, choices, default) with the service's help."""
 

@@ -28,6 +28,7 @@ SHARED = PACKAGE + ".shared"
 LAYERS = (
     ("shared",),
     ("settings", "threads"),
+    ("settings_traits",),
     ("devices", "policy"),
     ("ledger",),
     ("usage", "hard_limit", "parking", "launch_env"),

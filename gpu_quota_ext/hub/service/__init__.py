@@ -1,7 +1,7 @@
 """The host service: one ledger for every user of a JupyterHub host (a JupyterHub service).
 
 Its wire contract is gpu_quota_ext.shared.service_contract (user servers' RemoteLedger speaks it);
-app.py wires the parts (its traits: traits.py, from settings.SERVICE_SETTINGS): book.py (every user's grants and
+app.py wires the parts (its traits: settings_traits.py, from SERVICE_SETTINGS): book.py (every user's grants and
 the servers' leases, pure), store.py (SQLite), expiry.py (leases that ran out), sampler.py + attribution.py (the
 host watchdog, and the check of every PID a lease registers), limits.py (one user's share of the host, pure),
 room.py (the host's broker: one view of every user's kernels for parking's decisions, pure), broker.py (the room

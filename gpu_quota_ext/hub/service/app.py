@@ -36,6 +36,7 @@ from ...devices import NvmlInventory, StaticInventory
 from ...parking import BrokerSettings
 from ...policy import build_policy
 from ...settings import SERVICE_SETTINGS, parse_value
+from ...settings_traits import service_trait
 from ...shared.env_vars import SERVICE_CAPS as CAPS_ENV
 from ...shared.service_contract import (
     ADMIN_PAGE,
@@ -75,7 +76,6 @@ from .sampler import HostSampler
 from .snapshots import Snapshots
 from .status import build_status
 from .store import StateDirError, Store
-from .traits import service_trait
 from .user_policy import UserPolicy, host_limits
 
 log = logging.getLogger("gpu_quota_ext")
