@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from jupyter_core.application import JupyterApp
 from traitlets import TraitError
@@ -170,7 +170,7 @@ def environment_notes(environ) -> List[str]:
     return unknown_variables(environ, "GPU_QUOTA_", known, settings_variables)
 
 
-def _report(server, extension: GpuQuota, parts: StartParts, notes: List[str] = ()) -> str:
+def _report(server, extension: GpuQuota, parts: StartParts, notes: Sequence[str] = ()) -> str:
     def row(name: str, shown: object) -> str:
         return f"  {name:<21} {shown!s:<12} ({setting_source(extension, name)})"
 

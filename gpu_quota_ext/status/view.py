@@ -185,13 +185,13 @@ class StatusView:
             actions=self.watchdog.counts,
         )
         families.append(hard_limit_family(self.hard_cap.limits()))
-        for value, server_families in self._server_fields.values():
+        for server_value, server_families in self._server_fields.values():
             if server_families is not None:
-                families += server_families(value())
+                families += server_families(server_value())
         listed = sorted(_listed(self.kernels))
-        for value, field_families in self._fields.values():
+        for kernel_value, field_families in self._fields.values():
             if field_families is not None:
-                families += field_families({kernel_id: value(kernel_id) for kernel_id in listed})
+                families += field_families({kernel_id: kernel_value(kernel_id) for kernel_id in listed})
         return families
 
 
