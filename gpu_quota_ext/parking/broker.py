@@ -187,16 +187,11 @@ def candidates(kernels: Sequence[KernelView], min_idle: float) -> List[KernelVie
 
 
 def decide(round_: Round) -> Plan:
-    """plan() of one Round."""
-    return plan(
-        round_.devices,
-        round_.kernels,
-        round_.demands,
-        round_.reservations,
-        round_.host,
-        round_.settings,
-        round_.now,
-    )
+    """Every decision of one round."""
+    deciding = _Deciding(round_)
+    for demand in sorted(round_.demands, key=deciding.order):
+        deciding.serve(demand)
+    return Plan(go=tuple(deciding.go), park=tuple(deciding.park), waiting=deciding.waiting, told=deciding.told)
 
 
 def plan(
@@ -208,31 +203,23 @@ def plan(
     settings: BrokerSettings,
     now: float,
 ) -> Plan:
-    """Every decision of one round. `reservations`: rooms granted earlier and still held."""
-    deciding = _Deciding(devices, kernels, demands, reservations, host, settings, now)
-    for demand in sorted(demands, key=deciding.order):
-        deciding.serve(demand)
-    return Plan(go=tuple(deciding.go), park=tuple(deciding.park), waiting=deciding.waiting, told=deciding.told)
+    """decide() of the Round these make. `reservations`: rooms granted earlier and still held."""
+    return decide(
+        Round(tuple(devices), tuple(kernels), tuple(demands), tuple(reservations), host, settings, now)
+    )
 
 
 class _Deciding:
-    """One round of plan() while it is decided, demand after demand: the room each decision leaves to the next
-    ones, and the decisions so far. Pure like plan(): it lives for one call and sees only what plan() was given."""
+    """One round of decide() while it is decided, demand after demand: the room each decision leaves to the next
+    ones, and the decisions so far. Pure like decide(): it lives for one call and sees only the Round."""
 
-    def __init__(
-        self,
-        devices: Sequence[DeviceView],
-        kernels: Sequence[KernelView],
-        demands: Sequence[Demand],
-        reservations: Sequence[Reservation],
-        host: HostView,
-        settings: BrokerSettings,
-        now: float,
-    ):
+    def __init__(self, round_: Round):
+        devices, kernels, demands = round_.devices, round_.kernels, round_.demands
+        reservations, host, settings = round_.reservations, round_.host, round_.settings
+        self.now = round_.now
         self.kernels = kernels
         self.reservations = reservations
         self.settings = settings
-        self.now = now
         self.by_key = {d.key: d for d in devices}
         self.by_id = {k.kernel_id: k for k in kernels}
         margin = settings.device_margin
