@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import collections
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -263,7 +264,12 @@ async def main() -> None:
         "goal_ratio": 1.05,
     }
     if options.fast_park_ab:
-        figures["fast_park_library_built_at_first_launch"] = built  # the 'with' server's kernels preload it
+        # The 'with' server's kernels preload it: built at its first launch, or the one --library put in its cache.
+        if options.library:
+            figures["fast_park_library_seeded_from"] = options.library
+            figures["fast_park_library_sha256"] = hashlib.sha256(Path(options.library).read_bytes()).hexdigest()
+        else:
+            figures["fast_park_library_built_at_first_launch"] = built
     name = "kernel_start" + ("_fast_park_ab" if options.fast_park_ab else "") + ("_nvml" if options.nvml else "_static")
     report(name, figures, save=options.save, out=options.out)
     with_name, without_name = ("fast park on", "fast park off") if options.fast_park_ab else ("with", "without")

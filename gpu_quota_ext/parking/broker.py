@@ -203,7 +203,8 @@ def plan(
     settings: BrokerSettings,
     now: float,
 ) -> Plan:
-    """decide() of the Round these make. `reservations`: rooms granted earlier and still held."""
+    """decide() of the Round these make, for callers that hold the parts (the tests, benchmarks/broker_day.py).
+    `reservations`: rooms granted earlier and still held."""
     return decide(
         Round(tuple(devices), tuple(kernels), tuple(demands), tuple(reservations), host, settings, now)
     )

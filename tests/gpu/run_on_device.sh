@@ -19,7 +19,8 @@ select=()
 [ $# -gt 0 ] && select=(-k "$*")
 # A device call ends at 600 s: pytest gets GPU_QUOTA_PYTEST_TIMEOUT of it (480 s by default), and says so when that
 # limit, not a test, ended it (the test then running neither passed nor failed: run it again in a call of its own).
-limit=${GPU_QUOTA_PYTEST_TIMEOUT:-480}
+limit=${GPU_QUOTA_PYTEST_TIMEOUT:-480}  # at most about 560: the install and the GPU's description come first
+if ! [[ $limit =~ ^[0-9]+$ ]]; then echo "GPU_QUOTA_PYTEST_TIMEOUT must be whole seconds, not '$limit'" >&2; exit 2; fi
 timeout "$limit" python3 -m pytest tests/gpu tests/integration/test_examples.py -m gpu -s -v -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT/junit.xml" "${select[@]}" 2>&1 \
   | grep -v -E '^(DEBUG|INFO) ' | tee "$OUT/gpu-tests.log"

@@ -185,7 +185,7 @@ class TestThreeKernelsOfFourTenthsFastPark:
             record("fast 3x0.4: park C (a new arena, A's kept one given back first), s", round(seconds, 2))
             record("fast 3x0.4: A's resident memory after C's park, GiB", round(resident_of(pids["A"]) / GiB, 1))
             assert parked["path"]["path"] == "pages", parked
-            assert resident_of(pids["A"]) < 0.2 * size, "A still holds its arena: C's arena was not made from it"
+            assert resident_of(pids["A"]) < 0.2 * size, "A did not give back its kept arena during C's park"
             seconds, ran = await timed_cell(jp_serverapp, kernels["C"], CHECK)
             record("fast 3x0.4: C's cell after its park, s", round(seconds, 2))
             assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["C"], ran

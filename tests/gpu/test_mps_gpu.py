@@ -186,12 +186,34 @@ async def test_over_limit_allocations_are_refused_at_allocation_time_by_every_al
 
 
 PRELOADED = "import os; print(os.environ.get('LD_PRELOAD', '').split(':')[0])"
+# What the library itself says it serves while an allocation under the limit is held: mapped through the virtual
+# memory calls, or passed to libcudart (which the limit would refuse the same way, proving nothing of the library).
+SERVED = {
+    "torch after set_per_process_memory_fraction(1.0)": """
+import json, torch
+from gpu_quota_ext.kernel import fast_park
+x = torch.empty(UNDER, dtype=torch.uint8, device="cuda"); torch.cuda.synchronize()
+p = fast_park.pages()
+print(json.dumps({"active": p.active(), "mapped": p.mapped_bytes(), "passthrough": p.passthrough_bytes()}))
+del x; torch.cuda.empty_cache()
+""",
+    "cupy.cuda.runtime.malloc": """
+import json
+from cupy.cuda import runtime
+from gpu_quota_ext.kernel import fast_park
+pointer = runtime.malloc(UNDER)
+p = fast_park.pages()
+print(json.dumps({"active": p.active(), "mapped": p.mapped_bytes(), "passthrough": p.passthrough_bytes()}))
+runtime.free(pointer)
+""",
+}
 
 
 class TestFastParkLibraryBesideMps:
     """fast_park "on" preloads the fast park library into MPS clients too ("auto", the default, leaves them
     without it: they are never parked). Its cudaMalloc maps memory through the virtual memory calls; the daemon's
-    limit must refuse those the same way, at allocation time."""
+    limit must refuse those the same way, at allocation time. The library's own counters say that it served the
+    allocations (a pass-through to libcudart would be refused by the limit too, proving nothing of it)."""
 
     @pytest.fixture
     def jp_server_config(self, fast_park_library):
@@ -209,6 +231,9 @@ class TestFastParkLibraryBesideMps:
             code = f"UNDER, OVER, LIMIT = {UNDER}, {OVER}, {LIMIT}\n" + ROUTES[route]
             results[route] = last_json(await execute(jp_serverapp, kernel_id, code, timeout=300))
             record(f"mps with the fast park library, {route}", results[route])
+            served = last_json(await execute(jp_serverapp, kernel_id, f"UNDER = {UNDER}\n" + SERVED[route], timeout=120))
+            record(f"mps with the fast park library, {route}: what the library served", served)
+            assert served["active"] and served["mapped"] >= UNDER and served["passthrough"] == 0, (route, served)
             answer = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
             assert answer["park"]["parkable"] is False
         for route, found in results.items():
