@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from gpu_quota_ext.usage.watchdog_settings import build_watchdog_settings  # noq
 class Kernels:
     def __init__(self, roots):
         self._roots = roots
+        self._since = datetime.datetime.now(datetime.timezone.utc)
 
     def kernel_ids(self):
         return list(self._roots.values())
@@ -48,6 +50,15 @@ class Kernels:
 
     def starting_ids(self):  # all started before the run
         return set()
+
+    def activity(self, kernel_id):  # what the history and the parker read per sample: idle since the run began
+        return "idle", self._since
+
+    def exit_code(self, kernel_id):  # none ends during the run
+        return None
+
+    def on_restart(self, kernel_id, callback):  # nor restarts
+        pass
 
     def on_dead(self, kernel_id, callback):  # these "kernels" have no restarter
         pass
