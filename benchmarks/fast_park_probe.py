@@ -1044,6 +1044,8 @@ def main(argv=None) -> int:
         return 0
     if args.overhead_pairs < 1:
         parser.error("--overhead-pairs needs at least 1")
+    if args.pin_cpu is not None and args.pin_cpu not in os.sched_getaffinity(0):
+        parser.error(f"--pin-cpu {args.pin_cpu}: not one of this process's CPUs {sorted(os.sched_getaffinity(0))}")
     if not args.library_dir:
         parser.error("give --build-only --out DIR, or --library-dir DIR")
     library = library_in(Path(args.library_dir))

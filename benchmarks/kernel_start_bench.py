@@ -211,6 +211,8 @@ async def main() -> None:
     )
     add_save_options(parser)
     options = parser.parse_args()
+    if options.library and not (options.fast_park_ab and Path(options.library).is_file()):
+        parser.error(f"--library {options.library}: a library file, with --fast-park-ab")
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -456,3 +456,15 @@ def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_d
         assert ordered(each["ratio_95ci"]) and each["ratio"] > 0, each
         assert ordered(aa["ratio_95ci"]) and aa["ratio"] > 0 and aa["children"] == ["plain-0", "plain-control"], aa
     assert json.loads(out.read_text())["sizes"] == {}  # no park was asked for
+
+
+def test_the_probe_refuses_a_cpu_it_cannot_run_on_before_starting_anything(tmp_path):
+    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
+    outside = max(os.sched_getaffinity(0)) + 1
+    done = subprocess.run(
+        [sys.executable, str(probe), "--library-dir", str(tmp_path), "--overhead-only", "--pin-cpu", str(outside),
+         "--out-json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2 and f"--pin-cpu {outside}: not one of this process's CPUs" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no JSON written, no child started
