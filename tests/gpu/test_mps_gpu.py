@@ -213,7 +213,9 @@ class TestFastParkLibraryBesideMps:
     """fast_park "on" preloads the fast park library into MPS clients too ("auto", the default, leaves them
     without it: they are never parked). Its cudaMalloc maps memory through the virtual memory calls; the daemon's
     limit must refuse those the same way, at allocation time. The library's own counters say that it served the
-    allocations (a pass-through to libcudart would be refused by the limit too, proving nothing of it)."""
+    allocations (a pass-through to libcudart would be refused by the limit too, proving nothing of it). CuPy's
+    `runtime.malloc` never reaches the library (CuPy carries its own CUDA runtime, linked statically: measured on the
+    H200, the counters stayed at 0 while 15 GiB was held), so the limit alone refuses it, as without the library."""
 
     @pytest.fixture
     def jp_server_config(self, fast_park_library):
@@ -233,7 +235,11 @@ class TestFastParkLibraryBesideMps:
             record(f"mps with the fast park library, {route}", results[route])
             served = last_json(await execute(jp_serverapp, kernel_id, f"UNDER = {UNDER}\n" + SERVED[route], timeout=120))
             record(f"mps with the fast park library, {route}: what the library served", served)
-            assert served["active"] and served["mapped"] >= UNDER and served["passthrough"] == 0, (route, served)
+            assert served["active"] and served["passthrough"] == 0, (route, served)
+            if route.startswith("torch"):
+                assert served["mapped"] >= UNDER, (route, served)
+            else:  # what stays on the device through a park, and why CuPy kernels take the checkpoint path
+                assert served["mapped"] == 0, (route, served)
             answer = json.loads((await jp_fetch("api", "gpu-quota", "kernels", kernel_id)).body)
             assert answer["park"]["parkable"] is False
         for route, found in results.items():
