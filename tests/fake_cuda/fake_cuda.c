@@ -42,7 +42,8 @@ static mapped maps[MAX_ITEMS];
 static int map_count;
 static range registered[64];
 static int registered_count;
-static size_t capacity = (size_t)1 << 40;
+static size_t capacity = (size_t)1 << 40; /* set from a test's thread while a resume waits: atomic */
+static long out_of_memory_answers;           /* read from a test's thread: atomic */
 static size_t used;
 static int context_depth;
 static int no_context;
@@ -103,7 +104,8 @@ static CUresult called(const char *name) {
     return OK;
 }
 
-void fake_set_capacity(size_t bytes) { capacity = bytes; }
+void fake_set_capacity(size_t bytes) { __atomic_store_n(&capacity, bytes, __ATOMIC_SEQ_CST); }
+long fake_out_of_memory_answers(void) { return __atomic_load_n(&out_of_memory_answers, __ATOMIC_SEQ_CST); }
 size_t fake_device_used(void) { return used; }
 int fake_context_depth(void) { return context_depth; }
 void fake_set_no_context(int value) { no_context = value; }
@@ -205,7 +207,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const vo
     CUresult code = called("cuMemCreate");
     if (code != OK) return code;
     if (size == 0 || size % GRANULARITY) return INVALID_VALUE;
-    if (used + size > capacity) return OUT_OF_MEMORY;
+    if (used + size > __atomic_load_n(&capacity, __ATOMIC_SEQ_CST)) {
+        __atomic_add_fetch(&out_of_memory_answers, 1, __ATOMIC_SEQ_CST);
+        return OUT_OF_MEMORY;
+    }
     physical *p = calloc(1, sizeof *p);
     if (!p) return OUT_OF_MEMORY;
     p->fd = memfd_create("fake-device-memory", 0);

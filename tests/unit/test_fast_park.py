@@ -141,7 +141,7 @@ def test_one_arena_serves_every_park_and_is_pinned_once(process, filled):
         # what the process writes between parks is what the next park keeps
         filled = [(address, size, process.fill(address, size)) for address, size, _ in filled]
     assert process.calls("cuMemHostRegister") == 1
-    assert process.calls("cuStreamCreate") == 2  # two streams, made once
+    assert process.calls("cuStreamCreate") == 4  # two pairs of streams, made once
     arena.close()
     assert process.calls("cuMemHostUnregister") == 1
 

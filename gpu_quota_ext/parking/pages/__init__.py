@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import Optional
 
-__all__ = ["Arena", "Pages", "PagesError"]
+__all__ = ["Arena", "Pages", "PagesError", "E_PARTIAL"]
 
 # gqx_state() values (pages.c)
 RUNNING, PARKING, PARKED, RESUMING = 0, 1, 2, 3
@@ -20,19 +20,23 @@ STATE_NAMES = {RUNNING: "running", PARKING: "parking", PARKED: "parked", RESUMIN
 
 # The library's own codes; a positive code is the driver's CUresult.
 E_STATE, E_ARENA, E_DRIVER, E_HOST, E_CONTEXT = -1, -2, -3, -4, -5
+E_PARTIAL = -6  # a park that released as it copied failed midway: parked in part, a resume brings it all back
+WAIT_CEILING = 3600.0  # seconds: a resume's wait for room is bounded; more than an hour is a caller's mistake
 CODE_NAMES = {
     E_STATE: "state",
     E_ARENA: "arena",
     E_DRIVER: "driver",
     E_HOST: "host memory",
     E_CONTEXT: "no context",
+    E_PARTIAL: "parked in part",
     2: "CUDA_ERROR_OUT_OF_MEMORY",
 }
 
 
 class PagesError(Exception):
     """A park, resume or arena call failed; `code` is the library's or the driver's, and the process is as
-    it was before the call (a park that could not release every mapping says so, and is parked)."""
+    it was before the call (a park that could not release every mapping says so, and is parked; a park that
+    released as it copied and failed midway is parked in part: E_PARTIAL)."""
 
     def __init__(self, call: str, code: int, message: str):
         self.call, self.code, self.message = call, code, message
@@ -64,7 +68,9 @@ class Pages:
         self.lib = lib
         for name, restype in (
             ("gqx_park", ctypes.c_int),
+            ("gqx_park_releasing", ctypes.c_int),
             ("gqx_resume", ctypes.c_int),
+            ("gqx_resume_waiting", ctypes.c_int),
             ("gqx_active", ctypes.c_int),
             ("gqx_state", ctypes.c_int),
             ("gqx_arena_create", ctypes.c_int),
@@ -80,6 +86,8 @@ class Pages:
         ):
             getattr(lib, name).restype = restype
         lib.gqx_park.argtypes = [ctypes.c_void_p]
+        lib.gqx_park_releasing.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.gqx_resume_waiting.argtypes = [ctypes.c_ulonglong]
         lib.gqx_arena_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
         for name in ("gqx_arena_destroy", "gqx_arena_size", "gqx_arena_populate_seconds", "gqx_arena_register_seconds"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -128,8 +136,16 @@ class Pages:
         self._check("gqx_arena_create", self.lib.gqx_arena_create(int(size), ctypes.byref(handle)))
         return Arena(self, handle.value)
 
-    def park(self, arena: Arena) -> None:
-        self._check("gqx_park", self.lib.gqx_park(arena.handle))
+    def park(self, arena: Arena, release_as_copied: bool = False) -> None:
+        """Every mapped byte into the arena, then the device memory released; `release_as_copied`: each 2 GiB
+        piece released as soon as its bytes are in the arena (a resume elsewhere can take it at once)."""
+        self._check("gqx_park_releasing", self.lib.gqx_park_releasing(arena.handle, 1 if release_as_copied else 0))
 
-    def resume(self) -> None:
-        self._check("gqx_resume", self.lib.gqx_resume())
+    def resume(self, wait_for_room: float = 0.0) -> None:
+        """Every parked byte back at its address; `wait_for_room`: seconds, in all, that it waits for device
+        memory a park under way is releasing (0: none). Run out, it gives back what it took and stays parked."""
+        if isinstance(wait_for_room, bool) or not isinstance(wait_for_room, (int, float)):
+            raise ValueError(f"wait_for_room must be seconds, not {wait_for_room!r}")
+        if not 0.0 <= wait_for_room <= WAIT_CEILING:  # NaN fails both comparisons
+            raise ValueError(f"wait_for_room must be between 0 and {WAIT_CEILING:g} seconds, not {wait_for_room!r}")
+        self._check("gqx_resume_waiting", self.lib.gqx_resume_waiting(int(wait_for_room * 1000)))

@@ -8,14 +8,25 @@
  * physical memory created (cuMemCreate) and mapped there (cuMemMap + cuMemSetAccess). torch keeps caching
  * inside its segments and keeps its per-process memory fraction; it never learns where its segments live.
  *
+ * A mapping's physical memory is made of pieces (GQX_PAGES_PIECE_BYTES, 2 GiB by default), each created and
+ * mapped on its own at its place in the range: a park can give the device back piece by piece, and a resume
+ * can take it back piece by piece, so a swap (one process parks while another resumes into the room it
+ * leaves) runs both copies at once instead of one after the other. PCIe carries both directions at full speed.
+ *
  * gqx_park(arena) copies every mapping's bytes to one pinned host arena (made once by gqx_arena_create,
  * kept and reused: pinning costs more than copying), then unmaps and releases the physical memory; the
- * address ranges stay reserved. gqx_resume() creates physical memory again, maps it at the same addresses
- * and copies the bytes back. Copies go in large chunks on two streams.
+ * address ranges stay reserved. gqx_park_releasing(arena, 1) releases each piece as soon as its bytes are in
+ * the arena. gqx_resume() creates physical memory again, maps it at the same addresses and copies the bytes
+ * back; gqx_resume_waiting(ms) does it piece by piece and, when the device is full, waits (at most `ms` in
+ * all) for memory that a park under way elsewhere is releasing. Copies go in large chunks on two streams.
  *
- * What a failure leaves: a park releases nothing until every byte is in the arena; a resume keeps the host
- * copy (and the parked state) until every byte is back; on any failure the process stays as it was, and the
- * call returns a code and a message (gqx_last_error).
+ * What a failure leaves: a park releases nothing until every byte is in the arena, except one that releases
+ * as it copies: that one, failing midway, leaves the process parked in part (GQX_E_PARTIAL: the released
+ * pieces' bytes in the arena, the rest still on the device; a resume brings all of it back). A resume keeps
+ * the host copy (and the parked state) until every byte is back, and on failure gives back every piece it
+ * took, whether its copy had begun or not: a resume that runs out of device memory or of its wait is
+ * recoverable, unlike a checkpoint restore into a full device. On any failure the call returns a code and a
+ * message (gqx_last_error).
  *
  * There are no CUDA headers where this is built: the few driver types and prototypes are declared here,
  * and the driver is opened with dlopen("libcuda.so.1") at the first allocation (GQX_PAGES_LIBCUDA names
@@ -93,6 +104,7 @@ typedef struct {
 #define GQX_E_DRIVER (-3)  /* the driver could not be opened: nothing is served, nothing parks */
 #define GQX_E_HOST (-4)    /* host memory for the arena could not be had */
 #define GQX_E_CONTEXT (-5) /* no CUDA context known to this library yet */
+#define GQX_E_PARTIAL (-6) /* a park that released as it copied failed midway: parked in part (see above) */
 
 /* States (gqx_state). */
 #define GQX_RUNNING 0
@@ -131,20 +143,30 @@ static int (*real_cudaFree)(void *);
 /* ---- the table of allocations ------------------------------------------------------------------------- */
 
 typedef struct {
+    CUmemGenericAllocationHandle handle;
+    int resident; /* mapped at its place (0 only while parked, or parked in part) */
+    int fresh;    /* backed by the resume under way: given back if that resume fails */
+} piece;
+
+typedef struct {
     CUdeviceptr va;     /* where the caller sees it; never changes */
     size_t size;        /* what the caller asked for */
     size_t padded;      /* size rounded up to the granularity: what is reserved, created and mapped */
     CUcontext ctx;      /* the context current at allocation: copies for this mapping run in it */
     CUdevice dev;
-    CUmemGenericAllocationHandle handle;
-    int resident;       /* physical memory mapped at va (0 only while parked) */
+    size_t piece_bytes; /* each piece's length (a multiple of the granularity); the last one takes the rest */
+    size_t npieces;
+    piece one;          /* the only piece of a mapping no larger than a piece (most of them: no allocation) */
+    piece *many;        /* the pieces of a larger one (then `one` is unused) */
     int passthrough;    /* served by libcudart (the driver path failed): freed there, never parked */
     size_t host_offset; /* where its bytes sit in the arena while parked */
 } mapping;
 
+/* Two pairs of streams per context: the pieces of a park or resume alternate between the pairs, so that the
+ * pair of the piece before can be waited for (and that piece released) while this piece's copy runs. */
 typedef struct {
     CUcontext ctx;
-    CUstream stream[2];
+    CUstream stream[4];
 } context_streams;
 
 #define MAX_CONTEXTS 64
@@ -169,6 +191,7 @@ static size_t g_ctx_count;
 static CUcontext g_last_ctx;      /* for calls made from threads without a current context */
 static struct gqx_arena *g_parked_in; /* the arena that holds the parked bytes */
 static size_t g_chunk = (size_t)64 << 20;
+static size_t g_piece = (size_t)2 << 30;
 static char g_error[512];
 
 static void set_error(const char *format, ...) {
@@ -248,6 +271,8 @@ static void open_driver(void) {
     }
     const char *chunk = getenv("GQX_PAGES_CHUNK_BYTES");
     if (chunk && atoll(chunk) > 0) g_chunk = (size_t)atoll(chunk);
+    const char *piece_bytes = getenv("GQX_PAGES_PIECE_BYTES");
+    if (piece_bytes && atoll(piece_bytes) > 0) g_piece = (size_t)atoll(piece_bytes);
     g_active = 1;
 }
 
@@ -279,7 +304,47 @@ static mapping *table_find(CUdeviceptr va) {
 }
 
 static void table_remove(mapping *m) {
+    free(m->many);
     *m = g_maps[--g_count];
+}
+
+static piece *piece_at(mapping *m, size_t j) {
+    return m->many ? &m->many[j] : &m->one;
+}
+
+static size_t piece_offset(const mapping *m, size_t j) {
+    return j * m->piece_bytes;
+}
+
+static size_t piece_length(const mapping *m, size_t j) {
+    size_t at = piece_offset(m, j);
+    return m->padded - at < m->piece_bytes ? m->padded - at : m->piece_bytes;
+}
+
+/* The caller's bytes in piece j (the padding at the end is never copied). */
+static size_t piece_bytes_used(const mapping *m, size_t j) {
+    size_t at = piece_offset(m, j);
+    if (at >= m->size) return 0;
+    return m->size - at < m->piece_bytes ? m->size - at : m->piece_bytes;
+}
+
+static size_t mapping_resident_bytes(mapping *m) {
+    size_t total = 0;
+    for (size_t j = 0; j < m->npieces; j++)
+        if (piece_at(m, j)->resident) total += piece_bytes_used(m, j);
+    return total;
+}
+
+/* The pieces of a new mapping: pieces of g_piece bytes (rounded to the granularity), one where it is smaller. */
+static int cut_into_pieces(mapping *m, size_t g) {
+    size_t length = g_piece < m->padded ? g_piece : m->padded;
+    m->piece_bytes = (length + g - 1) / g * g;
+    m->npieces = (m->padded + m->piece_bytes - 1) / m->piece_bytes;
+    if (m->npieces > 1) {
+        m->many = calloc(m->npieces, sizeof *m->many);
+        if (!m->many) return 0;
+    }
+    return 1;
 }
 
 static void wait_running(void) {
@@ -297,14 +362,16 @@ static CUmemAllocationProp device_prop(CUdevice dev) {
     return prop;
 }
 
-/* Physical memory created and mapped at m->va, readable and writable by its device; on failure nothing
- * stays created or mapped. */
-static CUresult back_with_memory(mapping *m) {
+/* Physical memory for piece j created and mapped at its place, readable and writable by its device; on failure
+ * nothing of it stays created or mapped. */
+static CUresult back_piece(mapping *m, size_t j) {
     CUmemAllocationProp prop = device_prop(m->dev);
     CUmemGenericAllocationHandle handle = 0;
-    CUresult code = cu.MemCreate(&handle, m->padded, &prop, 0);
+    CUdeviceptr at = m->va + piece_offset(m, j);
+    size_t length = piece_length(m, j);
+    CUresult code = cu.MemCreate(&handle, length, &prop, 0);
     if (code != CUDA_SUCCESS) return code;
-    code = cu.MemMap(m->va, m->padded, 0, handle, 0);
+    code = cu.MemMap(at, length, 0, handle, 0);
     if (code != CUDA_SUCCESS) {
         cu.MemRelease(handle);
         return code;
@@ -314,24 +381,50 @@ static CUresult back_with_memory(mapping *m) {
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = m->dev;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    code = cu.MemSetAccess(m->va, m->padded, &access, 1);
+    code = cu.MemSetAccess(at, length, &access, 1);
     if (code != CUDA_SUCCESS) {
-        cu.MemUnmap(m->va, m->padded);
+        cu.MemUnmap(at, length);
         cu.MemRelease(handle);
         return code;
     }
-    m->handle = handle;
-    m->resident = 1;
+    piece *p = piece_at(m, j);
+    p->handle = handle;
+    p->resident = 1;
     return CUDA_SUCCESS;
 }
 
-/* The physical memory gone (the address range stays reserved). Unmapping first: the memory is freed when
+/* Piece j's physical memory gone (its address range stays reserved). Unmapping first: the memory is freed when
  * it is neither mapped nor held by a handle. */
-static CUresult drop_memory(mapping *m) {
-    CUresult code = cu.MemUnmap(m->va, m->padded);
+static CUresult drop_piece(mapping *m, size_t j) {
+    piece *p = piece_at(m, j);
+    CUresult code = cu.MemUnmap(m->va + piece_offset(m, j), piece_length(m, j));
     if (code != CUDA_SUCCESS) return code;
-    m->resident = 0;
-    return cu.MemRelease(m->handle);
+    p->resident = 0;
+    p->fresh = 0;
+    return cu.MemRelease(p->handle);
+}
+
+/* Every piece backed; on failure the pieces backed here are given back. */
+static CUresult back_with_memory(mapping *m) {
+    for (size_t j = 0; j < m->npieces; j++) {
+        CUresult code = back_piece(m, j);
+        if (code != CUDA_SUCCESS) {
+            while (j-- > 0) drop_piece(m, j);
+            return code;
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Every resident piece gone; the first failure is returned (a piece that will not unmap stays resident). */
+static CUresult drop_memory(mapping *m) {
+    CUresult first = CUDA_SUCCESS;
+    for (size_t j = 0; j < m->npieces; j++) {
+        if (!piece_at(m, j)->resident) continue;
+        CUresult code = drop_piece(m, j);
+        if (code != CUDA_SUCCESS && first == CUDA_SUCCESS) first = code;
+    }
+    return first;
 }
 
 /* ---- the interposed runtime calls --------------------------------------------------------------------- */
@@ -389,6 +482,11 @@ int cudaMalloc(void **ptr, size_t size) {
     m->padded = (size + g - 1) / g * g;
     m->ctx = ctx;
     m->dev = dev;
+    if (!cut_into_pieces(m, g)) {
+        table_remove(m);
+        pthread_mutex_unlock(&g_mu);
+        return cudaErrorMemoryAllocation;
+    }
     CUresult code = cu.MemAddressReserve(&m->va, m->padded, g, 0, 0);
     if (code == CUDA_SUCCESS) {
         code = back_with_memory(m);
@@ -410,7 +508,7 @@ int cudaMalloc(void **ptr, size_t size) {
         if (result == cudaSuccess) {
             m->va = (CUdeviceptr)(uintptr_t)p;
             m->passthrough = 1;
-            m->resident = 1;
+            piece_at(m, 0)->resident = 1; /* for the counts: it is on the device, and stays there */
             *ptr = p;
         } else {
             table_remove(m);
@@ -464,10 +562,12 @@ static context_streams *streams_for(CUcontext ctx, CUresult *code) {
         return NULL;
     }
     context_streams *s = &g_ctx[g_ctx_count];
+    if (s->ctx != ctx) memset(s, 0, sizeof *s); /* a slot left by another context's failed try */
     s->ctx = ctx;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 4; k++) {
+        if (s->stream[k]) continue; /* made by an earlier try that failed at a later stream */
         *code = cu.StreamCreate(&s->stream[k], CU_STREAM_NON_BLOCKING);
-        if (*code != CUDA_SUCCESS) return NULL; /* the stream made so far is kept for the next try */
+        if (*code != CUDA_SUCCESS) return NULL;
     }
     g_ctx_count++;
     return s;
@@ -475,54 +575,78 @@ static context_streams *streams_for(CUcontext ctx, CUresult *code) {
 
 enum direction { TO_HOST, TO_DEVICE };
 
-/* Every selected mapping's bytes copied between the device and the arena, in chunks alternating between
- * two streams per context, then waited for. `select` says which mappings: resident ones for a park, the
- * ones just backed again for a resume. Returns the first failure (the copies already issued are waited
- * for all the same, so that nothing is still moving when the caller undoes its work). */
-static CUresult copy_all(struct gqx_arena *arena, enum direction way, const unsigned char *select) {
-    CUresult first = CUDA_SUCCESS;
-    const char *what = "";
-    unsigned k = 0;
-    for (size_t i = 0; i < g_count && first == CUDA_SUCCESS; i++) {
-        mapping *m = &g_maps[i];
-        if (!select[i]) continue;
-        CUresult code = cu.CtxPushCurrent(m->ctx);
-        if (code != CUDA_SUCCESS) {
-            first = code, what = "cuCtxPushCurrent";
-            break;
-        }
-        context_streams *s = streams_for(m->ctx, &code);
-        for (size_t done = 0; s && done < m->size && code == CUDA_SUCCESS; done += g_chunk, k++) {
-            size_t n = m->size - done < g_chunk ? m->size - done : g_chunk;
-            char *host = arena->base + m->host_offset + done;
-            CUstream stream = s->stream[k & 1];
-            if (way == TO_HOST)
-                code = cu.MemcpyDtoHAsync(host, m->va + done, n, stream);
-            else
-                code = cu.MemcpyHtoDAsync(m->va + done, host, n, stream);
-        }
-        if (code != CUDA_SUCCESS) {
-            first = code;
-            what = !s ? "cuStreamCreate" : way == TO_HOST ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync";
-        }
-        CUcontext popped;
-        cu.CtxPopCurrent(&popped);
+/* One piece of a mapping, as a park or resume goes through them. */
+typedef struct {
+    mapping *m;
+    size_t j;
+} piece_ref;
+
+/* The pieces a park moves (`resident`: 1) or a resume brings back (0), in the table's order; NULL with *n = 0
+ * when there are none, or when the list cannot be had (*n = (size_t)-1). */
+static piece_ref *pieces_where(int resident, size_t *n) {
+    size_t count = 0;
+    for (size_t i = 0; i < g_count; i++)
+        for (size_t j = 0; !g_maps[i].passthrough && j < g_maps[i].npieces; j++)
+            count += piece_at(&g_maps[i], j)->resident == resident;
+    *n = count;
+    if (!count) return NULL;
+    piece_ref *refs = malloc(count * sizeof *refs);
+    if (!refs) {
+        *n = (size_t)-1;
+        return NULL;
     }
+    size_t r = 0;
+    for (size_t i = 0; i < g_count; i++)
+        for (size_t j = 0; !g_maps[i].passthrough && j < g_maps[i].npieces; j++)
+            if (piece_at(&g_maps[i], j)->resident == resident) refs[r++] = (piece_ref){&g_maps[i], j};
+    return refs;
+}
+
+/* One piece's bytes copied between the device and the arena, in chunks alternating between the two streams of
+ * `pair`; issued, not waited for. */
+static CUresult copy_piece(struct gqx_arena *arena, piece_ref ref, enum direction way, int pair, const char **what) {
+    mapping *m = ref.m;
+    size_t used = piece_bytes_used(m, ref.j), base = piece_offset(m, ref.j);
+    if (!used) return CUDA_SUCCESS;
+    CUresult code = cu.CtxPushCurrent(m->ctx);
+    if (code != CUDA_SUCCESS) {
+        *what = "cuCtxPushCurrent";
+        return code;
+    }
+    context_streams *s = streams_for(m->ctx, &code);
+    unsigned k = 0;
+    for (size_t done = 0; s && done < used && code == CUDA_SUCCESS; done += g_chunk, k++) {
+        size_t n = used - done < g_chunk ? used - done : g_chunk;
+        char *host = arena->base + m->host_offset + base + done;
+        CUdeviceptr device = m->va + base + done;
+        CUstream stream = s->stream[2 * pair + (int)(k & 1)];
+        code = way == TO_HOST ? cu.MemcpyDtoHAsync(host, device, n, stream) : cu.MemcpyHtoDAsync(device, host, n, stream);
+    }
+    if (code != CUDA_SUCCESS)
+        *what = !s ? "cuStreamCreate" : way == TO_HOST ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync";
+    CUcontext popped;
+    cu.CtxPopCurrent(&popped);
+    return code;
+}
+
+/* Every context's streams of `pair` waited for (both pairs: -1). All of them are waited for even after a
+ * failure, so that nothing is still moving when the caller undoes its work; the first failure is returned. */
+static CUresult wait_streams(int pair, const char **what) {
+    CUresult first = CUDA_SUCCESS;
     for (size_t c = 0; c < g_ctx_count; c++) {
         CUresult code = cu.CtxPushCurrent(g_ctx[c].ctx);
         if (code != CUDA_SUCCESS) {
-            if (first == CUDA_SUCCESS) first = code, what = "cuCtxPushCurrent";
+            if (first == CUDA_SUCCESS) first = code, *what = "cuCtxPushCurrent";
             continue;
         }
-        for (int j = 0; j < 2; j++) {
-            code = cu.StreamSynchronize(g_ctx[c].stream[j]);
-            if (code != CUDA_SUCCESS && first == CUDA_SUCCESS) first = code, what = "cuStreamSynchronize";
+        for (int k = 0; k < 4; k++) {
+            if (pair >= 0 && k / 2 != pair) continue;
+            code = cu.StreamSynchronize(g_ctx[c].stream[k]);
+            if (code != CUDA_SUCCESS && first == CUDA_SUCCESS) first = code, *what = "cuStreamSynchronize";
         }
         CUcontext popped;
         cu.CtxPopCurrent(&popped);
     }
-    if (first != CUDA_SUCCESS)
-        set_error("%s failed: %s (%d)", what, cu_name(first), first);
     return first;
 }
 
@@ -531,15 +655,62 @@ static CUresult copy_all(struct gqx_arena *arena, enum direction way, const unsi
 static size_t resident_bytes_locked(void) {
     size_t total = 0;
     for (size_t i = 0; i < g_count; i++)
-        if (g_maps[i].resident && !g_maps[i].passthrough) total += g_maps[i].size;
+        if (!g_maps[i].passthrough) total += mapping_resident_bytes(&g_maps[i]);
     return total;
 }
 
-static unsigned char *new_selection(void) {
-    return calloc(g_count ? g_count : 1, 1);
+/* What a park's arena must hold: the whole of every mapping with a piece on the device (its bytes sit at one
+ * offset, piece after piece). */
+static size_t park_size_locked(void) {
+    size_t total = 0;
+    for (size_t i = 0; i < g_count; i++)
+        if (!g_maps[i].passthrough && mapping_resident_bytes(&g_maps[i])) total += g_maps[i].size;
+    return total;
 }
 
-int gqx_park(struct gqx_arena *arena) {
+static void set_state(int state) {
+    __atomic_store_n(&g_state, state, __ATOMIC_RELEASE);
+}
+
+/* The device's work first, once per context that holds a resident piece: a kernel still writing a segment
+ * would change it behind the copy. */
+static CUresult synchronize_contexts(void) {
+    CUcontext synced[MAX_CONTEXTS];
+    size_t synced_count = 0;
+    for (size_t i = 0; i < g_count; i++) {
+        mapping *m = &g_maps[i];
+        if (m->passthrough || !mapping_resident_bytes(m)) continue;
+        size_t c = 0;
+        while (c < synced_count && synced[c] != m->ctx) c++;
+        if (c < synced_count) continue;
+        CUresult code = cu.CtxPushCurrent(m->ctx);
+        if (code == CUDA_SUCCESS) {
+            code = cu.CtxSynchronize();
+            CUcontext popped;
+            cu.CtxPopCurrent(&popped);
+        }
+        if (code != CUDA_SUCCESS) {
+            set_error("cuCtxSynchronize failed: %s (%d)", cu_name(code), code);
+            return code;
+        }
+        if (synced_count < MAX_CONTEXTS) synced[synced_count++] = m->ctx;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* A piece whose bytes are in the arena given back to the device; one that will not unmap stays resident
+ * (its bytes are in the arena too, and the resume skips it), counted in *kept. */
+static void release_copied(piece_ref ref, CUresult *failed, size_t *kept, size_t *released) {
+    CUresult code = drop_piece(ref.m, ref.j);
+    if (code == CUDA_SUCCESS) {
+        (*released)++;
+        return;
+    }
+    if (*failed == CUDA_SUCCESS) *failed = code;
+    if (piece_at(ref.m, ref.j)->resident) *kept += piece_length(ref.m, ref.j);
+}
+
+int gqx_park_releasing(struct gqx_arena *arena, int release_as_copied) {
     if (!ensure_open()) return GQX_E_DRIVER;
     pthread_mutex_lock(&g_mu);
     if (g_state != GQX_RUNNING) {
@@ -547,76 +718,75 @@ int gqx_park(struct gqx_arena *arena) {
         pthread_mutex_unlock(&g_mu);
         return GQX_E_STATE;
     }
-    size_t needed = resident_bytes_locked();
+    size_t needed = park_size_locked();
     if (!arena || !arena->registered || arena->size < needed) {
         set_error("cannot park: %llu bytes are mapped, the arena holds %llu", (unsigned long long)needed,
                   (unsigned long long)(arena ? arena->size : 0));
         pthread_mutex_unlock(&g_mu);
         return GQX_E_ARENA;
     }
-    unsigned char *select = new_selection();
-    if (!select) {
+    size_t n = 0;
+    piece_ref *refs = pieces_where(1, &n);
+    if (n == (size_t)-1) {
         set_error("cannot park: no host memory for the table");
         pthread_mutex_unlock(&g_mu);
         return GQX_E_HOST;
     }
-    g_state = GQX_PARKING;
-
-    /* The device's work first, once per context: a kernel still writing a segment would change it behind
-     * the copy. */
-    CUresult code = CUDA_SUCCESS;
-    CUcontext synced[MAX_CONTEXTS];
-    size_t synced_count = 0;
-    for (size_t i = 0; i < g_count && code == CUDA_SUCCESS; i++) {
-        mapping *m = &g_maps[i];
-        if (!m->resident || m->passthrough) continue;
-        size_t c = 0;
-        while (c < synced_count && synced[c] != m->ctx) c++;
-        if (c < synced_count) continue;
-        code = cu.CtxPushCurrent(m->ctx);
-        if (code == CUDA_SUCCESS) {
-            code = cu.CtxSynchronize();
-            CUcontext popped;
-            cu.CtxPopCurrent(&popped);
-        }
-        if (code != CUDA_SUCCESS)
-            set_error("cuCtxSynchronize failed: %s (%d)", cu_name(code), code);
-        else if (synced_count < MAX_CONTEXTS)
-            synced[synced_count++] = m->ctx;
-    }
+    set_state(GQX_PARKING);
     size_t offset = 0;
     for (size_t i = 0; i < g_count; i++) {
         mapping *m = &g_maps[i];
-        if (!m->resident || m->passthrough) continue;
+        if (m->passthrough || !mapping_resident_bytes(m)) continue;
         m->host_offset = offset;
         offset += m->size;
-        select[i] = 1;
     }
-    if (code == CUDA_SUCCESS) code = copy_all(arena, TO_HOST, select);
-    if (code != CUDA_SUCCESS) {
+
+    /* Piece after piece, alternating between the two pairs of streams. Releasing as copied: once piece r is
+     * issued, the pair of piece r - 1 is waited for and that piece released, while piece r's copy runs. */
+    const char *what = "";
+    CUresult code = synchronize_contexts(), failed = CUDA_SUCCESS;
+    size_t kept = 0, released = 0, moved = 0;
+    for (size_t r = 0; r < n && code == CUDA_SUCCESS; r++) {
+        code = copy_piece(arena, refs[r], TO_HOST, (int)(r & 1), &what);
+        if (code != CUDA_SUCCESS || !release_as_copied || r == 0) continue;
+        code = wait_streams((int)((r - 1) & 1), &what);
+        if (code == CUDA_SUCCESS) {
+            moved += piece_bytes_used(refs[r - 1].m, refs[r - 1].j);
+            release_copied(refs[r - 1], &failed, &kept, &released);
+        }
+    }
+    const char *waiting = "";
+    CUresult waited = wait_streams(-1, &waiting);
+    if (code == CUDA_SUCCESS && waited != CUDA_SUCCESS) code = waited, what = waiting;
+    if (code != CUDA_SUCCESS && what[0]) set_error("%s failed: %s (%d)", what, cu_name(code), code);
+    if (code != CUDA_SUCCESS && !released) {
         /* Nothing was released: the process runs on as before. */
-        g_state = GQX_RUNNING;
-        free(select);
+        set_state(GQX_RUNNING);
+        free(refs);
         pthread_cond_broadcast(&g_running);
         pthread_mutex_unlock(&g_mu);
         return code;
     }
-
-    /* Every byte is in the arena: the physical memory can go. A mapping that will not unmap keeps its
-     * memory and its bytes (resident); the resume skips it. */
-    CUresult failed = CUDA_SUCCESS;
-    size_t kept = 0;
-    for (size_t i = 0; i < g_count; i++) {
-        if (!select[i]) continue;
-        CUresult drop = drop_memory(&g_maps[i]);
-        if (drop != CUDA_SUCCESS) {
-            if (failed == CUDA_SUCCESS) failed = drop;
-            if (g_maps[i].resident) kept += g_maps[i].padded;
-        }
+    if (code != CUDA_SUCCESS) {
+        /* Released pieces cannot be had back here (their room may be another process's by now): parked in
+         * part, and the resume brings back what was released. */
+        char cause[sizeof g_error];
+        snprintf(cause, sizeof cause, "%s", g_error);
+        set_error("parked in part: %llu bytes are in the arena, %llu still on the device (%s); a resume brings "
+                  "them all back", (unsigned long long)moved, (unsigned long long)resident_bytes_locked(), cause);
+        g_parked_in = arena;
+        set_state(GQX_PARKED);
+        free(refs);
+        pthread_mutex_unlock(&g_mu);
+        return GQX_E_PARTIAL;
     }
-    free(select);
+
+    /* Every byte is in the arena: what is still on the device can go (all of it, unless released as copied:
+     * then the last piece). */
+    for (size_t r = release_as_copied && n ? n - 1 : 0; r < n; r++) release_copied(refs[r], &failed, &kept, &released);
+    free(refs);
     g_parked_in = arena;
-    g_state = GQX_PARKED;
+    set_state(GQX_PARKED);
     pthread_mutex_unlock(&g_mu);
     if (failed != CUDA_SUCCESS) {
         set_error("parked, but %llu bytes stayed on the device: cuMemUnmap/cuMemRelease failed: %s (%d)",
@@ -626,7 +796,35 @@ int gqx_park(struct gqx_arena *arena) {
     return CUDA_SUCCESS;
 }
 
-int gqx_resume(void) {
+int gqx_park(struct gqx_arena *arena) {
+    return gqx_park_releasing(arena, 0);
+}
+
+static void pause_briefly(void) {
+    struct timespec pause = {0, 1000000}; /* 1 ms: a 2 GiB piece of a park under way is released every ~40 ms */
+    nanosleep(&pause, NULL);
+}
+
+/* Piece `ref` backed; when the device is full, tried again until `deadline` (a park under way in another
+ * process is releasing memory piece by piece). The table's lock is let go while waiting: nothing else may
+ * change the table meanwhile (allocations and frees wait for the resume), and the library's counters stay
+ * answerable. */
+static CUresult back_piece_waiting(piece_ref ref, double deadline) {
+    CUresult code = cu.CtxPushCurrent(ref.m->ctx);
+    if (code != CUDA_SUCCESS) return code;
+    code = back_piece(ref.m, ref.j);
+    while (code == CUDA_ERROR_OUT_OF_MEMORY && now_seconds() < deadline) {
+        pthread_mutex_unlock(&g_mu);
+        pause_briefly();
+        pthread_mutex_lock(&g_mu);
+        code = back_piece(ref.m, ref.j);
+    }
+    CUcontext popped;
+    cu.CtxPopCurrent(&popped);
+    return code;
+}
+
+int gqx_resume_waiting(unsigned long long wait_ms) {
     if (!ensure_open()) return GQX_E_DRIVER;
     pthread_mutex_lock(&g_mu);
     if (g_state != GQX_PARKED) {
@@ -634,46 +832,56 @@ int gqx_resume(void) {
         pthread_mutex_unlock(&g_mu);
         return GQX_E_STATE;
     }
-    unsigned char *select = new_selection();
-    if (!select) {
+    size_t n = 0;
+    piece_ref *refs = pieces_where(0, &n);
+    if (n == (size_t)-1) {
         set_error("cannot resume: no host memory for the table");
         pthread_mutex_unlock(&g_mu);
         return GQX_E_HOST;
     }
-    g_state = GQX_RESUMING;
+    set_state(GQX_RESUMING);
+    double start = now_seconds(), deadline = start + (double)wait_ms / 1000.0;
+    const char *what = "";
     CUresult code = CUDA_SUCCESS;
-    for (size_t i = 0; i < g_count && code == CUDA_SUCCESS; i++) {
-        mapping *m = &g_maps[i];
-        if (m->resident || m->passthrough) continue;
-        code = cu.CtxPushCurrent(m->ctx);
-        if (code == CUDA_SUCCESS) {
-            code = back_with_memory(m);
-            CUcontext popped;
-            cu.CtxPopCurrent(&popped);
+    /* Each piece copied back as soon as it is backed, alternating between the pairs of streams. */
+    for (size_t r = 0; r < n && code == CUDA_SUCCESS; r++) {
+        code = back_piece_waiting(refs[r], deadline);
+        if (code != CUDA_SUCCESS) {
+            set_error("cannot resume: physical memory for %llu bytes: %s (%d)%s",
+                      (unsigned long long)piece_length(refs[r].m, refs[r].j), cu_name(code), code,
+                      code == CUDA_ERROR_OUT_OF_MEMORY && wait_ms ? " after waiting for room" : "");
+            break;
         }
-        if (code == CUDA_SUCCESS)
-            select[i] = 1;
-        else
-            set_error("cannot resume: physical memory for %llu bytes: %s (%d)", (unsigned long long)m->padded,
-                      cu_name(code), code);
+        piece_at(refs[r].m, refs[r].j)->fresh = 1;
+        code = copy_piece(g_parked_in, refs[r], TO_DEVICE, (int)(r & 1), &what);
+        if (code != CUDA_SUCCESS) set_error("%s failed: %s (%d)", what, cu_name(code), code);
     }
-    if (code == CUDA_SUCCESS) code = copy_all(g_parked_in, TO_DEVICE, select);
+    CUresult waited = wait_streams(-1, &what);
+    if (code == CUDA_SUCCESS && waited != CUDA_SUCCESS) {
+        code = waited;
+        set_error("%s failed: %s (%d)", what, cu_name(code), code);
+    }
     if (code != CUDA_SUCCESS) {
-        /* The host copy is whole: give back what this attempt took and stay parked; a later resume can
+        /* The host copy is whole: give back every piece this attempt took and stay parked; a later resume can
          * try again. */
-        for (size_t i = 0; i < g_count; i++)
-            if (select[i]) drop_memory(&g_maps[i]);
-        g_state = GQX_PARKED;
-        free(select);
+        for (size_t r = 0; r < n; r++)
+            if (piece_at(refs[r].m, refs[r].j)->fresh) drop_piece(refs[r].m, refs[r].j);
+        set_state(GQX_PARKED);
+        free(refs);
         pthread_mutex_unlock(&g_mu);
         return code;
     }
-    free(select);
+    for (size_t r = 0; r < n; r++) piece_at(refs[r].m, refs[r].j)->fresh = 0;
+    free(refs);
     g_parked_in = NULL;
-    g_state = GQX_RUNNING;
+    set_state(GQX_RUNNING);
     pthread_cond_broadcast(&g_running);
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
+}
+
+int gqx_resume(void) {
+    return gqx_resume_waiting(0);
 }
 
 /* ---- the arena ---------------------------------------------------------------------------------------- */
@@ -812,11 +1020,10 @@ double gqx_arena_register_seconds(const struct gqx_arena *arena) { return arena 
 
 int gqx_active(void) { return ensure_open(); }
 
+/* Read without the table's lock: a resume waiting for room holds it between its tries, and the kernel asks the
+ * state before every cell. */
 int gqx_state(void) {
-    pthread_mutex_lock(&g_mu);
-    int state = g_state;
-    pthread_mutex_unlock(&g_mu);
-    return state;
+    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE);
 }
 
 /* Bytes this library holds on the device now (parked mappings count nothing). */
