@@ -8,6 +8,9 @@ Child processes hold torch tensors; each "pages" child runs with the fast park l
   - checkpoint: the same sizes through the driver's checkpoint calls (lock + checkpoint, restore + unlock,
     as gpu_quota_ext/parking/checkpoint.py makes them), rounds interleaved with the pages rounds;
   - a swap (one pages child parks while another of the same size resumes) against the two done one by one;
+  - --full-swap: the same on a full device (a plain child takes all the room but a margin), so that the resume's
+    room is the park's own bytes: one by one, against the park releasing each 2 GiB piece as it is copied while
+    the resume takes them back as they come (the library's pieces, pages.c);
   - an allocation loop (torch's cache warm, and one that empties the cache each time so that every tensor
     goes to cudaMalloc/cudaFree) and a small training step, with and without the library: ratio of medians;
   - the checkpoint path on a preloaded child (a kernel the fast path refuses still parks the old way);
@@ -176,7 +179,7 @@ def child_main() -> None:
         state["arena"] = a
         return {"arena_bytes": a.size, "populate_s": a.populate_seconds, "register_s": a.register_seconds}
 
-    def park() -> dict:
+    def park(release: bool = False) -> dict:
         sync()
         empty_cache()  # what the parker asks a kernel before it parks (kernel_channel.py)
         out = {}
@@ -184,15 +187,21 @@ def child_main() -> None:
             out["arena_made"] = arena()
         moved = pages.mapped_bytes()
         start = time.perf_counter()
-        pages.park(state["arena"])
+        if release:
+            pages.park(state["arena"], release_as_copied=True)
+        else:
+            pages.park(state["arena"])
         out.update(seconds=time.perf_counter() - start, bytes=moved, first=state["parks"] == 0)
         state["parks"] += 1
         return out
 
-    def resume() -> dict:
+    def resume(wait: float = 0.0) -> dict:
         moved = pages.mapped_bytes()
         start = time.perf_counter()
-        pages.resume()
+        if wait:
+            pages.resume(wait_for_room=wait)
+        else:
+            pages.resume()
         return {"seconds": time.perf_counter() - start, "bytes": moved}
 
     def bench() -> dict:
@@ -274,7 +283,8 @@ def child_main() -> None:
 
     ops = {"alloc": lambda c: alloc(int(c["bytes"])), "verify": lambda c: verify(), "arena": lambda c: arena()}
     ops.update(fill=lambda c: fill(int(c["leave"])), unfill=lambda c: unfill(), try_resume=lambda c: try_resume())
-    ops.update(park=lambda c: park(), resume=lambda c: resume(), bench=lambda c: bench())
+    ops.update(park=lambda c: park(bool(c.get("release"))), resume=lambda c: resume(float(c.get("wait", 0.0))))
+    ops["bench"] = lambda c: bench()
     ops["view"] = lambda c: library_view()
     reply(ok=True, pid=os.getpid(), preloaded=pages is not None)
     for line in sys.stdin:
@@ -822,6 +832,68 @@ class Probe:
         }
         self.save()
 
+    def full_swap_phase(self, a: Child, b: Child, filler: Child, gib: int, rounds: int) -> None:
+        """a runs and b is parked, `gib` each, and `filler` takes the rest of the device but a margin: b can come
+        back only into a's bytes. One by one (a's park, then b's resume), against both at once (a releasing
+        each piece as it is copied, b waiting for them); roles swap every round."""
+        say(f"[{self.elapsed():5.1f}s] swap of {gib} GiB on a full device: one by one, then piece by piece")
+        total = gib * self.unit
+        out: dict = {"gib": gib}
+        b.ask("alloc", timeout=180, bytes=total)
+        b.ask("arena", timeout=180)
+        b.ask("park", timeout=180)
+        a.ask("alloc", timeout=180, bytes=total)
+        a.ask("arena", timeout=180)
+        out["fill"] = filler.ask("fill", timeout=120, leave=0 if self.args.dry_run else 2 * GiB)
+        say(f"[{self.elapsed():5.1f}s]   ready: {json.dumps(out['fill'])}")
+        rows = []
+        for index in range(rounds):
+            going, coming = (a, b) if index % 2 == 0 else (b, a)
+            start = time.perf_counter()
+            park1 = going.ask("park", timeout=180)
+            resume1 = coming.ask("resume", timeout=180)
+            alone = time.perf_counter() - start
+            coming.ask("park", timeout=180)  # back as it was: the device is full, so one after the other
+            going.ask("resume", timeout=180)
+            start = time.perf_counter()
+            going.send("park", release=True)
+            coming.send("resume", wait=60.0)
+            park2, resume2 = going.read(180), coming.read(180)
+            together = time.perf_counter() - start
+            exact = coming.ask("verify", timeout=120)["exact"]
+            if not (park2.get("ok") and resume2.get("ok")):
+                raise ChildFailed(f"the swap piece by piece failed: park {park2}, resume {resume2}")
+            row = {
+                "one_by_one_s": alone,
+                "park_alone_s": park1["seconds"],
+                "resume_alone_s": resume1["seconds"],
+                "together_s": together,
+                "together_park_s": park2["seconds"],
+                "together_resume_s": resume2["seconds"],
+                "longer_alone_s": max(park1["seconds"], resume1["seconds"]),
+                "bytes": park2["bytes"],
+                "exact": exact,
+            }
+            rows.append(row)
+            say(
+                f"[{self.elapsed():5.1f}s]   swap {index + 1}: one by one {alone:.3f} s (park {park1['seconds']:.3f}, "
+                f"resume {resume1['seconds']:.3f}); piece by piece {together:.3f} s (park {park2['seconds']:.3f}, "
+                f"resume {resume2['seconds']:.3f}); exact {exact}"
+            )
+        out["rounds"] = rows
+        out["together_over_one_by_one"] = ratio(
+            median([r["together_s"] for r in rows]), median([r["one_by_one_s"] for r in rows])
+        )
+        out["together_over_longer_alone"] = ratio(
+            median([r["together_s"] for r in rows]), median([r["longer_alone_s"] for r in rows])
+        )
+        say(
+            f"[{self.elapsed():5.1f}s]   median ratios: piece by piece / one by one {out['together_over_one_by_one']}, "
+            f"/ the longer copy alone {out['together_over_longer_alone']}"
+        )
+        self.result["full_swap"] = out
+        self.save()
+
     def run(self) -> None:
         say(
             f"device {self.nvml.name}, driver {self.nvml.driver}, "
@@ -839,6 +911,13 @@ class Probe:
             control = self.spawn("plain-control", False, pin_now=False)
             rounds = self.args.bench_rounds or OVERHEAD_ROUNDS
             phases.append(("overhead", lambda: self.overhead_phase(pairs, control, rounds)))
+            sizes = set()
+        if self.args.full_swap:
+            fa, fb = self.spawn("pages-swap-a", True), self.spawn("pages-swap-b", True)
+            ff = self.spawn("plain-swap-filler", False)
+            gib, rounds = self.args.full_swap_gib, self.args.full_swap_rounds
+            phases.append(("full swap", lambda: self.full_swap_phase(fa, fb, ff, gib, rounds)))
+            phases.append(("retire full swap", lambda: self.retire(fa, fb, ff)))
             sizes = set()
         if 2 in sizes:
             p2, c2 = self.spawn("pages-2", True), self.spawn("plain-2", False)
@@ -1031,6 +1110,19 @@ def main(argv=None) -> int:
         help="run every child on this one CPU (quieter timings: no migration between cores); with "
         "--overhead-only every thread of each child is pinned once the child is ready",
     )
+    parser.add_argument(
+        "--full-swap",
+        action="store_true",
+        help="only the swap on a full device (two pages children of --full-swap-gib and a plain one that fills "
+        "the rest): one by one against piece by piece",
+    )
+    parser.add_argument(
+        "--full-swap-gib",
+        type=int,
+        default=40,
+        help="each child's GiB for --full-swap (two pinned arenas of this size must fit the host: 40 on 128 GiB)",
+    )
+    parser.add_argument("--full-swap-rounds", type=int, default=4, help="rounds of --full-swap (roles swap each)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -1042,6 +1134,8 @@ def main(argv=None) -> int:
         build = load_file("gqx_pages_build", PAGES_DIR / "build.py")
         say(build.build(args.out))
         return 0
+    if args.full_swap and not (1 <= args.full_swap_gib <= 64 and args.full_swap_rounds >= 1):
+        parser.error("--full-swap needs --full-swap-gib between 1 and 64 and at least one round")
     if args.overhead_pairs < 1:
         parser.error("--overhead-pairs needs at least 1")
     if args.pin_cpu is not None and args.pin_cpu not in os.sched_getaffinity(0):
