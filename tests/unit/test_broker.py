@@ -267,7 +267,10 @@ def situations(draw):
     gpu = device(min(total, used_total + other), total=total)
     demands = [
         Demand(
-            k.kernel_id, {0: draw(st.integers(1, total // GiB)) * GiB}, draw(st.floats(0, 600)), may_wait=draw(st.booleans())
+            k.kernel_id,
+            {0: draw(st.integers(1, total // GiB)) * GiB},
+            draw(st.floats(0, 600)),
+            may_wait=draw(st.booleans()),
         )
         for k in kernels
         if k.state == "waiting"
