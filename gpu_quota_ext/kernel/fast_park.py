@@ -181,7 +181,8 @@ def _park(content: dict) -> dict:
     lib = pages()
     if lib is None:
         return _answer(E_STATE, "the fast park library is not in this kernel's process")
-    release = content.get("release_as_copied", False)
+    release = content.get("release_as_copied")
+    release = False if release is None else release  # not given (JSON's null too): as before, released at the end
     if not isinstance(release, bool):
         return _answer(E_REQUEST, f"release_as_copied must be true or false, not {release!r}")
     moved = lib.mapped_bytes()
@@ -248,9 +249,10 @@ def wait_for_room(content: dict) -> Tuple[float, Optional[str]]:
         return 0.0, None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 0.0, f"wait_for_room must be a number of seconds, not {value!r}"
-    if math.isnan(value) or math.isinf(value) or value < 0:
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
         return 0.0, f"wait_for_room must be a finite number of seconds, 0 or more, not {value!r}"
-    return min(float(value), WAIT_FOR_ROOM_SHARE * _timeout(content)), None
+    # Compared before float(): JSON's integers have no bound, and a float() of a huge one overflows.
+    return float(min(value, WAIT_FOR_ROOM_SHARE * _timeout(content))), None
 
 
 def _takes(call: Callable[..., Any], name: str) -> bool:
@@ -263,8 +265,9 @@ def _takes(call: Callable[..., Any], name: str) -> bool:
 
 def _timeout(content: dict) -> float:
     timeout = content.get("timeout")
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0
-    return float(timeout) if ok else DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        return DEFAULT_TIMEOUT  # (NaN fails the comparison too)
+    return float(timeout)
 
 
 def _answer(code: int, message: str, seconds: Optional[float] = None, nbytes: int = 0, **more: Any) -> dict:

@@ -242,7 +242,9 @@ def test_a_park_asked_to_release_as_it_copies_asks_the_library_so_and_says_it_di
 def test_a_park_not_asked_to_release_as_it_copies_calls_the_library_as_before(stand_in):
     lib = stand_in(SwapPages())
     assert fast_park.park({"arena": 8 * MiB})["released_as_copied"] is False
-    assert lib.calls == [("park", False)]
+    lib._state = "running"
+    assert fast_park.park({"arena": 8 * MiB, "release_as_copied": None})["released_as_copied"] is False
+    assert lib.calls == [("park", False), ("park", False)]
 
 
 def test_an_older_wrapper_parks_and_resumes_without_the_swaps_keywords(stand_in):
@@ -267,9 +269,13 @@ def test_a_resume_waits_as_long_as_asked_and_no_longer_than_half_the_requests_ti
     lib = stand_in(SwapPages())
     assert fast_park.resume({"wait_for_room": 7.5, "timeout": 60})["code"] == 0
     assert fast_park.resume({"wait_for_room": 10**9, "timeout": 60})["code"] == 0
+    assert fast_park.resume({"wait_for_room": 10**400})["code"] == 0  # JSON's integers have no bound
     assert fast_park.resume({"wait_for_room": 0})["code"] == 0
+    assert fast_park.resume({"wait_for_room": None})["code"] == 0
     assert fast_park.resume({})["code"] == 0
-    assert lib.calls == [("resume", 7.5), ("resume", 30.0), ("resume", 0.0), ("resume", 0.0)]
+    waits = [wait for _, wait in lib.calls]
+    assert waits == [7.5, 30.0, fast_park.DEFAULT_TIMEOUT / 2, 0.0, 0.0, 0.0]
+    assert all(type(wait) is float for wait in waits)
 
 
 def test_a_resume_whose_wait_ran_out_answers_the_drivers_out_of_memory(stand_in):
@@ -288,7 +294,7 @@ def test_a_bad_wait_for_room_is_refused_before_the_library_is_asked(stand_in, va
     assert lib.calls == []
 
 
-@pytest.mark.parametrize("value", [1, 0, "yes", None, [True]])
+@pytest.mark.parametrize("value", [1, 0, "yes", "false", [True]])
 def test_a_release_as_copied_that_is_not_a_bool_is_refused_before_anything_moves(stand_in, value):
     lib = stand_in(SwapPages())
     answer = fast_park.park({"arena": 8 * MiB, "release_as_copied": value})
