@@ -132,10 +132,12 @@ Outcome = TypeVar("Outcome")  # what a driver sequence returns (_drive)
 
 # The longest a fast-path resume waits, inside the kernel, for a park under way to free the memory it needs (a swap:
 # both copies at once, broker.py's docstring), never more than half of park_call_timeout (the other half is the
-# copy's; the kernel cuts it there too). Long enough for the park of a whole H200 at the link's speed (141 GB at
-# about 25 GB/s: 6 s) many times over, with room for a slow link; short enough that a resume whose room never comes
-# (the park failed, another process took the bytes) is back to waiting, parked and whole, within a minute. It is
-# not a setting: it bounds a wait for a copy under way on this host, not a policy.
+# copy's; the kernel cuts it there too). Long enough for the park of a whole H200 many times over (141 GB at the
+# 53 GB/s measured there: under 3 s), with room for a slower link and a park that makes its arena first (1.7 s to
+# pin 56 GiB); short enough that a resume whose room never comes (the park failed, another process took the bytes)
+# is back to waiting, parked and whole, within a minute. Not a setting: it bounds a wait for a copy under way on
+# this host, it is no policy. (Restores run one at a time (_restoring): a fast resume that waits holds up the
+# restores after it as long.)
 SWAP_WAIT = 60.0
 
 
