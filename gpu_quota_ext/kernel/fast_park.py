@@ -4,14 +4,31 @@ only where the user has imported it, and nothing here creates a CUDA context or 
 that has not used CUDA.
 
     {"action": "facts"}                -> what the parker's choice of path needs (FACTS below)
-    {"action": "park", "arena": bytes} -> the library parks the process into its arena (made first, of that
-                                          size, where the kernel has none big enough: the server reserved it)
-    {"action": "resume", "keep_arena": bool} -> the library maps and copies every byte back
+    {"action": "park", "arena": bytes, "release_as_copied": bool}
+                                       -> the library parks the process into its arena (made first, of that
+                                          size, where the kernel has none big enough: the server reserved it);
+                                          release_as_copied: each piece of device memory is given back as soon
+                                          as its bytes are in the arena (a swap: another kernel's resume may
+                                          take it meanwhile), instead of all of it at the end
+    {"action": "resume", "keep_arena": bool, "wait_for_room": seconds}
+                                       -> the library maps and copies every byte back; wait_for_room: where the
+                                          device is full it waits, at most that long in all, for a park under way
+                                          in another process to free memory (0, the default: it does not wait);
+                                          at most half the request's "timeout" (WAIT_FOR_ROOM_SHARE: the other
+                                          half is the copy's), a longer wait is cut to that
     {"action": "release"}              -> a running kernel gives back the arena it kept (the host needs it)
 
 A park or resume answers {"code": 0 or the library's or driver's code, "message", "seconds", "bytes"}. It runs in
 a thread of its own (the library's copy releases the GIL; the control thread waits for it, at most the server's
-"timeout"), so a call that never returns leaves the control thread free to answer "still running".
+"timeout"), so a call that never returns leaves the control thread free to answer "still running". A park that
+released some pieces and then failed answers E_PARTIAL with the library's message: the kernel is parked in part
+(the library's state is "parked", the released pieces' bytes in the arena, the others still on the device), and a
+resume brings everything back. A resume whose wait for room ran out answers the driver's out-of-memory code, every
+byte still on the host and the kernel parked. A request whose release_as_copied or wait_for_room is not what it
+should be (a bool; a finite number of seconds, 0 or more) is refused (E_REQUEST) before the library is called.
+
+Both options are asked of the library only where they are not the default, and only where its wrapper takes them
+(an older one parks and resumes as before: every byte copied before any is released, no wait for room).
 
 The library's Python wrapper (gpu_quota_ext/parking/pages/__init__.py) is the server's module, stdlib only and
 made to be loaded on its own (the probe does so on the GPU machine): it is loaded here from its file, since the
@@ -21,18 +38,25 @@ kernel's side imports nothing of the server's package but shared/.
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import math
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 PAGES_MODULE = Path(__file__).resolve().parents[1] / "parking" / "pages" / "__init__.py"
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either (the second from 2.8)
 DEFAULT_TIMEOUT = 600.0
 E_STATE, E_ARENA = -1, -2  # the library's codes (pages.c), for refusals made here
+E_PARTIAL = -6  # the library's: a park that released some pieces, then failed: parked in part (see above)
 STILL_RUNNING = -100  # the call has not returned within the server's timeout; the kernel says so and goes on
+E_REQUEST = -101  # the server's request is malformed (release_as_copied, wait_for_room): refused, nothing moved
+# A resume's wait for room is at most this share of the request's timeout: the rest is left to the copy itself, so
+# that a wait that runs out still answers (every byte on the host) before the server's wait for the answer ends.
+WAIT_FOR_ROOM_SHARE = 0.5
 
 FACTS = (
     "preloaded",  # the library is in this process (the kernel started with it in LD_PRELOAD)
@@ -157,6 +181,10 @@ def _park(content: dict) -> dict:
     lib = pages()
     if lib is None:
         return _answer(E_STATE, "the fast park library is not in this kernel's process")
+    release = content.get("release_as_copied")
+    release = False if release is None else release  # not given (JSON's null too): as before, released at the end
+    if not isinstance(release, bool):
+        return _answer(E_REQUEST, f"release_as_copied must be true or false, not {release!r}")
     moved = lib.mapped_bytes()
     size = content.get("arena")
     made = 0.0
@@ -173,8 +201,18 @@ def _park(content: dict) -> dict:
         _arena = lib.arena(size)
         made = _arena.populate_seconds + _arena.register_seconds
     start = time.perf_counter()
-    lib.park(_arena)
-    return _answer(0, "parked", time.perf_counter() - start, moved, arena_seconds=made)
+    released = bool(release) and _takes(lib.park, "release_as_copied")
+    try:
+        if released:
+            lib.park(_arena, release_as_copied=True)
+        else:
+            lib.park(_arena)
+    except Exception as error:  # the wrapper's PagesError: parked in part is answered here, the rest by _in_thread
+        if getattr(error, "code", None) != E_PARTIAL:
+            raise
+        message = getattr(error, "message", None) or str(error)
+        return _answer(E_PARTIAL, message, time.perf_counter() - start, moved, released_as_copied=released)
+    return _answer(0, "parked", time.perf_counter() - start, moved, arena_seconds=made, released_as_copied=released)
 
 
 def _resume(content: dict) -> dict:
@@ -182,9 +220,15 @@ def _resume(content: dict) -> dict:
     lib = pages()
     if lib is None:
         return _answer(E_STATE, "the fast park library is not in this kernel's process")
+    wait, refusal = wait_for_room(content)
+    if refusal is not None:
+        return _answer(E_REQUEST, refusal)
     moved = lib.mapped_bytes()
     start = time.perf_counter()
-    lib.resume()
+    if wait > 0 and _takes(lib.resume, "wait_for_room"):
+        lib.resume(wait_for_room=wait)
+    else:
+        lib.resume()
     seconds = time.perf_counter() - start
     kept = content.get("keep_arena") is not False
     if not kept and _arena is not None:
@@ -196,6 +240,36 @@ def _resume(content: dict) -> dict:
     return _answer(0, "resumed", seconds, moved, arena_kept=kept)
 
 
+def wait_for_room(content: dict) -> Tuple[float, Optional[str]]:
+    """A resume's wait for room, in seconds (0: none), and why the request's value is refused (or None). A bool, a
+    string, NaN, an infinity or a negative number is refused; a wait longer than WAIT_FOR_ROOM_SHARE of the
+    request's timeout is cut to that."""
+    value = content.get("wait_for_room", 0.0)
+    if value is None:
+        return 0.0, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0, f"wait_for_room must be a number of seconds, not {value!r}"
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        return 0.0, f"wait_for_room must be a finite number of seconds, 0 or more, not {value!r}"
+    # Compared before float(): JSON's integers have no bound, and a float() of a huge one overflows.
+    return float(min(value, WAIT_FOR_ROOM_SHARE * _timeout(content))), None
+
+
+def _takes(call: Callable[..., Any], name: str) -> bool:
+    """Whether the library's wrapper takes this keyword (an older one does not: it is called without it)."""
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read: taken as an older one
+        return False
+
+
+def _timeout(content: dict) -> float:
+    timeout = content.get("timeout")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        return DEFAULT_TIMEOUT  # (NaN fails the comparison too)
+    return float(timeout)
+
+
 def _answer(code: int, message: str, seconds: Optional[float] = None, nbytes: int = 0, **more: Any) -> dict:
     answer = {"code": code, "message": message, "seconds": seconds, "bytes": nbytes}
     answer.update(more)
@@ -204,8 +278,7 @@ def _answer(code: int, message: str, seconds: Optional[float] = None, nbytes: in
 
 def _in_thread(call: Callable[[dict], dict], content: dict) -> dict:
     """`call(content)` in a thread of its own; its answer, or "still running" after the server's timeout."""
-    timeout = content.get("timeout")
-    timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_TIMEOUT
+    timeout = _timeout(content)
     result: dict = {}
 
     def run() -> None:

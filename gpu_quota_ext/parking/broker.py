@@ -29,6 +29,19 @@ memory can take them (the host guard). A parking kernel frees its bytes once its
 those bytes will cover waits for them instead of parking more. A demand that waited `wait_limit` seconds is
 told why (once), and from then on comes after every demand still within its limit: it is still served when
 room appears, but it no longer holds up the others.
+
+A swap, both copies at once: a fast-path resume (`Demand.may_wait`) may go while the parks that make its room are
+still copying, where those parks release as they copy (`KernelView.releases_as_copied`: a fast-path park gives
+each piece of device memory back as soon as its bytes are on the host). It goes when what is free now and what
+those parks on its devices still hold cover it; its restore backs its memory piece by piece as pieces come free.
+That restore is not a restore into room that is there, and it need not be: the fast path's resume waits for the
+memory, bounded (the parker's SWAP_WAIT), and where the room never comes (the park failed, another process took
+the bytes first) it gives back what it took and stays parked with every byte on the host: recoverable, the kernel
+waits for room again. The checkpoint path's restore has no such wait and loses the process when it finds the
+device full, so a demand that is not `may_wait`, and room that comes only from parks that do not release as they
+copy (the checkpoint path's, which frees nothing until its last process is checkpointed), waits for the park to
+end as before. Nothing is promised twice all the same: the bytes of a releasing park count once, for the first
+`may_wait` demand that needs them (earmarked like any go), and never for a demand that is not `may_wait`.
 """
 
 from __future__ import annotations
@@ -64,6 +77,9 @@ class KernelView:
     # A kernel resumed by the fast path may keep its pinned arena for its next park (path.keep_arena): that
     # memory is already out of the host's available memory, and parking it again takes no more.
     host_cost: Optional[int] = None
+    # A park under way (PARKING) through the fast path that gives each piece of device memory back as soon as it
+    # is copied: its bytes come free piece by piece, and a `may_wait` resume may start while it copies.
+    releases_as_copied: bool = False
 
     def headroom(self, key: Hashable) -> int:
         """What its cap still lets it take on `key` while it runs a cell and holds memory there. An idle kernel
@@ -102,6 +118,10 @@ class Demand:
     # kernels come back where the device has room now, largest first, after every demand someone waits for. It
     # parks nobody and is told nothing.
     background: bool = False
+    # A fast-path resume: its restore waits, bounded, for memory that parks under way are freeing, and fails
+    # recoverably (the kernel stays parked and whole) when the wait runs out. It may go while the parks that make
+    # its room are still copying, where they release as they copy (the module's docstring: a swap).
+    may_wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,6 +253,13 @@ class _Deciding:
         self.later_room: Dict[Hashable, Optional[int]] = {
             key: None if value is None else value + coming[key] for key, value in self.now_room.items()
         }
+        # Of those, what parks under way free piece by piece as they copy: what a `may_wait` resume may count on
+        # now (the module's docstring: a swap). Taken by the `may_wait` demands that go on it, through now_room,
+        # which they leave below zero by what they borrowed.
+        self.releasing: Dict[Hashable, int] = {
+            d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == ParkState.PARKING and k.releases_as_copied)
+            for d in devices
+        }
         # A kernel that waits for room itself (a running one that found the device full) is never parked to make it.
         asking = {d.kernel_id for d in demands}
         self.pool = [k for k in candidates(kernels, settings.min_idle) if k.kernel_id not in asking]
@@ -269,6 +296,12 @@ class _Deciding:
         if demand.background:
             return  # only where the device has room now: it parks nobody
         short_later = {key: need[key] - own[key] - (self.later_room[key] or 0) for key in need}
+        if demand.may_wait and not demand.running and all(s <= self.releasing[key] for key, s in short_now.items()):
+            # A swap: the parks that free its room release as they copy, and its restore waits for them, bounded
+            # and recoverably. It goes now, both copies at once, and takes its room as any go does.
+            self.go.append(demand.kernel_id)
+            _earmark(need, own, self.now_room, self.later_room)
+            return
         if all(s <= 0 for s in short_later.values()):
             parking = [k.label or k.kernel_id for k in self.kernels if k.state == ParkState.PARKING and _on(k, need)]
             reason = _making_room(need, self.by_key, parking, "parking")

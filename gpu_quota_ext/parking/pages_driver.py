@@ -5,16 +5,22 @@ control channel), instead of the driver's checkpoint calls from the server.
 
     lock, unlock   nothing: the parker parks only idle kernels, and the library waits for the device's work
                    itself (cuCtxSynchronize) before it copies anything
-    checkpoint     {"action": "park", "arena": bytes}: the kernel makes its arena (reserved in the host's
-                   account first) where it has none big enough, then the library parks
-    restore        {"action": "resume", "keep_arena": bool}
+    checkpoint     {"action": "park", "arena": bytes, "release_as_copied": bool}: the kernel makes its arena
+                   (reserved in the host's account first) where it has none big enough, then the library parks,
+                   giving each piece of device memory back as soon as it is copied (release_as_copied)
+    restore        {"action": "resume", "keep_arena": bool, "wait_for_room": seconds}: where the device is
+                   full, the library waits that long at most for a park under way to free memory (a swap)
     state          {"action": "facts"}: the library's state (CHECKPOINTED while parked)
 
 One driver per park or resume of one kernel (it knows the kernel, the arena and the answers' seconds). Its calls
 block (they run in the parker's threads, as the checkpoint driver's do); `ask` is the kernel channel called from
 such a thread (`threadsafe_ask`). A failure raises CheckpointError with the library's code (a positive one is the
-driver's CUresult: CUDA_ERROR_OUT_OF_MEMORY, 2, for a resume that found no room), the kernel as it was: a park
-that failed released nothing, a resume that failed keeps every byte on the host and the kernel parked.
+driver's CUresult: CUDA_ERROR_OUT_OF_MEMORY, 2, for a resume that found no room, or whose wait for room ran out),
+the kernel as it was: a park that failed released nothing, a resume that failed keeps every byte on the host and
+the kernel parked. One failure is not raised: a park that released some pieces and then failed (E_PARTIAL, only
+with release_as_copied) has left the kernel parked in part, some bytes on the host and the rest on the device, and
+the library runs no GPU work of the kernel's until a resume: it is parked (a warning says what happened), and its
+resume brings everything back. Taken as a failed park, it would be shown running and hang at its next cell.
 """
 
 from __future__ import annotations
@@ -39,10 +45,12 @@ log = logging.getLogger("gpu_quota_ext")
 
 Ask = Callable[[dict, float], Optional[dict]]  # (content, timeout) -> the kernel's answer, None: no answer
 
+E_PARTIAL = -6  # the library's: a park that released some pieces, then failed: parked in part
 STILL_RUNNING = -100  # kernel/fast_park.py: the call had not returned when the kernel's wait ended
+E_REQUEST = -101  # kernel/fast_park.py: the request was malformed, refused before the library was called
 CODE_NAMES = {
-    -1: "state", -2: "arena", -3: "driver", -4: "host memory", -5: "no context", STILL_RUNNING: "still running",
-    2: "CUDA_ERROR_OUT_OF_MEMORY",
+    -1: "state", -2: "arena", -3: "driver", -4: "host memory", -5: "no context", E_PARTIAL: "parked in part",
+    STILL_RUNNING: "still running", E_REQUEST: "request", 2: "CUDA_ERROR_OUT_OF_MEMORY",
 }
 
 
@@ -64,11 +72,21 @@ def threadsafe_ask(channel: KernelChannel, kernel_id: str, loop: asyncio.Abstrac
 class PagesDriver(CheckpointDriver):
     """One kernel's fast park or resume, through its control channel."""
 
-    def __init__(self, ask: Ask, arena: int = 0, keep_arena: bool = True, timeout: float = 600.0):
+    def __init__(
+        self,
+        ask: Ask,
+        arena: int = 0,
+        keep_arena: bool = True,
+        timeout: float = 600.0,
+        release_as_copied: bool = True,
+        wait_for_room: float = 0.0,
+    ):
         self.ask = ask
         self.arena = arena  # the arena's size, reserved in the host's account, for a kernel that has none
         self.keep_arena = keep_arena  # after a resume (path.keep_arena)
         self.timeout = timeout  # seconds the kernel's park or resume may take before it answers "still running"
+        self.release_as_copied = release_as_copied  # a park gives each piece back as it is copied
+        self.wait_for_room = wait_for_room  # seconds a resume may wait for a park under way to free memory
         self.seconds: Optional[float] = None  # the library's copy, as the kernel timed it (the last call)
         self.answers: list = []
 
@@ -82,13 +100,31 @@ class PagesDriver(CheckpointDriver):
         pass
 
     def checkpoint(self, pid: int) -> None:
-        answer = self._call("park", pid, {"action": "park", "arena": int(self.arena), "timeout": self.timeout})
+        content = {
+            "action": "park",
+            "arena": int(self.arena),
+            "release_as_copied": bool(self.release_as_copied),
+            "timeout": self.timeout,
+        }
+        answer = self._call("park", pid, content)
         if answer is None and self._library_state(pid) == "parked":
             return  # the answer was lost, the park was not
+        if answer is not None and answer.get("code") == E_PARTIAL:
+            log.warning(
+                "gpu-quota-ext: process %s was parked in part (some of its GPU memory is on the host, the rest still "
+                "on the device); it counts as parked, and its resume brings everything back: %s",
+                pid, answer.get("message") or "no message",
+            )
+            return
         self._check("park", pid, answer)
 
     def restore(self, pid: int) -> None:
-        content = {"action": "resume", "keep_arena": bool(self.keep_arena), "timeout": self.timeout}
+        content = {
+            "action": "resume",
+            "keep_arena": bool(self.keep_arena),
+            "wait_for_room": float(self.wait_for_room),
+            "timeout": self.timeout,
+        }
         answer = self._call("resume", pid, content)
         if answer is None and self._library_state(pid) == "running":
             return

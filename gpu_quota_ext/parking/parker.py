@@ -130,6 +130,16 @@ log = logging.getLogger("gpu_quota_ext")
 
 Outcome = TypeVar("Outcome")  # what a driver sequence returns (_drive)
 
+# The longest a fast-path resume waits, inside the kernel, for a park under way to free the memory it needs (a swap:
+# both copies at once, broker.py's docstring), never more than half of park_call_timeout (the other half is the
+# copy's; the kernel cuts it there too). Long enough for the park of a whole H200 many times over (141 GB at the
+# 53 GB/s measured there: under 3 s), with room for a slower link and a park that makes its arena first (1.7 s to
+# pin 56 GiB); short enough that a resume whose room never comes (the park failed, another process took the bytes)
+# is back to waiting, parked and whole, within a minute. Not a setting: it bounds a wait for a copy under way on
+# this host, it is no policy. (Restores run one at a time (_restoring): a fast resume that waits holds up the
+# restores after it as long.)
+SWAP_WAIT = 60.0
+
 
 class RoomBroker(Protocol):
     """Who decides which resumes run and who parks: this server alone, or the host service for every user."""
@@ -234,20 +244,28 @@ def room_right_now(
     used_now: Callable[[int], Optional[int]],
     others: Mapping[int, int],
     margin: int,
+    freeing: Optional[Mapping[int, int]] = None,
 ) -> Optional[str]:
     """Why the devices do not have `need` free right now (NVML read afresh), beyond the restores granted to
     others that have not run yet and the margin; None when they do. The broker decided on a sample up to a poll
-    interval old: this is the check right before the driver is asked, which it cannot take back."""
+    interval old: this is the check right before the driver is asked, which it cannot take back.
+
+    `freeing`: for a fast-path resume only (it waits, bounded, for memory being freed, and fails recoverably), what
+    the fast-path parks under way will still free as they copy, by device. Counted whole: how much of it the device
+    gives back already is not read here (the reading counts it free, so the check may count it twice; the resume's
+    own bounded wait is what keeps that safe). The checkpoint path's restore never passes it."""
     for index, nbytes in sorted(need.items()):
         used = used_now(index)
         if used is None:
             return f"GPU {index}'s memory cannot be read right now; the kernel waits for room again"
         free = totals[index] - used - others.get(index, 0)
-        if free < nbytes + margin:
+        coming = (freeing or {}).get(index, 0)
+        if free + coming < nbytes + margin:
+            also = f" (and {format_bytes(coming)} that parks under way are freeing)" if coming else ""
             return (
-                f"GPU {index} has {format_bytes(max(0, free))} free right now, short of the {format_bytes(nbytes)} "
-                f"it needs plus a margin of {format_bytes(margin)}: memory was taken since the broker's decision "
-                "(a process outside the quota?); the kernel waits for room again"
+                f"GPU {index} has {format_bytes(max(0, free))} free right now{also}, short of the "
+                f"{format_bytes(nbytes)} it needs plus a margin of {format_bytes(margin)}: memory was taken since the "
+                "broker's decision (a process outside the quota?); the kernel waits for room again"
             )
     return None
 
@@ -561,6 +579,10 @@ class Parker:
         elif isinstance(effect, Checkpoint):
             self._promise_host(kernel_id, effect.pids)
             self._spawn(self._checkpoint(kernel_id, effect.op, effect.pids))
+            if self._releasing(kernel_id):
+                # Its bytes come free from now on, piece by piece: a fast resume waiting for them may start now
+                # rather than at the next sample (a swap, broker.py), which would lose most of the overlap.
+                self.decide_soon()
         elif isinstance(effect, Restore):
             self._spawn(self._restore(kernel_id, effect.op, effect.pids))
         elif isinstance(effect, Decide):
@@ -925,12 +947,18 @@ class Parker:
                     label=f"kernel {kernel_id[:8]}",
                     stays=self._stays(kernel_id, view.state),
                     host_cost=self._host_cost(kernel_id, used),
+                    releases_as_copied=view.state == ParkState.PARKING and self._releasing(kernel_id),
                 )
             )
             if record is None:
                 continue
             if record.state == ParkState.WAITING and record.deferred_at is None:
-                demands.append(BrokerDemand(kernel_id, keyed(record.parked), record.waiting_since or now))
+                # A fast-path resume waits, bounded, for bytes being freed, and fails recoverably: it may go while the
+                # park that makes its room copies (a swap); the checkpoint path's restore never may.
+                fast = self._pages_plan(kernel_id) is not None and self.channel is not None
+                demands.append(
+                    BrokerDemand(kernel_id, keyed(record.parked), record.waiting_since or now, may_wait=fast)
+                )
             if record.room:
                 reservations.append(Reservation(kernel_id, keyed(record.room)))
             if record.room_need and record.state in (RUNNING, ParkState.PENDING):
@@ -1166,11 +1194,37 @@ class Parker:
         return plan
 
     def _driver_for(self, kernel_id: str, plan: Optional[ParkPlan], keep: bool = True) -> CheckpointDriver:
-        """The driver of this park or resume: the checkpoint driver, or the fast path's through the kernel."""
+        """The driver of this park or resume: the checkpoint driver, or the fast path's through the kernel. A fast
+        park releases each piece of device memory as soon as it is copied (a resume waiting for it starts sooner);
+        a fast resume's wait for room is set by _restore, where a park under way frees its room."""
         if plan is None or self.channel is None:
             return self.driver
         ask = threadsafe_ask(self.channel, kernel_id, asyncio.get_running_loop())
-        return PagesDriver(ask, arena=plan.arena, keep_arena=keep, timeout=self.settings.call_timeout)
+        return PagesDriver(
+            ask, arena=plan.arena, keep_arena=keep, timeout=self.settings.call_timeout, release_as_copied=True
+        )
+
+    def _releasing(self, kernel_id: str) -> bool:
+        """The kernel's park is under way through the fast path, past its check (its driver call asked, or about to
+        be): its device memory comes free piece by piece as it is copied."""
+        record = self.records.get(kernel_id)
+        return (
+            record is not None
+            and record.state in (ParkState.PARKING, ParkState.PARKED)
+            and bool(record.parked)
+            and self.channel is not None
+            and self._pages_plan(kernel_id) is not None
+        )
+
+    def _freeing(self, but: str) -> Dict[int, int]:
+        """What the fast-path parks under way (other than `but`'s) will still free as they copy, by device: their
+        parked bytes (what the library maps). A park that has ended is in the device's reading already."""
+        freeing: Dict[int, int] = {}
+        for kernel_id, record in self.records.items():
+            if kernel_id != but and record.state == ParkState.PARKING and self._releasing(kernel_id):
+                for index, nbytes in record.parked.items():
+                    freeing[index] = freeing.get(index, 0) + nbytes
+        return freeing
 
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
         plan = self._pages_plan(kernel_id)
@@ -1326,10 +1380,18 @@ class Parker:
             available = self.host_reading().least()
             keep = available is not None and keep_arena(plan.arena, available + plan.arena, self.settings.host_margin)
         driver = self._driver_for(kernel_id, plan, keep)
+        # A fast resume may count on what fast parks under way are freeing (a swap), and waits for it inside the
+        # kernel, bounded; the checkpoint path's restore counts only what is free now: it cannot wait or give back.
+        freeing: Dict[int, int] = {}
+        if isinstance(driver, PagesDriver):
+            freeing = {index: n for index, n in self._freeing(but=kernel_id).items() if index in need}
+            driver.wait_for_room = min(SWAP_WAIT, self.settings.call_timeout / 2) if freeing else 0.0
 
         def checked_restore() -> Union[str, bool]:
             with self._restoring:  # one restore at a time: each one's check sees the ones before it done
-                short = room_right_now(need, totals, self.monitor.device_used_now, others, self.settings.device_margin)
+                short = room_right_now(
+                    need, totals, self.monitor.device_used_now, others, self.settings.device_margin, freeing
+                )
                 if short is not None:
                     return short
                 return resume_processes(driver, pids)

@@ -1,7 +1,9 @@
 """The broker's decisions (parking/broker.py), pure: examples a person can read, then properties over random
 devices, kernels and demands: never two holders of the same bytes, never a restore without room, victims only
 among idle parkable kernels idle long enough and only while the host can take them, least recently active
-first; and, over simulated time, every kernel that waits is served or told by the limit."""
+first; a fast resume that goes while the parks making its room still copy only where those parks release as they
+copy, and never on bytes promised to another; and, over simulated time, every kernel that waits is served or told
+by the limit."""
 
 from __future__ import annotations
 
@@ -66,6 +68,61 @@ def test_while_the_victim_parks_nothing_more_parks_and_the_resume_waits_for_it()
     )
     assert decided.go == () and decided.park == ()
     assert "kernel B parking" in decided.waiting["A"]
+
+
+# --- a swap: both copies at once (the fast path only) ----------------------------------------------------------
+
+
+def swap_scene(releases_as_copied: bool):
+    """The issue's swap: A parked (56 GiB) wants back in; B (56 GiB) parks for it and is copying; the device has
+    140 GiB and 113 GiB of it used."""
+    parking = replace(kernel("B", "parking", used=56 * GiB), releases_as_copied=releases_as_copied)
+    return [kernel("A", "waiting"), parking, kernel("C", "idle", used=56 * GiB, idle_for=90)]
+
+
+def test_a_fast_resume_goes_while_the_fast_park_that_makes_its_room_is_still_copying():
+    demand = Demand("A", {0: 56 * GiB}, 1000.0, may_wait=True)
+    decided = plan([device(113 * GiB)], swap_scene(True), [demand], [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == ("A",) and decided.park == () and decided.waiting == {}, decided
+
+
+def test_a_checkpoint_restore_waits_for_the_park_to_end_even_when_that_park_releases_as_it_copies():
+    # Its restore into a full device would lose the process: it never starts before the room is there.
+    demand = Demand("A", {0: 56 * GiB}, 1000.0)
+    decided = plan([device(113 * GiB)], swap_scene(True), [demand], [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == () and decided.park == ()
+    assert "kernel B parking" in decided.waiting["A"]
+
+
+def test_a_fast_resume_waits_for_a_park_that_frees_nothing_until_it_ends():
+    # The checkpoint path's park (or a fast park of an older library) frees its bytes only once it is done.
+    demand = Demand("A", {0: 56 * GiB}, 1000.0, may_wait=True)
+    decided = plan([device(113 * GiB)], swap_scene(False), [demand], [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == () and decided.park == () and "kernel B parking" in decided.waiting["A"]
+
+
+def test_the_bytes_of_a_releasing_park_are_counted_once_for_the_first_fast_resume_only():
+    # 26 GiB free now (140 - 113 - 1), B frees 56 GiB as it copies. A (56 GiB) takes the 26 free and 30 of B's;
+    # D (30 GiB), a fast resume too, finds only 26 of B's left: it waits. E (2 GiB), a checkpoint restore, may not
+    # count on B's bytes at all, and A took what is free now: it waits too.
+    kernels = swap_scene(True) + [kernel("D", "waiting"), kernel("E", "waiting")]
+    demands = [
+        Demand("A", {0: 56 * GiB}, 1000.0, may_wait=True),
+        Demand("D", {0: 30 * GiB}, 1001.0, may_wait=True),
+        Demand("E", {0: 2 * GiB}, 1002.0),
+    ]
+    decided = plan([device(113 * GiB)], kernels, demands, [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == ("A",) and set(decided.waiting) == {"D", "E"}, decided
+    alone = plan([device(113 * GiB)], kernels, demands[1:], [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert alone.go == ("D",) and set(alone.waiting) == {"E"}, alone  # 26 free + 4 of B's; E's 2 GiB are not free
+
+
+def test_a_fast_resume_that_a_releasing_park_cannot_cover_makes_room_as_before():
+    demand = Demand("A", {0: 100 * GiB}, 1000.0, may_wait=True)
+    kernels = swap_scene(True)
+    kernels[2] = kernel("C", "idle", used=56 * GiB, idle_for=600)
+    decided = plan([device(113 * GiB)], kernels, [demand], [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == () and decided.park == (("C", "A"),)
 
 
 def test_once_the_room_is_there_the_resume_goes_and_a_second_one_must_wait_for_it():
@@ -197,20 +254,24 @@ def situations(draw):
         cap = draw(st.integers(1, total // GiB)) * GiB
         used = draw(st.integers(0, cap // GiB)) * GiB if state in ("busy", "idle", "pending", "parking") else 0
         used_total += used
-        kernels.append(
-            kernel(
-                f"k{i}",
-                state,
-                used=used,
-                cap=cap,
-                idle_for=draw(st.floats(0, 3600)) if state == "idle" else None,
-                parkable=draw(st.booleans()),
-            )
+        view = kernel(
+            f"k{i}",
+            state,
+            used=used,
+            cap=cap,
+            idle_for=draw(st.floats(0, 3600)) if state == "idle" else None,
+            parkable=draw(st.booleans()),
         )
+        kernels.append(replace(view, releases_as_copied=draw(st.booleans())))
     other = draw(st.integers(0, 4)) * GiB
     gpu = device(min(total, used_total + other), total=total)
     demands = [
-        Demand(k.kernel_id, {0: draw(st.integers(1, total // GiB)) * GiB}, draw(st.floats(0, 600)))
+        Demand(
+            k.kernel_id,
+            {0: draw(st.integers(1, total // GiB)) * GiB},
+            draw(st.floats(0, 600)),
+            may_wait=draw(st.booleans()),
+        )
         for k in kernels
         if k.state == "waiting"
     ]
@@ -229,12 +290,29 @@ def test_never_two_holders_of_the_same_bytes(situation, now):
     gpu, kernels, demands, reservations, host = situation
     decided = plan([gpu], kernels, demands, reservations, host, SETTINGS, now)
     granted = sum(d.need[0] for d in demands if d.kernel_id in decided.go)
+    strict = sum(d.need[0] for d in demands if d.kernel_id in decided.go and not d.may_wait)
     if granted:
         # What the resumes take, with everything already used, everything running kernels may still claim
-        # under their caps, everything reserved before and the margin, fits in the device.
+        # under their caps, everything reserved before and the margin, fits in the device: now, for the restores
+        # that cannot wait (the checkpoint path's); once the parks that release as they copy have freed their
+        # bytes, for every restore (a fast resume waits for them, bounded, and fails recoverably).
         claimed = sum(k.headroom(0) for k in kernels)
         reserved = sum(r.held.get(0, 0) for r in reservations)
-        assert gpu.used + claimed + reserved + granted + SETTINGS.device_margin <= gpu.total
+        releasing = sum(k.used.get(0, 0) for k in kernels if k.state == "parking" and k.releases_as_copied)
+        assert not strict or gpu.used + claimed + reserved + strict + SETTINGS.device_margin <= gpu.total
+        assert gpu.used + claimed + reserved + granted + SETTINGS.device_margin <= gpu.total + releasing
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations(), st.floats(0, 1000))
+def test_without_fast_resumes_or_releasing_parks_every_restore_finds_its_room_now(situation, now):
+    gpu, kernels, demands, reservations, host = situation
+    strict = [replace(d, may_wait=False) for d in demands]
+    decided = plan([gpu], kernels, strict, reservations, host, SETTINGS, now)
+    granted = sum(d.need[0] for d in strict if d.kernel_id in decided.go)
+    claimed = sum(k.headroom(0) for k in kernels)
+    reserved = sum(r.held.get(0, 0) for r in reservations)
+    assert not granted or gpu.used + claimed + reserved + granted + SETTINGS.device_margin <= gpu.total
 
 
 @settings(max_examples=400, deadline=None)

@@ -164,3 +164,139 @@ def test_without_the_library_a_park_is_refused_and_facts_say_so():
 )
 def test_expandable_segments_are_read_from_either_setting(environ, on):
     assert fast_park.expandable_segments(environ) is on
+
+
+# --- a swap's options (release_as_copied, wait_for_room), with the library's wrapper played by a stand-in -----------
+# The library itself is the lead's (tests/unit/test_fast_park.py); here: what the kernel's side asks of its wrapper,
+# what it refuses before asking, and what it answers. PagesError is the real wrapper's.
+
+PagesError = fast_park._pages_module().PagesError
+
+
+class StandInArena:
+    def __init__(self, size: int):
+        self.size, self.handle = size, 1
+        self.populate_seconds = self.register_seconds = 0.0
+
+    def close(self) -> None:
+        self.handle = 0
+
+
+class SwapPages:
+    """The wrapper with the swap's keywords (the lead's): what each call was given, and a failure to raise."""
+
+    def __init__(self, fails: object = None):
+        self.calls: list = []
+        self.fails = fails
+        self._state = "running"
+
+    def state(self) -> str:
+        return self._state
+
+    def mapped_bytes(self) -> int:
+        return 6 * MiB
+
+    def arena(self, size: int) -> StandInArena:
+        return StandInArena(size)
+
+    def park(self, arena, release_as_copied: bool = False) -> None:
+        self.calls.append(("park", release_as_copied))
+        self._state = "parked"
+        if self.fails is not None:
+            raise self.fails
+
+    def resume(self, wait_for_room: float = 0.0) -> None:
+        self.calls.append(("resume", wait_for_room))
+        if self.fails is not None:
+            raise self.fails
+        self._state = "running"
+
+
+class OlderPages(SwapPages):
+    """A wrapper from before the swap: neither keyword."""
+
+    def park(self, arena) -> None:  # type: ignore[override]
+        super().park(arena)
+
+    def resume(self) -> None:  # type: ignore[override]
+        super().resume()
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    def use(pages: SwapPages) -> SwapPages:
+        monkeypatch.setattr(fast_park, "_pages", pages)
+        monkeypatch.setattr(fast_park, "_arena", None)
+        return pages
+
+    return use
+
+
+def test_a_park_asked_to_release_as_it_copies_asks_the_library_so_and_says_it_did(stand_in):
+    lib = stand_in(SwapPages())
+    answer = fast_park.park({"arena": 8 * MiB, "release_as_copied": True})
+    assert answer["code"] == 0 and answer["released_as_copied"] is True, answer
+    assert lib.calls == [("park", True)]
+
+
+def test_a_park_not_asked_to_release_as_it_copies_calls_the_library_as_before(stand_in):
+    lib = stand_in(SwapPages())
+    assert fast_park.park({"arena": 8 * MiB})["released_as_copied"] is False
+    lib._state = "running"
+    assert fast_park.park({"arena": 8 * MiB, "release_as_copied": None})["released_as_copied"] is False
+    assert lib.calls == [("park", False), ("park", False)]
+
+
+def test_an_older_wrapper_parks_and_resumes_without_the_swaps_keywords(stand_in):
+    lib = stand_in(OlderPages())
+    parked = fast_park.park({"arena": 8 * MiB, "release_as_copied": True})
+    assert parked["code"] == 0 and parked["released_as_copied"] is False  # every byte copied, then released
+    resumed = fast_park.resume({"wait_for_room": 5.0})
+    assert resumed["code"] == 0
+    assert lib.calls == [("park", False), ("resume", 0.0)]
+
+
+def test_a_park_that_ended_parked_in_part_answers_so_with_the_librarys_words(stand_in):
+    partial = PagesError("gqx_park", fast_park.E_PARTIAL, "piece 3 of 7 not copied: CUDA_ERROR_ILLEGAL_ADDRESS")
+    lib = stand_in(SwapPages(fails=partial))
+    answer = fast_park.park({"arena": 8 * MiB, "release_as_copied": True})
+    assert answer["code"] == fast_park.E_PARTIAL == -6
+    assert answer["message"] == "piece 3 of 7 not copied: CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert lib.state() == "parked" and fast_park.parked_here()  # no GPU work until a resume
+
+
+def test_a_resume_waits_as_long_as_asked_and_no_longer_than_half_the_requests_timeout(stand_in):
+    lib = stand_in(SwapPages())
+    assert fast_park.resume({"wait_for_room": 7.5, "timeout": 60})["code"] == 0
+    assert fast_park.resume({"wait_for_room": 10**9, "timeout": 60})["code"] == 0
+    assert fast_park.resume({"wait_for_room": 10**400})["code"] == 0  # JSON's integers have no bound
+    assert fast_park.resume({"wait_for_room": 0})["code"] == 0
+    assert fast_park.resume({"wait_for_room": None})["code"] == 0
+    assert fast_park.resume({})["code"] == 0
+    waits = [wait for _, wait in lib.calls]
+    assert waits == [7.5, 30.0, fast_park.DEFAULT_TIMEOUT / 2, 0.0, 0.0, 0.0]
+    assert all(type(wait) is float for wait in waits)
+
+
+def test_a_resume_whose_wait_ran_out_answers_the_drivers_out_of_memory(stand_in):
+    lib = stand_in(SwapPages(fails=PagesError("gqx_resume", 2, "no memory came free within 30 s")))
+    lib._state = "parked"
+    answer = fast_park.resume({"wait_for_room": 30.0})
+    assert answer["code"] == 2 and "no memory came free" in answer["message"]
+    assert lib.state() == "parked"
+
+
+@pytest.mark.parametrize("value", [True, False, -1, -0.5, float("nan"), float("inf"), float("-inf"), "5", [1], {}])
+def test_a_bad_wait_for_room_is_refused_before_the_library_is_asked(stand_in, value):
+    lib = stand_in(SwapPages())
+    answer = fast_park.resume({"wait_for_room": value})
+    assert answer["code"] == fast_park.E_REQUEST and "wait_for_room" in answer["message"], answer
+    assert lib.calls == []
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "false", [True]])
+def test_a_release_as_copied_that_is_not_a_bool_is_refused_before_anything_moves(stand_in, value):
+    lib = stand_in(SwapPages())
+    answer = fast_park.park({"arena": 8 * MiB, "release_as_copied": value})
+    assert answer["code"] == fast_park.E_REQUEST and "release_as_copied" in answer["message"], answer
+    assert lib.calls == [] and fast_park._arena is None

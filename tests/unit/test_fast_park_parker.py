@@ -28,7 +28,7 @@ from gpu_quota_ext.parking.checkpoint import (
 from gpu_quota_ext.parking.fake_checkpoint import FakeCheckpoint
 from gpu_quota_ext.parking.host_account import HostReading
 from gpu_quota_ext.parking.kernel_channel import KernelChannel
-from gpu_quota_ext.parking.pages_driver import PagesDriver, threadsafe_ask
+from gpu_quota_ext.parking.pages_driver import CODE_NAMES, E_PARTIAL, E_REQUEST, PagesDriver, threadsafe_ask
 from gpu_quota_ext.parking.parker import Parker
 from gpu_quota_ext.parking.path import arena_bytes
 from gpu_quota_ext.shared.contract import PARK_PATH_FIELDS
@@ -206,7 +206,8 @@ def test_the_arena_is_kept_for_the_next_park_and_no_host_memory_is_promised_agai
     s = setup()
     s.park()
     assert s.resume()["state"] not in ("parked", "waiting")
-    assert s.kernel.asked[-1] == {"action": "resume", "keep_arena": True, "timeout": 600.0}
+    # No park under way frees its room: the resume does not wait for any.
+    assert s.kernel.asked[-1] == {"action": "resume", "keep_arena": True, "wait_for_room": 0.0, "timeout": 600.0}
     assert s.kernel.arena == arena_bytes(SERVED)
     s.park()
     assert s.promised == [arena_bytes(SERVED), 0]
@@ -283,10 +284,41 @@ def test_the_driver_raises_the_kernels_code_and_keeps_its_words():
 def test_a_lost_answer_is_followed_by_the_librarys_state():
     parked = driver_over({"park": None, "facts": {"state": "parked"}}, arena=5)
     parked.checkpoint(PID)  # the answer was lost, the park was not
-    assert parked.asked == [{"action": "park", "arena": 5, "timeout": 600.0}, {"action": "facts"}]
+    assert parked.asked == [
+        {"action": "park", "arena": 5, "release_as_copied": True, "timeout": 600.0}, {"action": "facts"}
+    ]
     silent = driver_over({"park": None, "facts": None})
     with pytest.raises(CheckpointError, match="no answer"):
         silent.checkpoint(PID)
+
+
+def test_a_park_that_ended_parked_in_part_counts_as_parked_and_says_so(caplog):
+    # Some pieces are on the host, the rest on the device, and the library runs no GPU work until a resume: taken as
+    # a failed park, the kernel would be shown running and hang at its next cell.
+    words = "piece 3 of 7 not copied: CUDA_ERROR_ILLEGAL_ADDRESS"
+    driver = driver_over({"park": {"code": E_PARTIAL, "message": words, "seconds": 0.4}}, arena=5)
+    with caplog.at_level("WARNING", logger="gpu_quota_ext"):
+        driver.checkpoint(PID)
+    assert driver.seconds == 0.4 and [a["action"] for a in driver.asked] == ["park"]
+    assert "parked in part" in caplog.text and words in caplog.text
+    assert CODE_NAMES[E_PARTIAL] == "parked in part"
+
+
+def test_the_driver_sends_the_swaps_options():
+    driver = driver_over({"park": {"code": 0}, "resume": {"code": 0}}, release_as_copied=False, wait_for_room=12.5)
+    driver.checkpoint(PID)
+    driver.restore(PID)
+    park, resume = driver.asked
+    assert park["release_as_copied"] is False and resume["wait_for_room"] == 12.5
+    assert PagesDriver(lambda content, timeout: None).release_as_copied is True  # the default: a fast park releases
+    assert PagesDriver(lambda content, timeout: None).wait_for_room == 0.0  # ... and a resume does not wait
+
+
+def test_a_malformed_request_is_a_failure_with_its_words():
+    driver = driver_over({"resume": {"code": E_REQUEST, "message": "wait_for_room must be a number of seconds"}})
+    with pytest.raises(CheckpointError) as refused:
+        driver.restore(PID)
+    assert refused.value.code == E_REQUEST and "request: wait_for_room" in str(refused.value)
 
 
 def test_the_drivers_state_is_the_librarys_and_a_gone_process_is_not_found():
