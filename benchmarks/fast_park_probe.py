@@ -125,15 +125,15 @@ def child_main() -> None:
         sync()
         return sums, samples
 
-    def alloc(total: int) -> dict:
+    def alloc(total: int, tensor: int = GiB) -> dict:
         start = time.perf_counter()
         torch.zeros(1, device=device)
         dry_buffer()
         first_use = time.perf_counter() - start
         start = time.perf_counter()
         left = total
-        while left > 0:  # 1 GiB tensors: one torch segment each, as a model's big weights are
-            n = min(GiB, left)
+        while left > 0:  # 1 GiB tensors by default: one torch segment each, as a model's big weights are
+            n = min(tensor, left)
             state["tensors"].append(torch.empty(n // 8, dtype=torch.int64, device=device))
             left -= n
         for size in (64 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 12 * MiB):  # small and mid pools too
@@ -281,7 +281,8 @@ def child_main() -> None:
         except pages_module.PagesError as error:
             return {"resumed": False, "code": error.code, "message": error.message, "state": pages.state()}
 
-    ops = {"alloc": lambda c: alloc(int(c["bytes"])), "verify": lambda c: verify(), "arena": lambda c: arena()}
+    ops = {"alloc": lambda c: alloc(int(c["bytes"]), int(c.get("tensor", GiB)))}
+    ops.update(verify=lambda c: verify(), arena=lambda c: arena())
     ops.update(fill=lambda c: fill(int(c["leave"])), unfill=lambda c: unfill(), try_resume=lambda c: try_resume())
     ops.update(park=lambda c: park(bool(c.get("release"))), resume=lambda c: resume(float(c.get("wait", 0.0))))
     ops["bench"] = lambda c: bench()
@@ -839,10 +840,12 @@ class Probe:
         say(f"[{self.elapsed():5.1f}s] swap of {gib} GiB on a full device: one by one, then piece by piece")
         total = gib * self.unit
         out: dict = {"gib": gib}
-        b.ask("alloc", timeout=180, bytes=total)
+        # Tensors of 10 GiB: each one torch segment of five 2 GiB pieces, released and backed one by one.
+        tensor = 10 * self.unit
+        b.ask("alloc", timeout=180, bytes=total, tensor=tensor)
         b.ask("arena", timeout=180)
         b.ask("park", timeout=180)
-        a.ask("alloc", timeout=180, bytes=total)
+        a.ask("alloc", timeout=180, bytes=total, tensor=tensor)
         a.ask("arena", timeout=180)
         out["fill"] = filler.ask("fill", timeout=120, leave=0 if self.args.dry_run else 2 * GiB)
         say(f"[{self.elapsed():5.1f}s]   ready: {json.dumps(out['fill'])}")
