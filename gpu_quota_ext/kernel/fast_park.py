@@ -27,9 +27,6 @@ resume brings everything back. A resume whose wait for room ran out answers the 
 byte still on the host and the kernel parked. A request whose release_as_copied or wait_for_room is not what it
 should be (a bool; a finite number of seconds, 0 or more) is refused (E_REQUEST) before the library is called.
 
-Both options are asked of the library only where they are not the default, and only where its wrapper takes them
-(an older one parks and resumes as before: every byte copied before any is released, no wait for room).
-
 The library's Python wrapper (gpu_quota_ext/parking/pages/__init__.py) is the server's module, stdlib only and
 made to be loaded on its own (the probe does so on the GPU machine): it is loaded here from its file, since the
 kernel's side imports nothing of the server's package but shared/.
@@ -38,7 +35,6 @@ kernel's side imports nothing of the server's package but shared/.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 import os
 import sys
@@ -201,12 +197,9 @@ def _park(content: dict) -> dict:
         _arena = lib.arena(size)
         made = _arena.populate_seconds + _arena.register_seconds
     start = time.perf_counter()
-    released = bool(release) and _takes(lib.park, "release_as_copied")
+    released = bool(release)
     try:
-        if released:
-            lib.park(_arena, release_as_copied=True)
-        else:
-            lib.park(_arena)
+        lib.park(_arena, release_as_copied=released)
     except Exception as error:  # the wrapper's PagesError: parked in part is answered here, the rest by _in_thread
         if getattr(error, "code", None) != E_PARTIAL:
             raise
@@ -225,11 +218,9 @@ def _resume(content: dict) -> dict:
         return _answer(E_REQUEST, refusal)
     moved = lib.mapped_bytes()
     start = time.perf_counter()
-    if wait > 0 and _takes(lib.resume, "wait_for_room"):
-        lib.resume(wait_for_room=wait)
-    else:
-        lib.resume()
+    lib.resume(wait_for_room=wait)
     seconds = time.perf_counter() - start
+    waited = lib.resume_waited_seconds()  # of `seconds`: the wait for a park elsewhere to free the room
     kept = content.get("keep_arena") is not False
     if not kept and _arena is not None:
         try:
@@ -237,7 +228,7 @@ def _resume(content: dict) -> dict:
         except Exception:  # broad: the arena's own release; the kernel is resumed all the same
             pass
         _arena = None
-    return _answer(0, "resumed", seconds, moved, arena_kept=kept)
+    return _answer(0, "resumed", seconds, moved, arena_kept=kept, waited=waited)
 
 
 def wait_for_room(content: dict) -> Tuple[float, Optional[str]]:
@@ -253,14 +244,6 @@ def wait_for_room(content: dict) -> Tuple[float, Optional[str]]:
         return 0.0, f"wait_for_room must be a finite number of seconds, 0 or more, not {value!r}"
     # Compared before float(): JSON's integers have no bound, and a float() of a huge one overflows.
     return float(min(value, WAIT_FOR_ROOM_SHARE * _timeout(content))), None
-
-
-def _takes(call: Callable[..., Any], name: str) -> bool:
-    """Whether the library's wrapper takes this keyword (an older one does not: it is called without it)."""
-    try:
-        return name in inspect.signature(call).parameters
-    except (TypeError, ValueError):  # a callable without a signature Python can read: taken as an older one
-        return False
 
 
 def _timeout(content: dict) -> float:

@@ -88,6 +88,7 @@ class PagesDriver(CheckpointDriver):
         self.release_as_copied = release_as_copied  # a park gives each piece back as it is copied
         self.wait_for_room = wait_for_room  # seconds a resume may wait for a park under way to free memory
         self.seconds: Optional[float] = None  # the library's copy, as the kernel timed it (the last call)
+        self.waited: Optional[float] = None  # of a resume's seconds, its wait for a park under way to free room
         self.answers: list = []
 
     def open(self) -> None:
@@ -143,8 +144,11 @@ class PagesDriver(CheckpointDriver):
             raise CheckpointError(action, pid, CUDA_ERROR_NOT_FOUND)
         answer = self.ask(content, self.timeout + 5.0)
         self.answers.append((action, answer))
-        if isinstance(answer, dict) and isinstance(answer.get("seconds"), (int, float)):
-            self.seconds = float(answer["seconds"])
+        if isinstance(answer, dict):
+            self.seconds = _seconds(answer.get("seconds"))
+            # The kernel's process says it: shown only as a share of its own seconds, never trusted further.
+            waited = _seconds(answer.get("waited"))
+            self.waited = None if waited is None or self.seconds is None else min(waited, self.seconds)
         return answer if isinstance(answer, dict) else None
 
     def _library_state(self, pid: int) -> Optional[str]:
@@ -165,3 +169,10 @@ class PagesDriver(CheckpointDriver):
         message = str(answer.get("message") or answer.get("error") or "no message")
         name = str(CODE_NAMES.get(code, f"code {code}"))
         raise CheckpointError(f"the fast {action}", pid, code, message if name in message else f"{name}: {message}")
+
+
+def _seconds(value: object) -> Optional[float]:
+    """A duration from the kernel's answer: a finite number, 0 or more; None otherwise (a bool is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value < float("inf") else None

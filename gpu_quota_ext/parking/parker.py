@@ -304,6 +304,7 @@ class ParkPlan:
     host: int = 0  # host memory the park takes beyond what the kernel holds already (path.host_need)
     park_seconds: Optional[float] = None  # PAGES: the library's copy, as the kernel timed it
     resume_seconds: Optional[float] = None
+    resume_waited_seconds: Optional[float] = None  # PAGES: of resume_seconds, the wait for a park freeing the room
     arena_kept: int = 0  # PAGES, after a resume: the pinned arena the running kernel kept for its next park
     arena_pids: Tuple[int, ...] = ()  # the processes that resumed with it: a restarted kernel holds no arena
 
@@ -315,6 +316,7 @@ class ParkPlan:
             "stays_on_device": self.choice.stays_on_device,
             "park_seconds": self.park_seconds,
             "resume_seconds": self.resume_seconds,
+            "resume_waited_seconds": self.resume_waited_seconds,
         }
 
 
@@ -1237,7 +1239,9 @@ class Parker:
             self._release_host(kernel_id)  # returned (or cancelled): the host's reading holds what it moved
         error = failure_reason("park", outcome.code, str(outcome)) if isinstance(outcome, CheckpointError) else None
         if plan is not None and isinstance(driver, PagesDriver) and self._plans.get(kernel_id) is plan:
-            self._plans[kernel_id] = replace(plan, park_seconds=driver.seconds, resume_seconds=None)
+            self._plans[kernel_id] = replace(
+                plan, park_seconds=driver.seconds, resume_seconds=None, resume_waited_seconds=None
+            )
         self._handle_if_current(kernel_id, op, ParkDone(op, error))
 
     # --- host memory: one account for every park (host_account.py) ----------------------------------
@@ -1403,6 +1407,7 @@ class Parker:
             self._plans[kernel_id] = replace(
                 plan,
                 resume_seconds=driver.seconds,
+                resume_waited_seconds=driver.waited,
                 arena_kept=plan.arena if kept else 0,
                 arena_pids=tuple(pids) if kept else (),
             )

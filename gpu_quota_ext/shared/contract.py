@@ -115,6 +115,7 @@ PARK_PATH_FIELDS = (
     "stays_on_device",  # bytes a park leaves on the device (pages: its CUDA context), counted as still held there
     "park_seconds",  # pages: the library's copy to the host, as the kernel timed it; null otherwise
     "resume_seconds",  # pages: its copy back; null until a resume
+    "resume_waited_seconds",  # pages: of resume_seconds, the wait for a park under way to free its room (a swap)
 )
 
 # --- usage history (each kernel's usage over the last minutes, for the sidebar's and the panel's charts) ----

@@ -171,6 +171,8 @@ export interface IKernelParkPath {
   park_seconds?: number | null;
   /** pages: its copy back, in seconds; null until a resume. */
   resume_seconds?: number | null;
+  /** pages: of resume_seconds, the wait for a park under way to free its room (a swap); null until a resume. */
+  resume_waited_seconds?: number | null;
 }
 
 /** A kernel restarted because its process ended while parked (gpu_quota_ext/parking/lost.py). */

@@ -136,9 +136,10 @@ class TestThreeKernelsOfFourTenths:
 
 class TestThreeKernelsOfFourTenthsFastPark:
     """The same scene with fast_park on (issue 29): the cells' waits beside the checkpoint path's (A's cell 40.8
-    to 43.0 s, B's 36.3 to 41.9 s on 2026-12-02). Which kernel parks for B's cell is the broker's choice here: A
-    kept its pinned arena when it came back (its next park takes no more host memory), C would need a new arena
-    the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process.
+    to 43.0 s, B's 36.3 to 41.9 s on 2026-12-02). A swap runs both copies at once: the resume starts while the park
+    that makes its room copies, and says how long it waited for that room (`resume_waited_seconds`). Which kernel
+    parks for B's cell is the broker's choice here: A kept its pinned arena when it came back (its next park takes
+    no more host memory), C would need a new arena the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process.
     Then C is parked by hand: the host cannot take its new arena until A, running, gives back the one it kept."""
 
     @pytest.fixture
@@ -172,8 +173,17 @@ class TestThreeKernelsOfFourTenthsFastPark:
                 record(f"fast 3x0.4: states after {name}'s cell", states)
                 assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums[name], (name, ran)
                 assert states[name] in ("idle", "busy"), states
+                path = (await park_state(jp_fetch, kernels[name]))["path"]
+                record(
+                    f"fast 3x0.4: {name}'s resume in its cell: copy s / of which waiting for the park making room",
+                    path and (path["resume_seconds"], path["resume_waited_seconds"]),
+                )
                 if victim_of is not None:  # the first swap: B, idle longest, parks for A (as on the checkpoint path)
                     assert states[victim_of] == "parked", states
+                    victim = (await park_state(jp_fetch, kernels[victim_of]))["path"]
+                    record(f"fast 3x0.4: {victim_of}'s park for it (arena made first), copy s", victim["park_seconds"])
+                    # Both copies at once: A's resume began while B's park still held the room, and waited for it.
+                    assert path["resume_waited_seconds"] > 0, path
                 assert "lost" not in states.values(), states
             # A kept its arena at its last resume and B holds its own while parked: about 112 GiB pinned, so C's
             # first park (a new arena) finds the host short, and A, running, gives its kept arena back first.
@@ -191,8 +201,11 @@ class TestThreeKernelsOfFourTenthsFastPark:
             assert ran["status"] == "ok" and last_line(ran["stdout"]) == sums["C"], ran
             for name, kernel_id in kernels.items():
                 park_path = (await park_state(jp_fetch, kernel_id))["path"]
-                record(f"fast 3x0.4: {name}'s last copies (park / resume, s)",
-                       park_path and (park_path["park_seconds"], park_path["resume_seconds"]))
+                record(
+                    f"fast 3x0.4: {name}'s last copies (park / resume / of which waiting, s)",
+                    park_path
+                    and (park_path["park_seconds"], park_path["resume_seconds"], park_path["resume_waited_seconds"]),
+                )
                 assert kernel_pid(jp_serverapp, kernel_id) == pids[name], f"{name}'s kernel was restarted"
             record("fast 3x0.4: host available, lowest seen, GiB", round(lowest / GiB, 1))
         finally:

@@ -183,7 +183,7 @@ class StandInArena:
 
 
 class SwapPages:
-    """The wrapper with the swap's keywords (the lead's): what each call was given, and a failure to raise."""
+    """The wrapper's calls a park and a resume make: what each call was given, and a failure to raise."""
 
     def __init__(self, fails: object = None):
         self.calls: list = []
@@ -211,15 +211,8 @@ class SwapPages:
             raise self.fails
         self._state = "running"
 
-
-class OlderPages(SwapPages):
-    """A wrapper from before the swap: neither keyword."""
-
-    def park(self, arena) -> None:  # type: ignore[override]
-        super().park(arena)
-
-    def resume(self) -> None:  # type: ignore[override]
-        super().resume()
+    def resume_waited_seconds(self) -> float:
+        return 0.25 if any(wait for call, wait in self.calls if call == "resume") else 0.0
 
 
 @pytest.fixture
@@ -247,13 +240,10 @@ def test_a_park_not_asked_to_release_as_it_copies_calls_the_library_as_before(st
     assert lib.calls == [("park", False), ("park", False)]
 
 
-def test_an_older_wrapper_parks_and_resumes_without_the_swaps_keywords(stand_in):
-    lib = stand_in(OlderPages())
-    parked = fast_park.park({"arena": 8 * MiB, "release_as_copied": True})
-    assert parked["code"] == 0 and parked["released_as_copied"] is False  # every byte copied, then released
-    resumed = fast_park.resume({"wait_for_room": 5.0})
-    assert resumed["code"] == 0
-    assert lib.calls == [("park", False), ("resume", 0.0)]
+def test_a_resume_says_how_long_it_waited_for_room_of_its_seconds(stand_in):
+    stand_in(SwapPages())
+    assert fast_park.resume({})["waited"] == 0.0
+    assert fast_park.resume({"wait_for_room": 5.0})["waited"] == 0.25  # what the library measured
 
 
 def test_a_park_that_ended_parked_in_part_answers_so_with_the_librarys_words(stand_in):

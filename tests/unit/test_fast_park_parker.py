@@ -81,7 +81,7 @@ class PagesKernel(KernelChannel):
             if not content.get("keep_arena"):
                 self.arena = 0
             FakeNvml.set_usage(PID, UUID, SERVED + CONTEXT)
-            return {"code": 0, "message": "resumed", "seconds": 0.09, "bytes": SERVED}
+            return {"code": 0, "message": "resumed", "seconds": 0.09, "bytes": SERVED, "waited": 0.0}
         if action == "release":
             if self.state != "running":
                 return {"code": -1, "message": f"the kernel is {self.state}: its arena holds its GPU memory"}
@@ -156,7 +156,7 @@ def test_a_torch_kernel_with_the_library_parks_its_pages_and_the_status_says_so(
     assert tuple(path) == PARK_PATH_FIELDS
     assert path["path"] == "pages" and path["stays_on_device"] == CONTEXT
     assert "4.0 GiB" in path["reason"] and "600.0 MiB" in path["reason"]
-    assert path["park_seconds"] == 0.08 and path["resume_seconds"] is None
+    assert path["park_seconds"] == 0.08 and path["resume_seconds"] is None and path["resume_waited_seconds"] is None
     assert park["host_bytes"] == SERVED  # what moved: the context stays
     assert s.kernel.actions() == ["trim", "facts", "park"]
     park_asked = s.kernel.asked[-1]
@@ -198,7 +198,7 @@ def test_a_resume_without_room_stays_parked_and_whole_and_the_next_grant_brings_
     park = s.parker.kernel_json(KERNEL)
     assert park["state"] not in ("parked", "waiting", "lost"), park
     assert s.kernel.state == "running"
-    assert park["path"]["resume_seconds"] == 0.09
+    assert park["path"]["resume_seconds"] == 0.09 and park["path"]["resume_waited_seconds"] == 0.0
     assert s.kernel.actions().count("resume") == 2
 
 
@@ -270,6 +270,25 @@ def driver_over(answers: dict, **kwargs) -> PagesDriver:
     driver = PagesDriver(ask, **kwargs)
     driver.asked = asked  # type: ignore[attr-defined]
     return driver
+
+
+@pytest.mark.parametrize(
+    "seconds, waited, kept",
+    [
+        (0.5, 0.2, 0.2),  # what the kernel measured
+        (0.5, 9.0, 0.5),  # never more than the resume's own seconds: the kernel's process says it
+        (0.5, True, None),  # a bool is no number
+        (0.5, float("nan"), None),
+        (0.5, float("inf"), None),
+        (0.5, -1.0, None),
+        (0.5, "0.2", None),
+        (None, 0.2, None),  # no seconds, nothing to be a share of
+    ],
+)
+def test_the_wait_a_resume_reports_is_kept_only_as_a_share_of_its_seconds(seconds, waited, kept):
+    driver = driver_over({"resume": {"code": 0, "message": "resumed", "seconds": seconds, "waited": waited}})
+    driver.restore(os.getpid())
+    assert driver.waited == kept
 
 
 def test_the_driver_raises_the_kernels_code_and_keeps_its_words():

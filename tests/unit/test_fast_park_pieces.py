@@ -143,6 +143,10 @@ def test_a_resume_waits_for_memory_a_park_elsewhere_is_releasing_and_answers_mea
     assert process.pages.state() == "running"
     assert process.device_used() == all_device_bytes()
     assert_intact(process, filled)
+    assert process.pages.resume_waited_seconds() > 0  # it says that it waited (the status shows it)
+    process.pages.park(arena)
+    process.pages.resume(wait_for_room=60.0)  # room there: no wait
+    assert process.pages.resume_waited_seconds() == 0
 
 
 def test_a_resume_whose_wait_runs_out_gives_back_every_piece_and_stays_parked_whole(process, filled):

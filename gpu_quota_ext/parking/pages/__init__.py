@@ -83,6 +83,7 @@ class Pages:
             ("gqx_passthrough_bytes", ctypes.c_ulonglong),
             ("gqx_mapping_count", ctypes.c_ulonglong),
             ("gqx_last_error", ctypes.c_char_p),
+            ("gqx_resume_waited_seconds", ctypes.c_double),
         ):
             getattr(lib, name).restype = restype
         lib.gqx_park.argtypes = [ctypes.c_void_p]
@@ -126,6 +127,10 @@ class Pages:
     def passthrough_bytes(self) -> int:
         """Served by libcudart instead: they stay on the device through a park."""
         return int(self.lib.gqx_passthrough_bytes())
+
+    def resume_waited_seconds(self) -> float:
+        """Seconds the last resume waited for device memory that a park elsewhere was freeing (0: none)."""
+        return float(self.lib.gqx_resume_waited_seconds())
 
     def mapping_count(self) -> int:
         return int(self.lib.gqx_mapping_count())

@@ -193,6 +193,7 @@ static struct gqx_arena *g_parked_in; /* the arena that holds the parked bytes *
 static size_t g_chunk = (size_t)64 << 20;
 static size_t g_piece = (size_t)2 << 30;
 static char g_error[512];
+static double g_resume_waited;    /* seconds the last resume waited for device memory (a park elsewhere freeing it) */
 
 static void set_error(const char *format, ...) {
     va_list args;
@@ -813,12 +814,16 @@ static CUresult back_piece_waiting(piece_ref ref, double deadline) {
     CUresult code = cu.CtxPushCurrent(ref.m->ctx);
     if (code != CUDA_SUCCESS) return code;
     code = back_piece(ref.m, ref.j);
+    double began = now_seconds();
+    int waited = 0;
     while (code == CUDA_ERROR_OUT_OF_MEMORY && now_seconds() < deadline) {
         pthread_mutex_unlock(&g_mu);
         pause_briefly();
         pthread_mutex_lock(&g_mu);
+        waited = 1;
         code = back_piece(ref.m, ref.j);
     }
+    if (waited) g_resume_waited += now_seconds() - began;
     CUcontext popped;
     cu.CtxPopCurrent(&popped);
     return code;
@@ -840,6 +845,7 @@ int gqx_resume_waiting(unsigned long long wait_ms) {
         return GQX_E_HOST;
     }
     set_state(GQX_RESUMING);
+    g_resume_waited = 0;
     double start = now_seconds(), deadline = start + (double)wait_ms / 1000.0;
     const char *what = "";
     CUresult code = CUDA_SUCCESS;
@@ -1062,3 +1068,11 @@ unsigned long long gqx_mapping_count(void) {
 }
 
 const char *gqx_last_error(void) { return g_error; }
+
+/* Seconds the last resume spent waiting for device memory (0: it found its room there, or did not wait). */
+double gqx_resume_waited_seconds(void) {
+    pthread_mutex_lock(&g_mu);
+    double waited = g_resume_waited;
+    pthread_mutex_unlock(&g_mu);
+    return waited;
+}
