@@ -88,14 +88,30 @@ def process(built, tmp_path, monkeypatch):
     return Process(built, tmp_path, monkeypatch)
 
 
-@pytest.fixture
-def filled(process):
-    """The process holding SIZES, filled with random bytes: [(address, size, bytes)]."""
+def fill_all(process: Process, sizes) -> list:
+    """The process holding `sizes`, filled with random bytes: [(address, size, bytes)]."""
     held = []
-    for size in SIZES:
+    for size in sizes:
         address = process.malloc(size)
         held.append((address, size, process.fill(address, size)))
     return held
+
+
+@pytest.fixture
+def filled(process):
+    return fill_all(process, SIZES)
+
+
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
+
+
+def built_probe(folder: Path) -> Path:
+    """The probe's library compiled into `folder` as the probe itself does it (--build-only)."""
+    build = subprocess.run(
+        [sys.executable, str(PROBE), "--build-only", "--out", str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert build.returncode == 0, build.stderr
+    return folder
 
 
 def padded(size: int) -> int:
@@ -295,9 +311,8 @@ def test_without_a_driver_nothing_is_served_and_nothing_parks(built, tmp_path, m
 
 def test_the_probe_builds_the_library_for_the_gpu_machine(tmp_path):
     """What the lead runs here before carrying the folder to the GPU machine (which may have no compiler)."""
-    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
     done = subprocess.run(
-        [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
+        [sys.executable, str(PROBE), "--build-only", "--out", str(tmp_path / "probe")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -420,12 +435,8 @@ def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_d
     """The overhead phase, as the GPU machine runs it (--overhead-only --pin-cpu), here over the tests' fake driver:
     several processes per arm and an A/A control child, every child pinned once ready, every round of each measure
     paired, an ordered interval per ratio (per process over pairs, pooled over rounds, A/A)."""
-    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
-    build = subprocess.run(
-        [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert build.returncode == 0, build.stderr
+    probe = PROBE
+    built_probe(tmp_path / "probe")
     cpu = max(os.sched_getaffinity(0))
     out = tmp_path / "overhead.json"
     done = subprocess.run(
@@ -459,7 +470,7 @@ def test_the_probes_overhead_phase_runs_paired_rounds_on_one_cpu_over_the_fake_d
 
 
 def test_the_probe_refuses_a_cpu_it_cannot_run_on_before_starting_anything(tmp_path):
-    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
+    probe = PROBE
     outside = max(os.sched_getaffinity(0)) + 1
     done = subprocess.run(
         [sys.executable, str(probe), "--library-dir", str(tmp_path), "--overhead-only", "--pin-cpu", str(outside),

@@ -11,14 +11,23 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from gpu_quota_ext.parking.pages import E_PARTIAL, E_STATE, PagesError
 
 from .fast_park_build import build_both
-from .test_fast_park import GRANULARITY, ILLEGAL_ADDRESS, OUT_OF_MEMORY, Process, assert_intact, padded
+from .test_fast_park import (
+    GRANULARITY,
+    ILLEGAL_ADDRESS,
+    OUT_OF_MEMORY,
+    PROBE,
+    Process,
+    assert_intact,
+    built_probe,
+    fill_all,
+    padded,
+)
 
 PIECE = 2 * GRANULARITY
 SIZES = (5 * PIECE + 7, 3 * GRANULARITY, 64 * 1024)  # six pieces (the last one ragged), two pieces, one piece
@@ -38,11 +47,7 @@ def process(built, tmp_path, monkeypatch):
 
 @pytest.fixture
 def filled(process):
-    held = []
-    for size in SIZES:
-        address = process.malloc(size)
-        held.append((address, size, process.fill(address, size)))
-    return held
+    return fill_all(process, SIZES)
 
 
 def all_device_bytes() -> int:
@@ -183,15 +188,10 @@ def test_a_wait_that_is_not_a_bounded_number_of_seconds_is_refused_and_changes_n
 def test_the_probes_full_device_swap_runs_both_ways_and_checks_every_byte_over_the_fake_driver(tmp_path):
     """--full-swap as the GPU machine runs it, here over the fake driver (one fake device per process, so the
     resume never has to wait: the protocol, the roles swapping each round, the checks and the figures)."""
-    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
-    build = subprocess.run(
-        [sys.executable, str(probe), "--build-only", "--out", str(tmp_path / "probe")],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert build.returncode == 0, build.stderr
+    built_probe(tmp_path / "probe")
     out = tmp_path / "swap.json"
     done = subprocess.run(
-        [sys.executable, str(probe), "--library-dir", str(tmp_path / "probe"), "--dry-run", "--full-swap",
+        [sys.executable, str(PROBE), "--library-dir", str(tmp_path / "probe"), "--dry-run", "--full-swap",
          "--full-swap-gib", "6", "--full-swap-rounds", "2", "--out-json", str(out)],
         capture_output=True, text=True, timeout=240,
     )
@@ -205,9 +205,8 @@ def test_the_probes_full_device_swap_runs_both_ways_and_checks_every_byte_over_t
 
 
 def test_the_probe_refuses_a_full_swap_larger_than_it_can_hold_before_starting_anything(tmp_path):
-    probe = Path(__file__).resolve().parents[2] / "benchmarks" / "fast_park_probe.py"
     done = subprocess.run(
-        [sys.executable, str(probe), "--library-dir", str(tmp_path), "--full-swap", "--full-swap-gib", "500",
+        [sys.executable, str(PROBE), "--library-dir", str(tmp_path), "--full-swap", "--full-swap-gib", "500",
          "--out-json", str(tmp_path / "out.json")],
         capture_output=True, text=True, timeout=60,
     )
