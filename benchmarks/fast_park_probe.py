@@ -790,47 +790,61 @@ class Probe:
             say(f"[{self.elapsed():5.1f}s]   failed: {error}")
         self.save()
 
-    def swap_phase(self, a: Child, b: Child, gib: int, rounds: int = 2) -> None:
-        """a is running and b is parked, each holding `gib` GiB: one by one, then together, both ways."""
-        say(f"[{self.elapsed():5.1f}s] swap of {gib} GiB: one by one, then at once")
+    def swap_rounds(self, a: Child, b: Child, rounds: int, piece_by_piece: bool) -> list:
+        """a is running and b is parked: each round, one by one (a's park, then b's resume), then back as it was
+        and both at once (piece by piece: the park releasing each piece as it is copied, the resume waiting for
+        them); roles swap every round. The rows, every byte checked."""
         rows = []
+        together_park = {"release": True} if piece_by_piece else {}
+        together_resume = {"wait": 60.0} if piece_by_piece else {}
         for index in range(rounds):
             going, coming = (a, b) if index % 2 == 0 else (b, a)
             start = time.perf_counter()
-            out = going.ask("park", timeout=180)
-            back = coming.ask("resume", timeout=180)
+            park1 = going.ask("park", timeout=180)
+            resume1 = coming.ask("resume", timeout=180)
             alone = time.perf_counter() - start
-            # undo, then the same two at once
+            coming.ask("park", timeout=180)  # back as it was, one after the other (on a full device it must)
             going.ask("resume", timeout=180)
-            coming.ask("park", timeout=180)
             start = time.perf_counter()
-            going.send("park")
-            coming.send("resume")
-            out2, back2 = going.read(180), coming.read(180)
+            going.send("park", **together_park)
+            coming.send("resume", **together_resume)
+            park2, resume2 = going.read(180), coming.read(180)
             together = time.perf_counter() - start
             exact = coming.ask("verify", timeout=120)["exact"]
             row = {
                 "one_by_one_s": alone,
-                "sum_of_copies_s": out["seconds"] + back["seconds"],
+                "park_alone_s": park1["seconds"],
+                "resume_alone_s": resume1["seconds"],
+                "sum_of_copies_s": park1["seconds"] + resume1["seconds"],
+                "longer_alone_s": max(park1["seconds"], resume1["seconds"]),
                 "together_s": together,
-                "together_park_s": out2["seconds"],
-                "together_resume_s": back2["seconds"],
-                "longer_alone_s": max(out["seconds"], back["seconds"]),
+                "together_park_s": park2["seconds"],
+                "together_resume_s": resume2["seconds"],
+                "bytes": park2["bytes"],
                 "exact": exact,
             }
             rows.append(row)
             say(
-                f"[{self.elapsed():5.1f}s]   swap {index + 1}: one by one {alone:.3f} s (copies "
-                f"{row['sum_of_copies_s']:.3f}), together {together:.3f} s (park {out2['seconds']:.3f}, resume "
-                f"{back2['seconds']:.3f}); the longer alone {row['longer_alone_s']:.3f} s; exact {exact}"
+                f"[{self.elapsed():5.1f}s]   swap {index + 1}: one by one {alone:.3f} s (park {park1['seconds']:.3f}, "
+                f"resume {resume1['seconds']:.3f}); {'piece by piece' if piece_by_piece else 'together'} "
+                f"{together:.3f} s (park {park2['seconds']:.3f}, resume {resume2['seconds']:.3f}); exact {exact}"
             )
-        self.result["swap"] = {
-            "gib": gib,
-            "rounds": rows,
-            "together_over_sum": ratio(
-                median([r["together_s"] for r in rows]), median([r["one_by_one_s"] for r in rows])
-            ),
+        return rows
+
+    @staticmethod
+    def swap_ratios(rows: list) -> dict:
+        together = median([r["together_s"] for r in rows])
+        return {
+            "together_over_one_by_one": ratio(together, median([r["one_by_one_s"] for r in rows])),
+            "together_over_longer_alone": ratio(together, median([r["longer_alone_s"] for r in rows])),
         }
+
+    def swap_phase(self, a: Child, b: Child, gib: int, rounds: int = 2) -> None:
+        """a is running and b is parked, each holding `gib` GiB, with room for both: one by one, then together."""
+        say(f"[{self.elapsed():5.1f}s] swap of {gib} GiB: one by one, then at once")
+        rows = self.swap_rounds(a, b, rounds, piece_by_piece=False)
+        ratios = self.swap_ratios(rows)
+        self.result["swap"] = {"gib": gib, "rounds": rows, "together_over_sum": ratios["together_over_one_by_one"]}
         self.save()
 
     def full_swap_phase(self, a: Child, b: Child, filler: Child, gib: int, rounds: int) -> None:
@@ -849,47 +863,8 @@ class Probe:
         a.ask("arena", timeout=180)
         out["fill"] = filler.ask("fill", timeout=120, leave=0 if self.args.dry_run else 2 * GiB)
         say(f"[{self.elapsed():5.1f}s]   ready: {json.dumps(out['fill'])}")
-        rows = []
-        for index in range(rounds):
-            going, coming = (a, b) if index % 2 == 0 else (b, a)
-            start = time.perf_counter()
-            park1 = going.ask("park", timeout=180)
-            resume1 = coming.ask("resume", timeout=180)
-            alone = time.perf_counter() - start
-            coming.ask("park", timeout=180)  # back as it was: the device is full, so one after the other
-            going.ask("resume", timeout=180)
-            start = time.perf_counter()
-            going.send("park", release=True)
-            coming.send("resume", wait=60.0)
-            park2, resume2 = going.read(180), coming.read(180)
-            together = time.perf_counter() - start
-            exact = coming.ask("verify", timeout=120)["exact"]
-            if not (park2.get("ok") and resume2.get("ok")):
-                raise ChildFailed(f"the swap piece by piece failed: park {park2}, resume {resume2}")
-            row = {
-                "one_by_one_s": alone,
-                "park_alone_s": park1["seconds"],
-                "resume_alone_s": resume1["seconds"],
-                "together_s": together,
-                "together_park_s": park2["seconds"],
-                "together_resume_s": resume2["seconds"],
-                "longer_alone_s": max(park1["seconds"], resume1["seconds"]),
-                "bytes": park2["bytes"],
-                "exact": exact,
-            }
-            rows.append(row)
-            say(
-                f"[{self.elapsed():5.1f}s]   swap {index + 1}: one by one {alone:.3f} s (park {park1['seconds']:.3f}, "
-                f"resume {resume1['seconds']:.3f}); piece by piece {together:.3f} s (park {park2['seconds']:.3f}, "
-                f"resume {resume2['seconds']:.3f}); exact {exact}"
-            )
-        out["rounds"] = rows
-        out["together_over_one_by_one"] = ratio(
-            median([r["together_s"] for r in rows]), median([r["one_by_one_s"] for r in rows])
-        )
-        out["together_over_longer_alone"] = ratio(
-            median([r["together_s"] for r in rows]), median([r["longer_alone_s"] for r in rows])
-        )
+        out["rounds"] = rows = self.swap_rounds(a, b, rounds, piece_by_piece=True)
+        out.update(self.swap_ratios(rows))
         say(
             f"[{self.elapsed():5.1f}s]   median ratios: piece by piece / one by one {out['together_over_one_by_one']}, "
             f"/ the longer copy alone {out['together_over_longer_alone']}"
