@@ -283,6 +283,8 @@ def driver_over(answers: dict, **kwargs) -> PagesDriver:
         (0.5, -1.0, None),
         (0.5, "0.2", None),
         (None, 0.2, None),  # no seconds, nothing to be a share of
+        (0.5, 10**400, None),  # a JSON integer too large for a float: no number of seconds, and no error either
+        (10**400, 0.2, None),
     ],
 )
 def test_the_wait_a_resume_reports_is_kept_only_as_a_share_of_its_seconds(seconds, waited, kept):
