@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Callable, Optional
 
 import psutil
@@ -175,4 +176,5 @@ def _seconds(value: object) -> Optional[float]:
     """A duration from the kernel's answer: a finite number, 0 or more; None otherwise (a bool is no number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if 0 <= value < float("inf") else None
+    # Compared before float(): JSON's integers have no bound, and a float() of a huge one raises OverflowError.
+    return float(value) if 0 <= value <= sys.float_info.max else None
