@@ -325,6 +325,24 @@ def test_a_park_that_ended_parked_in_part_counts_as_parked_and_says_so(caplog):
     assert CODE_NAMES[E_PARTIAL] == "parked in part"
 
 
+def test_a_park_that_answered_an_error_but_left_the_library_parked_counts_as_parked(caplog):
+    # The library parks and then fails to give back a piece (cuMemUnmap): its bytes are in the arena, it stays on the
+    # device, and the library is parked and says so with the driver's code. Taken as a failed park, the kernel would
+    # be shown running while its library runs no GPU work until a resume: its next cell would tell its user to
+    # restart it.
+    words = (
+        "parked, but 2097152 bytes stayed on the device: cuMemUnmap/cuMemRelease failed: CUDA_ERROR_INVALID_VALUE (1)"
+    )
+    driver = driver_over({"park": {"code": 1, "message": words, "seconds": 0.4}, "facts": {"state": "parked"}})
+    with caplog.at_level("WARNING", logger="gpu_quota_ext"):
+        driver.checkpoint(PID)
+    assert words in caplog.text
+    # A park that failed and left the library running is a failed park, as before.
+    running = driver_over({"park": {"code": -2, "message": "no arena"}, "facts": {"state": "running"}})
+    with pytest.raises(CheckpointError, match="no arena"):
+        running.checkpoint(PID)
+
+
 def test_the_driver_sends_the_swaps_options():
     driver = driver_over({"park": {"code": 0}, "resume": {"code": 0}}, release_as_copied=False, wait_for_room=12.5)
     driver.checkpoint(PID)
