@@ -20,7 +20,8 @@ the kernel as it was: a park that failed released nothing, a resume that failed 
 the kernel parked. One failure is not raised: a park that released some pieces and then failed (E_PARTIAL, only
 with release_as_copied) has left the kernel parked in part, some bytes on the host and the rest on the device, and
 the library runs no GPU work of the kernel's until a resume: it is parked (a warning says what happened), and its
-resume brings everything back. Taken as a failed park, it would be shown running and hang at its next cell.
+resume brings everything back. Taken as a failed park, it would be shown running and hang at its next cell. The
+same holds for any failed park after which the library says it is parked (one whose last pieces would not unmap).
 """
 
 from __future__ import annotations
@@ -116,6 +117,14 @@ class PagesDriver(CheckpointDriver):
                 "gpu-quota-ext: process %s was parked in part (some of its GPU memory is on the host, the rest still "
                 "on the device); it counts as parked, and its resume brings everything back: %s",
                 pid, answer.get("message") or "no message",
+            )
+            return
+        if answer is not None and answer.get("code") != 0 and self._library_state(pid) == "parked":
+            # The library parked and then could not give back a piece (its bytes in the arena, it on the device): it
+            # answers the driver's code, and runs no GPU work of the kernel's until a resume, as in part above.
+            log.warning(
+                "gpu-quota-ext: process %s was parked, with an error; it counts as parked, and its resume brings "
+                "everything back: %s", pid, answer.get("message") or "no message",
             )
             return
         self._check("park", pid, answer)
