@@ -20,13 +20,15 @@ the kernel as it was: a park that failed released nothing, a resume that failed 
 the kernel parked. One failure is not raised: a park that released some pieces and then failed (E_PARTIAL, only
 with release_as_copied) has left the kernel parked in part, some bytes on the host and the rest on the device, and
 the library runs no GPU work of the kernel's until a resume: it is parked (a warning says what happened), and its
-resume brings everything back. Taken as a failed park, it would be shown running and hang at its next cell.
+resume brings everything back. Taken as a failed park, it would be shown running and hang at its next cell. The
+same holds for any failed park after which the library says it is parked (one whose last pieces would not unmap).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Callable, Optional
 
 import psutil
@@ -117,6 +119,14 @@ class PagesDriver(CheckpointDriver):
                 pid, answer.get("message") or "no message",
             )
             return
+        if answer is not None and answer.get("code") != 0 and self._library_state(pid) == "parked":
+            # The library parked and then could not give back a piece (its bytes in the arena, it on the device): it
+            # answers the driver's code, and runs no GPU work of the kernel's until a resume, as in part above.
+            log.warning(
+                "gpu-quota-ext: process %s was parked, with an error; it counts as parked, and its resume brings "
+                "everything back: %s", pid, answer.get("message") or "no message",
+            )
+            return
         self._check("park", pid, answer)
 
     def restore(self, pid: int) -> None:
@@ -175,4 +185,5 @@ def _seconds(value: object) -> Optional[float]:
     """A duration from the kernel's answer: a finite number, 0 or more; None otherwise (a bool is no number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if 0 <= value < float("inf") else None
+    # Compared before float(): JSON's integers have no bound, and a float() of a huge one raises OverflowError.
+    return float(value) if 0 <= value <= sys.float_info.max else None

@@ -139,8 +139,9 @@ class TestThreeKernelsOfFourTenthsFastPark:
     to 43.0 s, B's 36.3 to 41.9 s on 2026-12-02). A swap runs both copies at once: the resume starts while the park
     that makes its room copies, and says how long it waited for that room (`resume_waited_seconds`). Which kernel
     parks for B's cell is the broker's choice here: A kept its pinned arena when it came back (its next park takes
-    no more host memory), C would need a new arena the host cannot give beside the two there (B's and A's). Every cell finds its tensor, in the same process.
-    Then C is parked by hand: the host cannot take its new arena until A, running, gives back the one it kept."""
+    no more host memory), C would need a new arena the host cannot give beside the two there (B's and A's). Every
+    cell finds its tensor, in the same process. Then C is parked by hand: the host cannot take its new arena until
+    A, running, gives back the one it kept."""
 
     @pytest.fixture
     def jp_server_config(self, fast_park_library):

@@ -283,6 +283,8 @@ def driver_over(answers: dict, **kwargs) -> PagesDriver:
         (0.5, -1.0, None),
         (0.5, "0.2", None),
         (None, 0.2, None),  # no seconds, nothing to be a share of
+        (0.5, 10**400, None),  # a JSON integer too large for a float: no number of seconds, and no error either
+        (10**400, 0.2, None),
     ],
 )
 def test_the_wait_a_resume_reports_is_kept_only_as_a_share_of_its_seconds(seconds, waited, kept):
@@ -321,6 +323,24 @@ def test_a_park_that_ended_parked_in_part_counts_as_parked_and_says_so(caplog):
     assert driver.seconds == 0.4 and [a["action"] for a in driver.asked] == ["park"]
     assert "parked in part" in caplog.text and words in caplog.text
     assert CODE_NAMES[E_PARTIAL] == "parked in part"
+
+
+def test_a_park_that_answered_an_error_but_left_the_library_parked_counts_as_parked(caplog):
+    # The library parks and then fails to give back a piece (cuMemUnmap): its bytes are in the arena, it stays on the
+    # device, and the library is parked and says so with the driver's code. Taken as a failed park, the kernel would
+    # be shown running while its library runs no GPU work until a resume: its next cell would tell its user to
+    # restart it.
+    words = (
+        "parked, but 2097152 bytes stayed on the device: cuMemUnmap/cuMemRelease failed: CUDA_ERROR_INVALID_VALUE (1)"
+    )
+    driver = driver_over({"park": {"code": 1, "message": words, "seconds": 0.4}, "facts": {"state": "parked"}})
+    with caplog.at_level("WARNING", logger="gpu_quota_ext"):
+        driver.checkpoint(PID)
+    assert words in caplog.text
+    # A park that failed and left the library running is a failed park, as before.
+    running = driver_over({"park": {"code": -2, "message": "no arena"}, "facts": {"state": "running"}})
+    with pytest.raises(CheckpointError, match="no arena"):
+        running.checkpoint(PID)
 
 
 def test_the_driver_sends_the_swaps_options():

@@ -212,3 +212,55 @@ def test_the_probe_refuses_a_full_swap_larger_than_it_can_hold_before_starting_a
     )
     assert done.returncode == 2 and "--full-swap-gib between 1 and 64" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "call, passes, freed",
+    [
+        ("cuMemRelease", 0, 1),  # unmapped, its handle not released: nothing of it on the device, the free failed
+        ("cuMemUnmap", 1, 0),  # its first piece unmapped, the second would not: the free failed halfway
+    ],
+)
+def test_a_resume_brings_back_only_what_the_park_moved_not_what_a_failed_free_gave_back(process, call, passes, freed):
+    """A cudaFree whose driver calls fail partway leaves its mapping in the table with some pieces (or none) on the
+    device. The park moves what is there; the resume must bring back that and no more: not take device memory
+    again for pieces the free gave back, nor read their bytes from where an earlier park had put them."""
+    two = process.malloc(3 * GRANULARITY)  # two pieces
+    large = process.malloc(5 * PIECE + 7)
+    small = process.malloc(64 * 1024)  # placed after the large one in the first park's arena
+    held = [(address, size, process.fill(address, size)) for address, size in
+            ((two, 3 * GRANULARITY), (large, 5 * PIECE + 7), (small, 64 * 1024))]
+    first = process.pages.arena(process.pages.mapped_bytes())
+    process.pages.park(first)
+    process.pages.resume()
+    assert process.lib.cudaFree(large) == 0  # the small one takes its place in the table, its offset kept
+    address, size, _ = held[0] if freed == 0 else held[2]
+    process.fail(call, after=passes, code=ILLEGAL_ADDRESS)
+    assert process.lib.cudaFree(address) != 0
+    on_device = process.pages.resident_bytes()
+
+    arena = process.pages.arena(process.pages.mapped_bytes())  # smaller than the first: the large one is gone
+    process.pages.park(arena)
+    process.pages.resume()  # (it read the freed piece's bytes from its old offset, outside this arena, and failed)
+    assert process.pages.state() == "running"
+    assert process.pages.resident_bytes() == on_device
+    kept = held[2] if freed == 0 else held[0]
+    assert_intact(process, [kept])
+
+
+def test_a_piece_a_failed_resume_could_not_give_back_is_copied_again_by_the_next_resume(process, filled):
+    """A resume that fails gives back the pieces it took; one whose unmap fails stays on the device with only part
+    of its bytes copied. The next resume must copy that piece again, not take it for one the park left there."""
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.pages.park(arena)
+    process.fail("cuMemcpyHtoDAsync", after=1, code=ILLEGAL_ADDRESS)  # in the first piece: one chunk of four copied
+    process.fail("cuMemUnmap", after=0, code=ILLEGAL_ADDRESS)  # and that piece will not be given back
+    with pytest.raises(PagesError) as failed:
+        process.pages.resume()
+    assert failed.value.code == ILLEGAL_ADDRESS
+    assert process.pages.state() == "parked"
+
+    process.pages.resume()
+    assert process.pages.state() == "running"
+    assert process.device_used() == all_device_bytes()
+    assert_intact(process, filled)

@@ -144,8 +144,10 @@ static int (*real_cudaFree)(void *);
 
 typedef struct {
     CUmemGenericAllocationHandle handle;
-    int resident; /* mapped at its place (0 only while parked, or parked in part) */
+    int resident; /* mapped at its place (0 while parked or parked in part, or given back by a failed cudaFree) */
     int fresh;    /* backed by the resume under way: given back if that resume fails */
+    int parked;   /* its bytes are in the arena, put there by the park: what the resume brings back (a piece that
+                   * is not resident for another reason, one a failed cudaFree gave back, is not) */
 } piece;
 
 typedef struct {
@@ -582,13 +584,18 @@ typedef struct {
     size_t j;
 } piece_ref;
 
-/* The pieces a park moves (`resident`: 1) or a resume brings back (0), in the table's order; NULL with *n = 0
+/* Whether a park moves piece p (it is on the device) or a resume brings it back (the park put it in the arena). */
+static int moved_by(const piece *p, enum direction way) {
+    return way == TO_HOST ? p->resident : p->parked;
+}
+
+/* The pieces a park moves (TO_HOST) or a resume brings back (TO_DEVICE), in the table's order; NULL with *n = 0
  * when there are none, or when the list cannot be had (*n = (size_t)-1). */
-static piece_ref *pieces_where(int resident, size_t *n) {
+static piece_ref *pieces_where(enum direction way, size_t *n) {
     size_t count = 0;
     for (size_t i = 0; i < g_count; i++)
         for (size_t j = 0; !g_maps[i].passthrough && j < g_maps[i].npieces; j++)
-            count += piece_at(&g_maps[i], j)->resident == resident;
+            count += moved_by(piece_at(&g_maps[i], j), way);
     *n = count;
     if (!count) return NULL;
     piece_ref *refs = malloc(count * sizeof *refs);
@@ -599,7 +606,7 @@ static piece_ref *pieces_where(int resident, size_t *n) {
     size_t r = 0;
     for (size_t i = 0; i < g_count; i++)
         for (size_t j = 0; !g_maps[i].passthrough && j < g_maps[i].npieces; j++)
-            if (piece_at(&g_maps[i], j)->resident == resident) refs[r++] = (piece_ref){&g_maps[i], j};
+            if (moved_by(piece_at(&g_maps[i], j), way)) refs[r++] = (piece_ref){&g_maps[i], j};
     return refs;
 }
 
@@ -703,6 +710,7 @@ static CUresult synchronize_contexts(void) {
  * (its bytes are in the arena too, and the resume skips it), counted in *kept. */
 static void release_copied(piece_ref ref, CUresult *failed, size_t *kept, size_t *released) {
     CUresult code = drop_piece(ref.m, ref.j);
+    if (!piece_at(ref.m, ref.j)->resident) piece_at(ref.m, ref.j)->parked = 1; /* unmapped: the arena holds it */
     if (code == CUDA_SUCCESS) {
         (*released)++;
         return;
@@ -727,7 +735,7 @@ int gqx_park_releasing(struct gqx_arena *arena, int release_as_copied) {
         return GQX_E_ARENA;
     }
     size_t n = 0;
-    piece_ref *refs = pieces_where(1, &n);
+    piece_ref *refs = pieces_where(TO_HOST, &n);
     if (n == (size_t)-1) {
         set_error("cannot park: no host memory for the table");
         pthread_mutex_unlock(&g_mu);
@@ -838,7 +846,7 @@ int gqx_resume_waiting(unsigned long long wait_ms) {
         return GQX_E_STATE;
     }
     size_t n = 0;
-    piece_ref *refs = pieces_where(0, &n);
+    piece_ref *refs = pieces_where(TO_DEVICE, &n);
     if (n == (size_t)-1) {
         set_error("cannot resume: no host memory for the table");
         pthread_mutex_unlock(&g_mu);
@@ -849,16 +857,20 @@ int gqx_resume_waiting(unsigned long long wait_ms) {
     double start = now_seconds(), deadline = start + (double)wait_ms / 1000.0;
     const char *what = "";
     CUresult code = CUDA_SUCCESS;
-    /* Each piece copied back as soon as it is backed, alternating between the pairs of streams. */
+    /* Each piece copied back as soon as it is backed, alternating between the pairs of streams. A piece still
+     * backed (a resume before took it and could not give it back) holds only part of its bytes: copied again. */
     for (size_t r = 0; r < n && code == CUDA_SUCCESS; r++) {
-        code = back_piece_waiting(refs[r], deadline);
-        if (code != CUDA_SUCCESS) {
-            set_error("cannot resume: physical memory for %llu bytes: %s (%d)%s",
-                      (unsigned long long)piece_length(refs[r].m, refs[r].j), cu_name(code), code,
-                      code == CUDA_ERROR_OUT_OF_MEMORY && wait_ms ? " after waiting for room" : "");
-            break;
+        piece *p = piece_at(refs[r].m, refs[r].j);
+        if (!p->resident) {
+            code = back_piece_waiting(refs[r], deadline);
+            if (code != CUDA_SUCCESS) {
+                set_error("cannot resume: physical memory for %llu bytes: %s (%d)%s",
+                          (unsigned long long)piece_length(refs[r].m, refs[r].j), cu_name(code), code,
+                          code == CUDA_ERROR_OUT_OF_MEMORY && wait_ms ? " after waiting for room" : "");
+                break;
+            }
+            p->fresh = 1;
         }
-        piece_at(refs[r].m, refs[r].j)->fresh = 1;
         code = copy_piece(g_parked_in, refs[r], TO_DEVICE, (int)(r & 1), &what);
         if (code != CUDA_SUCCESS) set_error("%s failed: %s (%d)", what, cu_name(code), code);
     }
@@ -877,7 +889,7 @@ int gqx_resume_waiting(unsigned long long wait_ms) {
         pthread_mutex_unlock(&g_mu);
         return code;
     }
-    for (size_t r = 0; r < n; r++) piece_at(refs[r].m, refs[r].j)->fresh = 0;
+    for (size_t r = 0; r < n; r++) piece_at(refs[r].m, refs[r].j)->fresh = piece_at(refs[r].m, refs[r].j)->parked = 0;
     free(refs);
     g_parked_in = NULL;
     set_state(GQX_RUNNING);
