@@ -1411,6 +1411,13 @@ class Parker:
                 arena_kept=plan.arena if kept else 0,
                 arena_pids=tuple(pids) if kept else (),
             )
+        if isinstance(outcome, CheckpointError) and not any(psutil.pid_exists(pid) for pid in pids):
+            # Its processes ended while the call ran (the kernel shut down, or killed: the restarter's notice says
+            # why): the restore lost nothing, and nothing is left to restore. Gone, as a kernel whose processes
+            # exited while parked, not "its GPU state is lost" (a restore into a full device). A pid reused since
+            # keeps the loss: the safe reading.
+            log.info("gpu-quota-ext: kernel %s: its processes ended during the restore (%s)", kernel_id, outcome)
+            outcome = False
         if isinstance(outcome, CheckpointError) and plan is not None:
             # The fast path's resume gives back what it took and keeps every byte on the host: the kernel is
             # parked and whole, and waits for room again (the checkpoint path's failed restore is for good).

@@ -9,6 +9,7 @@ test_parker_states (a stand-in kernel manager, the fake NVML, an event loop)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import replace
 from typing import List, Optional
@@ -21,6 +22,7 @@ from gpu_quota_ext.parking import ParkSettings
 from gpu_quota_ext.parking.checkpoint import (
     CHECKPOINTED,
     CUDA_ERROR_NOT_FOUND,
+    CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_OUT_OF_MEMORY,
     DRIVER_RUNNING,
     CheckpointError,
@@ -465,3 +467,29 @@ def test_a_kernel_restarted_since_its_fast_resume_holds_no_kept_arena(setup):
     assert kernel.host_cost is None and kernel.host_need == kernel.host_bytes > 0
     assert s.parker._kept_arenas() == {}  # nothing to ask it to give back
 
+
+
+def test_a_kernel_whose_process_ended_during_its_restore_is_gone_not_lost(setup, monkeypatch, caplog):
+    """The checkpoint path: a kernel shut down (or killed) while its restore ran makes the driver's call fail (304);
+    its processes ended, so nothing was lost by the restore and there is nothing left to restore. Said as gone (its
+    processes exited), not as a lost GPU state (the error a failed restore into a full device earns)."""
+    import gpu_quota_ext.parking.parker as parker_module
+
+    s = setup(fast_park="off")
+    assert s.park()["state"] == "parked"
+    ended: set = set()
+    alive = parker_module.psutil.pid_exists
+    monkeypatch.setattr(parker_module.psutil, "pid_exists", lambda pid: pid not in ended and alive(pid))
+
+    def restore_while_the_process_ends(self, pid):
+        ended.add(pid)
+        raise CheckpointError("cuCheckpointProcessRestore", pid, CUDA_ERROR_OPERATING_SYSTEM)
+
+    monkeypatch.setattr(FakeCheckpoint, "restore", restore_while_the_process_ends)
+    with caplog.at_level(logging.INFO, logger="gpu_quota_ext"):
+        park = s.resume()
+    assert park["state"] in ("idle", "busy"), park  # no longer held: nothing parked, nothing lost
+    assert ended == {PID}
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert any("its processes ended during the restore" in text for _, text in said), said
+    assert not any(level >= logging.ERROR for level, _ in said), said
