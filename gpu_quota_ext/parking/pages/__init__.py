@@ -68,9 +68,7 @@ class Pages:
         self.lib = lib
         for name, restype in (
             ("gqx_park", ctypes.c_int),
-            ("gqx_park_releasing", ctypes.c_int),
             ("gqx_resume", ctypes.c_int),
-            ("gqx_resume_waiting", ctypes.c_int),
             ("gqx_active", ctypes.c_int),
             ("gqx_state", ctypes.c_int),
             ("gqx_arena_create", ctypes.c_int),
@@ -86,9 +84,8 @@ class Pages:
             ("gqx_resume_waited_seconds", ctypes.c_double),
         ):
             getattr(lib, name).restype = restype
-        lib.gqx_park.argtypes = [ctypes.c_void_p]
-        lib.gqx_park_releasing.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.gqx_resume_waiting.argtypes = [ctypes.c_ulonglong]
+        lib.gqx_park.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.gqx_resume.argtypes = [ctypes.c_ulonglong]
         lib.gqx_arena_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
         for name in ("gqx_arena_destroy", "gqx_arena_size", "gqx_arena_populate_seconds", "gqx_arena_register_seconds"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -144,7 +141,7 @@ class Pages:
     def park(self, arena: Arena, release_as_copied: bool = False) -> None:
         """Every mapped byte into the arena, then the device memory released; `release_as_copied`: each 2 GiB
         piece released as soon as its bytes are in the arena (a resume elsewhere can take it at once)."""
-        self._check("gqx_park_releasing", self.lib.gqx_park_releasing(arena.handle, 1 if release_as_copied else 0))
+        self._check("gqx_park", self.lib.gqx_park(arena.handle, 1 if release_as_copied else 0))
 
     def resume(self, wait_for_room: float = 0.0) -> None:
         """Every parked byte back at its address; `wait_for_room`: seconds, in all, that it waits for device
@@ -153,4 +150,4 @@ class Pages:
             raise ValueError(f"wait_for_room must be seconds, not {wait_for_room!r}")
         if not 0.0 <= wait_for_room <= WAIT_CEILING:  # NaN fails both comparisons
             raise ValueError(f"wait_for_room must be between 0 and {WAIT_CEILING:g} seconds, not {wait_for_room!r}")
-        self._check("gqx_resume_waiting", self.lib.gqx_resume_waiting(int(wait_for_room * 1000)))
+        self._check("gqx_resume", self.lib.gqx_resume(int(wait_for_room * 1000)))

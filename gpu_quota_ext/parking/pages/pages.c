@@ -13,12 +13,12 @@
  * can take it back piece by piece, so a swap (one process parks while another resumes into the room it
  * leaves) runs both copies at once instead of one after the other. PCIe carries both directions at full speed.
  *
- * gqx_park(arena) copies every mapping's bytes to one pinned host arena (made once by gqx_arena_create,
+ * gqx_park(arena, 0) copies every mapping's bytes to one pinned host arena (made once by gqx_arena_create,
  * kept and reused: pinning costs more than copying), then unmaps and releases the physical memory; the
- * address ranges stay reserved. gqx_park_releasing(arena, 1) releases each piece as soon as its bytes are in
- * the arena. gqx_resume() creates physical memory again, maps it at the same addresses and copies the bytes
- * back; gqx_resume_waiting(ms) does it piece by piece and, when the device is full, waits (at most `ms` in
- * all) for memory that a park under way elsewhere is releasing. Copies go in large chunks on two streams.
+ * address ranges stay reserved. gqx_park(arena, 1) releases each piece as soon as its bytes are in the arena.
+ * gqx_resume(ms) creates physical memory again piece by piece, maps it at the same addresses and copies the
+ * bytes back; when the device is full it waits (at most `ms` in all, 0: not at all) for memory that a park
+ * under way elsewhere is releasing. Copies go in large chunks on two streams.
  *
  * What a failure leaves: a park releases nothing until every byte is in the arena, except one that releases
  * as it copies: that one, failing midway, leaves the process parked in part (GQX_E_PARTIAL: the released
@@ -719,7 +719,7 @@ static void release_copied(piece_ref ref, CUresult *failed, size_t *kept, size_t
     if (piece_at(ref.m, ref.j)->resident) *kept += piece_length(ref.m, ref.j);
 }
 
-int gqx_park_releasing(struct gqx_arena *arena, int release_as_copied) {
+int gqx_park(struct gqx_arena *arena, int release_as_copied) {
     if (!ensure_open()) return GQX_E_DRIVER;
     pthread_mutex_lock(&g_mu);
     if (g_state != GQX_RUNNING) {
@@ -805,10 +805,6 @@ int gqx_park_releasing(struct gqx_arena *arena, int release_as_copied) {
     return CUDA_SUCCESS;
 }
 
-int gqx_park(struct gqx_arena *arena) {
-    return gqx_park_releasing(arena, 0);
-}
-
 static void pause_briefly(void) {
     struct timespec pause = {0, 1000000}; /* 1 ms: a 2 GiB piece of a park under way is released every ~40 ms */
     nanosleep(&pause, NULL);
@@ -837,7 +833,7 @@ static CUresult back_piece_waiting(piece_ref ref, double deadline) {
     return code;
 }
 
-int gqx_resume_waiting(unsigned long long wait_ms) {
+int gqx_resume(unsigned long long wait_ms) {
     if (!ensure_open()) return GQX_E_DRIVER;
     pthread_mutex_lock(&g_mu);
     if (g_state != GQX_PARKED) {
@@ -896,10 +892,6 @@ int gqx_resume_waiting(unsigned long long wait_ms) {
     pthread_cond_broadcast(&g_running);
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
-}
-
-int gqx_resume(void) {
-    return gqx_resume_waiting(0);
 }
 
 /* ---- the arena ---------------------------------------------------------------------------------------- */
