@@ -197,15 +197,14 @@ def _park(content: dict) -> dict:
         _arena = lib.arena(size)
         made = _arena.populate_seconds + _arena.register_seconds
     start = time.perf_counter()
-    released = bool(release)
     try:
-        lib.park(_arena, release_as_copied=released)
+        lib.park(_arena, release_as_copied=release)
     except Exception as error:  # the wrapper's PagesError: parked in part is answered here, the rest by _in_thread
         if getattr(error, "code", None) != E_PARTIAL:
             raise
         message = getattr(error, "message", None) or str(error)
-        return _answer(E_PARTIAL, message, time.perf_counter() - start, moved, released_as_copied=released)
-    return _answer(0, "parked", time.perf_counter() - start, moved, arena_seconds=made, released_as_copied=released)
+        return _answer(E_PARTIAL, message, time.perf_counter() - start, moved, released_as_copied=release)
+    return _answer(0, "parked", time.perf_counter() - start, moved, arena_seconds=made, released_as_copied=release)
 
 
 def _resume(content: dict) -> dict:

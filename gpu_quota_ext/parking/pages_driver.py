@@ -110,22 +110,18 @@ class PagesDriver(CheckpointDriver):
             "timeout": self.timeout,
         }
         answer = self._call("park", pid, content)
-        if answer is None and self._library_state(pid) == "parked":
-            return  # the answer was lost, the park was not
-        if answer is not None and answer.get("code") == E_PARTIAL:
-            log.warning(
-                "gpu-quota-ext: process %s was parked in part (some of its GPU memory is on the host, the rest still "
-                "on the device); it counts as parked, and its resume brings everything back: %s",
-                pid, answer.get("message") or "no message",
-            )
-            return
-        if answer is not None and answer.get("code") != 0 and self._library_state(pid) == "parked":
-            # The library parked and then could not give back a piece (its bytes in the arena, it on the device): it
-            # answers the driver's code, and runs no GPU work of the kernel's until a resume, as in part above.
-            log.warning(
-                "gpu-quota-ext: process %s was parked, with an error; it counts as parked, and its resume brings "
-                "everything back: %s", pid, answer.get("message") or "no message",
-            )
+        code = None if answer is None else answer.get("code")
+        # Not a success, yet the library holds the kernel parked: parked in part (E_PARTIAL says so itself), a piece
+        # that would not unmap after every byte was copied, or an answer that was lost. It runs none of the kernel's
+        # GPU work until a resume, which brings everything back: parked (taken as failed, it would hang its next cell).
+        if code != 0 and (code == E_PARTIAL or self._library_state(pid) == "parked"):
+            if answer is not None:
+                log.warning(
+                    "gpu-quota-ext: process %s is parked although its park answered %s (%s); it counts as parked, "
+                    "and its resume brings everything back", pid,
+                    CODE_NAMES.get(code, f"code {code}") if isinstance(code, int) else f"code {code!r}",
+                    answer.get("message") or "no message",
+                )
             return
         self._check("park", pid, answer)
 
