@@ -264,3 +264,29 @@ def test_a_piece_a_failed_resume_could_not_give_back_is_copied_again_by_the_next
     assert process.pages.state() == "running"
     assert process.device_used() == all_device_bytes()
     assert_intact(process, filled)
+
+
+@pytest.mark.parametrize(
+    "setting, piece",
+    [
+        ("not a number", None),  # ignored: the default, 2 GiB, larger than every allocation here (one piece each)
+        ("-4194304", None),  # ignored
+        ("0", None),  # ignored
+        ("1", GRANULARITY),  # rounded up to one granule
+        (str(3 * GRANULARITY - 5), 3 * GRANULARITY),  # rounded up to whole granules
+        (str(1 << 62), None),  # larger than any allocation: one piece each
+    ],
+)
+def test_a_piece_size_that_is_no_size_is_ignored_and_any_other_is_rounded_to_whole_granules(
+    built, tmp_path, monkeypatch, setting, piece
+):
+    monkeypatch.setenv("GQX_PAGES_PIECE_BYTES", setting)
+    process = Process(built, tmp_path, monkeypatch)
+    filled = fill_all(process, SIZES)
+    pieces = sum(1 if piece is None else -(-padded(size) // piece) for size in SIZES)
+    assert process.calls("cuMemCreate") == pieces
+    arena = process.pages.arena(process.pages.mapped_bytes())
+    process.pages.park(arena, release_as_copied=True)
+    assert process.device_used() == 0 and process.calls("cuMemRelease") == pieces
+    process.pages.resume()
+    assert_intact(process, filled)
