@@ -103,6 +103,13 @@ def _checkpoint_reason(facts: KernelFacts) -> Optional[str]:
             f"{format_bytes(foreign)} on the device are held outside torch's allocator (a library allocating "
             "on its own): only the checkpoint path moves them"
         )
+    # The kernel's answer is the user's process speaking: more than NVML sees it hold would size an arena (and the
+    # host memory reserved for it) on a claim, and count bytes a swap would wait for that no park frees.
+    if facts.served_bytes - facts.process_bytes > FOREIGN_TOLERANCE:
+        return (
+            f"the kernel says the fast park library maps {format_bytes(facts.served_bytes)}, more than its processes "
+            f"hold on the device ({format_bytes(facts.process_bytes)}, NVML): not believed"
+        )
     return None
 
 
