@@ -56,7 +56,8 @@ from gpu_quota_ext.shared.contract import STATUS_PATH  # noqa: E402
 NUDGE = re.compile(r"Nudge: attempt (\d+) on kernel ([0-9a-f-]{36})")
 
 
-def start_server(extension_on: bool, nvml: bool, workdir: Path, fast_park: str = ""):
+def start_server(extension_on: bool, nvml: bool, workdir: Path, fast_park: str = "", extra_env=None):
+    """The server process, its URL and its log; `extra_env` is added to its environment (kernelspecs, runtime dir)."""
     port = free_port()
     args = [
         sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
@@ -77,6 +78,7 @@ def start_server(extension_on: bool, nvml: bool, workdir: Path, fast_park: str =
     if fast_park:
         args.append(f"--GpuQuota.fast_park={fast_park}")
         env["XDG_CACHE_HOME"] = str(workdir / "cache")  # the library is built at the first launch, as a user's is
+    env.update(extra_env or {})
     name = f"fast-park-{fast_park}" if fast_park else ("on" if extension_on else "off")
     log_path = workdir / f"server-{name}.log"
     log = open(log_path, "w")
