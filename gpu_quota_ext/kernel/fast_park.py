@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Tuple
 PAGES_MODULE = Path(__file__).resolve().parents[1] / "parking" / "pages" / "__init__.py"
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either (the second from 2.8)
 DEFAULT_TIMEOUT = 600.0
+MAX_TIMEOUT = 86400.0  # the server's park_call_timeout is at most a day (settings.py): a longer one is cut to it
 E_STATE, E_ARENA = -1, -2  # the library's codes (pages.c), for refusals made here
 E_PARTIAL = -6  # the library's: a park that released some pieces, then failed: parked in part (see above)
 STILL_RUNNING = -100  # the call has not returned within the server's timeout; the kernel says so and goes on
@@ -246,10 +247,12 @@ def wait_for_room(content: dict) -> Tuple[float, Optional[str]]:
 
 
 def _timeout(content: dict) -> float:
+    """The request's timeout in seconds: the default where it is not a positive finite number, at most
+    MAX_TIMEOUT (a float() of a huge JSON integer would overflow, and a thread's wait refuses one that long)."""
     timeout = content.get("timeout")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         return DEFAULT_TIMEOUT  # (NaN fails the comparison too)
-    return float(timeout)
+    return float(min(timeout, MAX_TIMEOUT))  # compared before float(), as wait_for_room's
 
 
 def _answer(code: int, message: str, seconds: Optional[float] = None, nbytes: int = 0, **more: Any) -> dict:

@@ -268,6 +268,14 @@ def test_a_resume_waits_as_long_as_asked_and_no_longer_than_half_the_requests_ti
     assert all(type(wait) is float for wait in waits)
 
 
+@pytest.mark.parametrize("timeout", [10**400, 1e300, 2 * fast_park.MAX_TIMEOUT])
+def test_a_timeout_beyond_a_day_is_cut_to_a_day_and_the_call_still_answers(stand_in, timeout):
+    lib = stand_in(SwapPages())
+    assert fast_park._timeout({"timeout": timeout}) == fast_park.MAX_TIMEOUT
+    assert fast_park.resume({"wait_for_room": 10**400, "timeout": timeout})["code"] == 0
+    assert lib.calls == [("resume", fast_park.MAX_TIMEOUT / 2)]
+
+
 def test_a_resume_whose_wait_ran_out_answers_the_drivers_out_of_memory(stand_in):
     lib = stand_in(SwapPages(fails=PagesError("gqx_resume", 2, "no memory came free within 30 s")))
     lib._state = "parked"
