@@ -119,7 +119,7 @@ os._exit(10 if {MAPPED} else 11)
 """
 
 
-def time_process(connection_file: Path, library: str | None) -> tuple:
+def time_process(connection_file: Path, library: str | None, cpu: int | None = None) -> tuple:
     """(wall seconds, the child's CPU seconds, whether the library was mapped) of one kernel-like start."""
     env = dict(os.environ, PYTHONSTARTUP=str(STARTUP_FILE))
     env.pop("LD_PRELOAD", None)
@@ -129,7 +129,11 @@ def time_process(connection_file: Path, library: str | None) -> tuple:
     with open(log, "w") as stderr:
         started = time.perf_counter()
         child = subprocess.Popen(
-            [sys.executable, "-c", KERNEL_INIT, str(connection_file)], env=env, stdout=subprocess.DEVNULL, stderr=stderr
+            [sys.executable, "-c", KERNEL_INIT, str(connection_file)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})),
         )
         _, status, usage = os.wait4(child.pid, 0)
         elapsed = time.perf_counter() - started
@@ -140,7 +144,7 @@ def time_process(connection_file: Path, library: str | None) -> tuple:
     return elapsed, usage.ru_utime + usage.ru_stime, child.returncode == 10
 
 
-def process_rounds(rounds: int, library: str, workdir: Path, deadline: float) -> dict:
+def process_rounds(rounds: int, library: str, workdir: Path, deadline: float, cpu: int | None = None) -> dict:
     """Paired kernel-like starts, alternating which arm goes first; a start in the wrong arm stops the run."""
     runs: dict = {"kept": [], "removed": [], "kept_cpu": [], "removed_cpu": []}
     for round_number in range(-1, rounds):  # round -1 warms the page cache, not counted
@@ -150,13 +154,13 @@ def process_rounds(rounds: int, library: str, workdir: Path, deadline: float) ->
         order = ["kept", "removed"] if round_number % 2 else ["removed", "kept"]
         for arm in order:
             connection_file = workdir / f"kernel-{round_number}-{arm}.json"
-            wall, cpu, mapped = time_process(connection_file, library if arm == "kept" else None)
+            wall, used, mapped = time_process(connection_file, library if arm == "kept" else None, cpu)
             connection_file.unlink(missing_ok=True)
             if mapped != (arm == "kept"):
                 raise RuntimeError(f"round {round_number}, arm {arm}: the library's mapping is wrong")
             if round_number >= 0:
                 runs[arm].append(wall)
-                runs[f"{arm}_cpu"].append(cpu)
+                runs[f"{arm}_cpu"].append(used)
         if round_number >= 0 and (round_number + 1) % 100 == 0:
             print(f"[{round_number + 1}/{rounds}]", file=sys.stderr, flush=True)
     return runs
@@ -246,6 +250,11 @@ async def main() -> None:
         "--process", action="store_true", help="the kernel's process alone (IPKernelApp.initialize), no server"
     )
     parser.add_argument(
+        "--pin-cpu",
+        type=int,
+        help="with --process: every start on this one CPU (the same core's speed for both arms, no migrations)",
+    )
+    parser.add_argument(
         "--max-seconds",
         type=float,
         help="start no new round after this many seconds; the figures are of the rounds done (a lent machine's limit)",
@@ -261,6 +270,8 @@ async def main() -> None:
         parser.error(f"--library {options.library}: not a file")
     if options.process and options.nvml:
         parser.error("--process starts no server: --nvml has no meaning there")
+    if options.pin_cpu is not None and (not options.process or options.pin_cpu not in os.sched_getaffinity(0)):
+        parser.error(f"--pin-cpu {options.pin_cpu}: with --process, one of this process's CPUs")
     deadline = time.monotonic() + options.max_seconds if options.max_seconds else float("inf")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +281,7 @@ async def main() -> None:
             if not library:
                 raise SystemExit("no fast park library: pass --library, or build it where a C compiler is")
             library = str(Path(library).resolve())
-            runs = process_rounds(options.rounds, library, workdir, deadline)
+            runs = process_rounds(options.rounds, library, workdir, deadline, options.pin_cpu)
             sha256 = hashlib.sha256(Path(library).read_bytes()).hexdigest()
         else:
             runs = await server_rounds(options, workdir, deadline)
@@ -294,6 +305,7 @@ async def main() -> None:
         "what": what,
         "inventory": None if options.process else ("nvml" if options.nvml else "static 2 x 80GiB"),
         "rounds": len(runs["kept"]),
+        "pinned_to_cpu": options.pin_cpu,
         "library_sha256": sha256,
         "goal_ratio": 1.02,
         "wall": wall,
