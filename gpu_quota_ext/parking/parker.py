@@ -1168,6 +1168,9 @@ class Parker:
         served = known.served_bytes
         arena_now = facts.get("arena_bytes") if isinstance(facts, dict) else 0
         arena_now = arena_now if isinstance(arena_now, int) and not isinstance(arena_now, bool) else 0
+        # The kernel's word for its arena, no more than the one this server knows it kept (at its last fast resume):
+        # a claimed arena would let its park promise the host nothing.
+        arena_now = min(arena_now, self._arena_kept(kernel_id))
         return ParkPlan(op, choice, served, arena_bytes(served), host_need(served, arena_now))
 
     def _stays(self, kernel_id: str, shown: str) -> int:

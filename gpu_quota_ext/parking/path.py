@@ -104,7 +104,9 @@ def _checkpoint_reason(facts: KernelFacts) -> Optional[str]:
             "on its own): only the checkpoint path moves them"
         )
     # The kernel's answer is the user's process speaking: more than NVML sees it hold would size an arena (and the
-    # host memory reserved for it) on a claim, and count bytes a swap would wait for that no park frees.
+    # host memory reserved for it) on a claim, and count bytes a swap would wait for that no park frees. NVML is read
+    # after the answer (parker._check_park), so an honest kernel's count is its served bytes plus its context; the
+    # tolerance covers a sample that lags a little (one whose fresh reading did not come: the last one is used).
     if facts.served_bytes - facts.process_bytes > FOREIGN_TOLERANCE:
         return (
             f"the kernel says the fast park library maps {format_bytes(facts.served_bytes)}, more than its processes "

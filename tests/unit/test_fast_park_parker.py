@@ -215,6 +215,13 @@ def test_the_arena_is_kept_for_the_next_park_and_no_host_memory_is_promised_agai
     assert s.promised == [arena_bytes(SERVED), 0]
 
 
+def test_an_arena_the_kernel_claims_but_never_kept_does_not_spare_its_park_the_host_promise(setup):
+    s = setup()
+    s.kernel.arena = arena_bytes(SERVED)  # says so in its facts; this server saw no fast resume keep one
+    s.park()
+    assert s.promised == [arena_bytes(SERVED)]
+
+
 def test_a_kernel_that_kept_its_arena_is_shown_to_the_broker_as_costing_the_host_nothing_more(setup):
     s = setup()
     (kernel,) = s.parker.round().kernels
