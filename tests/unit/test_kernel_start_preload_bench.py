@@ -16,15 +16,18 @@ PROBE = BENCH.parent / "fast_park_probe.py"
 CPU = min(os.sched_getaffinity(0))  # one this process may run on (a container may not have CPU 0)
 
 
-def test_two_paired_process_rounds_are_counted_in_their_arms(tmp_path):
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The fast park library built as the probe builds it, in a folder of the test's own."""
+    folder = tmp_path_factory.mktemp("library")
     build = subprocess.run(
-        [sys.executable, str(PROBE), "--build-only", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(PROBE), "--build-only", "--out", str(folder)], capture_output=True, text=True, timeout=120
     )
     assert build.returncode == 0, build.stderr
-    library = next(tmp_path.glob("*.so"))
+    return next(folder.glob("*.so"))
+
+
+def test_two_paired_process_rounds_are_counted_in_their_arms(tmp_path, library):
     out = tmp_path / "figures.json"
     run = subprocess.run(
         [sys.executable, str(BENCH), "--process", "--rounds", "2", "--library", str(library), "--out", str(out)]
@@ -40,6 +43,18 @@ def test_two_paired_process_rounds_are_counted_in_their_arms(tmp_path):
         assert len(figures[measure]["kept_s"]) == len(figures[measure]["removed_s"]) == 2
         assert all(seconds > 0 for seconds in figures[measure]["kept_s"] + figures[measure]["removed_s"])
     assert "paired rounds" in run.stdout
+
+
+def test_a_run_that_did_no_round_says_so_and_writes_nothing(tmp_path, library):
+    out = tmp_path / "figures.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--process", "--max-seconds", "0", "--library", str(library), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1 and "no round done within --max-seconds 0" in run.stderr, run.stderr[-2000:]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
