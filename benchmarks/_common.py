@@ -90,3 +90,11 @@ def ratio_of_medians_ci(a, b, resamples: int = 5000, seed: int = 1):
         ratios.append(statistics.median(a[i] for i in picks) / statistics.median(b[i] for i in picks))
     ratios.sort()
     return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def paired_difference_ci(a, b, resamples: int = 5000, seed: int = 1) -> tuple:
+    """95 % bootstrap interval of the median of a[i] - b[i] over paired rounds."""
+    rng = random.Random(seed)
+    differences = [x - y for x, y in zip(a, b)]
+    medians = sorted(statistics.median(rng.choice(differences) for _ in differences) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]

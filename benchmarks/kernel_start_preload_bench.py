@@ -42,7 +42,6 @@ import asyncio
 import hashlib
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -58,7 +57,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_save_options, ratio_of_medians_ci, report  # noqa: E402
+from _common import add_save_options, paired_difference_ci, ratio_of_medians_ci, report  # noqa: E402
 from kernel_start_bench import check_extension, seed_library_cache, start_server, wait_ready  # noqa: E402
 
 from gpu_quota_ext.launch_env import STARTUP_FILE  # noqa: E402
@@ -183,14 +182,6 @@ def process_rounds(rounds: int, library: str, workdir: Path, deadline: float, cp
         if round_number >= 0 and (round_number + 1) % 100 == 0:
             print(f"[{round_number + 1}/{rounds}]", file=sys.stderr, flush=True)
     return runs
-
-
-def paired_difference_ci(a, b, resamples: int = 5000, seed: int = 1) -> tuple:
-    """95 % bootstrap interval of the median of a[i] - b[i] over paired rounds."""
-    rng = random.Random(seed)
-    differences = [x - y for x, y in zip(a, b)]
-    medians = sorted(statistics.median(rng.choice(differences) for _ in differences) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 async def server_rounds(options, workdir: Path, deadline: float) -> dict:
