@@ -168,6 +168,10 @@ class Plan:
     park: Tuple[Tuple[str, str], ...] = ()  # (idle kernel, the demand it parks for)
     waiting: Mapping[str, str] = field(default_factory=dict)  # kernel -> what it waits for
     told: Mapping[str, str] = field(default_factory=dict)  # kernel -> why its wait passed the limit
+    # A swap's go (a `may_wait` demand that went while the parks making its room still copy): kernel -> device ->
+    # the bytes of its need that are not free yet, which those parks are freeing. Its restore waits for them,
+    # bounded: on a hub host its server cannot see other users' parks, so the host service's answer says it.
+    freeing: Mapping[str, Mapping[Hashable, int]] = field(default_factory=dict)
 
 
 def room(
@@ -211,7 +215,13 @@ def decide(round_: Round) -> Plan:
     deciding = _Deciding(round_)
     for demand in sorted(round_.demands, key=deciding.order):
         deciding.serve(demand)
-    return Plan(go=tuple(deciding.go), park=tuple(deciding.park), waiting=deciding.waiting, told=deciding.told)
+    return Plan(
+        go=tuple(deciding.go),
+        park=tuple(deciding.park),
+        waiting=deciding.waiting,
+        told=deciding.told,
+        freeing=deciding.freeing,
+    )
 
 
 def plan(
@@ -269,6 +279,7 @@ class _Deciding:
         self.park: List[Tuple[str, str]] = []
         self.waiting: Dict[str, str] = {}
         self.told: Dict[str, str] = {}
+        self.freeing: Dict[str, Dict[Hashable, int]] = {}
 
     def overdue(self, demand: Demand) -> bool:
         return self.settings.wait_limit is not None and self.now - demand.since >= self.settings.wait_limit
@@ -300,6 +311,7 @@ class _Deciding:
             # A swap: the parks that free its room release as they copy, and its restore waits for them, bounded
             # and recoverably. It goes now, both copies at once, and takes its room as any go does.
             self.go.append(demand.kernel_id)
+            self.freeing[demand.kernel_id] = {key: s for key, s in short_now.items() if s > 0}
             _earmark(need, own, self.now_room, self.later_room)
             return
         if all(s <= 0 for s in short_later.values()):

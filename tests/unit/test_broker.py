@@ -84,6 +84,8 @@ def test_a_fast_resume_goes_while_the_fast_park_that_makes_its_room_is_still_cop
     demand = Demand("A", {0: 56 * GiB}, 1000.0, may_wait=True)
     decided = plan([device(113 * GiB)], swap_scene(True), [demand], [], HostView(120 * GiB), SETTINGS, 1010.0)
     assert decided.go == ("A",) and decided.park == () and decided.waiting == {}, decided
+    # 26 GiB are free now (140 - 113 - the 1 GiB margin): its restore waits for the other 30, which B is freeing.
+    assert decided.freeing == {"A": {0: 30 * GiB}}
 
 
 def test_a_checkpoint_restore_waits_for_the_park_to_end_even_when_that_park_releases_as_it_copies():
@@ -113,8 +115,10 @@ def test_the_bytes_of_a_releasing_park_are_counted_once_for_the_first_fast_resum
     ]
     decided = plan([device(113 * GiB)], kernels, demands, [], HostView(120 * GiB), SETTINGS, 1010.0)
     assert decided.go == ("A",) and set(decided.waiting) == {"D", "E"}, decided
+    assert decided.freeing == {"A": {0: 30 * GiB}}
     alone = plan([device(113 * GiB)], kernels, demands[1:], [], HostView(120 * GiB), SETTINGS, 1010.0)
     assert alone.go == ("D",) and set(alone.waiting) == {"E"}, alone  # 26 free + 4 of B's; E's 2 GiB are not free
+    assert alone.freeing == {"D": {0: 4 * GiB}}
 
 
 def test_a_fast_resume_that_a_releasing_park_cannot_cover_makes_room_as_before():
@@ -301,6 +305,12 @@ def test_never_two_holders_of_the_same_bytes(situation, now):
         releasing = sum(k.used.get(0, 0) for k in kernels if k.state == "parking" and k.releases_as_copied)
         assert not strict or gpu.used + claimed + reserved + strict + SETTINGS.device_margin <= gpu.total
         assert gpu.used + claimed + reserved + granted + SETTINGS.device_margin <= gpu.total + releasing
+    # What the swaps' restores wait for is what they count on beyond the room there is now, at most what the
+    # releasing parks still hold; a go that fits now, or any restore that cannot wait, waits for nothing.
+    counted_on = [n for per in decided.freeing.values() for n in per.values()]
+    releasing = sum(k.used.get(0, 0) for k in kernels if k.state == "parking" and k.releases_as_copied)
+    assert set(decided.freeing) <= {d.kernel_id for d in demands if d.kernel_id in decided.go and d.may_wait}
+    assert all(n > 0 for n in counted_on) and sum(counted_on) <= releasing
 
 
 @settings(max_examples=400, deadline=None)
