@@ -57,10 +57,10 @@ class Host:
     def lease(self, user, reports, server=""):
         self.room.hear(user, server, own_reports(HELD, user, server, reports), self.now, lease=True)
 
-    def call(self, user, reports, demands, server="", owned_=HELD):
+    def call(self, user, reports, demands, server="", owned_=HELD, may_wait=frozenset()):
         checked = check_request(owned_, DEVICES, user, server, reports, demands, self.room.seen())
         self.room.hear(user, server, checked.reports, self.now, lease=False)
-        self.room.ask(user, server, checked.demands, self.now)
+        self.room.ask(user, server, checked.demands, self.now, may_wait)
         heard, waiting, held, taken = self.room.view()
         round_ = host_round(
             DEVICES, owned_, self.device_used, self.kernel_used, heard, waiting, held, HOST, SETTINGS, user, self.now,
@@ -538,3 +538,87 @@ def test_a_host_park_for_another_users_kernel_is_refused_and_changes_nothing():
     with pytest.raises(RoomRefused) as refusal:
         check_request(HELD, DEVICES, "bob", "", {"ka-alice": ParkReport("idle", None, False)}, {})
     assert refusal.value.code == 403
+
+
+# --- a swap: a fast-path resume that goes while the park making its room still copies -----------------------------
+
+CONTEXT = 612 * 2**20  # what a fast park leaves on the device: the kernel's CUDA context
+
+
+def swap_host(alice_stays: int = CONTEXT) -> Host:
+    """Alice's kernel was parked (by the fast path: its context stays on the device, where `alice_stays` > 0), bob's
+    park is under way (the sample still shows his 5 GiB), carol's kernel is idle and not parkable: the device has
+    no room for alice's 5 GiB until bob's bytes leave."""
+    host = Host({"ka-alice": {UUID: alice_stays}, "kb-bob": {UUID: 5 * GiB}, "kc-carol": {UUID: 5 * GiB}})
+    host.lease("carol", {"kc-carol": ParkReport("idle", 100.0, False)})
+    return host
+
+
+def alice_asks_to_swap(host: Host, stays: int = CONTEXT, may_wait=frozenset({"ka-alice"})):
+    report = ParkReport("waiting", stays=stays)
+    return host.call("alice", {"ka-alice": report}, {"ka-alice": {UUID: 5 * GiB}}, may_wait=may_wait)
+
+
+def test_a_fast_resume_goes_while_another_users_park_that_releases_as_it_copies_is_under_way():
+    host = swap_host()
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    answer = alice_asks_to_swap(host)
+    assert answer.go == ("ka-alice",) and answer.waiting == {} and answer.wake == ()
+    # What of its need is not free yet: 5 GiB less the room there is now (12 - 10.6 used - 1 margin).
+    short = 5 * GiB - (12 * GiB - (10 * GiB + CONTEXT) - GiB)
+    assert answer.freeing == {"ka-alice": {UUID: short}}
+    assert answer.json()["freeing"] == {"ka-alice": {UUID: short}} and "bob" not in str(answer.json())
+    # Its room is reserved like any go's; asked again on it, it is "go" again, but not a new swap's "freeing".
+    assert host.room.status(HELD, "alice", False, host.now)["reservations"][0]["held"] == {UUID: 5 * GiB}
+    host.now += 0.5
+    again = alice_asks_to_swap(host)
+    assert again.go == ("ka-alice",) and again.freeing == {} and again.json()["freeing"] == {}
+
+
+def test_without_the_park_releasing_as_it_copies_the_fast_resume_waits_for_the_park_to_end():
+    host = swap_host()
+    host.lease("bob", {"kb-bob": ParkReport("parking")})
+    answer = alice_asks_to_swap(host)
+    assert answer.go == () and answer.freeing == {} and "parking" in answer.waiting["ka-alice"]
+    assert answer.json()["freeing"] == {}
+
+
+def test_a_resume_said_to_wait_is_not_believed_of_a_kernel_its_server_did_not_report_fast_parked():
+    # Checkpoint-parked (nothing of it on the device, no "stays"): its restore must never go into a device that is
+    # not free yet (the driver would lose the process), whatever its server says.
+    host = swap_host(alice_stays=0)
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    answer = alice_asks_to_swap(host, stays=0)
+    assert answer.go == () and answer.freeing == {} and "parking" in answer.waiting["ka-alice"]
+    # Fast-parked but not said to wait: it waits too (the server's word "may_wait" is needed as well).
+    host = swap_host()
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    answer = alice_asks_to_swap(host, may_wait=frozenset())
+    assert answer.go == () and answer.freeing == {}
+
+
+@pytest.mark.parametrize(
+    "bobs",
+    [
+        ParkReport("idle", 100.0, False, releases_as_copied=True),  # not a park at all
+        ParkReport("busy", releases_as_copied=True),
+        # Parked, and the sample, taken before, still shows its bytes: shown as a park under way, but the word is
+        # only believed of a kernel reported "parking".
+        ParkReport("parked", releases_as_copied=True),
+    ],
+)
+def test_releases_as_copied_said_of_a_kernel_not_reported_parking_is_ignored(bobs):
+    host = swap_host()
+    host.lease("bob", {"kb-bob": bobs})
+    answer = alice_asks_to_swap(host)
+    assert answer.go == () and answer.freeing == {}
+
+
+def test_releases_as_copied_is_believed_no_longer_than_the_park_is():
+    host = swap_host()
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    host.now += PARK_MARGIN + 5 * GiB / PARK_RATE + 1  # longer than a park of bob's 5 GiB can take: bob runs
+    host.sampled_at = host.now - 0.1
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    answer = alice_asks_to_swap(host)
+    assert answer.go == () and answer.freeing == {}

@@ -130,11 +130,45 @@ def test_bad_park_reports_are_400(entry):
 def test_a_room_request_as_the_contract_writes_it():
     body = {"server": "", "park": [PARK], "demands": [{"kernel_id": "k1", "need": {"GPU-a": 5 << 30}}]}
     assert parse_room_request(body) == (
-        "", {"k1": ParkReport("idle", 12.5, True)}, {"k1": {"GPU-a": 5 << 30}}, None
+        "", {"k1": ParkReport("idle", 12.5, True)}, {"k1": {"GPU-a": 5 << 30}}, None, frozenset()
     )
-    assert parse_room_request({"server": "x"}) == ("x", {}, {}, None)
+    assert parse_room_request({"server": "x"}) == ("x", {}, {}, None, frozenset())
     asking = {"server": "x", "host_park": {"kernel_id": "k1", "bytes": 56 << 30}}
-    assert parse_room_request(asking) == ("x", {}, {}, ("k1", 56 << 30))
+    assert parse_room_request(asking) == ("x", {}, {}, ("k1", 56 << 30), frozenset())
+
+
+def test_a_swap_s_two_words_are_optional_booleans_absent_false():
+    parking = {**PARK, "state": "parking", "idle_for": None, "parkable": False, "releases_as_copied": True}
+    demands = [
+        {"kernel_id": "k2", "need": {"GPU-a": 5 << 30}, "may_wait": True},
+        {"kernel_id": "k3", "need": {"GPU-a": 1 << 30}, "may_wait": False},
+        {"kernel_id": "k4", "need": {"GPU-a": 1 << 30}},
+    ]
+    body = {"server": "", "park": [parking, {**PARK, "kernel_id": "k5"}], "demands": demands}
+    server, reports, needs, _, may_wait = parse_room_request(body)
+    assert reports == {"k1": ParkReport("parking", None, False, 0, True), "k5": ParkReport("idle", 12.5, True)}
+    assert set(needs) == {"k2", "k3", "k4"} and may_wait == frozenset({"k2"})
+    assert parse_room_request({"server": "", "park": [PARK]})[1]["k1"].releases_as_copied is False
+    lease = {"server": "", "kernels": [], "park": [parking]}
+    assert parse_lease_request(lease)[2] == {"k1": ParkReport("parking", None, False, 0, True)}
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None, [], {}])
+def test_a_swap_s_words_that_are_not_booleans_are_refused_whole(value):
+    entry = {**PARK, "releases_as_copied": value}
+    for call, body in (
+        (parse_room_request, {"server": "", "park": [entry]}),
+        (parse_lease_request, {"server": "", "kernels": [], "park": [entry]}),
+    ):
+        with pytest.raises(web.HTTPError) as refused:
+            call(body)
+        assert refused.value.status_code == 400
+        assert refused.value.log_message.startswith('"releases_as_copied" of kernel k1 must be true or false, not ')
+    demand = {"kernel_id": "k1", "need": {"GPU-a": 1}, "may_wait": value}
+    with pytest.raises(web.HTTPError) as refused:
+        parse_room_request({"server": "", "demands": [demand]})
+    assert refused.value.status_code == 400
+    assert refused.value.log_message.startswith('"may_wait" of kernel k1 must be true or false, not ')
 
 
 @pytest.mark.parametrize(
@@ -144,6 +178,10 @@ def test_a_room_request_as_the_contract_writes_it():
         {"server": None},
         {"demands": {"k1": {}}},
         {"demands": [{"kernel_id": "k1"}]},
+        {"demands": [{"kernel_id": "k1", "may_wait": True}]},  # "need" is not optional: only "may_wait" is
+        {"demands": [{"kernel_id": "k1", "need": {}, "may_wait": True, "extra": 1}]},  # unknown keys still refused
+        {"demands": [{"kernel_id": "k1", "need": {}, "wait": True}]},
+        {"demands": [{"need": {}, "may_wait": True}]},
         {"demands": [{"kernel_id": "k1", "need": {"GPU-a": -1}}]},
         {"demands": [{"kernel_id": "k1", "need": {"GPU-a": 1.5}}]},
         {"demands": [{"kernel_id": "k1", "need": {"GPU-a": True}}]},

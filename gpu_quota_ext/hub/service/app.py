@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import urlparse
 
 from jupyter_core.paths import jupyter_data_dir
@@ -293,9 +293,10 @@ class GpuQuotaService(Application):
         reports: Mapping[str, ParkReport],
         demands: Mapping[str, Mapping[str, int]],
         host_park: Optional[Tuple[str, int]] = None,
+        may_wait: AbstractSet[str] = frozenset(),
     ) -> dict:
         """One room call of `user`'s server, decided by the host's broker (broker.py)."""
-        return self.broker.room_call(user, server, reports, demands, host_park, time.time())
+        return self.broker.room_call(user, server, reports, demands, host_park, time.time(), may_wait)
 
     async def status(self, name: str, admin: bool) -> dict:
         """The status `name` may see, each user in it with their policy asked anew."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
 from tornado import web
 
@@ -60,6 +60,10 @@ def _list(most: int, each: Check = lambda _: True) -> Check:
     return lambda value: isinstance(value, list) and len(value) <= most and all(each(item) for item in value)
 
 
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def _uuids(value: Any) -> bool:
     return value is None or _list(64, _text)(value)
 
@@ -96,7 +100,8 @@ class Field:
 @dataclass(frozen=True)
 class Model:
     """A JSON object's fields, in the order they are checked; `must`: the line refusing anything but such an
-    object (or, with `exact`, one without every field); `name_unknown`: say which fields are unknown instead."""
+    object (or, with `exact`, one without every field that is not optional); `name_unknown`: say which fields are
+    unknown instead."""
 
     fields: Mapping[str, Field]
     must: str
@@ -115,14 +120,17 @@ KERNEL_PARK = Model(
                        f"{', '.join(PARK_STATES)}"),
         "idle_for": Field(_seconds(MAX_IDLE, nullable=True), '"idle_for" of kernel {kernel} must be null or seconds, '
                           "not {value}", optional=True),
-        "parkable": Field(lambda value: isinstance(value, bool), '"parkable" of kernel {kernel} must be true or false',
+        "parkable": Field(_bool, '"parkable" of kernel {kernel} must be true or false',
                           optional=True, default=False),
         # A server's word: what a fast park leaves is a CUDA context, never more than the allowance for one.
         "stays": Field(_whole(0, CONTEXT_ALLOWANCE + 1), f'"stays" of kernel {{kernel}} must be bytes from 0 to '
                        f"{CONTEXT_ALLOWANCE}, not {{value}}", optional=True, default=0),
+        # A server's word too: believed only while the service shows the kernel parking (room.py's docstring).
+        "releases_as_copied": Field(_bool, '"releases_as_copied" of kernel {kernel} must be true or false, not {value}',
+                                    optional=True, default=False),
     },
     'each "park" entry must be {"kernel_id": str, "state": str, "idle_for": seconds | null, "parkable": bool, '
-    '"stays": bytes (optional)}',
+    '"stays": bytes (optional), "releases_as_copied": bool (optional)}',
 )
 PARK_LIST = Field(
     _list(MAX_KERNELS),
@@ -189,15 +197,19 @@ ROOM = Model(
                 {
                     "kernel_id": Field(_kernel_id, _string_must("kernel_id", True)),
                     "need": Field(_need, '"need" of kernel {kernel} must map device uuids to bytes'),
+                    # A server's word: believed only of a kernel its server reported parked by the fast path (room.py).
+                    "may_wait": Field(_bool, '"may_wait" of kernel {kernel} must be true or false, not {value}',
+                                      optional=True, default=False),
                 },
-                'each demand must be {"kernel_id": str, "need": {uuid: bytes}}',
+                'each demand must be {"kernel_id": str, "need": {uuid: bytes}, "may_wait": bool (optional)}',
                 exact=True,
             ),
             twice="kernel {kernel} demands twice",
         ),
     },
     'the body must be a JSON object {"server": str, "park": [KERNEL_PARK], '
-    '"demands": [{"kernel_id": str, "need": {uuid: bytes}}], "host_park": {"kernel_id": str, "bytes": int}}',
+    '"demands": [{"kernel_id": str, "need": {uuid: bytes}, "may_wait": bool (optional)}], '
+    '"host_park": {"kernel_id": str, "bytes": int}}',
 )
 
 
@@ -216,7 +228,8 @@ def check_model(body: object, model: Model) -> Dict[str, Any]:
     unknown = sorted(set(body) - set(model.fields))
     if unknown and model.name_unknown:
         raise _refuse(f"unknown fields {shown(unknown)}")
-    if unknown or (model.exact and set(body) != set(model.fields)):
+    required = {key for key, field in model.fields.items() if not field.optional}
+    if unknown or (model.exact and not required <= set(body)):
         raise _refuse(model.must)
     values: Dict[str, Any] = {}
     for key, field in model.fields.items():
@@ -264,7 +277,11 @@ def parse_change_request(body: object) -> Union[str, Tuple[CapSpec, Optional[str
 def _reports(entries: List[Dict[str, Any]]) -> Dict[str, ParkReport]:
     return {
         e["kernel_id"]: ParkReport(
-            e["state"], None if e["idle_for"] is None else float(e["idle_for"]), e["parkable"], e["stays"]
+            e["state"],
+            None if e["idle_for"] is None else float(e["idle_for"]),
+            e["parkable"],
+            e["stays"],
+            e["releases_as_copied"],
         )
         for e in entries
     }
@@ -288,10 +305,12 @@ def parse_lease_request(
 
 def parse_room_request(
     body: object,
-) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]], Optional[Tuple[str, int]]]:
-    """(server, its kernels' park reports, kernel id -> uuid -> bytes needed, the park asking for host memory)."""
+) -> Tuple[str, Dict[str, ParkReport], Dict[str, Dict[str, int]], Optional[Tuple[str, int]], FrozenSet[str]]:
+    """(server, its kernels' park reports, kernel id -> uuid -> bytes needed, the park asking for host memory, the
+    demands its server says are fast-path resumes: "may_wait")."""
     values = check_model(body, ROOM)
     host = values["host_park"]
     demands = {entry["kernel_id"]: dict(entry["need"]) for entry in values["demands"]}
+    may_wait = frozenset(entry["kernel_id"] for entry in values["demands"] if entry["may_wait"])
     host_park = None if host is None else (host["kernel_id"], host["bytes"])
-    return values["server"], _reports(values["park"]), demands, host_park
+    return values["server"], _reports(values["park"]), demands, host_park, may_wait

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from ... import parking
 from ...parking import BrokerSettings, HostReading, HostView, decide
@@ -102,10 +102,12 @@ class HostBroker:
         demands: Mapping[str, Mapping[str, int]],
         host_park: Optional[Tuple[str, int]],
         now: float,
+        may_wait: AbstractSet[str] = frozenset(),
     ) -> dict:
         """A room call of `user`'s server: checked (room.RoomRefused: nothing kept), then one decision of the host's
         broker over every user's kernels; answers for this server's kernels, wakes the servers asked to park.
-        `host_park`: (kernel, bytes) of a park about to begin, promised its host memory or refused (HostRoom)."""
+        `host_park`: (kernel, bytes) of a park about to begin, promised its host memory or refused (HostRoom);
+        `may_wait`: the demands its server says are fast-path resumes (room.py's docstring: what is believed)."""
         owned = self.book.owned()
         named = dict(reports)
         if host_park is not None and host_park[0] not in named:
@@ -114,7 +116,7 @@ class HostBroker:
         checked = check_request(owned, self.book.devices, user, server, reports, demands, self.room.seen())
         host_answer = None if host_park is None else self._host_park(owned, host_park, now)
         self.room.hear(user, server, checked.reports, now, lease=False)
-        self.room.ask(user, server, checked.demands, now)
+        self.room.ask(user, server, checked.demands, now, may_wait)
         self.room.expire(now, {o.grant.kernel_id for o in owned}, self.lease_seconds)
         heard, waiting, held, taken = self.room.view()
         sample = self.recent_sample(now)

@@ -310,10 +310,10 @@ class RoomHandler(ApiHandler):
 
     async def post(self) -> None:
         self.who.require_user()
-        server, reports, demands, host_park = parse_room_request(self.body())
+        server, reports, demands, host_park, may_wait = parse_room_request(self.body())
         self.give_up_if_caller_gone("the host's broker decided")
         try:
-            answer = self.service.room_call(self.who.name, server, reports, demands, host_park)
+            answer = self.service.room_call(self.who.name, server, reports, demands, host_park, may_wait)
         except RoomRefused as refusal:
             raise web.HTTPError(refusal.code, refusal.message) from None
         self.answer(200, answer)

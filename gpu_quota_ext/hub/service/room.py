@@ -24,11 +24,22 @@ answers. What the service believes of each:
   kernel at once (one server's word never stalls the others). A kernel its server took a park
   request for, still reported idle, whose memory a sample taken since shows gone, counts as parked: its server's
   report says so at its next renewal, and the resume it made room for need not wait for that.
+  A park said to release each piece as it is copied (KERNEL_PARK's "releases_as_copied": the fast path's) is
+  believed to while the kernel is reported "parking" and shown PARKING by the rule above (its park-time bound);
+  said of any other state, the word is ignored. What a lie (a checkpoint park said to release) can do: let another
+  user's fast-path resume go early and wait, bounded, inside its kernel for memory that does not come free; that
+  resume then gives back what it took and stays parked, whole, and waits for room again: a delay, never a loss.
 - demands: a server's waiting kernels, with the time the service first heard of each (never the server's word);
   a need is cut to the kernel's cap there plus CONTEXT_ALLOWANCE, or to the most its samples saw it hold there. A
   demand of a kernel the sample shows holding memory (not parked, whatever its server says) is not decided until a
   sample shows it off the device. A room call names all of its server's demands: those it no longer names have
-  ended; a lease report saying a kernel no longer waits ends its demand too.
+  ended; a lease report saying a kernel no longer waits ends its demand too. A demand said to be a fast-path
+  resume ("may_wait": it waits, bounded, for memory being freed, and fails recoverably) is believed only of a
+  kernel its server's last report says the fast path parked ("stays" above 0, state parked or waiting): the
+  checkpoint path's restore must never go into a device that is not free yet (it would lose the process); a
+  server that lies here risks its own user's kernel only (others' parks go on as decided). A swap's "go" (a
+  may_wait demand that goes while releasing parks still copy) says what of its need those parks are still freeing
+  ("freeing"), which its server cannot see on a hub host.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
   bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
@@ -52,7 +63,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...devices import Device
 from ...parking import (
@@ -99,6 +110,7 @@ class ParkReport:
     idle_for: Optional[float] = None
     parkable: bool = False
     stays: int = 0  # parked by the fast path: bytes its park left on the device (at most CONTEXT_ALLOWANCE)
+    releases_as_copied: bool = False  # parking through the fast path, each piece given back as it is copied
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class Waiting:
     asked: float  # when its server last named it
     reason: Optional[str] = None  # what its own user was last told it waits for
     told: Optional[str] = None  # the message at the wait limit
+    may_wait: bool = False  # its server says it is a fast-path resume (believed as room.py's docstring says)
 
 
 @dataclass(frozen=True)
@@ -170,9 +183,17 @@ class Answer:
     told: Mapping[str, str] = field(default_factory=dict)
     wake: Tuple[Key, ...] = ()
     asked: Tuple[Asked, ...] = ()  # the park requests this decision made (for the log)
+    # A swap's new go: kernel -> uuid -> bytes of its need that parks under way are still freeing (Plan.freeing).
+    freeing: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def json(self) -> dict:
-        return {"go": list(self.go), "park": list(self.park), "waiting": dict(self.waiting), "told": dict(self.told)}
+        return {
+            "go": list(self.go),
+            "park": list(self.park),
+            "waiting": dict(self.waiting),
+            "told": dict(self.told),
+            "freeing": {k: dict(per) for k, per in self.freeing.items()},
+        }
 
 
 def reservation_timeout(held: Mapping[str, int]) -> float:
@@ -301,7 +322,7 @@ def host_round(
         devices=views,
         kernels=tuple(kernels),
         demands=tuple(
-            Demand(w.kernel_id, dict(w.need), w.since)
+            Demand(w.kernel_id, dict(w.need), w.since, may_wait=w.may_wait and _stays(heard.get(w.kernel_id)) > 0)
             for w in demands
             if w.kernel_id in granted and w.kernel_id not in held and w.kernel_id not in on_device
         ),
@@ -347,7 +368,16 @@ def _kernel_view(
             in_reading=shows and (sampled_at is None or heard.parked_at is None or sampled_at <= heard.parked_at),
         )
     view = shown_as(said, now)
-    return KernelView(kernel_id, view.state, used, caps, view.idle_for, view.parkable, label)
+    # Said of a park under way only: believed while it is shown as one (its park-time bound), never of another state.
+    releases = (
+        heard is not None
+        and heard.report.releases_as_copied
+        and heard.report.state == ParkState.PARKING
+        and view.state == ParkState.PARKING
+    )
+    return KernelView(
+        kernel_id, view.state, used, caps, view.idle_for, view.parkable, label, releases_as_copied=releases
+    )
 
 
 class HostRoom:
@@ -407,8 +437,17 @@ class HostRoom:
                     self._host = self._host.release(kernel_id)
                     del self._host_until[kernel_id]
 
-    def ask(self, user: str, server: str, demands: Mapping[str, Mapping[str, int]], now: float) -> None:
-        """A room call's demands: every demand of that server (the others it had have ended)."""
+    def ask(
+        self,
+        user: str,
+        server: str,
+        demands: Mapping[str, Mapping[str, int]],
+        now: float,
+        may_wait: AbstractSet[str] = frozenset(),
+    ) -> None:
+        """A room call's demands: every demand of that server (the others it had have ended); `may_wait`: those its
+        server says are fast-path resumes (host_round believes it only of a kernel reported parked by the fast
+        path)."""
         with self._lock:
             for kernel_id in [k for k, w in self._waiting.items() if (w.user, w.server) == (user, server)]:
                 if kernel_id not in demands:
@@ -418,7 +457,7 @@ class HostRoom:
                 since = old.since if old is not None else now
                 self._waiting[kernel_id] = Waiting(
                     kernel_id, user, server, dict(need), since, now,
-                    old.reason if old else None, old.told if old else None,
+                    old.reason if old else None, old.told if old else None, kernel_id in may_wait,
                 )
 
     # --- what outlives a restart (store.py keeps it) ---------------------------------------------------
@@ -548,6 +587,7 @@ class HostRoom:
         by_id = {o.grant.kernel_id: o for o in owned}
         key = (user, server)
         over: Dict[str, str] = {}
+        freeing: Dict[str, Dict[str, int]] = {}
         with self._lock:
             mine = {k for k, w in self._waiting.items() if (w.user, w.server) == key}
             go = [k for k in sorted(mine) if k in self._held]  # asked again while its room is held
@@ -568,6 +608,8 @@ class HostRoom:
                         continue
                 self._held[kernel_id] = Held(kernel_id, user, server, need, now, now + reservation_timeout(need))
                 go.append(kernel_id)
+                if kernel_id in plan.freeing:  # a swap: its restore waits, bounded, for what those parks free
+                    freeing[kernel_id] = {str(uuid): n for uuid, n in plan.freeing[kernel_id].items()}
             for kernel_id in go:
                 self._waiting.pop(kernel_id, None)
             park: List[str] = []
@@ -597,7 +639,7 @@ class HostRoom:
                 self._waiting[kernel_id] = replace(
                     self._waiting[kernel_id], reason=reason, told=told.get(kernel_id, self._waiting[kernel_id].told)
                 )
-        return Answer(tuple(go), tuple(park), waiting, told, tuple(sorted(wake)), tuple(made))
+        return Answer(tuple(go), tuple(park), waiting, told, tuple(sorted(wake)), tuple(made), freeing)
 
     def take(self, user: str, server: str, owned: Sequence[Owned], now: float) -> List[str]:
         """The park requests for `user`'s server `server` not yet taken, of kernels it still holds (its lease's
