@@ -49,7 +49,8 @@ LEASE_PATH = API + "lease"
 #   age is the service's own (since it first saw it), not the server's word; a kernel the service holds no grant
 #   for is answered in "waiting" (released). At most
 #   4096 entries in each list (400).
-#   -> 200 {"go": [kernel id], "park": [kernel id], "waiting": {kernel id: reason}, "told": {kernel id: message}}
+#   -> 200 {"go": [kernel id], "park": [kernel id], "waiting": {kernel id: reason}, "told": {kernel id: message},
+#   "freeing": {kernel id: {uuid: bytes}}}
 #   "go": room is reserved for its restore now (until the service's sample shows its memory back, or a timeout;
 #   asked again meanwhile, it is "go" again on the same room); "park": this server's idle kernels to park (for
 #   its own demand or another user's); "told": the demand waited the host's park_wait_limit. Reasons name another
@@ -58,9 +59,20 @@ LEASE_PATH = API + "lease"
 #   has "host_park": {"kernel_id": str, "refused": null | why}: null promises the park its host memory (at least
 #   what the service's last sample saw the kernel hold) until its server reports it parked or running again; the
 #   server asks the driver only then. Servers older than this never send it; services older than this answer 400.
+#   A demand may say "may_wait": true (absent: false; not a bool: 400): its resume goes through the fast path,
+#   which waits, bounded, for memory being freed and fails recoverably (the kernel stays parked). Believed only of
+#   a kernel whose server's last report gave "stays" above 0. Such a demand may get "go" while the parks making
+#   its room still copy (a swap, where they release as they copy); the answer then has, for each such new "go",
+#   "freeing": {kernel id: {uuid: bytes}}: what of its need those parks are still freeing (its restore waits for
+#   it). "freeing" is always in the answer ({} when none); a "go" repeated on a reservation already held is not in
+#   it. Older servers ignore it.
 # KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool, and for a
 #   kernel the fast park parked "stays": bytes its park left on the device (its CUDA context; 0 to CONTEXT_ALLOWANCE)
-#   while the state is parked or waiting: the service does not take those bytes for a park still under way}
+#   while the state is parked or waiting: the service does not take those bytes for a park still under way; and
+#   for a kernel in state "parking" whose fast-path park gives each piece back as it is copied,
+#   "releases_as_copied": true (absent: false; not a bool: 400; ignored with any other state)}
+#   A server sends "may_wait" and "releases_as_copied" only when true, so only a server with fast_park on sends
+#   them: a service older than this (which refuses unknown keys, 400) sees them from no other server.
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)
 # GET: users, kernels (with their park states as last reported), devices, caps, usage, unmanaged usage, last
