@@ -73,7 +73,7 @@ from .events import (
 )
 from .headroom import UNKNOWN, short_kernels
 from .host_account import HostAccount, HostReading, host_short, host_short_words
-from .host_broker import kernel_park
+from .host_broker import reported
 from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
@@ -994,7 +994,7 @@ class Parker:
         try:
             at = time.time()
             kernels = self.round().kernels
-            report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in kernels)
+            report = tuple(reported(k) for k in kernels)
         except Exception as error:  # the lease's thread reads the last report, which stays as it was
             log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
             return
