@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Sequence, Set, Tuple, runtime_checkable
 
+from ..shared.park_state import ParkState
 from ..threads import off_loop
-from .broker import Plan, Round, told_words
+from .broker import KernelView, Plan, Round, told_words
 
 log = logging.getLogger("gpu_quota_ext")
+
+MAX_BYTES = 1 << 60  # beyond any device's memory: a byte count in the service's answer above it is not one
 
 
 @runtime_checkable
@@ -33,11 +36,19 @@ class HostRooms(Protocol):
         """POST ROOM_PATH: the service's answer (raises OSError when it cannot be reached)."""
 
 
-def kernel_park(kernel_id: str, state: str, idle_for: Optional[float], parkable: bool, stays: int = 0) -> dict:
+def kernel_park(
+    kernel_id: str,
+    state: str,
+    idle_for: Optional[float],
+    parkable: bool,
+    stays: int = 0,
+    releases_as_copied: bool = False,
+) -> dict:
     """KERNEL_PARK of the wire: one kernel's park state as the host's broker reads it. "stays" only where a fast
-    park left bytes on the device: services older than it refuse a key they do not know, and only a server with
-    fast_park on sends it."""
-    entry = {
+    park left bytes on the device, "releases_as_copied" only for a park under way that gives its device memory back
+    piece by piece as it copies (a swap's room, broker.py): services older than them refuse a key they do not
+    know, and only a server with fast_park on sends them."""
+    entry: dict = {
         "kernel_id": kernel_id,
         "state": state,
         "idle_for": None if idle_for is None else round(float(idle_for), 1),
@@ -45,23 +56,38 @@ def kernel_park(kernel_id: str, state: str, idle_for: Optional[float], parkable:
     }
     if stays > 0:
         entry["stays"] = int(stays)
+    if releases_as_copied and state == ParkState.PARKING:
+        entry["releases_as_copied"] = True
     return entry
 
 
+def reported(kernel: KernelView) -> dict:
+    """The kernel's KERNEL_PARK, as the lease's report and every room call send it."""
+    return kernel_park(
+        kernel.kernel_id, kernel.state, kernel.idle_for, kernel.parkable, kernel.stays, kernel.releases_as_copied
+    )
+
+
 def room_request(round_: Round, uuid_of: Mapping[Hashable, str]) -> dict:
-    """This server's demands and kernels, devices named by UUID."""
-    return {
-        "park": [kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in round_.kernels],
-        "demands": [
-            {"kernel_id": d.kernel_id, "need": {uuid_of[i]: n for i, n in d.need.items() if i in uuid_of}}
-            for d in round_.demands
-            if not d.running  # a resume's parked bytes only: the wire has no running kernel's demand
-        ],
-    }
+    """This server's demands and kernels, devices named by UUID. "may_wait" only for a fast-path resume (it may go
+    while the parks making its room still copy): services older than it refuse a key they do not know."""
+    demands = []
+    for demand in round_.demands:
+        if demand.running:
+            continue  # a resume's parked bytes only: the wire has no running kernel's demand
+        entry: dict = {
+            "kernel_id": demand.kernel_id,
+            "need": {uuid_of[i]: n for i, n in demand.need.items() if i in uuid_of},
+        }
+        if demand.may_wait:
+            entry["may_wait"] = True
+        demands.append(entry)
+    return {"park": [reported(k) for k in round_.kernels], "demands": demands}
 
 
-def plan_from(answer: object, mine: List[str]) -> Plan:
-    """The service's answer as a Plan, keeping only this server's kernels (`mine`) and well-formed entries."""
+def plan_from(answer: object, mine: List[str], uuid_of: Mapping[Hashable, str]) -> Plan:
+    """The service's answer as a Plan, keeping only this server's kernels (`mine`) and well-formed entries; its
+    devices named by this server's keys again (`uuid_of`, this server's key -> device UUID)."""
     if not isinstance(answer, dict):
         return Plan()
 
@@ -75,12 +101,38 @@ def plan_from(answer: object, mine: List[str]) -> Plan:
             return {}
         return {k: v for k, v in value.items() if k in mine and isinstance(v, str)}
 
+    go = tuple(ids("go"))
     return Plan(
-        go=tuple(ids("go")),
+        go=go,
         park=tuple((k, "another kernel of this host") for k in ids("park")),
         waiting=words("waiting"),
         told=words("told"),
+        freeing=freeing_from(answer.get("freeing"), go, {uuid: key for key, uuid in uuid_of.items()}),
     )
+
+
+def freeing_from(value: object, go: Sequence[str], key_of: Mapping[str, Hashable]) -> Dict[str, Dict[Hashable, int]]:
+    """The answer's "freeing" (kernel -> device UUID -> bytes, for a swap's go) as Plan.freeing: only for kernels
+    that go in the same answer, only devices this server knows and byte counts that can be true. The service is
+    trusted, but a word it got wrong must not make a restore count memory that nobody frees."""
+    if not isinstance(value, dict):
+        return {}
+    freeing: Dict[str, Dict[Hashable, int]] = {}
+    for kernel_id, by_uuid in value.items():
+        if kernel_id not in go or not isinstance(by_uuid, dict):
+            continue
+        by_key = {
+            key_of[uuid]: nbytes
+            for uuid, nbytes in by_uuid.items()
+            if isinstance(uuid, str) and uuid in key_of and _byte_count(nbytes)
+        }
+        if by_key:
+            freeing[kernel_id] = by_key
+    return freeing
+
+
+def _byte_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_BYTES
 
 
 class HostBroker:
@@ -93,6 +145,9 @@ class HostBroker:
         self.rooms = rooms
         self.uuid_of: Dict[Hashable, str] = {index: uuid for index, uuid in uuid_of.items()}
         self._named = False  # the service last heard of demands of this server
+        # This server's parks under way that release as they copy and that a room call has named: the service hears
+        # of each one at once, not at the next lease report (a swap's resume may go while it copies).
+        self._told_releasing: Set[str] = set()
 
     @property
     def problem(self) -> Optional[str]:
@@ -108,10 +163,14 @@ class HostBroker:
     async def decide(self, round_: Round) -> Plan:
         mine = [k.kernel_id for k in round_.kernels]
         body = room_request(round_, self.uuid_of)
-        if not body["demands"] and not self._named:
+        releasing = {k.kernel_id for k in round_.kernels if k.state == ParkState.PARKING and k.releases_as_copied}
+        self._told_releasing &= releasing  # a park that ended (or failed) is told afresh when it parks again
+        if not body["demands"] and not self._named and releasing <= self._told_releasing:
             return Plan()  # only the lease reports this server's kernels when none of them waits
         # (A call naming none ends at once the demands the service has of this server: a wait that ended unserved
-        # must not make it park another user's kernel until this server's next lease report.)
+        # must not make it park another user's kernel until this server's next lease report. A park that began to
+        # release as it copies is named at once: another user's resume may go while it copies, a swap, and the next
+        # lease report may come after the park has ended.)
         try:
             answer = await off_loop(self.rooms.room, body, name="gpu-quota-room")
         except Exception as error:  # broad: OSError by contract, but the HTTP stack under it may raise others
@@ -119,8 +178,8 @@ class HostBroker:
             reason = f"the host's GPU quota service does not answer ({error}); waiting for it"
             return told_at_limit(Plan(waiting={d.kernel_id: reason for d in round_.demands}), round_)
         self._named = bool(body["demands"])
-        return told_at_limit(plan_from(answer, mine), round_)
-
+        self._told_releasing |= releasing
+        return told_at_limit(plan_from(answer, mine, self.uuid_of), round_)
 
     async def promise_host(self, round_: Round, kernel_id: str, nbytes: int) -> Tuple[Optional[str], Plan]:
         """Ask the service to promise a park of ours its host memory before its driver call: the service holds one
@@ -140,7 +199,7 @@ class HostBroker:
             why = f"the host's GPU quota service does not answer ({error}); it holds the host's memory for every user"
             return f"did not park: {why}", Plan()
         self._named = bool(body["demands"])
-        plan = told_at_limit(plan_from(answer, mine), round_)
+        plan = told_at_limit(plan_from(answer, mine, self.uuid_of), round_)
         host = answer.get("host_park") if isinstance(answer, dict) else None
         if not isinstance(host, dict) or host.get("kernel_id") != kernel_id:
             return "did not park: the host's GPU quota service did not answer for the host's memory", plan

@@ -73,7 +73,7 @@ from .events import (
 )
 from .headroom import UNKNOWN, short_kernels
 from .host_account import HostAccount, HostReading, host_short, host_short_words
-from .host_broker import kernel_park
+from .host_broker import reported
 from .host_room import host_room
 from .kernel_channel import KernelChannel
 from .lost import LostNotice, lost_notice, notice_env, notice_json, notice_request, shown
@@ -400,6 +400,10 @@ class Parker:
         # kernel -> its last activity when it said it holds the notice unsaid
         self._lost_held: Dict[str, Optional[float]] = {}
         self._plans: Dict[str, ParkPlan] = {}  # kernel -> how its current or last park goes (fast_park on)
+        # kernel -> what of its need the parks under way are still freeing, by device, as the broker's go said it (a
+        # swap, Plan.freeing): on a hub host they are other users' parks, which this server cannot see. Kept from the
+        # go to its restore.
+        self._go_freeing: Dict[str, Dict[Hashable, int]] = {}
         self._releasing_arenas = False  # kept arenas are being given back (host memory short)
         # Structured events (events.py) for an admin's tools: jupyter_server's event logger once the server
         # extension hands it over (send_events), and who asked for each kernel's latest park or resume.
@@ -543,6 +547,8 @@ class Parker:
             self.records.pop(kernel_id, None)
         else:
             self.records[kernel_id] = new
+        if new.state not in (ParkState.WAITING, ParkState.RESUMING):
+            self._go_freeing.pop(kernel_id, None)  # it no longer waits for a restore that the go's word was for
         old_shown = old.state if old.shows_park else self._activity(kernel_id)
         new_shown = new.state if new.shows_park else self._activity(kernel_id)
         if old_shown != new_shown:
@@ -784,6 +790,7 @@ class Parker:
         self._unhook_restart(kernel_id)
         if self.room_flags is not None:
             self.room_flags.forget(kernel_id)
+        self._go_freeing.pop(kernel_id, None)
         if record is not None and (record.state in ("waiting", "parking") or record.room):
             self.decide_soon()
 
@@ -994,7 +1001,7 @@ class Parker:
         try:
             at = time.time()
             kernels = self.round().kernels
-            report = tuple(kernel_park(k.kernel_id, k.state, k.idle_for, k.parkable, k.stays) for k in kernels)
+            report = tuple(reported(k) for k in kernels)
         except Exception as error:  # the lease's thread reads the last report, which stays as it was
             log.debug("gpu-quota-ext: the kernels' park states for the lease were not read: %r", error)
             return
@@ -1025,6 +1032,8 @@ class Parker:
         granted = False
         for kernel_id in plan.go:
             record = self.records.get(kernel_id)
+            if record is not None and record.state == ParkState.WAITING:
+                self._go_freeing[kernel_id] = dict(plan.freeing.get(kernel_id, {}))  # this go's word, not an older's
             if record is not None and record.state == "parked" and self.host_short_since is not None:
                 # A background resume (host memory short): asked as the server's own, then granted its room.
                 self._asked_by[kernel_id] = HOST_MEMORY
@@ -1231,6 +1240,14 @@ class Parker:
                     freeing[index] = freeing.get(index, 0) + nbytes
         return freeing
 
+    def _coming(self, kernel_id: str, need: Mapping[int, int], told: Mapping[Hashable, int]) -> Dict[int, int]:
+        """What a fast resume of the kernel may count on being freed, by device of its need: the most of what this
+        server's own fast parks under way free and what the broker's go said (`told`: on a hub host, other users'
+        parks too). The most, not the sum: on a single server both count the same parks."""
+        own = self._freeing(but=kernel_id)
+        coming = {index: max(own.get(index, 0), told.get(index, 0)) for index in need}
+        return {index: n for index, n in coming.items() if n > 0}
+
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
         plan = self._pages_plan(kernel_id)
         driver = self._driver_for(kernel_id, plan)
@@ -1387,11 +1404,12 @@ class Parker:
             available = self.host_reading().least()
             keep = available is not None and keep_arena(plan.arena, available + plan.arena, self.settings.host_margin)
         driver = self._driver_for(kernel_id, plan, keep)
+        told = self._go_freeing.pop(kernel_id, {})
         # A fast resume may count on what fast parks under way are freeing (a swap), and waits for it inside the
         # kernel, bounded; the checkpoint path's restore counts only what is free now: it cannot wait or give back.
         freeing: Dict[int, int] = {}
         if isinstance(driver, PagesDriver):
-            freeing = {index: n for index, n in self._freeing(but=kernel_id).items() if index in need}
+            freeing = self._coming(kernel_id, need, told)
             driver.wait_for_room = min(SWAP_WAIT, self.settings.call_timeout / 2) if freeing else 0.0
 
         def checked_restore() -> Union[str, bool]:

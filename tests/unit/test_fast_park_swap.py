@@ -277,3 +277,107 @@ def test_the_last_check_of_a_fast_resume_counts_what_fast_parks_under_way_free()
     assert short and "and 20.0 GiB that parks under way are freeing" in short
     # Without it (the checkpoint path's restore), the same device is too full.
     assert room_right_now({0: 56 * GiB}, totals, lambda i: 110 * GiB, {}, GiB) is not None
+
+
+# --- on a hub host: the park that makes the room is often another user's, which this server cannot see -----------
+
+
+class ServiceRooms:
+    """The host service's room route as a HostBroker calls it (off the event loop): each body kept; `answer` gives
+    what the service says to a body naming demands; a host park (promise_host) is promised."""
+
+    brokers = True
+
+    def __init__(self, answer: Dict[str, object]):
+        self.answer = answer
+        self.bodies: List[dict] = []
+
+    def room(self, body: dict) -> dict:
+        self.bodies.append(body)
+        if "host_park" in body:
+            return {"host_park": {"kernel_id": body["host_park"]["kernel_id"], "refused": None}}
+        return self.answer if body["demands"] else {}
+
+
+def under_the_host(s: Swap, answer: Dict[str, object]) -> ServiceRooms:
+    from gpu_quota_ext.parking import HostBroker
+
+    rooms = ServiceRooms(answer)
+    s.parker.broker = HostBroker(rooms, {0: UUID})
+    return rooms
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """What each restore's last check (room_right_now) counted as being freed."""
+    from gpu_quota_ext.parking import parker as parker_module
+
+    seen: List[Optional[dict]] = []
+
+    def spy(need, totals, used_now, others, margin, freeing=None):
+        seen.append(None if freeing is None else dict(freeing))
+        return room_right_now(need, totals, used_now, others, margin, freeing)
+
+    monkeypatch.setattr(parker_module, "room_right_now", spy)
+    return seen
+
+
+def test_a_fast_resume_counts_what_the_hosts_go_says_another_users_park_is_freeing_and_a_checkpoint_restore_never(
+    swap, checks
+):
+    # 6 GiB free, D needs 6 GiB and the half-GiB margin: short by half a GiB. Another user's fast park is freeing
+    # 2 GiB of it; only the service's go says so (nothing of this server parks).
+    freeing = 2 * GiB
+    s = swap()
+    rooms = under_the_host(s, {"go": [D], "freeing": {D: {UUID: freeing}}})
+    s.ask_resume()
+    s.settle()
+    assert [d.get("may_wait") for body in rooms.bodies for d in body["demands"]] == [True]
+    assert checks == [{0: freeing}]
+    (resume,) = s.kernel.contents(D, "resume")
+    assert resume["wait_for_room"] == min(SWAP_WAIT, s.parker.settings.call_timeout / 2) > 0
+    assert s.state(D) not in ("parked", "waiting", "resuming", "lost"), s.parker.kernel_json(D)
+    assert s.kernel.contents(V, "park") == [] and s.parker._go_freeing == {}
+
+    # The same go for a D parked through the checkpoint path: its restore into a full device would lose it, so it
+    # counts only what is free now, and waits for room again.
+    checks.clear()
+    c = swap(d_torch=False)
+    rooms = under_the_host(c, {"go": [D], "freeing": {D: {UUID: freeing}}})
+    c.ask_resume()
+    c.settle()
+    assert [d.get("may_wait") for d in rooms.bodies[0]["demands"]] == [None]
+    assert checks and all(not counted for counted in checks)
+    assert not [call for call, pid in FakeCheckpoint.calls if call == "cuCheckpointProcessRestore"]
+    assert c.state(D) == "waiting" and "memory was taken since" in c.parker.kernel_json(D)["reason"]
+
+
+def test_a_fast_park_that_begins_to_release_is_told_to_the_host_at_once_and_in_the_leases_report(swap):
+    s = swap()
+    rooms = under_the_host(s, {})
+    s.kernel.hold_park = True
+    s.run(s.parker.request_park(V))
+    s.until_vs_park_began_and_was_decided_on()
+    # No demand of this server waits: the room call is made for the park's word alone, before the next lease report.
+    told = [body for body in rooms.bodies if "host_park" not in body]
+    assert len(told) == 1 and told[0]["demands"] == []
+    assert [k for k in told[0]["park"] if k["kernel_id"] == V] == [
+        {"kernel_id": V, "state": "parking", "idle_for": None, "parkable": False, "releases_as_copied": True}
+    ]
+    s.parker.publish_host_report()
+    assert [k.get("releases_as_copied") for k in s.parker.host_report() if k["kernel_id"] == V] == [True]
+
+    async def decided_again() -> None:  # a sample during the park asks the broker again: nothing new to tell
+        s.parker.decide_soon()
+        await s.parker._deciding  # type: ignore[misc]
+
+    s.run(decided_again())
+    assert len([body for body in rooms.bodies if "host_park" not in body]) == 1
+    s.kernel.park_may_end.set()
+    s.settle()
+    assert s.state(V) == "parked"
+    s.sample()  # a reading taken after the park ended: shown parked, its bytes freed, nothing more to release
+    s.parker.publish_host_report()
+    assert [(k["state"], k.get("releases_as_copied")) for k in s.parker.host_report() if k["kernel_id"] == V] == [
+        ("parked", None)
+    ]

@@ -167,7 +167,7 @@ def test_a_park_of_this_servers_kernel_the_host_answers_a_room_call_with_says_wh
     parker = parker_with({}, sample, {"B": "idle"})
 
     async def applied():
-        parker.apply(plan_from({"park": ["B"]}, ["B"]))
+        parker.apply(plan_from({"park": ["B"]}, ["B"], {0: "GPU-0"}))
         reason = parker.records["B"].reason
         await parker.stop()
         return reason
