@@ -10,6 +10,7 @@ import pytest
 from gpu_quota_ext.parking.path import (
     CHECKPOINT,
     CONTEXT_ALLOWANCE,
+    FOREIGN_TOLERANCE,
     PAGES,
     KernelFacts,
     arena_bytes,
@@ -125,6 +126,16 @@ def test_answers_that_do_not_show_a_torch_kernel_with_the_library_take_the_check
     chosen = choose_path(kernel_facts("on", answer, {0: 20 * GiB + 520 * MiB}, 1))
     assert chosen.path == CHECKPOINT
     assert words in chosen.reason
+
+
+@pytest.mark.parametrize("beyond, path", [(0, PAGES), (1, CHECKPOINT)])
+def test_a_report_above_what_nvml_sees_is_believed_up_to_the_tolerance_and_not_a_byte_more(beyond, path):
+    # torch may cache a little more between NVML's sample and the kernel's answer: up to FOREIGN_TOLERANCE.
+    held = 20 * GiB
+    answer = {**ANSWER, "served_bytes": held + FOREIGN_TOLERANCE + beyond}
+    chosen = choose_path(kernel_facts("on", answer, {0: held}, 1))
+    assert chosen.path == path, chosen
+    assert (chosen.reason is not None and "not believed" in chosen.reason) == (path == CHECKPOINT)
 
 
 def test_with_fast_park_off_the_answer_is_not_read():
