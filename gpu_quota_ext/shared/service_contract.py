@@ -64,8 +64,8 @@ LEASE_PATH = API + "lease"
 #   a kernel whose server's last report gave "stays" above 0. Such a demand may get "go" while the parks making
 #   its room still copy (a swap, where they release as they copy); the answer then has, for each such new "go",
 #   "freeing": {kernel id: {uuid: bytes}}: what of its need those parks are still freeing (its restore waits for
-#   it). "freeing" is always in the answer ({} when none); a "go" repeated on a reservation already held is not in
-#   it. Older servers ignore it.
+#   it). "freeing" is always in the answer ({} when none); a "go" repeated on a swap's reservation (its answer was
+#   lost) says the same bytes again. Older servers ignore it.
 # KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool, and for a
 #   kernel the fast park parked "stays": bytes its park left on the device (its CUDA context; 0 to CONTEXT_ALLOWANCE)
 #   while the state is parked or waiting: the service does not take those bytes for a park still under way; and

@@ -228,9 +228,11 @@ def test_a_resume_goes_while_another_users_park_still_copies_and_is_told_what_th
         heard, waiting, held, _ = service.broker.room.view()
         assert waiting == [] and [(h.kernel_id, h.user, dict(h.held)) for h in held] == [("A", "alice", {UUID: PARKED})]
 
-        # Asked again on the room it holds: "go" again, not a new swap's (the contract: no "freeing" then).
+        # Asked again on the room it holds (as after a lost answer): "go" again, with the same word of what is being
+        # freed (alice's server cannot see bob's park).
         plan = await alice.broker.decide(alices_round(time.time(), STAYS, may_wait=True))
-        assert plan.go == ("A",) and plan.freeing == {} and alice.rooms.answers[-1]["freeing"] == {}, plan
+        assert plan.go == ("A",) and plan.freeing == {"A": {0: FREEING}}, plan
+        assert alice.rooms.answers[-1]["freeing"] == {"A": {UUID: FREEING}}
 
     run(service, scenario, kernel_park("B", "busy", None, False))
 

@@ -39,7 +39,7 @@ answers. What the service believes of each:
   checkpoint path's restore must never go into a device that is not free yet (it would lose the process); a
   server that lies here risks its own user's kernel only (others' parks go on as decided). A swap's "go" (a
   may_wait demand that goes while releasing parks still copy) says what of its need those parks are still freeing
-  ("freeing"), which its server cannot see on a hub host.
+  ("freeing"), which its server cannot see on a hub host; asked again on that room, the "go" says it again.
 - reservations: the room a "go" gave a resume, held until a sample taken after it shows the kernel's verified
   usage back on each device, or a sample taken after a report of the kernel running again, or a timeout (its
   bytes at RESTORE_RATE plus RESERVATION_MARGIN): no other decision takes that room meanwhile. A kernel that asks
@@ -149,6 +149,9 @@ class Held:
     since: float
     until: float  # held no longer than this
     running_seen: Optional[float] = None  # when a report first said the kernel runs again
+    # A swap's go: what of its need the parks under way were still freeing (uuid -> bytes), said again with the "go"
+    # when it is asked again on this room (its first answer lost): its server cannot see other users' parks.
+    freeing: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -587,10 +590,10 @@ class HostRoom:
         by_id = {o.grant.kernel_id: o for o in owned}
         key = (user, server)
         over: Dict[str, str] = {}
-        freeing: Dict[str, Dict[str, int]] = {}
         with self._lock:
             mine = {k for k, w in self._waiting.items() if (w.user, w.server) == key}
             go = [k for k in sorted(mine) if k in self._held]  # asked again while its room is held
+            freeing = {k: dict(self._held[k].freeing) for k in go if self._held[k].freeing}  # the same go's word
             for kernel_id in plan.go:
                 waiting = self._waiting.get(kernel_id)
                 if kernel_id not in mine or waiting is None or kernel_id in go:
@@ -606,10 +609,14 @@ class HostRoom:
                     if why is not None:
                         over[kernel_id] = why
                         continue
-                self._held[kernel_id] = Held(kernel_id, user, server, need, now, now + reservation_timeout(need))
+                # A swap: its restore waits, bounded, for what the parks under way free.
+                swap = {str(uuid): n for uuid, n in plan.freeing.get(kernel_id, {}).items()}
+                self._held[kernel_id] = Held(
+                    kernel_id, user, server, need, now, now + reservation_timeout(need), freeing=swap
+                )
                 go.append(kernel_id)
-                if kernel_id in plan.freeing:  # a swap: its restore waits, bounded, for what those parks free
-                    freeing[kernel_id] = {str(uuid): n for uuid, n in plan.freeing[kernel_id].items()}
+                if swap:
+                    freeing[kernel_id] = swap
             for kernel_id in go:
                 self._waiting.pop(kernel_id, None)
             park: List[str] = []
