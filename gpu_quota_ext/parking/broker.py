@@ -266,6 +266,9 @@ class _Deciding:
         # Of those, what parks under way free piece by piece as they copy: what a `may_wait` resume may count on
         # now (the module's docstring: a swap). Taken by the `may_wait` demands that go on it, through now_room,
         # which they leave below zero by what they borrowed.
+        # (All of a releasing park's bytes, though its CUDA context, a few hundred MiB, stays on the device: a resume
+        # that counted on those waits its bounded wait in vain and stays parked, whole; on a hub host the service
+        # holds its room until then, SWAP_WAIT longer than another go's.)
         self.releasing: Dict[Hashable, int] = {
             d.key: sum(k.used.get(d.key, 0) for k in kernels if k.state == ParkState.PARKING and k.releases_as_copied)
             for d in devices
@@ -311,7 +314,11 @@ class _Deciding:
             # A swap: the parks that free its room release as they copy, and its restore waits for them, bounded
             # and recoverably. It goes now, both copies at once, and takes its room as any go does.
             self.go.append(demand.kernel_id)
-            self.freeing[demand.kernel_id] = {key: s for key, s in short_now.items() if s > 0}
+            # What it counts on beyond the room there is now, never more than its own need (an earlier swap of this
+            # round left the room below zero by what it borrowed: that is not this one's to wait for).
+            self.freeing[demand.kernel_id] = {
+                key: min(s, need[key] - own[key]) for key, s in short_now.items() if min(s, need[key] - own[key]) > 0
+            }
             _earmark(need, own, self.now_room, self.later_room)
             return
         if all(s <= 0 for s in short_later.values()):

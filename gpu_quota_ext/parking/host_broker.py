@@ -132,7 +132,7 @@ def freeing_from(value: object, go: Sequence[str], key_of: Mapping[str, Hashable
 
 
 def _byte_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_BYTES
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < MAX_BYTES
 
 
 class HostBroker:

@@ -40,6 +40,7 @@ import psutil
 from ..devices import Device
 from ..ledger import GrantReads, UnknownKernel
 from ..shared.park_state import ParkState
+from ..shared.service_contract import SWAP_WAIT
 from ..shared.sizes import format_bytes
 from ..threads import off_loop
 from .broker import Demand as BrokerDemand
@@ -137,8 +138,8 @@ Outcome = TypeVar("Outcome")  # what a driver sequence returns (_drive)
 # pin 56 GiB); short enough that a resume whose room never comes (the park failed, another process took the bytes)
 # is back to waiting, parked and whole, within a minute. Not a setting: it bounds a wait for a copy under way on
 # this host, it is no policy. (Restores run one at a time (_restoring): a fast resume that waits holds up the
-# restores after it as long.)
-SWAP_WAIT = 60.0
+# restores after it as long.) On the wire (shared.service_contract.SWAP_WAIT): the host service holds a swap's
+# reservation that much longer.
 
 
 class RoomBroker(Protocol):
@@ -1240,12 +1241,14 @@ class Parker:
                     freeing[index] = freeing.get(index, 0) + nbytes
         return freeing
 
-    def _coming(self, kernel_id: str, need: Mapping[int, int], told: Mapping[Hashable, int]) -> Dict[int, int]:
+    def _swap_freeing(
+        self, kernel_id: str, need: Mapping[int, int], go_freeing: Mapping[Hashable, int]
+    ) -> Dict[int, int]:
         """What a fast resume of the kernel may count on being freed, by device of its need: the most of what this
-        server's own fast parks under way free and what the broker's go said (`told`: on a hub host, other users'
-        parks too). The most, not the sum: on a single server both count the same parks."""
+        server's own fast parks under way free and what the broker's go said (`go_freeing`: on a hub host, other
+        users' parks too). The most, not the sum: on a single server both count the same parks."""
         own = self._freeing(but=kernel_id)
-        coming = {index: max(own.get(index, 0), told.get(index, 0)) for index in need}
+        coming = {index: max(own.get(index, 0), go_freeing.get(index, 0)) for index in need}
         return {index: n for index, n in coming.items() if n > 0}
 
     async def _checkpoint(self, kernel_id: str, op: int, pids: Tuple[int, ...]) -> None:
@@ -1404,12 +1407,12 @@ class Parker:
             available = self.host_reading().least()
             keep = available is not None and keep_arena(plan.arena, available + plan.arena, self.settings.host_margin)
         driver = self._driver_for(kernel_id, plan, keep)
-        told = self._go_freeing.pop(kernel_id, {})
+        go_freeing = self._go_freeing.pop(kernel_id, {})
         # A fast resume may count on what fast parks under way are freeing (a swap), and waits for it inside the
         # kernel, bounded; the checkpoint path's restore counts only what is free now: it cannot wait or give back.
         freeing: Dict[int, int] = {}
         if isinstance(driver, PagesDriver):
-            freeing = self._coming(kernel_id, need, told)
+            freeing = self._swap_freeing(kernel_id, need, go_freeing)
             driver.wait_for_room = min(SWAP_WAIT, self.settings.call_timeout / 2) if freeing else 0.0
 
         def checked_restore() -> Union[str, bool]:

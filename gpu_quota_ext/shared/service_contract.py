@@ -60,11 +60,12 @@ LEASE_PATH = API + "lease"
 #   what the service's last sample saw the kernel hold) until its server reports it parked or running again; the
 #   server asks the driver only then. Servers older than this never send it; services older than this answer 400.
 #   A demand may say "may_wait": true (absent: false; not a bool: 400): its resume goes through the fast path,
-#   which waits, bounded, for memory being freed and fails recoverably (the kernel stays parked). Believed only of
-#   a kernel whose server's last report gave "stays" above 0. Such a demand may get "go" while the parks making
-#   its room still copy (a swap, where they release as they copy); the answer then has, for each such new "go",
-#   "freeing": {kernel id: {uuid: bytes}}: what of its need those parks are still freeing (its restore waits for
-#   it). "freeing" is always in the answer ({} when none); a "go" repeated on a swap's reservation (its answer was
+#   which waits, bounded (SWAP_WAIT), for memory being freed and fails recoverably (the kernel stays parked).
+#   Believed only of a kernel whose server's last report gave "stays" above 0 (state parked or waiting). Such a
+#   demand may get "go" while the parks making its room still copy (a swap, where they release as they copy); the
+#   answer then has, for each such new "go", "freeing": {kernel id: {uuid: bytes}}: what of its need those parks
+#   are still freeing (its restore waits for it), and its room is held SWAP_WAIT longer than another go's.
+#   "freeing" is always in the answer ({} when none); a "go" repeated on a swap's reservation (its answer was
 #   lost) says the same bytes again. Older servers ignore it.
 # KERNEL_PARK: {"kernel_id": str, "state": a park state, "idle_for": seconds | null, "parkable": bool, and for a
 #   kernel the fast park parked "stays": bytes its park left on the device (its CUDA context; 0 to CONTEXT_ALLOWANCE)
@@ -75,6 +76,10 @@ LEASE_PATH = API + "lease"
 #   them: a service older than this (which refuses unknown keys, 400) sees them from no other server.
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)
+# The most a fast resume waits inside its kernel for memory that parks under way are freeing (a swap; the parker's
+# comment says why 60 s). The host service holds a swap's reservation this much longer than any other's: the
+# resume may still be taking its memory when the copy alone would have ended.
+SWAP_WAIT = 60.0
 # GET: users, kernels (with their park states as last reported), devices, caps, usage, unmanaged usage, last
 # actions; the host's broker's waiting kernels, reservations and park requests (admins: and its long polls)
 STATUS_PATH = API + "status"

@@ -121,6 +121,20 @@ def test_the_bytes_of_a_releasing_park_are_counted_once_for_the_first_fast_resum
     assert alone.freeing == {"D": {0: 4 * GiB}}
 
 
+def test_a_second_swap_waits_for_no_more_than_its_own_need_and_both_for_no_more_than_the_park_frees():
+    # 35 GiB, 4 used by others and B's 30 parking as it copies: 0 free now (35 - 34 - 1). A (15) borrows 15 of B's
+    # bytes; D (10) finds the room 15 below zero, but only its own 10 are for it to wait for (not 25).
+    kernels = [
+        kernel("A", "waiting"),
+        kernel("D", "waiting"),
+        replace(kernel("B", "parking", used=30 * GiB), releases_as_copied=True),
+    ]
+    demands = [Demand("A", {0: 15 * GiB}, 1000.0, may_wait=True), Demand("D", {0: 10 * GiB}, 1001.0, may_wait=True)]
+    decided = plan([device(34 * GiB, total=35 * GiB)], kernels, demands, [], HostView(120 * GiB), SETTINGS, 1010.0)
+    assert decided.go == ("A", "D"), decided
+    assert decided.freeing == {"A": {0: 15 * GiB}, "D": {0: 10 * GiB}}
+
+
 def test_a_fast_resume_that_a_releasing_park_cannot_cover_makes_room_as_before():
     demand = Demand("A", {0: 100 * GiB}, 1000.0, may_wait=True)
     kernels = swap_scene(True)

@@ -22,7 +22,7 @@ from gpu_quota_ext.hub.service.room import (
 )
 from gpu_quota_ext.ledger import Grant
 from gpu_quota_ext.parking import PARK_MARGIN, PARK_RATE, BrokerSettings, HostReading, HostView, decide
-from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE
+from gpu_quota_ext.shared.service_contract import CONTEXT_ALLOWANCE, SWAP_WAIT
 from gpu_quota_ext.shared.sizes import GiB
 
 UUID = "GPU-room-0"
@@ -623,3 +623,33 @@ def test_releases_as_copied_is_believed_no_longer_than_the_park_is():
     host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
     answer = alice_asks_to_swap(host)
     assert answer.go == () and answer.freeing == {}
+
+
+def test_a_swaps_room_is_held_while_its_resume_may_still_wait_so_no_checkpoint_restore_is_given_it():
+    # Bob said his park releases as it copies, then it never freed a byte before it ended (or he lied): alice's fast
+    # resume waits in her kernel, up to SWAP_WAIT, and may take its memory at the last moment. Until then her room
+    # is hers: bob's own restore (the checkpoint path, which a full device would break) is not given it.
+    host = swap_host()
+    host.lease("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)})
+    assert alice_asks_to_swap(host).go == ("ka-alice",)
+    host.now += reservation_timeout({UUID: 5 * GiB}) + 5.0  # past any other go's reservation
+    host.lease("bob", {"kb-bob": ParkReport("parked")})
+    host.kernel_used["kb-bob"] = {}
+    host.room.expire(host.now, {o.grant.kernel_id for o in HELD}, 600.0)
+    bobs = host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: 5 * GiB}})
+    assert bobs.go == (), bobs  # 12 - 0.6 (alice's context) - 5 (carol's) - 1 margin - 5 held for alice < 5
+    assert [h.kernel_id for h in host.room.reservations()] == ["ka-alice"]
+    host.now += SWAP_WAIT  # her resume's wait is over: it took the memory, or gave it back and waits again
+    host.room.expire(host.now, {o.grant.kernel_id for o in HELD}, 600.0)
+    assert host.call("bob", {"kb-bob": ParkReport("waiting")}, {"kb-bob": {UUID: 5 * GiB}}).go == ("kb-bob",)
+
+
+def test_a_lease_report_of_the_same_park_without_the_word_does_not_undo_it():
+    # Bob's server told the releasing park at once in a room call; its lease, published before the park's check,
+    # arrives after it saying only "parking": still the same park, still releasing (its server will not tell again).
+    host = swap_host()
+    host.call("bob", {"kb-bob": ParkReport("parking", releases_as_copied=True)}, {})
+    host.now += 0.2
+    host.lease("bob", {"kb-bob": ParkReport("parking")})
+    answer = alice_asks_to_swap(host)
+    assert answer.go == ("ka-alice",) and answer.freeing, answer

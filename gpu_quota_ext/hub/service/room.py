@@ -82,7 +82,7 @@ from ...parking import (
     shown_as,
 )
 from ...shared.park_state import MOVING, ON_DEVICE, ON_HOST, ParkState
-from ...shared.service_contract import CONTEXT_ALLOWANCE
+from ...shared.service_contract import CONTEXT_ALLOWANCE, SWAP_WAIT
 from .book import Owned
 
 RESTORE_RATE = 2e9  # bytes per second a restore is counted to take at the slowest (an H200 measured ~5.5 GB/s)
@@ -415,6 +415,10 @@ class HostRoom:
                 if report.state == ParkState.PARKED:
                     again = old is not None and old.report.state == ParkState.PARKED and old.parked_at is not None
                     parked_at = old.parked_at if again and old else now
+                if same and old and old.report.releases_as_copied and report.state == ParkState.PARKING:
+                    # The same park, reported again without the word: a lease report published before the park's
+                    # check reached the service after the room call that said it. Still believed within its bound.
+                    report = replace(report, releases_as_copied=True)
                 self._heard[kernel_id] = Heard(
                     report, user, server, now, old.since if same and old else now, parked_at
                 )
@@ -611,9 +615,10 @@ class HostRoom:
                         continue
                 # A swap: its restore waits, bounded, for what the parks under way free.
                 swap = {str(uuid): n for uuid, n in plan.freeing.get(kernel_id, {}).items()}
-                self._held[kernel_id] = Held(
-                    kernel_id, user, server, need, now, now + reservation_timeout(need), freeing=swap
-                )
+                # A swap's resume may wait SWAP_WAIT in its kernel for those bytes before it copies: its room is held
+                # that much longer, or another user's restore could be given the bytes it is about to take.
+                until = now + reservation_timeout(need) + (SWAP_WAIT if swap else 0.0)
+                self._held[kernel_id] = Held(kernel_id, user, server, need, now, until, freeing=swap)
                 go.append(kernel_id)
                 if swap:
                     freeing[kernel_id] = swap
