@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import os
-import pwd
 import subprocess
 import threading
 import time
@@ -33,7 +32,7 @@ from gpu_quota_ext.shared.sizes import GiB
 from tests import waiting
 from tests.hub.hubtools import listen_here
 
-from .host_service import hub_down, service_config
+from .host_service import file_nvml_config
 
 UUID = "GPU-room-0"
 TOTAL = 12 * GiB
@@ -52,16 +51,11 @@ def write_usage(path, usage):
 
 @pytest.fixture
 def service(tmp_path, monkeypatch):
-    nvml_file = tmp_path / "nvml.json"
-    monkeypatch.setenv("GPU_QUOTA_FAKE_NVML_FILE", str(nvml_file))
-    hub_down(monkeypatch)
-    config = service_config(tmp_path, total="12GiB", uuid=UUID)
+    config, nvml_file = file_nvml_config(tmp_path, monkeypatch, "12GiB", UUID)
     service = config.GpuQuotaService
-    service.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
     service.default = {"default_cap": "0.45", "max_cap": "0.5"}
     service.overcommit = 2.0
     service.lease_seconds = LEASE
-    service.unix_user_template = pwd.getpwuid(os.getuid()).pw_name  # every user's kernel is one of this test's
     service.park_min_idle = "2s"
     app = GpuQuotaService(config=config)
     app.build()

@@ -3,21 +3,15 @@ given): a room call's "releases_as_copied" and "may_wait" reach the room as said
 and a body whose words are not booleans is refused whole (400, nothing of it kept). What the room believes of
 those words: tests/unit/test_host_room.py."""
 
-import asyncio
 import json
 
 import pytest
-from tornado.httpclient import AsyncHTTPClient
 
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.auth import Who
-from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, ROOM_PATH
-from tests.hub.hubtools import listen_here
 
-from .host_service import hub_down, service_config
-
-PREFIX = "/services/gpu-quota/"
+from .host_service import hub_down, hub_says, serve, service_config
 
 
 @pytest.fixture
@@ -30,24 +24,9 @@ def service(tmp_path, monkeypatch):
     async def identify(token):
         return Who("bob", False, {"kind": "user", "name": "bob"})
 
-    async def policy_for(name, directory=None):
-        return user_policy(app.caps, app.host_policy, name, [], app.limits)
-
-    monkeypatch.setattr(app.auth, "_identify", identify)
-    monkeypatch.setattr(app.policies, "policy_for", policy_for)
+    hub_says(app, monkeypatch, identify)
     yield app
     app.store.close()
-
-
-def serve(service, scenario):
-    async def run():
-        server, port = listen_here(service.web_app(PREFIX))
-        try:
-            await scenario(f"http://127.0.0.1:{port}{PREFIX}", AsyncHTTPClient())
-        finally:
-            server.stop()
-
-    asyncio.run(run())
 
 
 async def call(client, url, body):

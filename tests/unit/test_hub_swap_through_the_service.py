@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pwd
 import subprocess
 import time
 from typing import List
@@ -28,7 +27,6 @@ from tornado.httpclient import AsyncHTTPClient
 from gpu_quota_ext.devices import Device
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.auth import Who
-from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.ledger.remote import RemoteLedger
 from gpu_quota_ext.parking import (
     BrokerSettings,
@@ -46,7 +44,7 @@ from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH
 from gpu_quota_ext.shared.sizes import GiB, MiB
 from tests.hub.hubtools import listen_here
 
-from .host_service import hub_down, service_config
+from .host_service import PREFIX, file_nvml_config, hub_says
 
 UUID = "GPU-swap-0"
 TOTAL = 10 * GiB
@@ -60,21 +58,15 @@ STAYS = 512 * MiB  # what alice's server says A's park left there at most (KERNE
 # B's park is freeing as it copies (5 GiB of it): a swap.
 FREEING = PARKED - (TOTAL - HELD - CONTEXT - MARGIN)
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}
-PREFIX = "/services/gpu-quota/"
 REFUSED_A = "HTTP 403: kernel A is another user's"
 
 
 @pytest.fixture
 def service(tmp_path, monkeypatch):
-    nvml_file = tmp_path / "nvml.json"
-    monkeypatch.setenv("GPU_QUOTA_FAKE_NVML_FILE", str(nvml_file))
-    hub_down(monkeypatch)
-    config = service_config(tmp_path, total="10GiB", uuid=UUID)
+    config, nvml_file = file_nvml_config(tmp_path, monkeypatch, "10GiB", UUID)
     settings = config.GpuQuotaService
-    settings.nvml_class = "gpu_quota_ext.devices.fake_nvml.FileFakeNvml"
     settings.default = {"default_cap": "0.5", "max_cap": "0.5"}
     settings.park_device_margin = "768MiB"
-    settings.unix_user_template = pwd.getpwuid(os.getuid()).pw_name  # every user's kernel is one of this test's
     app = GpuQuotaService(config=config)
     app.build()
     app.connect_hub()
@@ -83,11 +75,7 @@ def service(tmp_path, monkeypatch):
         name = TOKENS[token]
         return Who(name, False, {"kind": "user", "name": name})
 
-    async def policy_for(name, directory=None):
-        return user_policy(app.caps, app.host_policy, name, [], app.limits)
-
-    monkeypatch.setattr(app.auth, "_identify", identify)
-    monkeypatch.setattr(app.policies, "policy_for", policy_for)
+    hub_says(app, monkeypatch, identify)
     app.nvml_file = nvml_file
     yield app
     app.store.close()

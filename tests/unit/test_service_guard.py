@@ -12,20 +12,16 @@ import time
 
 import pytest
 from tornado import web
-from tornado.httpclient import AsyncHTTPClient
 from tornado.ioloop import IOLoop
 
 from gpu_quota_ext.hub.service import accept
 from gpu_quota_ext.hub.service.app import GpuQuotaService
 from gpu_quota_ext.hub.service.auth import Who
 from gpu_quota_ext.hub.service.rate import OpenRequests
-from gpu_quota_ext.hub.service.user_policy import user_policy
 from gpu_quota_ext.shared.service_contract import GRANTS_PATH, LEASE_PATH, ROOM_PATH, STATUS_PATH
-from tests.hub.hubtools import listen_here
 
-from .host_service import hub_down, service_config
+from .host_service import hub_down, hub_says, serve, service_config
 
-PREFIX = "/services/gpu-quota/"
 USERS = {"bob-token": "bob", "carol-token": "carol"}
 
 
@@ -51,25 +47,10 @@ def service(tmp_path, monkeypatch):
             raise web.HTTPError(403, "the hub does not know this token")
         return Who(USERS[token], False, {"kind": "user", "name": USERS[token]})
 
-    async def policy_for(name, directory=None):
-        return user_policy(app.caps, app.host_policy, name, [], app.limits)
-
-    monkeypatch.setattr(app.auth, "_identify", identify)
-    monkeypatch.setattr(app.policies, "policy_for", policy_for)
+    hub_says(app, monkeypatch, identify)
     app.asked_hub = asked
     yield app
     app.store.close()
-
-
-def serve(service, scenario):
-    async def run():
-        server, port = listen_here(service.web_app(PREFIX))
-        try:
-            await scenario(f"http://127.0.0.1:{port}{PREFIX}", AsyncHTTPClient())
-        finally:
-            server.stop()
-
-    asyncio.run(run())
 
 
 async def call(client, url, token, body=None, method="POST"):
