@@ -316,9 +316,8 @@ class _Deciding:
             self.go.append(demand.kernel_id)
             # What it counts on beyond the room there is now, never more than its own need (an earlier swap of this
             # round left the room below zero by what it borrowed: that is not this one's to wait for).
-            self.freeing[demand.kernel_id] = {
-                key: min(s, need[key] - own[key]) for key, s in short_now.items() if min(s, need[key] - own[key]) > 0
-            }
+            counted = {key: min(s, need[key] - own[key]) for key, s in short_now.items()}
+            self.freeing[demand.kernel_id] = {key: n for key, n in counted.items() if n > 0}
             _earmark(need, own, self.now_room, self.later_room)
             return
         if all(s <= 0 for s in short_later.values()):

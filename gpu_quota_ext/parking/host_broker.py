@@ -16,12 +16,11 @@ from dataclasses import replace
 from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Sequence, Set, Tuple, runtime_checkable
 
 from ..shared.park_state import ParkState
+from ..shared.service_contract import MAX_BYTES
 from ..threads import off_loop
 from .broker import KernelView, Plan, Round, told_words
 
 log = logging.getLogger("gpu_quota_ext")
-
-MAX_BYTES = 1 << 60  # beyond any device's memory: a byte count in the service's answer above it is not one
 
 
 @runtime_checkable

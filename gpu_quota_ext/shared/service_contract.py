@@ -76,6 +76,7 @@ LEASE_PATH = API + "lease"
 #   them: a service older than this (which refuses unknown keys, 400) sees them from no other server.
 ROOM_PATH = API + "room"
 CONTEXT_ALLOWANCE = 2 << 30  # beyond its cap, what a parked kernel may have held (its CUDA context, rounding)
+MAX_BYTES = 1 << 60  # beyond any device's memory: a byte count on this wire above it is not one
 # The most a fast resume waits inside its kernel for memory that parks under way are freeing (a swap; the parker's
 # comment says why 60 s). The host service holds a swap's reservation this much longer than any other's: the
 # resume may still be taking its memory when the copy alone would have ended.

@@ -15,7 +15,7 @@ from tornado import web
 
 from ...shared.cap_request import read_cap_request
 from ...shared.contract import PARK_STATES
-from ...shared.service_contract import CONTEXT_ALLOWANCE, LEASE_RENEW
+from ...shared.service_contract import CONTEXT_ALLOWANCE, LEASE_RENEW, MAX_BYTES
 from ...shared.sizes import CapSpec, PolicyError, shown
 from .room import ParkReport
 
@@ -26,7 +26,6 @@ MAX_NAME = 255
 MAX_KERNELS = 4096
 MAX_PIDS = 1024
 MAX_DEVICES = 64  # devices one need names
-MAX_BYTES = 1 << 60  # a need larger than any device
 MAX_IDLE = 10 * 365 * 86400.0  # seconds: ten years idle is the most a report may say
 
 Check = Callable[[Any], bool]

@@ -371,13 +371,9 @@ def _kernel_view(
             in_reading=shows and (sampled_at is None or heard.parked_at is None or sampled_at <= heard.parked_at),
         )
     view = shown_as(said, now)
-    # Said of a park under way only: believed while it is shown as one (its park-time bound), never of another state.
-    releases = (
-        heard is not None
-        and heard.report.releases_as_copied
-        and heard.report.state == ParkState.PARKING
-        and view.state == ParkState.PARKING
-    )
+    # Said of a park under way only, never of another state; the broker reads it only of a kernel shown parking (its
+    # park-time bound).
+    releases = heard is not None and heard.report.releases_as_copied and heard.report.state == ParkState.PARKING
     return KernelView(
         kernel_id, view.state, used, caps, view.idle_for, view.parkable, label, releases_as_copied=releases
     )
